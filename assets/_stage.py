@@ -1,0 +1,63 @@
+"""What every stage asset does around its library call: resolve config, open the MLflow run, attach metadata.
+
+Assets stay thin: each asset module declares the asset (name, lineage, group, kinds, description) and calls
+``materialize_stage``; the work itself is ``xc_dagster.pipeline.STAGES[stage]``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable
+
+import dagster as dg
+
+from assets.config import run_overrides
+from resources import ComputeResource, MLflowResource, XCHomeResource
+from xc_dagster.pipeline import STAGES, StageContext
+
+
+def _flat_numbers(d: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    out: dict[str, float] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):  # a stage's "metrics" keep their MLflow names (precision_at_1, ...)
+            out.update(_flat_numbers(v, "" if k == "metrics" else f"{key}."))
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[key.replace("@", "_at_")] = float(v)
+    return out
+
+
+def materialize_stage(context: dg.AssetExecutionContext, stage: str, config: dg.Config, home: XCHomeResource,
+                      mlflow: MLflowResource, compute: ComputeResource,
+                      extra_metadata: Callable[[StageContext, dict[str, Any], Any], dict[str, Any]] | None = None,
+                      ) -> dg.MaterializeResult:
+    dataset = context.partition_key
+    h = home.home()
+    spec = home.catalog().get(dataset)
+    cfg = spec.config(run_overrides(stage, config))
+    tracker = mlflow.tracker(h)
+    tags = {"dagster_run_id": context.run_id, "strategy": cfg.strategy, "preset": cfg.preset}
+    with tracker.run(dataset, stage, cfg.flat(), tags) as run:
+        def log_metrics(step: int, values: dict[str, float]) -> None:
+            run.log_metrics(step, values)
+            context.log.info(f"{stage} step {step}: " + ", ".join(f"{k}={v:.4g}" for k, v in values.items()))
+
+        ctx = StageContext(store=home.store(), spec=spec, cfg=cfg, cache_dir=h.cache,
+                           device=compute.torch_device(), log_metrics=log_metrics, info=context.log.info)
+        summary = STAGES[stage](ctx)
+        numbers = _flat_numbers(summary)
+        run.log_final(numbers)
+        run.log_dict(summary, f"{stage}_summary.json")
+        run.log_dict(cfg.flat(), "config.json")
+        metadata: dict[str, Any] = {k: dg.MetadataValue.float(v) for k, v in numbers.items()}
+        metadata.update({
+            "mlflow_run_id": dg.MetadataValue.text(run.run_id),
+            "artifacts": dg.MetadataValue.path(str(ctx.store.stage_dir(dataset, stage))),
+            "strategy": dg.MetadataValue.text(cfg.strategy),
+            "preset": dg.MetadataValue.text(cfg.preset),
+            "config": dg.MetadataValue.json(json.loads(json.dumps(
+                {k: v for k, v in cfg.flat().items() if k.startswith(stage + ".")}, default=str))),
+        })
+        if extra_metadata is not None:
+            metadata.update(extra_metadata(ctx, summary, run))
+    return dg.MaterializeResult(metadata=metadata)

@@ -1,0 +1,221 @@
+"""Unit tests of the library's building blocks: config layering, catalog, sampling, losses, ANNS, ranking."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+
+from xc_dagster.ann import LabelIndex, exact_topk
+from xc_dagster.catalog import Catalog, DatasetSpec, default_propensity, default_text
+from xc_dagster.config import parse_set_options, resolve_config
+from xc_dagster.errors import XCConfigError, XCDatasetNotFound
+from xc_dagster.losses import masked_bce_loss, multi_positive_triplet_loss, ohnm_triplet_loss
+from xc_dagster.predict import topk_from_scores
+from xc_dagster.sampling import dedupe_rows, positive_mask, sample_positives, validation_split
+from xc_dagster.storage import atomic_dir
+
+
+# ------------------------------------------------------------------------------------------- config
+
+def test_config_layers_last_wins_and_coerces():
+    cfg = resolve_config("quick", "ngame", ("catalog", {"pretrain.epochs": "2", "classifier.loss": "triplet"}),
+                         ("run", {"pretrain": {"epochs": 3}, "evaluate.ks": "1,3"}))
+    assert cfg.pretrain.epochs == 3.0
+    assert cfg.classifier.loss == "triplet"
+    assert cfg.evaluate.ks == (1, 3)
+    assert cfg.flat()["pretrain.epochs"] == 3.0
+
+
+def test_paper_preset_changes_values():
+    cfg = resolve_config("paper")
+    assert cfg.pretrain.batch_size == 1600 and cfg.pretrain.epochs == 300
+    assert cfg.classifier.loss == "triplet" and cfg.classifier.margin == 0.2
+
+
+@pytest.mark.parametrize("bad, msg", [
+    ({"pretrain.epoch": 1}, "unknown field 'pretrain.epoch'"),
+    ({"pretrian.epochs": 1}, "unknown stage 'pretrian'"),
+    ({"pretrain.batch_size": "lots"}, "'pretrain.batch_size': expected int"),
+    ({"classifier.normalize": "maybe"}, "'classifier.normalize': expected bool"),
+])
+def test_config_errors_name_the_field(bad, msg):
+    with pytest.raises(XCConfigError, match=msg.replace("(", r"\(").replace(")", r"\)")):
+        resolve_config("quick", "ngame", ("catalog", bad))
+
+
+def test_unknown_preset_and_set_syntax():
+    with pytest.raises(XCConfigError, match="unknown preset 'fast'"):
+        resolve_config("fast")
+    with pytest.raises(XCConfigError, match="expected stage.field=value"):
+        parse_set_options(["pretrain.epochs"])
+    assert parse_set_options(["pretrain.epochs=2"]) == {"pretrain.epochs": "2"}
+
+
+# ------------------------------------------------------------------------------------------ catalog
+
+def test_dataset_defaults_follow_xc_conventions():
+    assert default_text("LF-AmazonTitles-131K") == "title"
+    assert default_text("LF-Amazon-131K") == "title+content"
+    assert default_propensity("LF-AmazonTitles-131K") == (0.6, 2.6)
+    assert default_propensity("LF-WikiSeeAlso-320K") == (0.5, 0.4)
+    assert default_propensity("LF-WordNetNouns") == (0.55, 1.5)
+    cfg = DatasetSpec("LF-WordNetNounsTitles", "x").config()
+    assert cfg.ingest.text == "title" and cfg.tokenize.max_len == 32
+    cfg = DatasetSpec("LF-WordNetNouns", "x").config()
+    assert cfg.ingest.text == "title+content" and cfg.tokenize.max_len == 128
+
+
+def test_catalog_add_list_remove_roundtrip(tmp_path):
+    cat = Catalog(tmp_path / "catalog.yaml")
+    assert cat.names() == []
+    cat.add(DatasetSpec("A-Titles", "/data/a", overrides={"pretrain.epochs": "2"}))
+    cat.add(DatasetSpec("B", "s3://bucket/b", text="title", max_len=16))
+    assert cat.names() == ["A-Titles", "B"]
+    b = cat.get("B")
+    assert b.source == "s3://bucket/b" and b.max_len == 16
+    assert cat.get("A-Titles").config().pretrain.epochs == 2.0
+    with pytest.raises(XCConfigError, match="already in"):
+        cat.add(DatasetSpec("B", "/elsewhere"))
+    cat.remove("B")
+    assert cat.names() == ["A-Titles"]
+    with pytest.raises(XCDatasetNotFound, match="'B' is not in the catalog"):
+        cat.get("B")
+
+
+@pytest.mark.parametrize("spec, msg", [
+    (DatasetSpec("bad name!", "x"), "must match"),
+    (DatasetSpec("ok", "x", strategy="nope"), "strategy 'nope'"),
+    (DatasetSpec("ok", "x", text="body"), "text 'body'"),
+    (DatasetSpec("ok", "x", overrides={"pretrain.nope": 1}), "unknown field 'pretrain.nope'"),
+])
+def test_catalog_rejects_bad_entries(tmp_path, spec, msg):
+    with pytest.raises(XCConfigError, match=msg):
+        Catalog(tmp_path / "c.yaml").add(spec)
+    assert not (tmp_path / "c.yaml").exists()
+
+
+def test_catalog_bad_yaml_names_file_and_line(tmp_path):
+    p = tmp_path / "catalog.yaml"
+    p.write_text("datasets:\n  A:\n    source: [unclosed\n")
+    with pytest.raises(XCConfigError, match=r"catalog.yaml:\d+: not valid YAML"):
+        Catalog(p).load()
+    p.write_text("datasets:\n  A:\n    source: x\n    colour: red\n")
+    with pytest.raises(XCConfigError, match=r"unknown keys \['colour'\]"):
+        Catalog(p).load()
+
+
+def test_atomic_dir_leaves_nothing_on_failure(tmp_path):
+    final = tmp_path / "stage"
+    with atomic_dir(final) as d:
+        (d / "a.txt").write_text("old")
+    with pytest.raises(RuntimeError):
+        with atomic_dir(final) as d:
+            (d / "a.txt").write_text("half")
+            raise RuntimeError("killed")
+    assert (final / "a.txt").read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stage"]
+
+
+# ----------------------------------------------------------------------------------------- sampling
+
+def _Y():
+    # row 0: {1, 3}; row 1: {}; row 2: {0, 2, 4}
+    return sp.csr_matrix(np.array([[0, 1, 0, 1, 0], [0, 0, 0, 0, 0], [1, 0, 1, 0, 1]], dtype=np.float32))
+
+
+def test_sample_positives_distinct_padded_and_from_row():
+    Y = _Y()
+    out = sample_positives(Y, np.array([0, 1, 2]), 2, np.random.default_rng(0))
+    assert out.shape == (3, 2)
+    assert set(out[0]) == {1, 3}
+    assert list(out[1]) == [-1, -1]
+    assert len(set(out[2])) == 2 and set(out[2]) <= {0, 2, 4}
+
+
+def test_sample_positives_uniform_over_row():
+    Y = _Y()
+    rng = np.random.default_rng(1)
+    draws = np.concatenate([sample_positives(Y, np.array([2]), 1, rng)[:, 0] for _ in range(3000)])
+    freq = np.bincount(draws, minlength=5)[[0, 2, 4]] / 3000
+    assert np.all(np.abs(freq - 1 / 3) < 0.04)
+
+
+def test_positive_mask_and_dedupe():
+    Y = _Y()
+    cands = np.array([[3, 0, -1, 1], [0, 1, 2, 3], [4, 4, 1, 2]])
+    m = positive_mask(Y, np.array([0, 1, 2]), cands)
+    assert m.tolist() == [[True, False, False, True], [False] * 4, [True, True, False, True]]
+    assert dedupe_rows(np.array([[5, 3, 5, -1, 3, 7]])).tolist() == [[5, 3, -1, -1, -1, 7]]
+
+
+def test_validation_split_seeded_sorted_capped():
+    a = validation_split(1000, 0.05, 30, seed=3)
+    assert len(a) == 30 and np.all(np.diff(a) > 0)
+    assert np.array_equal(a, validation_split(1000, 0.05, 30, seed=3))
+    assert len(validation_split(1000, 0.05, 5000, seed=3)) == 50
+    assert len(validation_split(10, 0.0, 5, 0)) == 0
+
+
+# ------------------------------------------------------------------------------------------- losses
+
+def test_ohnm_triplet_loss_hand_computed():
+    # 2 points; sim rows: point0 pos 0.5, negs 0.6 and 0.1; point1 pos 0.9, negs 0.2 (masked) and 0.0
+    sim = torch.tensor([[0.5, 0.6, 0.1], [0.2, 0.9, 0.0]], requires_grad=True)
+    mask = torch.tensor([[True, False, False], [True, True, False]])
+    # point 0, k=2: hinge(0.6-0.5+0.3)=0.4, hinge(0.1-0.5+0.3)=0 -> weighted by softmax([6,1]) -> 0.4*w0
+    w0 = math.exp(6) / (math.exp(6) + math.exp(1))
+    # point 1: only one valid negative (0.0): hinge(0-0.9+0.3)=0 -> 0
+    # (sim is not square here; the diagonal of the first 2 columns is the positive)
+    loss = ohnm_triplet_loss(sim, mask, margin=0.3, num_negatives=2, temperature=0.1)
+    assert loss.item() == pytest.approx(0.4 * w0 / 2, rel=1e-5)
+    loss.backward()
+    # d loss / d s_pos(point 0) = -w0 / 2 (weights are treated through softmax too, but hinge of 2nd is 0)
+    assert sim.grad[0, 0].item() == pytest.approx(-w0 / 2, rel=1e-4)
+
+
+def test_multi_positive_triplet_and_bce_hand_computed():
+    scores = torch.tensor([[0.8, 0.7, 0.75, 0.0]])
+    is_pos = torch.tensor([[True, True, False, False]])
+    valid = torch.tensor([[True, True, True, False]])
+    # pairs: (0.8 vs 0.75): 0.75-0.8+0.2=0.15 ; (0.7 vs 0.75): 0.25 -> mean 0.2
+    assert multi_positive_triplet_loss(scores, is_pos, valid, 0.2).item() == pytest.approx(0.2)
+    logits = torch.tensor([[0.0, 2.0, -1.0]])
+    bce = masked_bce_loss(logits, torch.tensor([[True, False, False]]), torch.tensor([[True, True, False]]))
+    assert bce.item() == pytest.approx(math.log(2) + math.log(1 + math.exp(2)), rel=1e-6)
+
+
+# -------------------------------------------------------------------------------------- ANNS, top-k
+
+def test_hnsw_recall_against_exact_search():
+    rng = np.random.default_rng(0)
+    keys = rng.standard_normal((3000, 32)).astype(np.float32)
+    keys /= np.linalg.norm(keys, axis=1, keepdims=True)
+    q = rng.standard_normal((200, 32)).astype(np.float32)
+    _, exact = exact_topk(q, keys, 10)
+    _, approx = LabelIndex("hnsw", keys, m=16, ef_construction=100, ef_search=100).search(q, 10)
+    recall = np.mean([len(set(a) & set(e)) / 10 for a, e in zip(approx, exact)])
+    assert recall >= 0.95
+
+
+def test_exact_topk_ties_and_padding_and_save_load(tmp_path):
+    keys = np.array([[1.0, 0], [1.0, 0], [0, 1.0]], dtype=np.float32)
+    s, i = exact_topk(np.array([[1.0, 0]], dtype=np.float32), keys, 5)
+    assert i.tolist() == [[0, 1, 2, -1, -1]]
+    assert np.isneginf(s[0, 3:]).all()
+    for kind in ("exact", "hnsw"):
+        idx = LabelIndex(kind, keys, m=8)
+        idx.save(tmp_path / f"{kind}.index")
+        s2, i2 = LabelIndex.load(tmp_path / f"{kind}.index", kind).search(np.array([[0, 1.0]], np.float32), 1)
+        assert i2.tolist() == [[2]]
+
+
+def test_topk_from_scores_ties_by_label_id_and_padding():
+    ids = np.array([[7, 3, 5, -1]])
+    scores = np.array([[0.5, 0.5, 0.9, -np.inf]], dtype=np.float32)
+    out_ids, out_s = topk_from_scores(ids, scores, 6)
+    assert out_ids.tolist() == [[5, 3, 7, -1, -1, -1]]
+    assert out_s[0, :3].tolist() == pytest.approx([0.9, 0.5, 0.5])

@@ -1,0 +1,134 @@
+"""The stages on a tiny generated dataset with a tiny random transformer: library run, Dagster
+materialization of every asset of a partition, MLflow records, CLI."""
+
+from __future__ import annotations
+
+import json
+
+import mlflow
+import numpy as np
+import pytest
+
+from tests.tinydata import write_lf_dataset, write_tiny_encoder
+from xc_dagster.catalog import Catalog, DatasetSpec
+from xc_dagster.cli import main as cli_main
+from xc_dagster.home import Home
+from xc_dagster.pipeline import STAGE_ORDER, StageContext, run_all
+from xc_dagster.storage import ArtifactStore
+from xc_dagster.tracking import experiment_name
+
+TINY = {
+    "pretrain.epochs": 2, "pretrain.batch_size": 16, "pretrain.chunk_size": 8, "pretrain.warmup_steps": 2,
+    "pretrain.lr": 1e-3, "mining.shortlist_size": 8, "classifier.epochs": 3, "classifier.batch_size": 32,
+    "classifier.num_negatives": 5, "index.shortlist_size": 8, "index.hnsw_m": 8, "evaluate.top_k": 10,
+    "ingest.valid_fraction": 0.1,
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_encoder(tmp_path_factory):
+    return write_tiny_encoder(tmp_path_factory.mktemp("enc") / "tiny-bert")
+
+
+@pytest.fixture
+def tiny_home(tmp_path, monkeypatch, tiny_encoder):
+    monkeypatch.setenv("XC_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    home = Home.from_env().ensure()
+    src = write_lf_dataset(tmp_path / "src" / "TinyTitles")
+    Catalog(home.catalog).add(DatasetSpec("TinyTitles", str(src),
+                                          overrides={**TINY, "tokenize.encoder": str(tiny_encoder)}))
+    return home
+
+
+def test_run_all_stages_without_dagster(tiny_home):
+    spec = Catalog(tiny_home.catalog).get("TinyTitles")
+    cfg = spec.config()
+    assert cfg.ingest.text == "title" and cfg.tokenize.max_len == 32
+    store = ArtifactStore(tiny_home.artifacts)
+    out = run_all(StageContext(store, spec, cfg, tiny_home.cache))
+    assert list(out) == list(STAGE_ORDER)
+    assert out["ingest"]["n_train"] == 120 and out["ingest"]["n_labels"] == 20 and out["ingest"]["n_valid"] == 12
+    d = store.stage_dir("TinyTitles", "tokenize")
+    ids = np.load(d / "train_ids.npy", mmap_mode="r")
+    assert ids.shape == (120, 32) and isinstance(ids, np.memmap)
+    pre = store.stage_dir("TinyTitles", "pretrain")
+    emb = np.load(pre / "label_emb.npy")
+    assert emb.shape == (20, 32) and np.allclose(np.linalg.norm(emb, axis=1), 1, atol=1e-4)
+    assert (pre / "encoder" / "model.safetensors").exists()
+    sl = np.load(store.stage_dir("TinyTitles", "mining") / "shortlist.npy")
+    assert sl.shape == (120, 8) and sl.min() >= 0 and sl.max() < 20
+    W = np.load(store.stage_dir("TinyTitles", "classifier") / "W.npy")
+    assert W.shape == (20, 32) and np.allclose(np.linalg.norm(W, axis=1), 1, atol=1e-4)  # unit-norm (triplet)
+    fusion = json.loads((store.stage_dir("TinyTitles", "fusion") / "fusion.json").read_text())
+    assert 0.0 <= fusion["alpha"] <= 1.0 and len(fusion["grid"]) == 21
+    m = out["evaluate"]["metrics"]
+    for k in ("precision_at_1", "precision_at_5", "ndcg_at_3", "psprecision_at_1", "psprecision_at_5",
+              "psndcg_at_5", "shortlist_recall"):
+        assert 0.0 <= m[k] <= 1.0
+    preds = np.load(store.stage_dir("TinyTitles", "evaluate") / "predictions.npz")
+    assert preds["ids"].shape == (40, 10)
+    # filter pairs (0, 19) and (3, 18) never appear in predictions
+    assert 19 not in preds["ids"][0] and 18 not in preds["ids"][3]
+
+
+def test_materialize_all_assets_through_dagster_and_read_mlflow(tiny_home):
+    import dagster as dg
+
+    from assets import build_assets
+    from resources import dataset_partitions
+    from xc_dagster.definitions import pipeline_resources
+
+    assets = build_assets(dataset_partitions(tiny_home))
+    keys = {k.to_user_string() for a in assets for k in a.keys}
+    assert keys == {"dataset", "tokens", "siamese_encoder", "negative_shortlist", "classifiers", "ann_index",
+                    "fusion", "evaluation"}
+    result = dg.materialize(assets, partition_key="TinyTitles", resources=pipeline_resources(tiny_home),
+                            instance=dg.DagsterInstance.ephemeral(),
+                            run_config={"ops": {"classifiers": {"config": {"epochs": 4}}}})
+    assert result.success
+    mats = {e.asset_key.to_user_string(): e for e in result.get_asset_materialization_events()}
+    ev_meta = mats["evaluation"].materialization.metadata
+    assert "metrics_table" in ev_meta and "pk_plot" in ev_meta and "mlflow_run_id" in ev_meta
+    p1 = ev_meta["P@1"].value
+
+    mlflow.set_tracking_uri(tiny_home.mlflow_uri)
+    runs = mlflow.search_runs(experiment_names=[experiment_name("TinyTitles")], output_format="list")
+    by_asset = {r.data.tags["asset"]: r for r in runs}
+    assert set(by_asset) == set(STAGE_ORDER)
+    ev = by_asset["evaluate"]
+    assert ev.data.tags["dataset"] == "TinyTitles" and ev.data.tags["dagster_run_id"] == result.run_id
+    assert ev.data.metrics["precision_at_1"] == pytest.approx(p1 / 100)
+    assert ev.info.run_id == ev_meta["mlflow_run_id"].value
+    # run config overrode one value for that run only; params hold the full effective config
+    assert by_asset["classifier"].data.params["classifier.epochs"] == "4"
+    assert by_asset["pretrain"].data.params["pretrain.epochs"] == "2.0"
+    client = mlflow.MlflowClient(tiny_home.mlflow_uri)
+    hist = client.get_metric_history(by_asset["classifier"].info.run_id, "classifier_loss")
+    assert [h.step for h in hist] == [1, 2, 3, 4]
+    arts = {a.path for a in client.list_artifacts(ev.info.run_id)}
+    assert {"pk_plot.png", "metrics.json", "config.json"} <= arts
+
+
+def test_partitions_follow_the_catalog(tiny_home, tmp_path):
+    from xc_dagster.definitions import build_definitions
+
+    def keys():
+        job = build_definitions(tiny_home).resolve_job_def("xc_pipeline")
+        return job.partitions_def.get_partition_keys()
+
+    assert keys() == ["TinyTitles"]
+    assert cli_main(["datasets", "add", "Other", "--source", str(tmp_path), "--set", "pretrain.epochs=2"]) == 0
+    assert keys() == ["Other", "TinyTitles"]
+    assert Catalog(tiny_home.catalog).get("Other").config().pretrain.epochs == 2.0
+    assert cli_main(["datasets", "remove", "Other"]) == 0
+    assert keys() == ["TinyTitles"]
+
+
+def test_cli_errors_are_clear(tiny_home, capsys):
+    assert cli_main(["datasets", "add", "X", "--source", "/x", "--set", "pretrain.nope=1"]) == 2
+    assert "unknown field 'pretrain.nope'" in capsys.readouterr().err
+    assert cli_main(["materialize", "Missing"]) == 2
+    assert "'Missing' is not in the catalog" in capsys.readouterr().err
+    assert cli_main(["datasets", "list"]) == 0
+    assert "TinyTitles" in capsys.readouterr().out

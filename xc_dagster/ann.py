@@ -1,0 +1,97 @@
+"""Approximate (and exact) maximum-inner-product search over label vectors: W or label embeddings.
+
+``hnsw`` is a faiss HNSW graph (inner product), O(log L) per query; ``exact`` is a blocked matrix product in
+torch (on the GPU when there is one), the reference that recall is measured against. Both return the top-k
+(scores, ids) per query, ids -1 where fewer than k exist, ties broken by smaller id.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from xc_dagster.errors import XCConfigError
+
+
+def exact_topk(queries: np.ndarray, keys: np.ndarray, k: int, block: int = 4096,
+               device: torch.device | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Exact top-k inner products, in blocks of queries so memory stays O(block * L)."""
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    n, L = len(queries), len(keys)
+    kk = min(k, L)
+    scores = np.full((n, k), -np.inf, dtype=np.float32)
+    ids = np.full((n, k), -1, dtype=np.int64)
+    K = torch.from_numpy(np.ascontiguousarray(keys, dtype=np.float32)).to(device)
+    # Ties: subtracting a tiny id-proportional amount would perturb scores; instead sort stably by id first.
+    for s in range(0, n, block):
+        Q = torch.from_numpy(np.ascontiguousarray(queries[s:s + block], dtype=np.float32)).to(device)
+        sim = Q @ K.T
+        top_s, top_i = torch.topk(sim, kk, dim=1, sorted=True)
+        # deterministic ties: re-sort each row by (-score, id)
+        order = np.lexsort((top_i.cpu().numpy(), -top_s.cpu().numpy()), axis=1) if kk > 1 else None
+        ts, ti = top_s.cpu().numpy(), top_i.cpu().numpy()
+        if order is not None:
+            ts = np.take_along_axis(ts, order, 1)
+            ti = np.take_along_axis(ti, order, 1)
+        scores[s:s + len(Q), :kk] = ts
+        ids[s:s + len(Q), :kk] = ti
+    return scores, ids
+
+
+class LabelIndex:
+    """A MIPS index over L label vectors (rows of W or label embeddings)."""
+
+    def __init__(self, kind: str, vectors: np.ndarray | None = None, *, m: int = 32, ef_construction: int = 200,
+                 ef_search: int = 200, faiss_index=None):
+        if kind not in ("hnsw", "exact"):
+            raise XCConfigError(f"index kind: expected hnsw|exact, got {kind!r}")
+        self.kind = kind
+        self.ef_search = ef_search
+        self._index = faiss_index
+        self._vectors = None if vectors is None else np.ascontiguousarray(vectors, dtype=np.float32)
+        if self._index is None and kind == "hnsw":
+            import faiss
+
+            if self._vectors is None:
+                raise ValueError("hnsw index needs vectors")
+            idx = faiss.IndexHNSWFlat(self._vectors.shape[1], m, faiss.METRIC_INNER_PRODUCT)
+            idx.hnsw.efConstruction = ef_construction
+            idx.add(self._vectors)
+            self._index = idx
+        if self._index is not None:
+            self._index.hnsw.efSearch = ef_search
+
+    @property
+    def size(self) -> int:
+        return int(self._index.ntotal) if self._index is not None else len(self._vectors)
+
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k (scores float32, ids int64) per query row."""
+        q = np.ascontiguousarray(queries, dtype=np.float32)
+        if self.kind == "exact":
+            return exact_topk(q, self._vectors, k)
+        self._index.hnsw.efSearch = max(self.ef_search, k)
+        scores, ids = self._index.search(q, k)
+        scores = np.where(ids < 0, -np.inf, scores).astype(np.float32)
+        return scores, ids.astype(np.int64)
+
+    def save(self, path: Path) -> None:
+        """HNSW: a faiss file; exact: the vectors as .npy (loads without executing code)."""
+        if self.kind == "hnsw":
+            import faiss
+
+            faiss.write_index(self._index, str(path))
+        else:
+            with open(path, "wb") as fh:
+                np.save(fh, self._vectors)
+
+    @classmethod
+    def load(cls, path: Path, kind: str, ef_search: int = 200) -> "LabelIndex":
+        if kind == "hnsw":
+            import faiss
+
+            return cls("hnsw", faiss_index=faiss.read_index(str(path)), ef_search=ef_search)
+        with open(path, "rb") as fh:
+            return cls("exact", np.load(fh, allow_pickle=False))

@@ -1,0 +1,189 @@
+"""``xc-dagster``: manage the dataset catalog and drive the pipeline from the shell.
+
+  xc-dagster datasets add NAME --source URI [--text title|title+content] [--strategy S] [--preset P]
+                                            [--set stage.field=value ...]
+  xc-dagster datasets list | remove NAME
+  xc-dagster quickstart            register the embedded LF-WordNetNouns (Titles) and materialize it
+  xc-dagster materialize NAME      every asset of one partition, through `dagster asset materialize`
+  xc-dagster metrics NAME          the test metrics of the last evaluation
+  xc-dagster ui                    the commands that open the Dagster UI and the MLflow UI
+  xc-dagster env                   shell exports of XC_HOME, DAGSTER_HOME, MLFLOW_TRACKING_URI
+
+The library stays importable without Dagster: Dagster runs in a subprocess with ``DAGSTER_HOME`` set to
+``$XC_HOME/dagster`` so CLI runs appear in the UI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from xc_dagster.catalog import BUILTIN_PREFIX, LAYOUTS, TEXT_CHOICES, Catalog, DatasetSpec
+from xc_dagster.config import PRESETS, parse_set_options
+from xc_dagster.errors import XCError
+from xc_dagster.home import Home
+from xc_dagster.strategies import STRATEGIES
+
+DEFAULT_DATASET = "LF-WordNetNounsTitles"
+DEFAULT_SOURCE = f"{BUILTIN_PREFIX}LF-WordNetNouns"
+REPORT_METRICS = ("precision_at_1", "precision_at_3", "precision_at_5", "ndcg_at_3", "ndcg_at_5",
+                  "psprecision_at_1", "psprecision_at_3", "psprecision_at_5", "psndcg_at_3", "psndcg_at_5",
+                  "shortlist_recall")
+
+
+def _env(home: Home) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"XC_HOME": str(home.root), "DAGSTER_HOME": str(home.dagster_home),
+                "MLFLOW_TRACKING_URI": home.mlflow_uri})
+    return env
+
+
+def _bin(name: str) -> str:
+    """An executable next to this interpreter (the venv), else on PATH."""
+    cand = Path(sys.executable).parent / name
+    return str(cand) if cand.exists() else (shutil.which(name) or name)
+
+
+def cmd_add(args: argparse.Namespace, home: Home) -> int:
+    overrides = parse_set_options(args.set or [])
+    pa, pb = (args.propensity or (None, None))
+    spec = DatasetSpec(name=args.name, source=args.source, layout=args.layout, text=args.text,
+                       max_len=args.max_len, propensity_a=pa, propensity_b=pb, strategy=args.strategy,
+                       preset=args.preset, overrides=overrides)
+    Catalog(home.catalog).add(spec, replace=args.replace)
+    print(f"added dataset {args.name!r} (text: {spec.text_fields}, strategy: {spec.strategy}, "
+          f"preset: {spec.preset}) to {home.catalog}")
+    print(f"materialize it with: xc-dagster materialize {args.name}")
+    return 0
+
+
+def cmd_list(args: argparse.Namespace, home: Home) -> int:
+    ds = Catalog(home.catalog).load()
+    if not ds:
+        print(f"no datasets in {home.catalog}; add one with 'xc-dagster datasets add NAME --source URI'")
+        return 0
+    w = max(len(n) for n in ds)
+    for name, spec in sorted(ds.items()):
+        print(f"{name:<{w}}  {spec.strategy:<10} {spec.preset:<6} {spec.text_fields:<14} {spec.source}")
+    return 0
+
+
+def cmd_remove(args: argparse.Namespace, home: Home) -> int:
+    Catalog(home.catalog).remove(args.name)
+    print(f"removed dataset {args.name!r} from {home.catalog} (artifacts under {home.artifacts / args.name} kept)")
+    return 0
+
+
+def materialize(home: Home, name: str, select: str = "*") -> int:
+    """Run ``dagster asset materialize`` for one partition with this home's Dagster instance."""
+    Catalog(home.catalog).get(name)  # clear error before Dagster starts
+    cmd = [_bin("dagster"), "asset", "materialize", "-m", "xc_dagster.definitions", "--select", select,
+           "--partition", name]
+    print("$ " + " ".join(cmd), flush=True)
+    return subprocess.call(cmd, env=_env(home))
+
+
+def print_metrics(home: Home, name: str) -> int:
+    import json
+
+    path = home.artifacts / name / "evaluate" / "metrics.json"
+    if not path.exists():
+        print(f"no evaluation for {name!r} yet ({path} missing)", file=sys.stderr)
+        return 1
+    m = json.loads(path.read_text())
+    print(f"\nTest metrics for {name} (%):")
+    for k in REPORT_METRICS:
+        if k in m:
+            print(f"  {k:<20} {100 * m[k]:6.2f}")
+    return 0
+
+
+def print_ui(home: Home) -> None:
+    repo = Path(__file__).resolve().parent.parent
+    ws = repo / "workspace.yaml"
+    target = f"-w {ws}" if ws.exists() else "-m xc_dagster.definitions"
+    print("\nOpen the results:")
+    print(f"  Dagster UI:  XC_HOME={home.root} DAGSTER_HOME={home.dagster_home} {_bin('dagster')} dev {target}")
+    print(f"  MLflow UI:   {_bin('mlflow')} ui --backend-store-uri {home.mlflow_uri} --port 5000")
+
+
+def cmd_quickstart(args: argparse.Namespace, home: Home) -> int:
+    cat = Catalog(home.catalog)
+    if DEFAULT_DATASET not in cat.load():
+        cat.add(DatasetSpec(name=DEFAULT_DATASET, source=DEFAULT_SOURCE, text="title", preset=args.preset))
+        print(f"registered the embedded dataset {DEFAULT_DATASET} in {home.catalog}")
+    rc = materialize(home, DEFAULT_DATASET)
+    if rc != 0:
+        print(f"materialization failed (exit {rc})", file=sys.stderr)
+        return rc
+    print_metrics(home, DEFAULT_DATASET)
+    print_ui(home)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="xc-dagster", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    ds = sub.add_parser("datasets", help="the dataset catalog (= Dagster partitions)")
+    dsub = ds.add_subparsers(dest="dcmd", required=True)
+    add = dsub.add_parser("add", help="add a dataset")
+    add.add_argument("name")
+    add.add_argument("--source", required=True, help="local folder/file, file://, http(s)://, or fsspec URI")
+    add.add_argument("--layout", default="auto", choices=LAYOUTS)
+    add.add_argument("--text", choices=TEXT_CHOICES, help="default: title if the name contains 'Titles'")
+    add.add_argument("--max-len", type=int, help="token max_len (default 32 for titles, 128 full text)")
+    add.add_argument("--propensity", nargs=2, type=float, metavar=("A", "B"),
+                     help="propensity A B (default by family: Amazon 0.6 2.6, Wiki 0.5 0.4, else 0.55 1.5)")
+    add.add_argument("--strategy", default="ngame", choices=sorted(STRATEGIES))
+    add.add_argument("--preset", default="quick", choices=sorted(PRESETS))
+    add.add_argument("--set", action="append", metavar="STAGE.FIELD=VALUE", help="hyperparameter override")
+    add.add_argument("--replace", action="store_true", help="replace an existing entry")
+    dsub.add_parser("list", help="list datasets")
+    rm = dsub.add_parser("remove", help="remove a dataset from the catalog")
+    rm.add_argument("name")
+    qs = sub.add_parser("quickstart", help="register the embedded default dataset and materialize it")
+    qs.add_argument("--preset", default="quick", choices=sorted(PRESETS))
+    mat = sub.add_parser("materialize", help="materialize assets of one dataset partition")
+    mat.add_argument("name")
+    mat.add_argument("--select", default="*", help="Dagster asset selection (default: all)")
+    met = sub.add_parser("metrics", help="print the last evaluation's test metrics")
+    met.add_argument("name")
+    sub.add_parser("ui", help="print the commands that open the Dagster and MLflow UIs")
+    sub.add_parser("env", help="print shell exports for XC_HOME, DAGSTER_HOME, MLFLOW_TRACKING_URI")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    home = Home.from_env().ensure()
+    try:
+        if args.cmd == "datasets":
+            return {"add": cmd_add, "list": cmd_list, "remove": cmd_remove}[args.dcmd](args, home)
+        if args.cmd == "quickstart":
+            return cmd_quickstart(args, home)
+        if args.cmd == "materialize":
+            rc = materialize(home, args.name, args.select)
+            if rc == 0 and args.select == "*":
+                print_metrics(home, args.name)
+            return rc
+        if args.cmd == "metrics":
+            return print_metrics(home, args.name)
+        if args.cmd == "ui":
+            print_ui(home)
+            return 0
+        if args.cmd == "env":
+            for k in ("XC_HOME", "DAGSTER_HOME", "MLFLOW_TRACKING_URI"):
+                print(f"export {k}={_env(home)[k]}")
+            return 0
+    except XCError as exc:
+        print(f"xc-dagster: error: {exc}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

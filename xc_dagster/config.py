@@ -1,0 +1,254 @@
+"""Hyperparameters of every stage, presets, and how overrides are layered.
+
+One dataclass per stage holds that stage's hyperparameters with the ``quick`` preset's values as defaults
+(the whole pipeline on LF-WordNetNouns in well under 20 minutes on 2 CPU cores). ``PRESETS`` lists the
+values other presets change (``paper``: the papers' values, meant for a GPU). The effective value of a field
+is, last one wins: dataclass default < preset < dataset catalog overrides < run config.
+Overrides are addressed as ``stage.field`` (``pretrain.epochs=2``); ``resolve_config`` checks every name and
+coerces every value to the field's type, so a typo fails before any work with the field named.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+from xc_dagster.errors import XCConfigError
+
+
+@dataclass
+class IngestParams:
+    """Dataset ingest: which text fields make a point's text, and the validation split carved from train."""
+
+    text: str = "auto"  # "title" | "title+content" | "auto" (by dataset name: "Titles" -> title)
+    label_text: str = "title"  # label text fields; "same" = as points
+    valid_fraction: float = 0.05  # fraction of training points held out for fusion fitting
+    valid_max: int = 5000  # at most this many validation points
+    seed: int = 0
+
+
+@dataclass
+class TokenizeParams:
+    """Tokenization with the encoder's fast tokenizer."""
+
+    encoder: str = "minilm"  # "minilm" = the packaged all-MiniLM-L6-v2; else an HF local path or hub name
+    max_len: int = 32  # 32 for titles, 128 full text, 256 Wikipedia (NGAME)
+    label_max_len: int = 0  # 0 = same as max_len
+
+
+@dataclass
+class PretrainParams:
+    """Siamese pretraining (NGAME M1): shared encoder, triplet loss on in-batch hard negatives."""
+
+    epochs: float = 1.0  # fractional epochs allowed (a budget on CPU)
+    batch_size: int = 256  # points per step; each brings one sampled positive label
+    lr: float = 2e-4
+    warmup_steps: int = 20
+    weight_decay: float = 0.01
+    margin: float = 0.3
+    num_negatives: int = 10  # top-k hardest in-batch negatives per point
+    temperature: float = 0.1  # softmax weighting of violators (NGAME code's OHNM)
+    pooling: str = "mean"  # "mean" | "cls"
+    chunk_size: int = 128  # texts per forward chunk, sorted by length (per-chunk padding)
+    amp: str = "auto"  # "auto" (bf16 on CPUs with bf16 units, fp16 on CUDA) | "bf16" | "fp16" | "off"
+    encode_batch_size: int = 256
+    sampler: str = "random"  # in-batch negatives from random batches (NGAME clusters: later)
+    seed: int = 0
+
+
+@dataclass
+class MiningParams:
+    """Negative mining: a shortlist of candidate labels per training point from ANNS over label embeddings."""
+
+    shortlist_size: int = 100
+    index: str = "hnsw"  # "hnsw" (faiss) | "exact" (blocked matmul in torch)
+    hnsw_m: int = 32
+    hnsw_ef_construction: int = 200
+    hnsw_ef_search: int = 200
+
+
+@dataclass
+class ClassifierParams:
+    """One-vs-all classifiers W (M2/M4), initialised from label embeddings, trained on positives + mined negatives."""
+
+    epochs: int = 5
+    batch_size: int = 1024
+    lr: float = 1e-3  # SparseAdam (NGAME code: 1e-3)
+    loss: str = "triplet"  # "triplet" (NGAME M2: multi-positive hinge) | "bce"
+    num_positives: int = 3  # positives sampled per point per step
+    num_negatives: int = 50  # hardest shortlist negatives (under the current W) per point per step
+    margin: float = 0.2  # triplet loss only
+    scale: float = 10.0  # bce only: logit = scale * w.x
+    normalize: bool = True  # keep every w_l at unit norm (NGAME M2), same scale as embedding scores
+    seed: int = 0
+
+
+@dataclass
+class FusionParams:
+    """Score fusion fitted on the validation split: a * classifier + (1 - a) * embedding."""
+
+    method: str = "alpha"
+    objective: str = "precision_at_1"
+    grid_step: float = 0.05
+
+
+@dataclass
+class IndexParams:
+    """ANNS indexes over W and over label embeddings used at inference."""
+
+    kind: str = "hnsw"  # "hnsw" | "exact"
+    hnsw_m: int = 32
+    hnsw_ef_construction: int = 200
+    hnsw_ef_search: int = 200
+    shortlist_size: int = 100  # neighbours retrieved from each index per query
+
+
+@dataclass
+class EvaluateParams:
+    """Evaluation on the test split with the XC repository's metrics."""
+
+    ks: tuple[int, ...] = (1, 3, 5)
+    top_k: int = 100  # predictions kept per test point (>= max(ks) + room for filtered pairs)
+    propensity_a: float = 0.0  # 0 = by dataset family (Amazon 0.6, Wikipedia 0.5, else 0.55)
+    propensity_b: float = 0.0  # 0 = by dataset family (Amazon 2.6, Wikipedia 0.4, else 1.5)
+
+
+STAGES: dict[str, type] = {
+    "ingest": IngestParams,
+    "tokenize": TokenizeParams,
+    "pretrain": PretrainParams,
+    "mining": MiningParams,
+    "classifier": ClassifierParams,
+    "fusion": FusionParams,
+    "index": IndexParams,
+    "evaluate": EvaluateParams,
+}
+
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    "quick": {},
+    "paper": {
+        # NGAME Table 9 / code defaults (LF-AmazonTitles-131K), meant for a GPU.
+        "pretrain": {"epochs": 300, "batch_size": 1600, "lr": 2e-4, "warmup_steps": 100, "num_negatives": 10},
+        "mining": {"shortlist_size": 300, "hnsw_m": 100, "hnsw_ef_construction": 300, "hnsw_ef_search": 300},
+        "classifier": {"epochs": 100, "batch_size": 2048, "num_positives": 3, "num_negatives": 5},
+        "index": {"hnsw_m": 100, "hnsw_ef_construction": 300, "hnsw_ef_search": 300, "shortlist_size": 300},
+    },
+}
+
+
+@dataclass
+class PipelineConfig:
+    """The effective hyperparameters of every stage for one dataset and run."""
+
+    preset: str = "quick"
+    strategy: str = "ngame"
+    ingest: IngestParams = field(default_factory=IngestParams)
+    tokenize: TokenizeParams = field(default_factory=TokenizeParams)
+    pretrain: PretrainParams = field(default_factory=PretrainParams)
+    mining: MiningParams = field(default_factory=MiningParams)
+    classifier: ClassifierParams = field(default_factory=ClassifierParams)
+    fusion: FusionParams = field(default_factory=FusionParams)
+    index: IndexParams = field(default_factory=IndexParams)
+    evaluate: EvaluateParams = field(default_factory=EvaluateParams)
+
+    def stage(self, name: str) -> Any:
+        return getattr(self, name)
+
+    def flat(self) -> dict[str, Any]:
+        """Every value as ``stage.field`` -> value (what MLflow logs as params)."""
+        out: dict[str, Any] = {"preset": self.preset, "strategy": self.strategy}
+        for name in STAGES:
+            for f in fields(self.stage(name)):
+                out[f"{name}.{f.name}"] = getattr(self.stage(name), f.name)
+        return out
+
+
+def _coerce(value: Any, typ: Any, where: str) -> Any:
+    """Convert a string or YAML value to the field type, or raise naming the field."""
+    origin = typing.get_origin(typ)
+    try:
+        if typ is bool:
+            if isinstance(value, bool):
+                return value
+            s = str(value).strip().lower()
+            if s in {"1", "true", "yes", "on"}:
+                return True
+            if s in {"0", "false", "no", "off"}:
+                return False
+            raise ValueError(value)
+        if typ is int:
+            if isinstance(value, bool):
+                raise ValueError(value)
+            f = float(value)
+            if f != int(f):
+                raise ValueError(value)
+            return int(f)
+        if typ is float:
+            if isinstance(value, bool):
+                raise ValueError(value)
+            return float(value)
+        if typ is str:
+            return str(value)
+        if origin is tuple:
+            (inner, *_rest) = typing.get_args(typ)
+            items = value.replace(",", " ").split() if isinstance(value, str) else list(value)
+            return tuple(_coerce(v, inner, where) for v in items)
+    except (TypeError, ValueError):
+        raise XCConfigError(f"config field {where!r}: expected {getattr(typ, '__name__', typ)}, got {value!r}")
+    raise XCConfigError(f"config field {where!r}: unsupported type {typ}")
+
+
+def _stage_types(name: str) -> dict[str, Any]:
+    return typing.get_type_hints(STAGES[name])
+
+
+def apply_overrides(cfg: PipelineConfig, overrides: Mapping[str, Any], source: str) -> PipelineConfig:
+    """Return ``cfg`` with ``{"stage.field": value}`` or ``{"stage": {"field": value}}`` applied."""
+    flat: dict[str, Any] = {}
+    for key, value in overrides.items():
+        if isinstance(value, Mapping):
+            for k2, v2 in value.items():
+                flat[f"{key}.{k2}"] = v2
+        else:
+            flat[key] = value
+    for key, value in flat.items():
+        if value is None:
+            continue
+        if key in ("preset", "strategy"):
+            continue  # chosen before overrides are layered (see resolve_config)
+        stage, _, fname = key.partition(".")
+        if stage not in STAGES:
+            raise XCConfigError(f"{source}: unknown stage {stage!r} in {key!r}; stages are {', '.join(STAGES)}")
+        types = _stage_types(stage)
+        if fname not in types:
+            raise XCConfigError(
+                f"{source}: unknown field {key!r}; fields of {stage!r} are {', '.join(types)}")
+        coerced = _coerce(value, types[fname], key)
+        setattr(cfg, stage, dataclasses.replace(cfg.stage(stage), **{fname: coerced}))
+    return cfg
+
+
+def resolve_config(preset: str = "quick", strategy: str = "ngame",
+                   *layers: tuple[str, Mapping[str, Any]]) -> PipelineConfig:
+    """Layer the preset and then each ``(source_name, overrides)`` in order onto the dataclass defaults."""
+    if preset not in PRESETS:
+        raise XCConfigError(f"unknown preset {preset!r}; presets are {', '.join(PRESETS)}")
+    cfg = PipelineConfig(preset=preset, strategy=strategy)
+    cfg = apply_overrides(cfg, PRESETS[preset], f"preset {preset!r}")
+    for source, overrides in layers:
+        cfg = apply_overrides(cfg, overrides, source)
+    return cfg
+
+
+def parse_set_options(items: list[str] | tuple[str, ...]) -> dict[str, str]:
+    """Parse CLI ``--set stage.field=value`` items, checking names (values are coerced at resolve time)."""
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise XCConfigError(f"--set {item!r}: expected stage.field=value")
+        out[key.strip()] = value.strip()
+    apply_overrides(PipelineConfig(), out, "--set")  # validates names and types now
+    return out

@@ -1,0 +1,264 @@
+"""Resolve a dataset source URI (local path, ``file://``, ``http(s)://``, any fsspec scheme) to a local folder.
+
+Remote sources are fetched into ``cache_dir`` atomically (temp name, then rename) and reused when present;
+archives (``.zip``, ``.tar.gz``, ``.tgz``, ``.tar``) are extracted safely: a member whose path or link target
+would land outside the extraction folder is rejected with :class:`XCFormatError` naming it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import posixpath
+import re
+import shutil
+import stat
+import tarfile
+import urllib.error
+import urllib.request
+import uuid
+import zipfile
+import zlib
+from pathlib import Path, PurePosixPath
+from urllib.parse import unquote, urlsplit
+from urllib.request import url2pathname
+
+from xc_dagster.errors import XCDatasetNotFound, XCError, XCFormatError
+
+ARCHIVE_SUFFIXES = (".zip", ".tar.gz", ".tgz", ".tar")
+_CHUNK = 1 << 20
+_UNSAFE_MSG = "archive members that stay inside the extraction folder (no absolute paths, '..', or links out)"
+
+
+def is_archive(name: str) -> bool:
+    """Whether a file name has one of the supported archive suffixes."""
+    return name.lower().endswith(ARCHIVE_SUFFIXES)
+
+
+def _cache_key(source: str, extra: str = "") -> str:
+    """A readable, collision-safe cache folder name for a source."""
+    stem = PurePosixPath(unquote(urlsplit(source).path)).name or "source"
+    for suf in ARCHIVE_SUFFIXES:
+        if stem.lower().endswith(suf):
+            stem = stem[: -len(suf)]
+            break
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", stem)[:60] or "source"
+    digest = hashlib.sha256(f"{source}\0{extra}".encode()).hexdigest()[:12]
+    return f"{stem}-{digest}"
+
+
+def _descend(folder: Path) -> Path:
+    """The folder itself, or its only top-level sub-folder when that is all it holds."""
+    entries = [p for p in folder.iterdir() if p.name != "__MACOSX"]
+    if len(entries) == 1 and entries[0].is_dir() and not entries[0].is_symlink():
+        return entries[0]
+    return folder
+
+
+# ----------------------------------------------------------------------------------- safe extraction
+
+def _check_member(dest: Path, name: str, label: str) -> Path:
+    """The destination of member ``name``; raises unless it stays inside ``dest``."""
+    if (not name or name.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", name)
+            or ".." in PurePosixPath(name.replace("\\", "/")).parts):
+        raise XCFormatError(label, None, _UNSAFE_MSG, got=name)
+    target = (dest / name).resolve()
+    if not target.is_relative_to(dest.resolve()):
+        raise XCFormatError(label, None, _UNSAFE_MSG, got=name)
+    return target
+
+
+def _extract_zip(archive: Path, dest: Path, label: str) -> None:
+    with zipfile.ZipFile(archive) as zf:
+        infos = zf.infolist()
+        for info in infos:  # check everything before writing anything
+            _check_member(dest, info.filename, label)
+            if stat.S_ISLNK(info.external_attr >> 16):
+                raise XCFormatError(label, None, _UNSAFE_MSG + " (symlinks are not allowed in zip archives)",
+                                    got=info.filename)
+        for info in infos:
+            target = _check_member(dest, info.filename, label)
+            if info.is_dir():
+                target.mkdir(parents=True, exist_ok=True)
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with zf.open(info) as src, open(target, "wb") as out:
+                shutil.copyfileobj(src, out, _CHUNK)
+
+
+def _extract_tar(archive: Path, dest: Path, label: str) -> None:
+    with tarfile.open(archive, "r:*") as tf:
+        members = tf.getmembers()
+        for m in members:
+            _check_member(dest, m.name, label)
+            if m.issym():
+                _check_symlink_target(dest, m.name, m.linkname, label)
+            elif m.islnk():
+                _check_member(dest, m.linkname, label)
+            elif not (m.isfile() or m.isdir()):
+                raise XCFormatError(label, None, "only regular files, folders and links in the archive",
+                                    got=m.name)
+        tf.extractall(dest, members=members, filter="data")
+
+
+def _check_symlink_target(dest: Path, member: str, link: str, label: str) -> None:
+    """A symlink's target, resolved from the member's folder, must stay inside ``dest``."""
+    joined = posixpath.normpath(posixpath.join(posixpath.dirname(member), link))
+    if joined.startswith("../") or joined == ".." or link.startswith("/"):
+        raise XCFormatError(label, None, _UNSAFE_MSG, got=f"{member} -> {link}")
+    _check_member(dest, joined, label)
+
+
+def extract_archive(archive: Path, dest: Path, label: str | None = None) -> None:
+    """Extract a zip/tar archive into ``dest`` after checking every member stays inside it."""
+    label = label or str(archive)
+    name = label.lower()
+    try:
+        if name.endswith(".zip") or (not is_archive(name) and zipfile.is_zipfile(archive)):
+            _extract_zip(archive, dest, label)
+        else:
+            _extract_tar(archive, dest, label)
+    except XCFormatError:
+        raise
+    except tarfile.FilterError as e:
+        raise XCFormatError(label, None, _UNSAFE_MSG, got=f"{getattr(e, 'tarinfo', None) and e.tarinfo.name}") from e
+    except (tarfile.TarError, zipfile.BadZipFile, zlib.error, EOFError, OSError) as e:
+        raise XCFormatError(label, None, "a readable zip or tar archive", got=f"{type(e).__name__}: {e}") from e
+
+
+# ------------------------------------------------------------------------------------ cache install
+
+def _commit(work: Path, target: Path) -> Path:
+    """Rename a finished temp folder into place (another process may have won the race: keep theirs)."""
+    try:
+        os.rename(work, target)
+    except OSError:
+        if not target.is_dir():
+            raise
+        shutil.rmtree(work, ignore_errors=True)
+    return target
+
+
+def _install_file(tmp_file: Path, name: str, target: Path, label: str) -> Path:
+    """Turn a fetched file into the cached folder ``target``: extracted if an archive, else holding it."""
+    work = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:12]}"
+    work.mkdir(parents=True)
+    try:
+        if is_archive(name):
+            extract_archive(tmp_file, work, label)
+        else:
+            os.replace(tmp_file, work / (name or "download"))
+        _commit(work, target)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    return _descend(target) if is_archive(name) else target
+
+
+def _fetch_to_cache(source: str, name: str, cache_dir: Path, key: str, fetch) -> Path:
+    """Fetch one file with ``fetch(dest_path)`` into a temp file, then install it as ``cache_dir/key``."""
+    target = cache_dir / key
+    if target.is_dir():
+        return _descend(target) if is_archive(name) else target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp_file = cache_dir / f".{key}.part-{uuid.uuid4().hex[:12]}"
+    try:
+        fetch(tmp_file)
+        return _install_file(tmp_file, name, target, source)
+    finally:
+        tmp_file.unlink(missing_ok=True)
+
+
+# ------------------------------------------------------------------------------------------ schemes
+
+def _resolve_local(path: Path, cache_dir: Path) -> Path:
+    if not path.exists():
+        raise XCDatasetNotFound(f"dataset source {path} does not exist")
+    if path.is_dir():
+        return path
+    if is_archive(path.name):
+        st = path.stat()
+        key = _cache_key(str(path.resolve()), f"{st.st_size}:{st.st_mtime_ns}")
+        target = cache_dir / key
+        if target.is_dir():
+            return _descend(target)
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        return _install_file(path, path.name, target, str(path))  # extracts straight from the archive
+    return path.parent
+
+
+def _download(url: str, dest: Path) -> None:
+    """Stream ``url`` into ``dest``."""
+    try:
+        with urllib.request.urlopen(url, timeout=60) as resp, open(dest, "wb") as out:
+            shutil.copyfileobj(resp, out, _CHUNK)
+    except urllib.error.HTTPError as e:
+        if e.code == 404:
+            raise XCDatasetNotFound(f"dataset source {url} not found (HTTP 404)") from e
+        raise XCError(f"could not download {url}: HTTP {e.code} {e.reason}") from e
+    except (urllib.error.URLError, OSError) as e:
+        raise XCError(f"could not download {url}: {e}") from e
+
+
+def _resolve_http(url: str, cache_dir: Path) -> Path:
+    name = PurePosixPath(unquote(urlsplit(url).path)).name or "download"
+    return _fetch_to_cache(url, name, cache_dir, _cache_key(url), lambda dest: _download(url, dest))
+
+
+def _resolve_fsspec(source: str, cache_dir: Path) -> Path:
+    import fsspec
+
+    try:
+        fs, path = fsspec.core.url_to_fs(source)
+    except (ValueError, ImportError) as e:
+        raise XCError(f"unsupported dataset source {source!r}: {e}") from e
+    try:
+        exists = fs.exists(path)
+    except Exception as e:  # backends raise their own types (auth, network)
+        raise XCError(f"could not reach dataset source {source!r}: {e}") from e
+    if not exists:
+        raise XCDatasetNotFound(f"dataset source {source} does not exist")
+    key = _cache_key(source)
+    if not fs.isdir(path):
+        name = posixpath.basename(path.rstrip("/"))
+        return _fetch_to_cache(source, name, cache_dir, key, lambda dest: fs.get_file(path, str(dest)))
+    target = cache_dir / key
+    if target.is_dir():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    work = cache_dir / f".{key}.tmp-{uuid.uuid4().hex[:12]}"
+    work.mkdir()
+    try:
+        root = path.rstrip("/")
+        for f in fs.find(path):
+            rel = posixpath.relpath(f, root)
+            dest = _check_member(work, rel, source)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            fs.get_file(f, str(dest))
+        _commit(work, target)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    return target
+
+
+def resolve_source(source: str, cache_dir: Path) -> Path:
+    """A local folder holding the dataset named by ``source``.
+
+    Local path / ``file://``: a folder as is, a file's parent folder, an archive extracted into the cache.
+    ``http(s)://``: streamed download into ``cache_dir``; other schemes: fsspec copy into ``cache_dir``.
+    Archives are extracted safely and a lone top-level folder is descended into.
+    """
+    cache_dir = Path(cache_dir)
+    source = str(source)
+    parts = urlsplit(source)
+    scheme = parts.scheme.lower()
+    if scheme == "" or (len(scheme) == 1 and os.name == "nt"):  # plain path (or a Windows drive letter)
+        return _resolve_local(Path(source).expanduser(), cache_dir)
+    if scheme == "file":
+        if parts.netloc not in ("", "localhost"):
+            raise XCError(f"file:// source with a remote host is not supported: {source}")
+        return _resolve_local(Path(url2pathname(unquote(parts.path))), cache_dir)
+    if scheme in ("http", "https"):
+        return _resolve_http(source, cache_dir)
+    return _resolve_fsspec(source, cache_dir)

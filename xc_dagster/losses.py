@@ -1,0 +1,53 @@
+"""Losses of the seed methods, on score matrices (no model code here)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def ohnm_triplet_loss(sim: torch.Tensor, pos_mask: torch.Tensor, margin: float = 0.3, num_negatives: int = 10,
+                      temperature: float = 0.1) -> torch.Tensor:
+    """NGAME's triplet loss with online hard negative mining over in-batch negatives.
+
+    ``sim[i, j]`` = E(x_i).E(z_j) where z_i is point i's sampled positive (the diagonal); ``pos_mask[i, j]``
+    is True where label j is a true positive of point i (diagonal included), so those are never negatives.
+    Per point: the ``num_negatives`` hardest negatives, hinge ``[s_neg - s_pos + margin]_+``, violators
+    weighted by ``softmax(s_neg / temperature)`` over those negatives; mean over points.
+    """
+    pos = sim.diagonal().unsqueeze(1)
+    neg = sim.masked_fill(pos_mask, float("-inf"))
+    k = min(num_negatives, sim.shape[1] - 1)
+    if k <= 0:
+        return sim.sum() * 0.0
+    top, _ = neg.topk(k, dim=1)
+    valid = torch.isfinite(top)
+    hinge = F.relu(top - pos + margin).masked_fill(~valid, 0.0)
+    weights = torch.softmax((top / temperature).masked_fill(~valid, float("-inf")), dim=1)
+    weights = torch.nan_to_num(weights, nan=0.0)  # rows whose negatives are all masked
+    return (weights * hinge).sum(1).mean()
+
+
+def multi_positive_triplet_loss(scores: torch.Tensor, is_pos: torch.Tensor, valid: torch.Tensor,
+                                margin: float = 0.2) -> torch.Tensor:
+    """NGAME M2: every (positive, negative) pair of a row gets ``[s_neg - s_pos + margin]_+``; mean over pairs.
+
+    ``scores``: (B, C) candidate scores; ``is_pos``/``valid``: (B, C) bool masks (padding is not valid).
+    """
+    p = is_pos & valid
+    n = (~is_pos) & valid
+    diff = scores.unsqueeze(1) - scores.unsqueeze(2) + margin  # [b, pos j, neg k] = s_k - s_j + m
+    pair = p.unsqueeze(2) & n.unsqueeze(1)
+    hinge = F.relu(diff).masked_fill(~pair, 0.0)
+    return hinge.sum() / pair.sum().clamp_min(1)
+
+
+def masked_bce_loss(logits: torch.Tensor, is_pos: torch.Tensor, valid: torch.Tensor,
+                    weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Binary cross-entropy over the valid candidates of each row, summed per row, mean over rows
+    (ASTRA/MIPS-s form: positives + sampled negatives; ``weights`` e.g. importance weights of negatives)."""
+    loss = F.binary_cross_entropy_with_logits(logits, is_pos.to(logits.dtype), reduction="none")
+    if weights is not None:
+        loss = loss * weights
+    loss = loss.masked_fill(~valid, 0.0)
+    return loss.sum(1).mean()

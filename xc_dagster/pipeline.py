@@ -1,0 +1,304 @@
+"""The pipeline's stages as plain functions: read upstream artifacts, compute, write this stage's artifacts.
+
+Every Dagster asset in ``assets/`` is a thin call of one function here, so the whole pipeline also runs
+from a script or notebook (``run_all``). Each stage writes atomically into
+``<artifacts>/<dataset>/<stage>/`` and returns a summary of sizes, timings and key numbers.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from xc_dagster.ann import LabelIndex
+from xc_dagster.catalog import BUILTIN_PREFIX, DatasetSpec, builtin_path
+from xc_dagster.classifier import train_classifiers
+from xc_dagster.config import PipelineConfig
+from xc_dagster.data import load_dataset, read_dataset, resolve_source
+from xc_dagster.device import amp_dtype, resolve_device, seed_everything
+from xc_dagster.encoder import encode_tokens, load_encoder, load_tokenizer, save_encoder
+from xc_dagster.fusion import fit_alpha, load_fusion
+from xc_dagster.metrics import evaluate, inverse_propensity, recall_at, remove_filtered
+from xc_dagster.predict import shortlist, topk_from_scores
+from xc_dagster.sampling import validation_split
+from xc_dagster.siamese import train_siamese
+from xc_dagster.storage import ArtifactStore, load_json, save_json
+from xc_dagster.tokenization import load_tokens, tokenize_to_npy
+
+log = logging.getLogger("xc_dagster")
+
+STAGE_ORDER = ("ingest", "tokenize", "pretrain", "mining", "classifier", "index", "fusion", "evaluate")
+TOKEN_SPLITS = ("train", "test", "label")
+
+
+@dataclass
+class StageContext:
+    """What a stage needs: where artifacts live, which dataset, the effective config, logging hooks."""
+
+    store: ArtifactStore
+    spec: DatasetSpec
+    cfg: PipelineConfig
+    cache_dir: Path
+    device: torch.device = field(default_factory=lambda: resolve_device("auto"))
+    log_metrics: Callable[[int, dict[str, float]], None] | None = None
+    info: Callable[[str], None] = log.info
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def dir(self, stage: str) -> Path:
+        return self.store.require(self.name, stage)
+
+
+def _fields(text: str) -> tuple[str, ...]:
+    return ("title",) if text == "title" else ("title", "content")
+
+
+def _filter_rows(pairs: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Filter pairs of ``rows`` (original row ids) re-indexed to positions within ``rows``."""
+    pos = np.full(int(max(pairs[:, 0].max(initial=-1), rows.max(initial=-1))) + 1, -1, dtype=np.int64)
+    pos[rows] = np.arange(len(rows))
+    keep = pairs[:, 0] < len(pos)
+    p = pairs[keep]
+    new = pos[p[:, 0]]
+    ok = new >= 0
+    return np.stack([new[ok], p[ok, 1]], axis=1) if ok.any() else np.zeros((0, 2), dtype=np.int64)
+
+
+def _inv_prop(ctx: StageContext, Y_train) -> np.ndarray:
+    return inverse_propensity(Y_train, ctx.cfg.evaluate.propensity_a, ctx.cfg.evaluate.propensity_b)
+
+
+# --------------------------------------------------------------------------------------------- stages
+
+def ingest(ctx: StageContext) -> dict[str, Any]:
+    """Fetch/resolve the source, parse its layout into canonical tables, carve the validation split."""
+    p = ctx.cfg.ingest
+    t0 = time.perf_counter()
+    src = ctx.spec.source
+    folder = (builtin_path(src[len(BUILTIN_PREFIX):]) if src.startswith(BUILTIN_PREFIX)
+              else resolve_source(src, ctx.cache_dir / ctx.name))
+    text = p.text if p.text != "auto" else ctx.spec.text_fields
+    label_fields = _fields(text) if p.label_text == "same" else _fields(p.label_text)
+    ds = read_dataset(folder, layout=ctx.spec.layout, text_fields=_fields(text), label_text_fields=label_fields)
+    valid = validation_split(ds.num_train, p.valid_fraction, p.valid_max, p.seed)
+    with ctx.store.writing(ctx.name, "ingest") as out:
+        from xc_dagster.data import save_dataset
+
+        save_dataset(ds, out / "dataset")
+        np.save(out / "valid_rows.npy", valid)
+        stats = dict(ds.stats())
+        stats.update({"n_valid": int(len(valid)), "layout": ds.layout, "text": text, "source": str(folder),
+                      "seconds": time.perf_counter() - t0})
+        save_json(out / "summary.json", stats)
+    ctx.info(f"ingest {ctx.name}: {stats['n_train']} train / {stats['n_test']} test / {stats['n_labels']} labels")
+    return stats
+
+
+def tokenize(ctx: StageContext) -> dict[str, Any]:
+    """Token-id arrays (memmap .npy) and lengths for train points, test points and labels."""
+    p = ctx.cfg.tokenize
+    t0 = time.perf_counter()
+    ds = load_dataset(ctx.dir("ingest") / "dataset")
+    tok = load_tokenizer(p.encoder)
+    texts = {"train": ds.train_texts, "test": ds.test_texts, "label": ds.label_texts}
+    summary: dict[str, Any] = {"encoder": p.encoder, "max_len": p.max_len}
+    with ctx.store.writing(ctx.name, "tokenize") as out:
+        for split in TOKEN_SPLITS:
+            max_len = (p.label_max_len or p.max_len) if split == "label" else p.max_len
+            st = tokenize_to_npy(tok, texts[split], max_len, out / f"{split}_ids.npy", out / f"{split}_len.npy")
+            summary.update({f"{split}_{k}": v for k, v in st.items()})
+        summary["seconds"] = time.perf_counter() - t0
+        save_json(out / "summary.json", summary)
+    return summary
+
+
+def _tokens(ctx: StageContext, split: str) -> tuple[np.ndarray, np.ndarray]:
+    d = ctx.dir("tokenize")
+    return load_tokens(d / f"{split}_ids.npy", d / f"{split}_len.npy")
+
+
+def pretrain(ctx: StageContext) -> dict[str, Any]:
+    """Siamese pretraining (M1); then embeddings of every training point and label with the trained encoder."""
+    p = ctx.cfg.pretrain
+    seed_everything(p.seed)
+    ds = load_dataset(ctx.dir("ingest") / "dataset")
+    valid = np.load(ctx.dir("ingest") / "valid_rows.npy")
+    train_rows = np.setdiff1d(np.arange(ds.num_train), valid)
+    encoder = load_encoder(ctx.cfg.tokenize.encoder, p.pooling).to(ctx.device)
+    dtype = amp_dtype(ctx.device, p.amp)
+    pt, lt = _tokens(ctx, "train"), _tokens(ctx, "label")
+    res = train_siamese(encoder, pt, lt, ds.Y_train, train_rows, p, ctx.device, dtype, ctx.log_metrics)
+    ctx.info(f"pretrain {ctx.name}: {res.steps} steps, {res.points} points in {res.seconds:.0f}s")
+    t1 = time.perf_counter()
+    point_emb = encode_tokens(encoder, *pt, ctx.device, dtype, p.encode_batch_size)
+    label_emb = encode_tokens(encoder, *lt, ctx.device, dtype, p.encode_batch_size)
+    encode_s = time.perf_counter() - t1
+    summary = {"steps": res.steps, "points": res.points, "train_seconds": res.seconds,
+               "points_per_s": res.points / max(res.seconds, 1e-9), "final_loss": res.final_loss,
+               "encode_seconds": encode_s, "texts_per_s": (len(pt[1]) + len(lt[1])) / max(encode_s, 1e-9),
+               "device": str(ctx.device), "amp": str(dtype), "dim": encoder.dim}
+    with ctx.store.writing(ctx.name, "pretrain") as out:
+        save_encoder(encoder, load_tokenizer(ctx.cfg.tokenize.encoder), out / "encoder")
+        np.save(out / "train_emb.npy", point_emb)
+        np.save(out / "label_emb.npy", label_emb)
+        save_json(out / "summary.json", {**summary, "pooling": p.pooling})
+    return summary
+
+
+def _label_index(vectors: np.ndarray, kind: str, m: int, efc: int, efs: int) -> LabelIndex:
+    return LabelIndex(kind, vectors, m=m, ef_construction=efc, ef_search=efs)
+
+
+def mining(ctx: StageContext) -> dict[str, Any]:
+    """Negative mining: top-k labels of each training point from ANNS over the label embeddings."""
+    p = ctx.cfg.mining
+    t0 = time.perf_counter()
+    d = ctx.dir("pretrain")
+    point_emb, label_emb = np.load(d / "train_emb.npy"), np.load(d / "label_emb.npy")
+    index = _label_index(label_emb, p.index, p.hnsw_m, p.hnsw_ef_construction, p.hnsw_ef_search)
+    k = min(p.shortlist_size, len(label_emb))
+    scores, ids = index.search(point_emb, k)
+    ds = load_dataset(ctx.dir("ingest") / "dataset")
+    recall = recall_at(ids, ds.Y_train)
+    summary = {"shortlist_size": k, "train_recall": recall, "seconds": time.perf_counter() - t0}
+    with ctx.store.writing(ctx.name, "mining") as out:
+        np.save(out / "shortlist.npy", ids.astype(np.int32))
+        np.save(out / "shortlist_scores.npy", scores)
+        save_json(out / "summary.json", summary)
+    ctx.info(f"mining {ctx.name}: shortlist of {k}, recall on train {recall:.3f}")
+    return summary
+
+
+def classifier(ctx: StageContext) -> dict[str, Any]:
+    """Train one-vs-all W from label embeddings on positives + mined negatives (validation rows held out)."""
+    p = ctx.cfg.classifier
+    seed_everything(p.seed)
+    d = ctx.dir("pretrain")
+    point_emb, label_emb = np.load(d / "train_emb.npy"), np.load(d / "label_emb.npy")
+    sl = np.load(ctx.dir("mining") / "shortlist.npy")
+    ds = load_dataset(ctx.dir("ingest") / "dataset")
+    valid = np.load(ctx.dir("ingest") / "valid_rows.npy")
+    rows = np.setdiff1d(np.arange(ds.num_train), valid)
+    W, summary = train_classifiers(point_emb, label_emb, ds.Y_train, sl, rows, p, ctx.device, ctx.log_metrics)
+    with ctx.store.writing(ctx.name, "classifier") as out:
+        np.save(out / "W.npy", W)
+        save_json(out / "summary.json", summary)
+    ctx.info(f"classifier {ctx.name}: {summary['steps']} steps in {summary['seconds']:.0f}s")
+    return summary
+
+
+def index(ctx: StageContext) -> dict[str, Any]:
+    """ANNS indexes over W and over the label embeddings (dual MIPS)."""
+    p = ctx.cfg.index
+    t0 = time.perf_counter()
+    W = np.load(ctx.dir("classifier") / "W.npy")
+    label_emb = np.load(ctx.dir("pretrain") / "label_emb.npy")
+    with ctx.store.writing(ctx.name, "index") as out:
+        for name, vec in (("W", W), ("label_emb", label_emb)):
+            _label_index(vec, p.kind, p.hnsw_m, p.hnsw_ef_construction, p.hnsw_ef_search).save(out / f"{name}.index")
+        summary = {"kind": p.kind, "labels": int(len(W)), "dim": int(W.shape[1]),
+                   "seconds": time.perf_counter() - t0}
+        save_json(out / "summary.json", summary)
+    return summary
+
+
+@dataclass
+class LoadedModel:
+    """Everything inference needs, loaded from the artifacts of one dataset."""
+
+    W: np.ndarray
+    label_emb: np.ndarray
+    w_index: LabelIndex
+    e_index: LabelIndex
+
+
+def load_model(ctx: StageContext) -> LoadedModel:
+    p = ctx.cfg.index
+    d = ctx.dir("index")
+    return LoadedModel(np.load(ctx.dir("classifier") / "W.npy"), np.load(ctx.dir("pretrain") / "label_emb.npy"),
+                       LabelIndex.load(d / "W.index", p.kind, p.hnsw_ef_search),
+                       LabelIndex.load(d / "label_emb.index", p.kind, p.hnsw_ef_search))
+
+
+def fusion(ctx: StageContext) -> dict[str, Any]:
+    """Fit the score fusion on the held-out validation points' shortlists from the deployed indexes."""
+    t0 = time.perf_counter()
+    ds = load_dataset(ctx.dir("ingest") / "dataset")
+    valid = np.load(ctx.dir("ingest") / "valid_rows.npy")
+    if len(valid) == 0:
+        fit = {"method": "alpha", "alpha": 0.5, "grid": [], "note": "no validation rows; alpha defaulted"}
+    else:
+        m = load_model(ctx)
+        q = np.load(ctx.dir("pretrain") / "train_emb.npy", mmap_mode="r")[valid]
+        sl = shortlist(q, m.W, m.label_emb, m.w_index, m.e_index, ctx.cfg.index.shortlist_size)
+        f = fit_alpha(sl, ds.Y_train[valid], ctx.cfg.fusion, _inv_prop(ctx, ds.Y_train),
+                      _filter_rows(ds.filter_train, valid))
+        fit = f.to_dict()
+    summary = {"alpha": fit["alpha"], "objective": ctx.cfg.fusion.objective, "n_valid": int(len(valid)),
+               "seconds": time.perf_counter() - t0}
+    with ctx.store.writing(ctx.name, "fusion") as out:
+        save_json(out / "fusion.json", fit)
+        save_json(out / "summary.json", summary)
+    ctx.info(f"fusion {ctx.name}: alpha={fit['alpha']}")
+    return summary
+
+
+def evaluation(ctx: StageContext) -> dict[str, Any]:
+    """Encode the test texts with the trained encoder, predict top-k, compute the XC metrics."""
+    p = ctx.cfg.evaluate
+    t0 = time.perf_counter()
+    ds = load_dataset(ctx.dir("ingest") / "dataset")
+    encoder = load_encoder(str(ctx.dir("pretrain") / "encoder"), ctx.cfg.pretrain.pooling).to(ctx.device)
+    dtype = amp_dtype(ctx.device, ctx.cfg.pretrain.amp)
+    q = encode_tokens(encoder, *_tokens(ctx, "test"), ctx.device, dtype, ctx.cfg.pretrain.encode_batch_size)
+    t_enc = time.perf_counter() - t0
+    m = load_model(ctx)
+    fz = load_fusion(load_json(ctx.dir("fusion") / "fusion.json"))
+    t1 = time.perf_counter()
+    sl = shortlist(q, m.W, m.label_emb, m.w_index, m.e_index, ctx.cfg.index.shortlist_size)
+    ids, scores = topk_from_scores(sl.ids, fz.score(sl), p.top_k)
+    ids, scores = remove_filtered(ids, scores, ds.filter_test)  # reciprocal/self pairs never predicted
+    t_pred = time.perf_counter() - t1
+    inv = _inv_prop(ctx, ds.Y_train)
+    ks = tuple(sorted(set(p.ks) | set(range(1, 6))))
+    metrics = evaluate(ids, ds.Y_test, ks=ks, inv_prop=inv, filter_pairs=ds.filter_test)
+    metrics["shortlist_recall"] = recall_at(sl.ids, ds.Y_test)
+    # each ranking on its own, for the ablation the papers report (encoder only / classifier only)
+    for name, s in (("classifier_only", sl.clf), ("embedding_only", sl.emb)):
+        i2, _ = topk_from_scores(sl.ids, s, max(ks) + 20)
+        for k, v in evaluate(i2, ds.Y_test, ks=(1, 5), inv_prop=inv, filter_pairs=ds.filter_test).items():
+            if k in ("precision_at_1", "precision_at_5", "psprecision_at_1", "psprecision_at_5"):
+                metrics[f"{name}_{k}"] = v
+    summary = {"metrics": metrics, "alpha": fz.alpha, "n_test": int(len(q)), "encode_seconds": t_enc,
+               "predict_seconds": t_pred, "ms_per_query_index_fusion": 1000 * t_pred / max(len(q), 1),
+               "seconds": time.perf_counter() - t0}
+    with ctx.store.writing(ctx.name, "evaluate") as out:
+        np.savez(out / "predictions.npz", ids=ids.astype(np.int32), scores=scores)
+        save_json(out / "metrics.json", metrics)
+        save_json(out / "summary.json", summary)
+    return summary
+
+
+STAGES: dict[str, Callable[[StageContext], dict[str, Any]]] = {
+    "ingest": ingest, "tokenize": tokenize, "pretrain": pretrain, "mining": mining,
+    "classifier": classifier, "index": index, "fusion": fusion, "evaluate": evaluation,
+}
+
+
+def run_all(ctx: StageContext, stages: tuple[str, ...] = STAGE_ORDER) -> dict[str, dict[str, Any]]:
+    """Run the stages in order without Dagster (scripts, notebooks, the GPU box); returns every summary."""
+    out = {}
+    for s in stages:
+        t0 = time.perf_counter()
+        out[s] = STAGES[s](ctx)
+        out[s]["wall_seconds"] = time.perf_counter() - t0
+        ctx.info(f"stage {s} done in {out[s]['wall_seconds']:.1f}s")
+    return out

@@ -1,0 +1,44 @@
+"""Tokenization: texts -> fixed-width token-id arrays (memmap ``.npy``) plus true lengths.
+
+The arrays are padded to ``max_len`` on disk; the encoder pads each chunk only to its longest row, so the
+disk width does not cost compute.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+from numpy.lib.format import open_memmap
+
+
+def tokenize_to_npy(tokenizer, texts: Sequence[str], max_len: int, ids_path: Path, lens_path: Path,
+                    chunk: int = 8192) -> dict[str, float]:
+    """Stream ``texts`` through the fast tokenizer in chunks into ``ids_path`` (int32, N x max_len) and
+    ``lens_path`` (int32, N); returns length statistics."""
+    n = len(texts)
+    ids = open_memmap(ids_path, mode="w+", dtype=np.int32, shape=(n, max_len))
+    lens = np.zeros(n, dtype=np.int32)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    truncated = 0
+    for start in range(0, n, chunk):
+        batch = [t if t else " " for t in texts[start:start + chunk]]
+        enc = tokenizer(batch, truncation=True, max_length=max_len, padding="max_length",
+                        return_attention_mask=True, return_tensors="np")
+        block = enc["input_ids"].astype(np.int32)
+        mask = enc["attention_mask"]
+        block[mask == 0] = pad
+        ids[start:start + len(batch)] = block
+        lens[start:start + len(batch)] = mask.sum(1)
+        truncated += int((mask.sum(1) == max_len).sum())
+    ids.flush()
+    del ids
+    np.save(lens_path, lens)
+    return {"rows": float(n), "mean_len": float(lens.mean()) if n else 0.0,
+            "max_len_seen": float(lens.max()) if n else 0.0, "truncated_fraction": truncated / max(n, 1)}
+
+
+def load_tokens(ids_path: Path, lens_path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """Memory-map the ids and load the lengths."""
+    return np.load(ids_path, mmap_mode="r"), np.load(lens_path)
