@@ -4,14 +4,12 @@ Assets stay thin: each asset module declares the asset (name, lineage, group, ki
 ``materialize_stage``; the work itself is ``xc_dagster.pipeline.STAGES[stage]``.
 """
 
-from __future__ import annotations
-
 import json
 from typing import Any, Callable
 
 import dagster as dg
 
-from assets.config import run_overrides
+from assets.config import CONFIG_CLASSES, run_overrides
 from resources import ComputeResource, MLflowResource, XCHomeResource
 from xc_dagster.pipeline import STAGES, StageContext
 
@@ -50,9 +48,12 @@ def materialize_stage(context: dg.AssetExecutionContext, stage: str, config: dg.
         run.log_dict(summary, f"{stage}_summary.json")
         run.log_dict(cfg.flat(), "config.json")
         metadata: dict[str, Any] = {k: dg.MetadataValue.float(v) for k, v in numbers.items()}
+        stage_dir = ctx.store.stage_dir(dataset, stage)
+        size = sum(f.stat().st_size for f in stage_dir.rglob("*") if f.is_file())
         metadata.update({
+            "artifact_bytes": dg.MetadataValue.int(int(size)),
             "mlflow_run_id": dg.MetadataValue.text(run.run_id),
-            "artifacts": dg.MetadataValue.path(str(ctx.store.stage_dir(dataset, stage))),
+            "artifacts": dg.MetadataValue.path(str(stage_dir)),
             "strategy": dg.MetadataValue.text(cfg.strategy),
             "preset": dg.MetadataValue.text(cfg.preset),
             "config": dg.MetadataValue.json(json.loads(json.dumps(
@@ -61,3 +62,23 @@ def materialize_stage(context: dg.AssetExecutionContext, stage: str, config: dg.
         if extra_metadata is not None:
             metadata.update(extra_metadata(ctx, summary, run))
     return dg.MaterializeResult(metadata=metadata)
+
+
+ExtraMetadata = Callable[[StageContext, dict[str, Any], Any], dict[str, Any]]
+
+
+def stage_asset(stage: str, name: str, deps: list[str], group: str, kinds: set[str], description: str,
+                extra_metadata: ExtraMetadata | None = None) -> Callable[[dg.PartitionsDefinition], dg.AssetsDefinition]:
+    """A builder of the asset ``name`` running library stage ``stage`` for the given dataset partitions."""
+    config_cls = CONFIG_CLASSES[stage]
+
+    def build(partitions: dg.PartitionsDefinition) -> dg.AssetsDefinition:
+        @dg.asset(name=name, deps=deps, partitions_def=partitions, group_name=group, kinds=kinds,
+                  description=description)
+        def _asset(context: dg.AssetExecutionContext, config: config_cls, home: XCHomeResource,  # type: ignore[valid-type]
+                   mlflow: MLflowResource, compute: ComputeResource) -> dg.MaterializeResult:
+            return materialize_stage(context, stage, config, home, mlflow, compute, extra_metadata)
+
+        return _asset
+
+    return build

@@ -8,14 +8,11 @@ from typing import Any
 
 import dagster as dg
 
-from assets._stage import materialize_stage
-from assets.config import CONFIG_CLASSES
-from resources import ComputeResource, MLflowResource, XCHomeResource
+from assets._stage import stage_asset
 from xc_dagster.pipeline import StageContext
 from xc_dagster.reports import metrics_table, pk_plot
 
 STAGE = "evaluate"
-Config = CONFIG_CLASSES[STAGE]
 
 
 def _report(ctx: StageContext, summary: dict[str, Any], run) -> dict[str, Any]:
@@ -36,11 +33,5 @@ def _report(ctx: StageContext, summary: dict[str, Any], run) -> dict[str, Any]:
     }
 
 
-def build(partitions: dg.PartitionsDefinition) -> dg.AssetsDefinition:
-    @dg.asset(name="evaluation", deps=["fusion"], partitions_def=partitions, group_name="evaluation",
-              kinds={"python", "mlflow"}, description=__doc__)
-    def _asset(context: dg.AssetExecutionContext, config: Config, home: XCHomeResource,  # type: ignore[valid-type]
-               mlflow: MLflowResource, compute: ComputeResource) -> dg.MaterializeResult:
-        return materialize_stage(context, STAGE, config, home, mlflow, compute, extra_metadata=_report)
-
-    return _asset
+build = stage_asset(STAGE, "evaluation", deps=["fusion"], group="evaluation", kinds={"python", "mlflow"},
+                    description=__doc__, extra_metadata=_report)

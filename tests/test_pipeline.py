@@ -132,3 +132,31 @@ def test_cli_errors_are_clear(tiny_home, capsys):
     assert "'Missing' is not in the catalog" in capsys.readouterr().err
     assert cli_main(["datasets", "list"]) == 0
     assert "TinyTitles" in capsys.readouterr().out
+
+
+def test_cli_add_then_dagster_cli_materialize(tmp_path, tiny_encoder):
+    """`xc-dagster datasets add` then `xc-dagster materialize` (= `dagster asset materialize` with
+    DAGSTER_HOME under XC_HOME) in fresh processes, as a user runs them; the run lands in that instance."""
+    import os
+    import subprocess
+    import sys
+
+    home = tmp_path / "home"
+    env = {**os.environ, "XC_HOME": str(home)}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    src = write_lf_dataset(tmp_path / "MyData")
+    sets = [a for k, v in {**TINY, "tokenize.encoder": str(tiny_encoder)}.items() for a in ("--set", f"{k}={v}")]
+    cli = [sys.executable, "-m", "xc_dagster.cli"]
+    subprocess.run(cli + ["datasets", "add", "MyData", "--source", f"file://{src}", "--text", "title"] + sets,
+                   env=env, check=True, capture_output=True)
+    out = subprocess.run(cli + ["materialize", "MyData"], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "Test metrics for MyData" in out.stdout and "precision_at_1" in out.stdout
+    metrics = json.loads((home / "artifacts" / "MyData" / "evaluate" / "metrics.json").read_text())
+    assert 0 <= metrics["precision_at_1"] <= 1
+    import dagster as dg
+
+    inst = dg.DagsterInstance.from_config(str(home / "dagster"))
+    records = inst.get_run_records()
+    assert len(records) == 1 and records[0].dagster_run.status == dg.DagsterRunStatus.SUCCESS
+    assert records[0].dagster_run.tags.get("dagster/partition") == "MyData"

@@ -221,11 +221,12 @@ class LoadedModel:
 
 
 def load_model(ctx: StageContext) -> LoadedModel:
-    p = ctx.cfg.index
+    """W, label embeddings and both indexes; the index kind is the one the index stage recorded."""
     d = ctx.dir("index")
+    kind = load_json(d / "summary.json")["kind"]
+    efs = ctx.cfg.index.hnsw_ef_search
     return LoadedModel(np.load(ctx.dir("classifier") / "W.npy"), np.load(ctx.dir("pretrain") / "label_emb.npy"),
-                       LabelIndex.load(d / "W.index", p.kind, p.hnsw_ef_search),
-                       LabelIndex.load(d / "label_emb.index", p.kind, p.hnsw_ef_search))
+                       LabelIndex.load(d / "W.index", kind, efs), LabelIndex.load(d / "label_emb.index", kind, efs))
 
 
 def fusion(ctx: StageContext) -> dict[str, Any]:
@@ -256,7 +257,8 @@ def evaluation(ctx: StageContext) -> dict[str, Any]:
     p = ctx.cfg.evaluate
     t0 = time.perf_counter()
     ds = load_dataset(ctx.dir("ingest") / "dataset")
-    encoder = load_encoder(str(ctx.dir("pretrain") / "encoder"), ctx.cfg.pretrain.pooling).to(ctx.device)
+    pooling = load_json(ctx.dir("pretrain") / "summary.json")["pooling"]  # as trained, whatever this run says
+    encoder = load_encoder(str(ctx.dir("pretrain") / "encoder"), pooling).to(ctx.device)
     dtype = amp_dtype(ctx.device, ctx.cfg.pretrain.amp)
     q = encode_tokens(encoder, *_tokens(ctx, "test"), ctx.device, dtype, ctx.cfg.pretrain.encode_batch_size)
     t_enc = time.perf_counter() - t0
