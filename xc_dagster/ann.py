@@ -24,17 +24,13 @@ def exact_topk(queries: np.ndarray, keys: np.ndarray, k: int, block: int = 4096,
     scores = np.full((n, k), -np.inf, dtype=np.float32)
     ids = np.full((n, k), -1, dtype=np.int64)
     K = torch.from_numpy(np.ascontiguousarray(keys, dtype=np.float32)).to(device)
-    # Ties: subtracting a tiny id-proportional amount would perturb scores; instead sort stably by id first.
     for s in range(0, n, block):
         Q = torch.from_numpy(np.ascontiguousarray(queries[s:s + block], dtype=np.float32)).to(device)
         sim = Q @ K.T
         top_s, top_i = torch.topk(sim, kk, dim=1, sorted=True)
-        # deterministic ties: re-sort each row by (-score, id)
-        order = np.lexsort((top_i.cpu().numpy(), -top_s.cpu().numpy()), axis=1) if kk > 1 else None
         ts, ti = top_s.cpu().numpy(), top_i.cpu().numpy()
-        if order is not None:
-            ts = np.take_along_axis(ts, order, 1)
-            ti = np.take_along_axis(ti, order, 1)
+        order = np.lexsort((ti, -ts), axis=1)  # deterministic ties: by (-score, id)
+        ts, ti = np.take_along_axis(ts, order, 1), np.take_along_axis(ti, order, 1)
         scores[s:s + len(Q), :kk] = ts
         ids[s:s + len(Q), :kk] = ti
     return scores, ids

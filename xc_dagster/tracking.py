@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
 import mlflow
+from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 
 
@@ -28,9 +29,6 @@ class RunLogger:
         self.run_id = run_id
 
     def log_metrics(self, step: int, values: dict[str, float]) -> None:
-        from mlflow.entities import Metric
-        import time
-
         ts = int(time.time() * 1000)
         ms = [Metric(k, float(v), ts, int(step)) for k, v in values.items()
               if isinstance(v, (int, float)) and math.isfinite(float(v))]
@@ -79,8 +77,6 @@ class Tracker:
         all_tags = {"dataset": dataset, "asset": stage, "mlflow.runName": f"{stage}", **tags}
         run = self.client.create_run(exp, tags=all_tags)
         rid = run.info.run_id
-        from mlflow.entities import Param
-
         items = [Param(k, _param_str(v)) for k, v in params.items()]
         for i in range(0, len(items), 100):
             self.client.log_batch(rid, params=items[i:i + 100])
@@ -96,6 +92,3 @@ def _param_str(v: Any) -> str:
     s = ",".join(map(str, v)) if isinstance(v, (tuple, list)) else str(v)
     return s[:6000]
 
-
-def default_tracking_uri(home_root: Path) -> str:
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path(home_root) / 'mlflow.db'}"
