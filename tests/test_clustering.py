@@ -49,3 +49,41 @@ def test_cluster_batches_cover_rows_once_in_whole_clusters():
     for b in batches:  # a batch holds whole clusters (restricted to rows)
         for c in np.unique(lab[b]):
             assert set(b[lab[b] == c]) == set(rows[lab[rows] == c])
+
+
+def test_curriculum_doubles_cluster_size_on_schedule():
+    from xc_dagster.siamese import curriculum_cluster_size
+
+    sched = (10, 20, 25)
+    assert [curriculum_cluster_size(e, sched, 64) for e in (0, 9, 10, 19, 20, 25, 300)] == [1, 1, 2, 2, 4, 8, 8]
+    assert curriculum_cluster_size(300, sched, 4) == 4
+
+
+def test_ngame_sampler_uses_memory_bank_clusters_and_reclusters_every_tau():
+    import torch
+
+    from xc_dagster.config import PretrainParams
+    from xc_dagster.siamese import NGAMESampler
+
+    X, truth = _planted(n_clusters=8, per=8, dim=8)
+    p = PretrainParams(sampler="ngame", curriculum=(1,), max_cluster_size=8, cluster_every=2)
+    s = NGAMESampler(len(X), 8, p)
+    rows = np.arange(len(X))
+    rng = np.random.default_rng(0)
+    first = list(s.epoch(0, rows, 16, rng))  # C = 1: random batches, bank filled by the forward passes
+    assert s.reclusterings == 0 and sorted(np.concatenate(first).tolist()) == rows.tolist()
+    for b in first:
+        s.observe(b, torch.from_numpy(X[b]))
+    ep1 = list(s.epoch(1, rows, 16, rng))  # C = 2 -> 8: cluster from the bank
+    assert s.reclusterings == 1 and s.size == 2
+    p2 = PretrainParams(sampler="ngame", curriculum=(1, 1, 1), max_cluster_size=8, cluster_every=2)
+    s2 = NGAMESampler(len(X), 8, p2)
+    s2.bank[:] = X
+    batches = list(s2.epoch(1, rows, 16, rng))  # C = 8: clusters recover the planted groups
+    assert s2.size == 8
+    for b in batches:  # each batch = 2 clusters of 8 -> at most 2 planted groups (pure clusters)
+        assert len(np.unique(truth[b])) <= 3
+    list(s2.epoch(2, rows, 16, rng))
+    list(s2.epoch(3, rows, 16, rng))
+    assert s2.reclusterings == 2  # epoch 1 (first), epoch 2 (tau = 2); not epoch 3
+    assert ep1

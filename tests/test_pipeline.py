@@ -160,3 +160,13 @@ def test_cli_add_then_dagster_cli_materialize(tmp_path, tiny_encoder):
     records = inst.get_run_records()
     assert len(records) == 1 and records[0].dagster_run.status == dg.DagsterRunStatus.SUCCESS
     assert records[0].dagster_run.tags.get("dagster/partition") == "MyData"
+
+
+def test_ngame_sampler_through_the_pretrain_stage(tiny_home):
+    spec = Catalog(tiny_home.catalog).get("TinyTitles")
+    cfg = spec.config({"pretrain.sampler": "ngame", "pretrain.epochs": 3, "pretrain.curriculum": "1",
+                       "pretrain.max_cluster_size": 4, "pretrain.cluster_every": 1})
+    ctx = StageContext(ArtifactStore(tiny_home.artifacts), spec, cfg, tiny_home.cache)
+    out = run_all(ctx, ("ingest", "tokenize", "pretrain"))
+    assert out["pretrain"]["reclusterings"] == 2  # epochs 1 and 2 (epoch 0 is C = 1, random batches)
+    assert out["pretrain"]["points"] == 3 * 108  # every non-validation point once per epoch

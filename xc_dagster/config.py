@@ -54,7 +54,10 @@ class PretrainParams:
     chunk_size: int = 128  # texts per forward chunk, sorted by length (per-chunk padding)
     amp: str = "auto"  # "auto" (bf16 on CPUs with bf16 units, fp16 on CUDA) | "bf16" | "fp16" | "off"
     encode_batch_size: int = 256
-    sampler: str = "random"  # in-batch negatives from random batches (NGAME clusters: later)
+    sampler: str = "random"  # "random" batches | "ngame": unions of clusters of the memory-bank embeddings
+    max_cluster_size: int = 64  # ngame: C doubles from 1 at each curriculum epoch, up to this
+    curriculum: tuple[int, ...] = (10, 20, 25, 50, 75, 100, 125, 150, 200)  # ngame: epochs where C doubles
+    cluster_every: int = 5  # ngame: re-cluster every tau epochs (from the memory bank, no extra encoding)
     seed: int = 0
 
 

@@ -142,6 +142,7 @@ def pretrain(ctx: StageContext) -> dict[str, Any]:
     label_emb = encode_tokens(encoder, *lt, ctx.device, dtype, p.encode_batch_size)
     encode_s = time.perf_counter() - t1
     summary = {"steps": res.steps, "points": res.points, "train_seconds": res.seconds,
+               "reclusterings": res.reclusterings,
                "points_per_s": res.points / max(res.seconds, 1e-9), "final_loss": res.final_loss,
                "encode_seconds": encode_s, "texts_per_s": (len(pt[1]) + len(lt[1])) / max(encode_s, 1e-9),
                "device": str(ctx.device), "amp": str(dtype), "dim": encoder.dim}
