@@ -42,3 +42,22 @@ def tokenize_to_npy(tokenizer, texts: Sequence[str], max_len: int, ids_path: Pat
 def load_tokens(ids_path: Path, lens_path: Path) -> tuple[np.ndarray, np.ndarray]:
     """Memory-map the ids and load the lengths."""
     return np.load(ids_path, mmap_mode="r"), np.load(lens_path)
+
+
+def save_pretokenized(input_ids: np.ndarray, attention_mask: np.ndarray, max_len: int, ids_path: Path,
+                      lens_path: Path, chunk: int = 65536) -> dict[str, float]:
+    """Write token ids shipped with a dataset (the XC ``*_input_ids.npy`` layout) in the same on-disk form
+    as ``tokenize_to_npy``: right-padded rows cut to ``max_len``, lengths from the attention mask."""
+    n, width = input_ids.shape
+    w = min(width, max_len)
+    ids = open_memmap(ids_path, mode="w+", dtype=np.int32, shape=(n, w))
+    lens = np.zeros(n, dtype=np.int32)
+    for s in range(0, n, chunk):
+        m = np.asarray(attention_mask[s:s + chunk, :w]) > 0
+        ids[s:s + chunk] = np.where(m, np.asarray(input_ids[s:s + chunk, :w]), 0)
+        lens[s:s + chunk] = m.sum(1)
+    ids.flush()
+    del ids
+    np.save(lens_path, lens)
+    return {"rows": float(n), "mean_len": float(lens.mean()) if n else 0.0,
+            "max_len_seen": float(lens.max()) if n else 0.0, "pretokenized": 1.0}

@@ -2,7 +2,8 @@
 
 On disk (one folder): ``{train,test,label}_texts.parquet`` (column ``text``), ``Y_train.npz``, ``Y_test.npz``
 and, when present, ``X_train.npz``/``X_test.npz``/``X_label.npz`` (``scipy.sparse.save_npz``),
-``filter_{train,test}.npy`` and ``meta.json`` (layout, stats, which matrices exist). ``meta.json`` is written
+``filter_{train,test}.npy``, for pre-tokenized datasets ``{train,test,label}_tokens_{input_ids,attention_mask}.npy``,
+and ``meta.json`` (layout, stats, which matrices exist). ``meta.json`` is written
 last and the whole folder is renamed into place, so a folder that exists is complete.
 """
 
@@ -28,6 +29,8 @@ _TEXTS = ("train_texts", "test_texts", "label_texts")
 _REQUIRED_MATRICES = ("Y_train", "Y_test")
 _OPTIONAL_MATRICES = ("X_train", "X_test", "X_label")
 _FILTERS = ("filter_train", "filter_test")
+_TOKENS = ("train_tokens", "test_tokens", "label_tokens")
+_TOKEN_KINDS = ("input_ids", "attention_mask")
 
 
 def empty_pairs() -> np.ndarray:
@@ -50,6 +53,9 @@ class XCDataset:
     X_test: sp.csr_matrix | None = None
     X_label: sp.csr_matrix | None = None
     layout: str = ""
+    train_tokens: tuple[np.ndarray, np.ndarray] | None = None  # (input_ids, attention_mask), pre-tokenized layout
+    test_tokens: tuple[np.ndarray, np.ndarray] | None = None
+    label_tokens: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def num_labels(self) -> int:
@@ -106,7 +112,17 @@ def _write_contents(ds: XCDataset, tmp: Path) -> None:
     for name in _FILTERS:
         np.save(tmp / f"{name}.npy", np.asarray(getattr(ds, name), dtype=np.int64).reshape(-1, 2),
                 allow_pickle=False)
+    tokens = []
+    for name in _TOKENS:
+        pair = getattr(ds, name, None)
+        if pair is None:
+            continue
+        for kind, arr in zip(_TOKEN_KINDS, pair):
+            np.save(tmp / f"{name}_{kind}.npy", np.asarray(arr), allow_pickle=False)
+        tokens.append(name)
     meta = {"format_version": FORMAT_VERSION, "layout": ds.layout, "matrices": present, "stats": ds.stats()}
+    if tokens:
+        meta["tokens"] = tokens
     with open(tmp / "meta.json", "w", encoding="utf-8") as f:
         json.dump(meta, f, indent=2)
         f.flush()
@@ -178,4 +194,7 @@ def load_dataset(out_dir: Path) -> XCDataset:
         kw[name] = _read_matrix(out_dir / f"{name}.npz") if name in present else None
     for name in _FILTERS:
         kw[name] = np.load(out_dir / f"{name}.npy", allow_pickle=False).astype(np.int64).reshape(-1, 2)
+    for name in _TOKENS:
+        if name in meta.get("tokens", []):
+            kw[name] = tuple(np.load(out_dir / f"{name}_{kind}.npy", allow_pickle=False) for kind in _TOKEN_KINDS)
     return XCDataset(layout=str(meta.get("layout", "")), **kw)

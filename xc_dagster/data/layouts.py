@@ -1,15 +1,20 @@
 """Layout detection and the readers of the XC repository file layouts.
 
-Three layouts (see ALGORITHMS.md, "XC repository file formats"):
+Five layouts (see ALGORITHMS.md, "XC repository file formats"):
 
-- ``lf-raw``: ``trn.json.gz``, ``tst.json.gz``, ``lbl.json.gz`` gzipped JSON lines (+ ``filter_labels_*.txt``);
+- ``lf-raw``: ``trn.json.gz``, ``tst.json.gz``, ``lbl.json.gz`` gzipped JSON lines;
 - ``bow``: legacy ``*train*.txt`` / ``*test*.txt`` with header ``N D L`` and rows ``l1,l2 f:v f:v``;
+- ``bow-single``: the XC repository's single ``<Name>_data.txt`` (header ``N D L``, all points) with
+  ``<name>_trSplit.txt`` / ``<name>_tstSplit.txt`` index tables (see :mod:`xc_dagster.data.bow_single`);
 - ``split-sparse``: ``{trn,tst}_X_{Xf,Y}.txt`` (header ``rows cols``, rows of ``idx:val``), optional
-  ``lbl_X_Xf.txt``/``Yf.txt`` and raw-text companions ``trn_X.txt``, ``tst_X.txt``, ``Y.txt``.
+  ``lbl_X_Xf.txt``/``Yf.txt`` and raw-text companions ``trn_X.txt``, ``tst_X.txt``, ``Y.txt``;
+- ``tokenized``: ``{trn_doc,tst_doc,lbl}_{input_ids,attention_mask}.npy`` plus the split-sparse label files
+  (see :mod:`xc_dagster.data.tokenized`).
 
+Filter files ``filter_labels_{train,test}.txt`` are read for every layout when present.
 Every problem in a file raises :class:`XCFormatError` naming the file, the 1-based line and what was expected.
-Rows of ``idx:val`` pairs (BoW and split-sparse) and label lists (all layouts) go through one accumulator,
-:class:`SparseRows`, which builds the CSR matrix from flat arrays.
+The text sparse formats and LF JSON lines are parsed in bounded memory, chunk by chunk
+(:mod:`xc_dagster.data.streaming`); :class:`SparseRows` remains as the small per-row accumulator.
 """
 
 from __future__ import annotations
@@ -26,10 +31,12 @@ from typing import Any, Callable
 import numpy as np
 import scipy.sparse as sp
 
+from xc_dagster.data import streaming
 from xc_dagster.data.canonical import XCDataset, empty_pairs
+from xc_dagster.data.streaming import DEFAULT_CHUNK_LINES
 from xc_dagster.errors import XCConfigError, XCDatasetNotFound, XCFormatError
 
-LAYOUTS = ("lf-raw", "bow", "split-sparse")
+LAYOUTS = ("lf-raw", "bow", "bow-single", "split-sparse", "tokenized")
 TEXT_FIELDS = ("title", "content")
 _MAX_DIM = 2**40  # sanity bound on header sizes (guards against corrupted headers)
 
@@ -43,7 +50,7 @@ def _iter_lines(path: Path, *, gz: bool = False) -> Iterator[tuple[int, str]]:
     """Yield ``(1-based line number, decoded line without terminator)``; bad UTF-8 / gzip -> XCFormatError."""
     opener: Callable[..., Any] = gzip.open if gz else open
     lineno = 0
-    try:
+    with streaming.gzip_errors(path, gz):
         with opener(path, "rb") as f:
             for raw in f:
                 lineno += 1
@@ -54,12 +61,6 @@ def _iter_lines(path: Path, *, gz: bool = False) -> Iterator[tuple[int, str]]:
                 if lineno == 1 and s.startswith("\ufeff"):
                     s = s[1:]
                 yield lineno, s.rstrip("\r\n")
-    except (EOFError, zlib.error, gzip.BadGzipFile) as e:
-        raise XCFormatError(path, None, "a complete, valid gzip file", got=f"{type(e).__name__}: {e}") from e
-    except OSError as e:
-        if gz:
-            raise XCFormatError(path, None, "a complete, valid gzip file", got=f"{type(e).__name__}: {e}") from e
-        raise
 
 
 def _read_text_lines(path: Path, expected: int, what: str) -> list[str]:
@@ -103,8 +104,8 @@ def _parse_header(path: Path, line: str | None, names: Sequence[str]) -> list[in
 class SparseRows:
     """Accumulates rows of (index, value) entries into flat arrays, then one vectorised CSR build.
 
-    Shared by every reader: ``add_pairs`` parses a string of ``idx:val`` tokens (BoW, split-sparse),
-    ``add_ids`` takes already-parsed ids (label lists of BoW and LF).
+    Used by the LF reader's line-by-line path: ``add_ids`` takes one row's parsed label ids (the streaming
+    parsers in :mod:`xc_dagster.data.streaming` handle the ``idx:val`` text formats).
     """
 
     def __init__(self, path: Path, n_cols: int, what: str):
@@ -121,21 +122,6 @@ class SparseRows:
         return XCFormatError(self.path, lineno,
                              f"{self.what} entries 'index:value' with an integer index in [0, {self.n_cols}) "
                              "and a finite number value", got=got)
-
-    def add_pairs(self, text: str, lineno: int) -> None:
-        """Append one row given as space-separated ``idx:val`` tokens."""
-        n, idx, dat = self.n_cols, self.indices, self.data
-        for tok in text.split():
-            i, sep, v = tok.partition(":")
-            try:
-                ii, vv = int(i), float(v)
-            except ValueError:
-                raise self._bad(lineno, tok) from None
-            if not sep or not 0 <= ii < n or not math.isfinite(vv):
-                raise self._bad(lineno, tok)
-            idx.append(ii)
-            dat.append(vv)
-        self.indptr.append(len(idx))
 
     def add_ids(self, ids: Sequence[int], vals: Sequence[float] | None, lineno: int) -> None:
         """Append one row of already-parsed ids (values default to 1.0); checks the id range."""
@@ -161,21 +147,15 @@ class SparseRows:
         return m
 
 
-def _read_sparse_file(path: Path) -> sp.csr_matrix:
-    """A split-sparse file: header ``rows cols`` then exactly ``rows`` lines of ``idx:val`` pairs."""
-    lines = _iter_lines(path)
-    first = next(lines, None)
-    n_rows, n_cols = _parse_header(path, first[1] if first else None, ("rows", "cols"))
-    acc = SparseRows(path, n_cols, "feature" if "Xf" in path.name else "column")
-    for lineno, s in lines:
-        if acc.n_rows == n_rows:
-            raise XCFormatError(path, lineno, f"{n_rows} rows after the header (header 'rows cols')",
-                                got="more rows")
-        acc.add_pairs(s, lineno)
-    if acc.n_rows != n_rows:
-        raise XCFormatError(path, 1, f"{n_rows} rows after the header (header 'rows cols')",
-                            got=f"{acc.n_rows} rows")
-    return acc.to_csr()
+def _read_sparse_file(path: Path, chunk_lines: int = DEFAULT_CHUNK_LINES) -> sp.csr_matrix:
+    """A split-sparse file: header ``rows cols`` then exactly ``rows`` lines of ``idx:val`` pairs (streamed)."""
+    return streaming.read_sparse_file(path, chunk_lines)
+
+
+def read_filters(folder: Path, n_train: int, n_test: int, n_labels: int) -> tuple[np.ndarray, np.ndarray]:
+    """``filter_labels_train.txt`` / ``filter_labels_test.txt`` of a folder (empty when absent)."""
+    return (_read_filter(folder / "filter_labels_train.txt", n_train, n_labels),
+            _read_filter(folder / "filter_labels_test.txt", n_test, n_labels))
 
 
 def _read_filter(path: Path, n_rows: int, n_labels: int) -> np.ndarray:
@@ -226,6 +206,8 @@ def _compose(rec: dict[str, Any], fields: Sequence[str], path: Path, lineno: int
 def _read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     """Records of a gzipped JSON-lines file; each must be an object with a string ``title``."""
     for lineno, s in _iter_lines(path, gz=True):
+        if not s.strip():
+            continue  # blank lines are skipped (as Arrow's reader does)
         try:
             rec = json.loads(s)
         except (ValueError, RecursionError) as e:
@@ -237,7 +219,19 @@ def _read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
         yield lineno, rec
 
 
-def _read_lf_points(path: Path, n_labels: int, fields: Sequence[str]) -> tuple[list[str], sp.csr_matrix]:
+def _read_lf_points(path: Path, n_labels: int, fields: Sequence[str],
+                    fast: bool = True) -> tuple[list[str], sp.csr_matrix]:
+    """Texts and label rows of ``trn``/``tst.json.gz``: the vectorised reader, else line by line."""
+    if fast:
+        try:
+            texts, acc = streaming.read_jsonl_fast(path, fields, n_labels)
+        except streaming.FastPathFailed:
+            pass
+        else:
+            if not texts:
+                raise XCFormatError(path, 1, "at least one JSON line", got="an empty file")
+            assert acc is not None
+            return texts, acc.to_csr()
     texts: list[str] = []
     acc = SparseRows(path, n_labels, "label")
     for lineno, rec in _read_jsonl(path):
@@ -272,29 +266,38 @@ def _require(folder: Path, names: Sequence[str], layout: str) -> None:
                             got="missing " + ", ".join(missing))
 
 
-def read_lf_raw(folder: Path, text_fields: Sequence[str], label_text_fields: Sequence[str]) -> XCDataset:
-    """LF raw-text layout: L = number of lines of ``lbl.json.gz``."""
+def _read_lf_labels(path: Path, fields: Sequence[str], fast: bool = True) -> list[str]:
+    if fast:
+        try:
+            return streaming.read_jsonl_fast(path, fields, None)[0]
+        except streaming.FastPathFailed:
+            pass
+    return [_compose(rec, fields, path, n) for n, rec in _read_jsonl(path)]
+
+
+def read_lf_raw(folder: Path, text_fields: Sequence[str], label_text_fields: Sequence[str],
+                fast: bool = True) -> XCDataset:
+    """LF raw-text layout: L = number of lines of ``lbl.json.gz``; ``fast=False`` forces the line-by-line reader."""
     _require(folder, _LF_FILES, "lf-raw")
     lbl_path = folder / "lbl.json.gz"
-    label_texts = [_compose(rec, label_text_fields, lbl_path, n) for n, rec in _read_jsonl(lbl_path)]
+    label_texts = _read_lf_labels(lbl_path, label_text_fields, fast)
     L = len(label_texts)
     if L == 0:
         raise XCFormatError(lbl_path, 1, "at least one label line", got="an empty file")
-    train_texts, Y_train = _read_lf_points(folder / "trn.json.gz", L, text_fields)
-    test_texts, Y_test = _read_lf_points(folder / "tst.json.gz", L, text_fields)
+    train_texts, Y_train = _read_lf_points(folder / "trn.json.gz", L, text_fields, fast)
+    test_texts, Y_test = _read_lf_points(folder / "tst.json.gz", L, text_fields, fast)
+    f_train, f_test = read_filters(folder, len(train_texts), len(test_texts), L)
     return XCDataset(
         train_texts=train_texts, test_texts=test_texts, label_texts=label_texts,
-        Y_train=Y_train, Y_test=Y_test,
-        filter_train=_read_filter(folder / "filter_labels_train.txt", len(train_texts), L),
-        filter_test=_read_filter(folder / "filter_labels_test.txt", len(test_texts), L),
-        layout="lf-raw")
+        Y_train=Y_train, Y_test=Y_test, filter_train=f_train, filter_test=f_test, layout="lf-raw")
 
 
 # --------------------------------------------------------------------------------------------- BoW
 
 def _bow_files(folder: Path) -> tuple[Path, Path] | None:
     """The (train, test) pair of a BoW folder, or None; a lone pair with a bad header raises."""
-    txt = sorted(p for p in folder.iterdir() if p.is_file() and p.name.lower().endswith(".txt"))
+    txt = sorted(p for p in folder.iterdir() if p.is_file() and p.name.lower().endswith(".txt")
+                 and not p.name.lower().startswith("filter_labels"))
     train = [p for p in txt if "train" in p.name.lower()]
     test = [p for p in txt if "test" in p.name.lower()]
     if len(train) != 1 or len(test) != 1 or train[0] == test[0]:
@@ -303,33 +306,9 @@ def _bow_files(folder: Path) -> tuple[Path, Path] | None:
     return train[0], test[0]
 
 
-def _read_bow_file(path: Path) -> tuple[sp.csr_matrix, sp.csr_matrix]:
-    """One BoW file -> (X, Y): header ``N D L``, then N rows ``l1,l2,... f:v f:v ...``."""
-    lines = _iter_lines(path)
-    first = next(lines, None)
-    N, D, L = _parse_header(path, first[1] if first else None, ("N", "D", "L"))
-    X = SparseRows(path, D, "feature")
-    Y = SparseRows(path, L, "label")
-    for lineno, s in lines:
-        if Y.n_rows == N:
-            raise XCFormatError(path, lineno, f"{N} rows after the header 'N D L'", got="more rows")
-        labels, feats = "", s
-        if s and not s[0].isspace():
-            head, _, rest = s.partition(" ")
-            if ":" not in head:
-                labels, feats = head, rest
-        ids: list[int] = []
-        if labels:
-            try:
-                ids = [int(t) for t in labels.split(",")]
-            except ValueError:
-                raise XCFormatError(path, lineno, "comma-separated integer label ids before the features",
-                                    got=labels) from None
-        Y.add_ids(ids, None, lineno)
-        X.add_pairs(feats, lineno)
-    if Y.n_rows != N:
-        raise XCFormatError(path, 1, f"{N} rows after the header 'N D L'", got=f"{Y.n_rows} rows")
-    return X.to_csr(), Y.to_csr()
+def _read_bow_file(path: Path, chunk_lines: int = DEFAULT_CHUNK_LINES) -> tuple[sp.csr_matrix, sp.csr_matrix]:
+    """One BoW file -> (X, Y): header ``N D L``, then N rows ``l1,l2,... f:v f:v ...`` (streamed)."""
+    return streaming.read_bow_file(path, chunk_lines)
 
 
 def _texts_from_vocab(X: sp.csr_matrix, vocab: np.ndarray) -> list[str]:
@@ -341,31 +320,39 @@ def _texts_from_vocab(X: sp.csr_matrix, vocab: np.ndarray) -> list[str]:
     return [" ".join(words[bounds[r]:bounds[r + 1]]) for r in range(X.shape[0])]
 
 
-def read_bow(folder: Path) -> XCDataset:
+def read_bow(folder: Path, chunk_lines: int = DEFAULT_CHUNK_LINES) -> XCDataset:
     """Legacy BoW layout; texts are rebuilt from ``X_vocab.txt`` when present, labels named by ``Y.txt``."""
     pair = _bow_files(folder)
     if pair is None:
         raise XCFormatError(folder, None, "exactly one *train*.txt and one *test*.txt file (BoW layout)",
                             got=", ".join(sorted(p.name for p in folder.iterdir()))[:200])
     trn, tst = pair
-    X_train, Y_train = _read_bow_file(trn)
-    X_test, Y_test = _read_bow_file(tst)
+    X_train, Y_train = _read_bow_file(trn, chunk_lines)
+    X_test, Y_test = _read_bow_file(tst, chunk_lines)
     D, L = X_train.shape[1], Y_train.shape[1]
     if (X_test.shape[1], Y_test.shape[1]) != (D, L):
         raise XCFormatError(tst, 1, f"the same D and L as {trn.name} ({D} {L})",
                             got=f"{X_test.shape[1]} {Y_test.shape[1]}")
-    y_txt = folder / "Y.txt"
-    label_texts = _read_text_lines(y_txt, L, "label name") if y_txt.is_file() else _generic_labels(L)
-    vocab_path = folder / "X_vocab.txt"
-    if vocab_path.is_file():
-        vocab = np.array(_read_text_lines(vocab_path, D, "feature word"), dtype=object)
-        train_texts, test_texts = _texts_from_vocab(X_train, vocab), _texts_from_vocab(X_test, vocab)
-    else:
-        train_texts, test_texts = [""] * X_train.shape[0], [""] * X_test.shape[0]
+    label_texts, (train_texts, test_texts) = bow_texts(folder, X_train, X_test, L)
+    f_train, f_test = read_filters(folder, X_train.shape[0], X_test.shape[0], L)
     return XCDataset(
         train_texts=train_texts, test_texts=test_texts, label_texts=label_texts,
-        Y_train=Y_train, Y_test=Y_test, filter_train=empty_pairs(), filter_test=empty_pairs(),
+        Y_train=Y_train, Y_test=Y_test, filter_train=f_train, filter_test=f_test,
         X_train=X_train, X_test=X_test, layout="bow")
+
+
+def bow_texts(folder: Path, X_train: sp.csr_matrix, X_test: sp.csr_matrix,
+              L: int, vocab_names: Sequence[str] = ("X_vocab.txt",)) -> tuple[list[str], tuple[list[str], list[str]]]:
+    """Label names from ``Y.txt`` (else generic) and point texts rebuilt from the first vocabulary file found."""
+    y_txt = folder / "Y.txt"
+    label_texts = _read_text_lines(y_txt, L, "label name") if y_txt.is_file() else _generic_labels(L)
+    D = X_train.shape[1]
+    for name in vocab_names:
+        vocab_path = folder / name
+        if vocab_path.is_file():
+            vocab = np.array(_read_text_lines(vocab_path, D, "feature word"), dtype=object)
+            return label_texts, (_texts_from_vocab(X_train, vocab), _texts_from_vocab(X_test, vocab))
+    return label_texts, ([""] * X_train.shape[0], [""] * X_test.shape[0])
 
 
 # ------------------------------------------------------------------------------------ split sparse
@@ -375,12 +362,13 @@ def _check_rows(path: Path, m: sp.csr_matrix, n: int, what: str) -> None:
         raise XCFormatError(path, 1, f"{n} rows ({what})", got=f"{m.shape[0]} rows")
 
 
-def read_split_sparse(folder: Path) -> XCDataset:
+def read_split_sparse(folder: Path, chunk_lines: int = DEFAULT_CHUNK_LINES,
+                      layout: str = "split-sparse") -> XCDataset:
     """Split sparse layout: ``{trn,tst}_X_Y.txt`` required, features and raw-text companions optional."""
-    _require(folder, _SPLIT_REQUIRED, "split-sparse")
-    Y_train = _read_sparse_file(folder / "trn_X_Y.txt")
+    _require(folder, _SPLIT_REQUIRED, layout)
+    Y_train = _read_sparse_file(folder / "trn_X_Y.txt", chunk_lines)
     tst_y = folder / "tst_X_Y.txt"
-    Y_test = _read_sparse_file(tst_y)
+    Y_test = _read_sparse_file(tst_y, chunk_lines)
     n_tr, n_te, L = Y_train.shape[0], Y_test.shape[0], Y_train.shape[1]
     if Y_test.shape[1] != L:
         raise XCFormatError(tst_y, 1, f"{L} label columns, as in trn_X_Y.txt", got=str(Y_test.shape[1]))
@@ -389,7 +377,7 @@ def read_split_sparse(folder: Path) -> XCDataset:
         p = folder / name
         if not p.is_file():
             return None
-        m = _read_sparse_file(p)
+        m = _read_sparse_file(p, chunk_lines)
         _check_rows(p, m, n, what)
         return m
 
@@ -409,14 +397,13 @@ def read_split_sparse(folder: Path) -> XCDataset:
         p = folder / name
         return _read_text_lines(p, n, what) if p.is_file() else default
 
+    f_train, f_test = read_filters(folder, n_tr, n_te, L)
     return XCDataset(
         train_texts=texts("trn_X.txt", n_tr, "training text", [""] * n_tr),
         test_texts=texts("tst_X.txt", n_te, "test text", [""] * n_te),
         label_texts=texts("Y.txt", L, "label text", _generic_labels(L)),
-        Y_train=Y_train, Y_test=Y_test,
-        filter_train=_read_filter(folder / "filter_labels_train.txt", n_tr, L),
-        filter_test=_read_filter(folder / "filter_labels_test.txt", n_te, L),
-        X_train=X_train, X_test=X_test, X_label=X_label, layout="split-sparse")
+        Y_train=Y_train, Y_test=Y_test, filter_train=f_train, filter_test=f_test,
+        X_train=X_train, X_test=X_test, X_label=X_label, layout=layout)
 
 
 # ----------------------------------------------------------------------------------- entry points
@@ -429,20 +416,29 @@ def _check_folder(folder: Path) -> Path:
 
 
 def detect_layout(folder: Path) -> str:
-    """Which layout a folder holds: ``lf-raw``, ``split-sparse`` or ``bow`` (checked in that order)."""
+    """Which layout a folder holds: ``lf-raw``, ``tokenized``, ``split-sparse``, ``bow-single`` or ``bow``
+    (checked in that order)."""
+    from xc_dagster.data import bow_single, tokenized
+
     folder = _check_folder(folder)
     names = sorted(p.name for p in folder.iterdir())
     if all(n in names for n in _LF_FILES):
         return "lf-raw"
+    if tokenized.is_tokenized(folder):
+        return "tokenized"
     if all(n in names for n in _SPLIT_REQUIRED):
         return "split-sparse"
+    if bow_single.find_files(folder) is not None:
+        return "bow-single"
     if _bow_files(folder) is not None:
         return "bow"
     listing = ", ".join(names[:30]) + (f", ... ({len(names)} in all)" if len(names) > 30 else "")
     raise XCFormatError(
         folder, None,
-        "a known dataset layout: lf-raw (trn.json.gz, tst.json.gz, lbl.json.gz), split-sparse "
-        "(trn_X_Y.txt, tst_X_Y.txt) or bow (one *train*.txt and one *test*.txt starting with 'N D L'); "
+        "a known dataset layout: lf-raw (trn.json.gz, tst.json.gz, lbl.json.gz), tokenized "
+        "(trn_doc_input_ids.npy, ... with trn_X_Y.txt, tst_X_Y.txt), split-sparse (trn_X_Y.txt, tst_X_Y.txt), "
+        "bow-single (<Name>_data.txt with <name>_trSplit.txt, <name>_tstSplit.txt) or bow (one *train*.txt "
+        "and one *test*.txt starting with 'N D L'); "
         f"files found: {listing or 'none'}")
 
 
@@ -456,12 +452,18 @@ def _check_fields(fields: Sequence[str], what: str) -> tuple[str, ...]:
 
 
 def read_dataset(folder: Path, *, layout: str = "auto", text_fields: Sequence[str] = ("title",),
-                 label_text_fields: Sequence[str] | None = None) -> XCDataset:
+                 label_text_fields: Sequence[str] | None = None, split: int = 0,
+                 chunk_lines: int = DEFAULT_CHUNK_LINES) -> XCDataset:
     """Parse a dataset folder into an :class:`XCDataset` (``layout="auto"`` detects it).
 
     ``text_fields``/``label_text_fields`` (subsets of ``title``, ``content``) compose point and label texts
-    of the ``lf-raw`` layout; other layouts carry a single text per point.
+    of the ``lf-raw`` layout; other layouts carry a single text per point. ``split`` picks the column of the
+    ``bow-single`` split tables (0-based); ``chunk_lines`` is the streaming parsers' chunk size in lines.
     """
+    from xc_dagster.data import bow_single, tokenized
+
+    if chunk_lines < 1:
+        raise XCConfigError(f"chunk_lines must be >= 1, got {chunk_lines!r}")
     folder = _check_folder(folder)
     fields = _check_fields(text_fields, "text_fields")
     lfields = fields if label_text_fields is None else _check_fields(label_text_fields, "label_text_fields")
@@ -470,7 +472,11 @@ def read_dataset(folder: Path, *, layout: str = "auto", text_fields: Sequence[st
     if layout == "lf-raw":
         return read_lf_raw(folder, fields, lfields)
     if layout == "bow":
-        return read_bow(folder)
+        return read_bow(folder, chunk_lines)
+    if layout == "bow-single":
+        return bow_single.read_bow_single(folder, split=split, chunk_lines=chunk_lines)
     if layout == "split-sparse":
-        return read_split_sparse(folder)
+        return read_split_sparse(folder, chunk_lines)
+    if layout == "tokenized":
+        return tokenized.read_tokenized(folder, chunk_lines=chunk_lines)
     raise XCConfigError(f"layout must be 'auto' or one of {LAYOUTS}, got {layout!r}")

@@ -1,0 +1,78 @@
+"""The XC repository's single-file BoW layout: ``<Name>_data.txt`` plus split index tables.
+
+``<Name>_data.txt`` holds every point (header ``N D L``, rows ``l1,l2 f:v ...`` as in the legacy BoW files).
+``<name>_trSplit.txt`` / ``<name>_tstSplit.txt`` are whitespace-separated tables with one column per random
+split and one row per train (test) point, giving row indices into the data file. The XC repository ships them
+1-based (they come from its MATLAB tooling); a table holding a 0 anywhere (in either file) is read as 0-based.
+``split`` picks the column (0-based). ``Y.txt`` names labels; ``X_vocab.txt`` or ``vocab.txt`` rebuilds texts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from xc_dagster.data import streaming
+from xc_dagster.data.canonical import XCDataset
+from xc_dagster.errors import XCConfigError, XCFormatError
+
+VOCAB_NAMES = ("X_vocab.txt", "vocab.txt")
+
+
+def find_files(folder: Path) -> tuple[Path, Path, Path] | None:
+    """``(data, trSplit, tstSplit)`` when the folder holds exactly one of each (names case-insensitive), else None."""
+    files = [p for p in Path(folder).iterdir() if p.is_file()]
+
+    def one(suffix: str) -> Path | None:
+        hits = [p for p in files if p.name.lower().endswith(suffix)]
+        return hits[0] if len(hits) == 1 else None
+
+    data, tr, ts = one("_data.txt"), one("_trsplit.txt"), one("_tstsplit.txt")
+    if data is None or tr is None or ts is None:
+        return None
+    return data, tr, ts
+
+
+def _rows(table: np.ndarray, path: Path, split: int, base: int, n: int) -> np.ndarray:
+    """Column ``split`` of an index table as 0-based rows, every one checked to be in [0, n)."""
+    if split >= table.shape[1]:
+        raise XCFormatError(path, 1, f"a column for split {split} (splits are 0-based columns)",
+                            got=f"{table.shape[1]} columns")
+    rows = table[:, split] - base
+    bad = np.flatnonzero((rows < 0) | (rows >= n))
+    if len(bad):
+        r = int(bad[0])
+        raise XCFormatError(path, r + 1, f"{base}-based row indices in [{base}, {n + base}) of the data file "
+                                         f"({n} points)", got=str(int(table[r, split])))
+    return rows
+
+
+def read_bow_single(folder: Path, split: int = 0,
+                    chunk_lines: int = streaming.DEFAULT_CHUNK_LINES) -> XCDataset:
+    """Read ``<Name>_data.txt`` and take the train/test rows of split column ``split``."""
+    from xc_dagster.data.layouts import bow_texts, read_filters
+
+    folder = Path(folder)
+    if isinstance(split, bool) or not isinstance(split, (int, np.integer)) or split < 0:
+        raise XCConfigError(f"split must be a non-negative integer (a column of the split tables), got {split!r}")
+    found = find_files(folder)
+    if found is None:
+        raise XCFormatError(folder, None, "exactly one <Name>_data.txt, one <name>_trSplit.txt and one "
+                                          "<name>_tstSplit.txt (bow-single layout)",
+                            got=", ".join(sorted(p.name for p in folder.iterdir()))[:200])
+    data, trp, tsp = found
+    X, Y = streaming.read_bow_file(data, chunk_lines)
+    tr_tab = streaming.read_int_table(trp, chunk_lines)
+    ts_tab = streaming.read_int_table(tsp, chunk_lines)
+    base = 0 if (tr_tab == 0).any() or (ts_tab == 0).any() else 1
+    n = X.shape[0]
+    tr, ts = _rows(tr_tab, trp, int(split), base, n), _rows(ts_tab, tsp, int(split), base, n)
+    X_train, X_test, Y_train, Y_test = X[tr], X[ts], Y[tr], Y[ts]
+    L = Y.shape[1]
+    label_texts, (train_texts, test_texts) = bow_texts(folder, X_train, X_test, L, VOCAB_NAMES)
+    f_train, f_test = read_filters(folder, len(tr), len(ts), L)
+    return XCDataset(
+        train_texts=train_texts, test_texts=test_texts, label_texts=label_texts,
+        Y_train=Y_train.tocsr(), Y_test=Y_test.tocsr(), filter_train=f_train, filter_test=f_test,
+        X_train=X_train.tocsr(), X_test=X_test.tocsr(), layout="bow-single")
