@@ -5,7 +5,7 @@ Assets stay thin: each asset module declares the asset (name, lineage, group, ki
 """
 
 import json
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import dagster as dg
 
@@ -28,6 +28,7 @@ def _flat_numbers(d: dict[str, Any], prefix: str = "") -> dict[str, float]:
 def materialize_stage(context: dg.AssetExecutionContext, stage: str, config: dg.Config, home: XCHomeResource,
                       mlflow: MLflowResource, compute: ComputeResource,
                       extra_metadata: Callable[[StageContext, dict[str, Any], Any], dict[str, Any]] | None = None,
+                      check_results: Callable[[StageContext, dict[str, Any]], list[dg.AssetCheckResult]] | None = None,
                       ) -> dg.MaterializeResult:
     dataset = context.partition_key
     h = home.home()
@@ -61,23 +62,33 @@ def materialize_stage(context: dg.AssetExecutionContext, stage: str, config: dg.
         })
         if extra_metadata is not None:
             metadata.update(extra_metadata(ctx, summary, run))
-    return dg.MaterializeResult(metadata=metadata)
+        checks = check_results(ctx, summary) if check_results is not None else None
+    return dg.MaterializeResult(metadata=metadata, check_results=checks)
 
 
 ExtraMetadata = Callable[[StageContext, dict[str, Any], Any], dict[str, Any]]
+CheckResults = Callable[[StageContext, dict[str, Any]], list[dg.AssetCheckResult]]
+CheckSpecs = Callable[[dg.PartitionsDefinition], Sequence[dg.AssetCheckSpec]]
 
 
 def stage_asset(stage: str, name: str, deps: list[str], group: str, kinds: set[str], description: str,
-                extra_metadata: ExtraMetadata | None = None) -> Callable[[dg.PartitionsDefinition], dg.AssetsDefinition]:
-    """A builder of the asset ``name`` running library stage ``stage`` for the given dataset partitions."""
+                extra_metadata: ExtraMetadata | None = None,
+                check_specs: CheckSpecs | None = None,
+                check_results: CheckResults | None = None) -> Callable[[dg.PartitionsDefinition], dg.AssetsDefinition]:
+    """A builder of the asset ``name`` running library stage ``stage`` for the given dataset partitions.
+
+    ``check_specs(partitions)`` declares asset checks on it (partitioned like the asset);
+    ``check_results(ctx, summary)`` reports them with the materialization (one result per spec).
+    """
     config_cls = CONFIG_CLASSES[stage]
 
     def build(partitions: dg.PartitionsDefinition) -> dg.AssetsDefinition:
         @dg.asset(name=name, deps=deps, partitions_def=partitions, group_name=group, kinds=kinds,
-                  description=description)
+                  description=description,
+                  check_specs=list(check_specs(partitions)) if check_specs is not None else None)
         def _asset(context: dg.AssetExecutionContext, config: config_cls, home: XCHomeResource,  # type: ignore[valid-type]
                    mlflow: MLflowResource, compute: ComputeResource) -> dg.MaterializeResult:
-            return materialize_stage(context, stage, config, home, mlflow, compute, extra_metadata)
+            return materialize_stage(context, stage, config, home, mlflow, compute, extra_metadata, check_results)
 
         return _asset
 

@@ -170,3 +170,36 @@ def test_ngame_sampler_through_the_pretrain_stage(tiny_home):
     out = run_all(ctx, ("ingest", "tokenize", "pretrain"))
     assert out["pretrain"]["reclusterings"] == 2  # epochs 1 and 2 (epoch 0 is C = 1, random batches)
     assert out["pretrain"]["points"] == 3 * 108  # every non-validation point once per epoch
+
+
+def test_pretokenized_layout_uses_the_shipped_token_ids(tmp_path, monkeypatch, tiny_encoder):
+    """The `tokenized` layout ({trn_doc,tst_doc,lbl}_{input_ids,attention_mask}.npy + label files): the
+    tokenize stage writes the shipped ids (cut to max_len, lengths from the mask) and training runs."""
+    from transformers import AutoTokenizer
+
+    from xc_dagster.data import read_dataset
+
+    lf = read_dataset(write_lf_dataset(tmp_path / "lf"), text_fields=("title",))
+    tok = AutoTokenizer.from_pretrained(tiny_encoder)
+    folder = tmp_path / "Tok"
+    folder.mkdir()
+    for prefix, texts in (("trn_doc", lf.train_texts), ("tst_doc", lf.test_texts), ("lbl", lf.label_texts)):
+        enc = tok(texts, padding="max_length", truncation=True, max_length=12, return_tensors="np")
+        np.save(folder / f"{prefix}_input_ids.npy", enc["input_ids"].astype(np.int64))
+        np.save(folder / f"{prefix}_attention_mask.npy", enc["attention_mask"].astype(np.int64))
+    for name, Y in (("trn_X_Y.txt", lf.Y_train), ("tst_X_Y.txt", lf.Y_test)):
+        rows = [" ".join(f"{j}:1" for j in Y[i].indices) for i in range(Y.shape[0])]
+        (folder / name).write_text(f"{Y.shape[0]} {Y.shape[1]}\n" + "\n".join(rows) + "\n")
+    monkeypatch.setenv("XC_HOME", str(tmp_path / "home"))
+    home = Home.from_env().ensure()
+    spec = DatasetSpec("Tok", str(folder), text="title", overrides={**TINY, "tokenize.encoder": str(tiny_encoder)})
+    ctx = StageContext(ArtifactStore(home.artifacts), spec, spec.config(), home.cache)
+    out = run_all(ctx)
+    assert out["ingest"]["layout"] == "tokenized"
+    ids = np.load(ArtifactStore(home.artifacts).stage_dir("Tok", "tokenize") / "train_ids.npy")
+    lens = np.load(ArtifactStore(home.artifacts).stage_dir("Tok", "tokenize") / "train_len.npy")
+    shipped = np.load(folder / "trn_doc_input_ids.npy")
+    assert ids.shape == (120, 12) and out["tokenize"]["train_pretokenized"] == 1.0
+    assert np.array_equal(ids[0, :lens[0]], shipped[0, :lens[0]])
+    assert lens[0] == np.load(folder / "trn_doc_attention_mask.npy")[0].sum()
+    assert 0 <= out["evaluate"]["metrics"]["precision_at_1"] <= 1

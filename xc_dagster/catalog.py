@@ -1,9 +1,11 @@
 """The dataset catalog: a YAML file under XC_HOME whose entries are the Dagster partitions.
 
 Each dataset is a name, a source (local folder or file, ``file://``, ``http(s)://`` or any fsspec URI), a
-layout (``auto`` detects it) and options (text fields, max_len, propensity A/B, strategy, preset and
-``stage.field`` hyperparameter overrides). Adding one needs no code change: the partition exists as soon as
-the code location (re)loads.
+layout (``auto`` detects it), an optional ``sha256`` of the source file/archive, and options (text fields,
+max_len, propensity A/B, strategy, preset and ``stage.field`` hyperparameter overrides). Options left unset
+come from the registry of known public datasets (:mod:`xc_dagster.data.registry`) when the name is one of
+them, else from the name (``Titles`` -> title, dataset family -> propensity A/B). Adding one needs no code
+change: the partition exists as soon as the code location (re)loads.
 """
 
 from __future__ import annotations
@@ -16,13 +18,16 @@ from typing import Any
 import yaml
 
 from xc_dagster.config import PRESETS, PipelineConfig, apply_overrides, resolve_config
+from xc_dagster.data.layouts import LAYOUTS as DATA_LAYOUTS
+from xc_dagster.data.registry import KnownDataset, lookup
+from xc_dagster.data.sources import normalize_sha256
 from xc_dagster.errors import XCConfigError, XCDatasetNotFound
 from xc_dagster.storage import atomic_write_text
 from xc_dagster.strategies import STRATEGIES
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 TEXT_CHOICES = ("title", "title+content")
-LAYOUTS = ("auto", "lf-raw", "bow", "split-sparse")
+LAYOUTS = ("auto",) + DATA_LAYOUTS
 BUILTIN_PREFIX = "builtin:"  # datasets embedded in the package, e.g. builtin:LF-WordNetNouns
 
 
@@ -61,6 +66,7 @@ class DatasetSpec:
     strategy: str = "ngame"
     preset: str = "quick"
     overrides: dict[str, Any] = field(default_factory=dict)
+    sha256: str | None = None  # hex SHA-256 of the source file/archive, checked before it is ingested
 
     def validate(self, where: str = "catalog") -> "DatasetSpec":
         if not NAME_RE.match(self.name or ""):
@@ -78,20 +84,40 @@ class DatasetSpec:
             raise XCConfigError(f"{where}: dataset {self.name!r} preset {self.preset!r}; one of {sorted(PRESETS)}")
         if self.max_len is not None and int(self.max_len) < 2:
             raise XCConfigError(f"{where}: dataset {self.name!r} max_len must be >= 2, got {self.max_len}")
+        try:
+            self.sha256 = normalize_sha256(self.sha256)
+        except XCConfigError as exc:
+            raise XCConfigError(f"{where}: dataset {self.name!r} {exc}") from None
         apply_overrides(PipelineConfig(), self.overrides, f"{where}: dataset {self.name!r} overrides")
         return self
 
     @property
+    def known(self) -> KnownDataset | None:
+        """The registry entry of a known public dataset of this name, or None."""
+        return lookup(self.name)
+
+    @property
     def text_fields(self) -> str:
-        return self.text or default_text(self.name)
+        known = self.known
+        return self.text or (known.text if known else default_text(self.name))
 
     def option_overrides(self) -> dict[str, Any]:
-        """The dataset options as ``stage.field`` overrides (layered under the explicit overrides)."""
-        a, b = default_propensity(self.name)
+        """The dataset options as ``stage.field`` overrides (layered under the explicit overrides).
+
+        Unset options: the registry entry's values for a known public dataset, else defaults by name.
+        """
+        known = self.known
+        a, b = (known.propensity_a, known.propensity_b) if known else default_propensity(self.name)
         text = self.text_fields
+        if self.max_len:
+            max_len = self.max_len
+        elif known is not None and text == known.text:
+            max_len = known.max_len
+        else:
+            max_len = 32 if text == "title" else 128
         return {
             "ingest.text": text,
-            "tokenize.max_len": self.max_len or (32 if text == "title" else 128),
+            "tokenize.max_len": max_len,
             "evaluate.propensity_a": a if self.propensity_a is None else self.propensity_a,
             "evaluate.propensity_b": b if self.propensity_b is None else self.propensity_b,
         }
@@ -153,7 +179,8 @@ class Catalog:
     def save(self, datasets: dict[str, DatasetSpec]) -> None:
         body = {"datasets": {n: datasets[n].to_yaml_dict() for n in sorted(datasets)}}
         header = ("# xc-dagster dataset catalog: each entry is a Dagster partition.\n"
-                  "# Keys: source, layout, text, max_len, propensity_a, propensity_b, strategy, preset, overrides\n")
+                  "# Keys: source, layout, text, max_len, propensity_a, propensity_b, strategy, preset, overrides,"
+                  " sha256\n")
         atomic_write_text(self.path, header + yaml.safe_dump(body, sort_keys=False))
 
     def add(self, spec: DatasetSpec, replace: bool = False) -> None:

@@ -26,7 +26,9 @@ class IngestParams:
     label_text: str = "title"  # label text fields; "same" = as points
     valid_fraction: float = 0.05  # fraction of training points held out for fusion fitting
     valid_max: int = 5000  # at most this many validation points
+    split: int = 0  # bow-single layout: which column of the <name>_trSplit/_tstSplit tables
     seed: int = 0
+    verify_counts: bool = True  # a known public dataset's parsed counts must equal the published ones
 
 
 @dataclass

@@ -20,7 +20,9 @@ from xc_dagster.ann import LabelIndex
 from xc_dagster.catalog import BUILTIN_PREFIX, DatasetSpec, builtin_path
 from xc_dagster.classifier import train_classifiers
 from xc_dagster.config import PipelineConfig
-from xc_dagster.data import load_dataset, read_dataset, resolve_source
+from xc_dagster.data import load_dataset, read_dataset, resolve_source, save_dataset
+from xc_dagster.data.checks import check_counts, compute_checks, label_frequencies, label_frequency_plot
+from xc_dagster.data.registry import verify_counts
 from xc_dagster.device import amp_dtype, resolve_device, seed_everything
 from xc_dagster.encoder import encode_tokens, load_encoder, load_tokenizer, save_encoder
 from xc_dagster.fusion import fit_alpha, load_fusion
@@ -29,7 +31,7 @@ from xc_dagster.predict import shortlist, topk_from_scores
 from xc_dagster.sampling import validation_split
 from xc_dagster.siamese import train_siamese
 from xc_dagster.storage import ArtifactStore, load_json, save_json
-from xc_dagster.tokenization import load_tokens, tokenize_to_npy
+from xc_dagster.tokenization import load_tokens, save_pretokenized, tokenize_to_npy
 
 log = logging.getLogger("xc_dagster")
 
@@ -79,23 +81,38 @@ def _inv_prop(ctx: StageContext, Y_train) -> np.ndarray:
 # --------------------------------------------------------------------------------------------- stages
 
 def ingest(ctx: StageContext) -> dict[str, Any]:
-    """Fetch/resolve the source, parse its layout into canonical tables, carve the validation split."""
+    """Fetch/resolve the source, parse its layout into canonical tables, carve the validation split.
+
+    A known public dataset's counts must equal the published ones (``ingest.verify_counts``); the validation
+    checks (``checks.json``) and the label-frequency plot (``label_freq.png``) are written with the tables.
+    """
     p = ctx.cfg.ingest
     t0 = time.perf_counter()
     src = ctx.spec.source
     folder = (builtin_path(src[len(BUILTIN_PREFIX):]) if src.startswith(BUILTIN_PREFIX)
-              else resolve_source(src, ctx.cache_dir / ctx.name))
+              else resolve_source(src, ctx.cache_dir / ctx.name, sha256=ctx.spec.sha256))
     text = p.text if p.text != "auto" else ctx.spec.text_fields
     label_fields = _fields(text) if p.label_text == "same" else _fields(p.label_text)
-    ds = read_dataset(folder, layout=ctx.spec.layout, text_fields=_fields(text), label_text_fields=label_fields)
+    ds = read_dataset(folder, layout=ctx.spec.layout, text_fields=_fields(text), label_text_fields=label_fields,
+                      split=p.split)
+    stats = dict(ds.stats())
+    known = ctx.spec.known
+    if p.verify_counts:  # before anything is written: a wrong download never becomes an ingested dataset
+        verify_counts(ctx.name, stats, known, str(folder))
+    checks = compute_checks(ds, known)
+    freq = label_frequencies(ds.Y_train, ds.num_labels)
     valid = validation_split(ds.num_train, p.valid_fraction, p.valid_max, p.seed)
     with ctx.store.writing(ctx.name, "ingest") as out:
-        from xc_dagster.data import save_dataset
-
         save_dataset(ds, out / "dataset")
         np.save(out / "valid_rows.npy", valid)
-        stats = dict(ds.stats())
+        save_json(out / "checks.json", checks)
+        np.save(out / "label_freq.npy", freq)
+        label_frequency_plot(freq, out / "label_freq.png", ctx.name)
         stats.update({"n_valid": int(len(valid)), "layout": ds.layout, "text": text, "source": str(folder),
+                      "registry": known.name if known else None,
+                      "counts_verified": bool(known is not None and p.verify_counts),
+                      "checks_failed": checks["failed"], "check_counts": check_counts(checks),
+                      "label_frequency": checks["label_frequency"],
                       "seconds": time.perf_counter() - t0})
         save_json(out / "summary.json", stats)
     ctx.info(f"ingest {ctx.name}: {stats['n_train']} train / {stats['n_test']} test / {stats['n_labels']} labels")
@@ -103,7 +120,11 @@ def ingest(ctx: StageContext) -> dict[str, Any]:
 
 
 def tokenize(ctx: StageContext) -> dict[str, Any]:
-    """Token-id arrays (memmap .npy) and lengths for train points, test points and labels."""
+    """Token-id arrays (memmap .npy) and lengths for train points, test points and labels.
+
+    Splits that the dataset ships pre-tokenized (``tokenized`` layout) are used as given: their ids must come
+    from the configured encoder's tokenizer.
+    """
     p = ctx.cfg.tokenize
     t0 = time.perf_counter()
     ds = load_dataset(ctx.dir("ingest") / "dataset")
@@ -113,7 +134,12 @@ def tokenize(ctx: StageContext) -> dict[str, Any]:
     with ctx.store.writing(ctx.name, "tokenize") as out:
         for split in TOKEN_SPLITS:
             max_len = (p.label_max_len or p.max_len) if split == "label" else p.max_len
-            st = tokenize_to_npy(tok, texts[split], max_len, out / f"{split}_ids.npy", out / f"{split}_len.npy")
+            given = getattr(ds, f"{split}_tokens")
+            if given is not None:
+                st = save_pretokenized(*given, max_len, out / f"{split}_ids.npy", out / f"{split}_len.npy")
+            else:
+                st = tokenize_to_npy(tok, texts[split], max_len, out / f"{split}_ids.npy",
+                                     out / f"{split}_len.npy")
             summary.update({f"{split}_{k}": v for k, v in st.items()})
         summary["seconds"] = time.perf_counter() - t0
         save_json(out / "summary.json", summary)

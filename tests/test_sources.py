@@ -1,0 +1,192 @@
+"""Dataset sources: resumable http(s) downloads, SHA-256 verification, nothing cached from a bad download."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import http.server
+import io
+import re
+import threading
+import zipfile
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from tests.tinydata import write_lf_dataset
+from xc_dagster.data import read_dataset
+from xc_dagster.data.sources import file_sha256, resolve_source
+from xc_dagster.errors import XCConfigError, XCError, XCFormatError
+
+
+def _zip_of(folder: Path) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        for f in sorted(folder.iterdir()):
+            zf.write(f, f"ds/{f.name}")
+    return buf.getvalue()
+
+
+class _State:
+    """What the test server serves and what it saw."""
+
+    def __init__(self, payload: bytes, cut_first: int | None = None, honor_range: bool = True):
+        self.payload, self.cut_first, self.honor_range = payload, cut_first, honor_range
+        self.ranges: list[str | None] = []
+
+
+def _handler(state: _State) -> type[http.server.BaseHTTPRequestHandler]:
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args) -> None:  # quiet
+            pass
+
+        def do_GET(self) -> None:
+            rng = self.headers.get("Range")
+            state.ranges.append(rng)
+            if self.path != "/ds.zip":
+                self.send_error(404)
+                return
+            data, start = state.payload, 0
+            m = re.fullmatch(r"bytes=(\d+)-", rng or "")
+            if m and state.honor_range:
+                start = int(m.group(1))
+                if start >= len(data):
+                    self.send_response(416)
+                    self.send_header("Content-Range", f"bytes */{len(data)}")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                self.send_response(206)
+                self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+            else:
+                self.send_response(200)
+            body = data[start:]
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if state.cut_first is not None and len(state.ranges) == 1:
+                self.wfile.write(body[:state.cut_first])  # then the connection drops
+                self.wfile.flush()
+                self.close_connection = True
+                return
+            self.wfile.write(body)
+
+    return Handler
+
+
+@contextlib.contextmanager
+def _serve(state: _State) -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _handler(state))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/ds.zip"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+@pytest.fixture(scope="module")
+def payload(tmp_path_factory) -> bytes:
+    return _zip_of(write_lf_dataset(tmp_path_factory.mktemp("src") / "ds", n_train=30, n_test=10, n_labels=20))
+
+
+def _entries(cache: Path) -> list[str]:
+    return sorted(p.name for p in cache.iterdir()) if cache.exists() else []
+
+
+def test_interrupted_download_resumes_with_range(tmp_path, payload):
+    state = _State(payload, cut_first=len(payload) // 3)
+    digest = hashlib.sha256(payload).hexdigest()
+    cache = tmp_path / "cache"
+    with _serve(state) as url:
+        with pytest.raises(XCError, match="connection ended after"):
+            resolve_source(url, cache, sha256=digest)
+        parts = [p for p in cache.iterdir() if p.name.endswith(".part")]
+        assert len(parts) == 1 and parts[0].stat().st_size == len(payload) // 3
+        assert not [n for n in _entries(cache) if not n.startswith(".")]  # no cache entry from a partial file
+        got = resolve_source(url, cache, sha256=digest)
+        assert state.ranges == [None, f"bytes={len(payload) // 3}-"]
+        assert resolve_source(url, cache, sha256=digest) == got  # cached: no third request
+        assert len(state.ranges) == 2
+    ds = read_dataset(got)
+    assert (ds.num_train, ds.num_test, ds.num_labels) == (30, 10, 20)
+    assert not [p for p in cache.iterdir() if p.name.endswith(".part")]
+
+
+def test_resume_falls_back_to_full_download_when_range_is_ignored(tmp_path, payload):
+    state = _State(payload, cut_first=1000, honor_range=False)
+    cache = tmp_path / "cache"
+    with _serve(state) as url:
+        with pytest.raises(XCError):
+            resolve_source(url, cache)
+        got = resolve_source(url, cache)
+    assert state.ranges == [None, "bytes=1000-"]  # asked to resume, got a 200: restarted from zero
+    assert read_dataset(got).num_train == 30
+
+
+def test_complete_part_file_is_finished_after_416(tmp_path, payload):
+    """A download that finished but was never extracted (killed in between) is not fetched again."""
+    from xc_dagster.data.sources import _cache_key
+
+    state = _State(payload)
+    cache = tmp_path / "cache"
+    with _serve(state) as url:
+        cache.mkdir()
+        (cache / f".{_cache_key(url)}.part").write_bytes(payload)
+        got = resolve_source(url, cache)
+    assert state.ranges == [f"bytes={len(payload)}-"]
+    assert read_dataset(got).num_labels == 20
+
+
+def test_checksum_mismatch_is_rejected_and_leaves_nothing(tmp_path, payload):
+    cache = tmp_path / "cache"
+    wrong = "0" * 64
+    with _serve(_State(payload)) as url:
+        with pytest.raises(XCFormatError) as ei:
+            resolve_source(url, cache, sha256=wrong)
+        msg = str(ei.value)
+        assert url in msg and wrong in msg and hashlib.sha256(payload).hexdigest() in msg
+        assert _entries(cache) == [n for n in _entries(cache) if n.endswith(".lock")]  # no entry, no .part
+        # the right checksum then works (fresh download)
+        got = resolve_source(url, cache, sha256=hashlib.sha256(payload).hexdigest().upper())
+    assert read_dataset(got).num_test == 10
+
+
+def test_corrupt_archive_download_is_not_cached(tmp_path, payload):
+    cache = tmp_path / "cache"
+    with _serve(_State(payload[: len(payload) // 2] + b"\0" * 50)) as url:
+        with pytest.raises(XCFormatError, match="readable zip"):
+            resolve_source(url, cache)
+    assert all(n.endswith(".lock") for n in _entries(cache))
+
+
+def test_bad_checksum_values_and_folders(tmp_path, payload):
+    archive = tmp_path / "ds.zip"
+    archive.write_bytes(payload)
+    with pytest.raises(XCConfigError, match="64 hexadecimal"):
+        resolve_source(str(archive), tmp_path / "cache", sha256="abc")
+    with pytest.raises(XCFormatError, match="SHA-256"):
+        resolve_source(str(archive), tmp_path / "cache", sha256="1" * 64)
+    assert archive.exists() and not _entries(tmp_path / "cache")  # the user's own file is never deleted
+    got = resolve_source(f"file://{archive}", tmp_path / "cache", sha256=f"sha256:{file_sha256(archive)}")
+    assert read_dataset(got).num_train == 30
+    with pytest.raises(XCConfigError, match="folder"):
+        resolve_source(str(tmp_path), tmp_path / "cache", sha256=file_sha256(archive))
+
+
+def test_fsspec_memory_file_with_checksum(tmp_path, payload):
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    fs.pipe("/xc-test-sources/ds.zip", payload)
+    try:
+        with pytest.raises(XCFormatError, match="SHA-256"):
+            resolve_source("memory:///xc-test-sources/ds.zip", tmp_path / "cache", sha256="2" * 64)
+        assert not _entries(tmp_path / "cache")
+        got = resolve_source("memory:///xc-test-sources/ds.zip", tmp_path / "cache",
+                             sha256=hashlib.sha256(payload).hexdigest())
+        assert read_dataset(got).num_labels == 20
+    finally:
+        fs.rm("/xc-test-sources", recursive=True)
