@@ -1,8 +1,11 @@
 """``xc-dagster``: manage the dataset catalog and drive the pipeline from the shell.
 
   xc-dagster datasets add NAME --source URI [--text title|title+content] [--strategy S] [--preset P]
-                                            [--set stage.field=value ...]
+                                            [--sha256 HEX] [--set stage.field=value ...]
+                                 (a known public dataset, e.g. LF-AmazonTitles-131K, needs only --source)
   xc-dagster datasets list | remove NAME
+  xc-dagster clicks build NAME --logs PATH [--start ISO] [--end ISO] [--previous MAP] [--register]
+                                   click logs of a time window -> a dataset (see docs/CLICKLOGS.md)
   xc-dagster quickstart            register the embedded LF-WordNetNouns (Titles) and materialize it
   xc-dagster materialize NAME      every asset of one partition, through `dagster asset materialize`
   xc-dagster metrics NAME          the test metrics of the last evaluation
@@ -53,10 +56,18 @@ def cmd_add(args: argparse.Namespace, home: Home) -> int:
     pa, pb = (args.propensity or (None, None))
     spec = DatasetSpec(name=args.name, source=args.source, layout=args.layout, text=args.text,
                        max_len=args.max_len, propensity_a=pa, propensity_b=pb, strategy=args.strategy,
-                       preset=args.preset, overrides=overrides)
+                       preset=args.preset, overrides=overrides, sha256=args.sha256)
     Catalog(home.catalog).add(spec, replace=args.replace)
     print(f"added dataset {args.name!r} (text: {spec.text_fields}, strategy: {spec.strategy}, "
           f"preset: {spec.preset}) to {home.catalog}")
+    known = spec.known
+    if known is not None:
+        opts = spec.option_overrides()
+        feats = f", {known.n_features:,} features" if known.n_features else ""
+        print(f"known public dataset {known.name}: {known.n_train:,} train / {known.n_test:,} test points, "
+              f"{known.n_labels:,} labels{feats} (checked at ingest); defaults: text {opts['ingest.text']}, "
+              f"max_len {opts['tokenize.max_len']}, propensity A/B {opts['evaluate.propensity_a']}/"
+              f"{opts['evaluate.propensity_b']}")
     print(f"materialize it with: xc-dagster materialize {args.name}")
     return 0
 
@@ -125,6 +136,40 @@ def cmd_quickstart(args: argparse.Namespace, home: Home) -> int:
     return 0
 
 
+def cmd_clicks_build(args: argparse.Namespace, home: Home) -> int:
+    """Click logs over a window -> ``$XC_HOME/clicklogs/NAME/<window-id>/`` (LF raw text); ``--register``
+    points catalog entry NAME at it (other options of an existing entry are kept)."""
+    import dataclasses
+
+    from xc_dagster.catalog import NAME_RE
+    from xc_dagster.data.clicklog import build_click_dataset, parse_time, window_id
+    from xc_dagster.errors import XCConfigError
+
+    if not NAME_RE.match(args.name):
+        raise XCConfigError(f"clicks build: dataset name {args.name!r} must match {NAME_RE.pattern}")
+    start = parse_time(args.start) if args.start else None
+    end = parse_time(args.end) if args.end else None
+    out = home.root / "clicklogs" / args.name / window_id(start, end)
+    s = build_click_dataset(args.logs, out, start=start, end=end, label_map=args.previous,
+                            test_fraction=args.test_fraction, min_clicks=args.min_clicks)
+    print(f"click dataset {args.name!r} window {s['window']['id']}: {s['rows_in_window']} of {s['rows_read']} "
+          f"rows, {s['n_train']} train / {s['n_test']} test queries, {s['n_labels']} labels "
+          f"({s['n_new_labels']} new) -> {out}")
+    print(f"next window's --previous: {out / 'label_map.json'}")
+    if args.register:
+        cat = Catalog(home.catalog)
+        old = cat.load().get(args.name)
+        changes: dict = {"source": str(out), "layout": "lf-raw", "text": "title"}
+        if old is not None and hasattr(old, "sha256"):
+            changes["sha256"] = None
+        spec = (dataclasses.replace(old, **changes) if old is not None
+                else DatasetSpec(name=args.name, **changes))
+        cat.add(spec, replace=True)
+        print(f"{'updated' if old is not None else 'registered'} dataset {args.name!r} in {home.catalog}; "
+              f"materialize it with: xc-dagster materialize {args.name}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="xc-dagster", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -134,10 +179,14 @@ def build_parser() -> argparse.ArgumentParser:
     add.add_argument("name")
     add.add_argument("--source", required=True, help="local folder/file, file://, http(s)://, or fsspec URI")
     add.add_argument("--layout", default="auto", choices=LAYOUTS)
-    add.add_argument("--text", choices=TEXT_CHOICES, help="default: title if the name contains 'Titles'")
-    add.add_argument("--max-len", type=int, help="token max_len (default 32 for titles, 128 full text)")
+    add.add_argument("--text", choices=TEXT_CHOICES,
+                     help="default: the registry's for a known dataset, else title if the name contains 'Titles'")
+    add.add_argument("--max-len", type=int,
+                     help="token max_len (default: the registry's, else 32 for titles, 128 full text)")
     add.add_argument("--propensity", nargs=2, type=float, metavar=("A", "B"),
-                     help="propensity A B (default by family: Amazon 0.6 2.6, Wiki 0.5 0.4, else 0.55 1.5)")
+                     help="propensity A B (default: the registry's, else by family: Amazon 0.6 2.6, "
+                          "Wiki 0.5 0.4, else 0.55 1.5)")
+    add.add_argument("--sha256", help="hex SHA-256 of the source file/archive, verified before ingest")
     add.add_argument("--strategy", default="ngame", choices=sorted(STRATEGIES))
     add.add_argument("--preset", default="quick", choices=sorted(PRESETS))
     add.add_argument("--set", action="append", metavar="STAGE.FIELD=VALUE", help="hyperparameter override")
@@ -154,6 +203,19 @@ def build_parser() -> argparse.ArgumentParser:
     met.add_argument("name")
     sub.add_parser("ui", help="print the commands that open the Dagster and MLflow UIs")
     sub.add_parser("env", help="print shell exports for XC_HOME, DAGSTER_HOME, MLFLOW_TRACKING_URI")
+    clk = sub.add_parser("clicks", help="click logs -> dataset partitions")
+    csub = clk.add_subparsers(dest="ccmd", required=True)
+    cb = csub.add_parser("build", help="build a dataset from click logs over a time window (docs/CLICKLOGS.md)")
+    cb.add_argument("name")
+    cb.add_argument("--logs", action="append", required=True, metavar="PATH_OR_GLOB",
+                    help="click-log file, folder or glob (.parquet, .csv[.gz], .jsonl[.gz]); repeatable")
+    cb.add_argument("--start", help="window start, ISO-8601, inclusive (naive = UTC)")
+    cb.add_argument("--end", help="window end, ISO-8601, exclusive (naive = UTC)")
+    cb.add_argument("--previous", metavar="LABEL_MAP_JSON",
+                    help="the previous window's label_map.json (or its folder): keeps label ids stable")
+    cb.add_argument("--test-fraction", type=float, default=0.2, help="latest fraction of queries -> test")
+    cb.add_argument("--min-clicks", type=int, default=1, help="clicks for a (query, label) pair to count")
+    cb.add_argument("--register", action="store_true", help="add/update catalog entry NAME with this folder")
     return p
 
 
@@ -172,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
             return rc
         if args.cmd == "metrics":
             return print_metrics(home, args.name)
+        if args.cmd == "clicks":
+            return {"build": cmd_clicks_build}[args.ccmd](args, home)
         if args.cmd == "ui":
             print_ui(home)
             return 0
