@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import http.server
 import json
 import tempfile
 from pathlib import Path
@@ -362,3 +363,47 @@ def test_fuzz_split_sparse(which, edits, lines):
             (f / name).write_text(content)
         (f / which).write_bytes(_corrupt((f / which).read_bytes(), edits, lines))
         _parses_or_format_error(f)
+
+
+# ------------------------------------------------------------------------- every layout over http
+
+@pytest.mark.parametrize("layout, make, archive", [
+    ("lf-raw", "make_lf", "zip"), ("bow", "make_bow", "tar.gz"), ("bow-single", "make_single", "zip"),
+    ("split-sparse", "make_split", "tar.gz"), ("tokenized", "make_tok", "zip"),
+])
+def test_every_layout_from_a_local_http_server(tmp_path, layout, make, archive):
+    """Each layout, packed as an archive and served by http.server on 127.0.0.1, ingests like the folder."""
+    import functools
+    import tarfile
+    import threading
+    import zipfile
+
+    import tests.test_data as td
+    from xc_dagster.data import resolve_source
+
+    maker = {"make_single": make_single, "make_tok": make_tok}.get(make) or getattr(td, make)
+    src = maker(tmp_path / "src" / f"DS-{layout}")
+    served = tmp_path / "served"
+    served.mkdir()
+    name = f"ds.{archive}"
+    if archive == "zip":
+        with zipfile.ZipFile(served / name, "w") as zf:
+            for p in src.iterdir():
+                zf.write(p, f"{src.name}/{p.name}")
+    else:
+        with tarfile.open(served / name, "w:gz") as tf:
+            tf.add(src, arcname=src.name)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
+                                             functools.partial(td._QuietHandler, directory=str(served)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        got = resolve_source(f"http://127.0.0.1:{server.server_address[1]}/{name}", tmp_path / "cache")
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+    assert detect_layout(got) == layout
+    a, b = read_dataset(got), read_dataset(src)
+    assert a.layout == layout and same(a.Y_train, b.Y_train) and same(a.Y_test, b.Y_test)
+    assert a.train_texts == b.train_texts and a.label_texts == b.label_texts
