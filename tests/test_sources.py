@@ -190,3 +190,33 @@ def test_fsspec_memory_file_with_checksum(tmp_path, payload):
         assert read_dataset(got).num_labels == 20
     finally:
         fs.rm("/xc-test-sources", recursive=True)
+
+
+def test_single_gz_sources_are_decompressed(tmp_path):
+    """``X.gz`` of one plain file becomes ``X`` in the cache; a gzipped tar named ``.gz`` is extracted;
+    the LF layout's own ``*.json.gz`` files are not archives."""
+    import gzip
+    import io
+    import tarfile
+
+    from xc_dagster.data.sources import is_archive
+
+    assert is_archive("Y.txt.gz") and is_archive("ds.tar.gz") and not is_archive("trn.json.gz")
+    single = tmp_path / "Y.txt.gz"
+    single.write_bytes(gzip.compress(b"label a\nlabel b\n"))
+    got = resolve_source(str(single), tmp_path / "cache")
+    assert (got / "Y.txt").read_bytes() == b"label a\nlabel b\n"
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        data = b"hello\n"
+        info = tarfile.TarInfo("DS/Y.txt")
+        info.size = len(data)
+        tf.addfile(info, io.BytesIO(data))
+    (tmp_path / "ds.gz").write_bytes(gzip.compress(buf.getvalue()))
+    got = resolve_source(str(tmp_path / "ds.gz"), tmp_path / "cache")
+    assert got.name == "DS" and (got / "Y.txt").read_text() == "hello\n"
+    bad = tmp_path / "broken.gz"
+    bad.write_bytes(gzip.compress(b"x" * 1000)[:20])
+    with pytest.raises(XCFormatError, match="broken.gz"):
+        resolve_source(str(bad), tmp_path / "cache")
+    assert not [p for p in (tmp_path / "cache").iterdir() if p.name.startswith("broken")]

@@ -36,8 +36,21 @@ _UNSAFE_MSG = "archive members that stay inside the extraction folder (no absolu
 
 
 def is_archive(name: str) -> bool:
-    """Whether a file name has one of the supported archive suffixes."""
-    return name.lower().endswith(ARCHIVE_SUFFIXES)
+    """Whether a file name has one of the supported archive suffixes, or is a single gzipped file
+    (``X.gz``, decompressed to ``X``) other than the LF layout's own ``*.json.gz`` tables."""
+    low = name.lower()
+    return low.endswith(ARCHIVE_SUFFIXES) or (low.endswith(".gz") and not low.endswith(".json.gz"))
+
+
+def _gunzip_single(archive: Path, dest: Path, label: str) -> None:
+    """``X.gz`` holding one plain file: decompress it to ``dest/X`` (a gzipped tar goes to the tar path)."""
+    import gzip
+
+    name = Path(label).name
+    out = dest / (name[:-3] if name.lower().endswith(".gz") else "data")
+    _check_member(dest, out.name, label)
+    with gzip.open(archive, "rb") as src, open(out, "wb") as dst:
+        shutil.copyfileobj(src, dst, _CHUNK)
 
 
 def _cache_key(source: str, extra: str = "") -> str:
@@ -121,6 +134,8 @@ def extract_archive(archive: Path, dest: Path, label: str | None = None) -> None
     try:
         if name.endswith(".zip") or (not is_archive(name) and zipfile.is_zipfile(archive)):
             _extract_zip(archive, dest, label)
+        elif name.endswith(".gz") and not name.endswith((".tar.gz", ".tgz")) and not tarfile.is_tarfile(archive):
+            _gunzip_single(archive, dest, label)
         else:
             _extract_tar(archive, dest, label)
     except XCFormatError:
