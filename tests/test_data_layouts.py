@@ -16,12 +16,9 @@ from hypothesis import strategies as st
 
 from xc_dagster.data import detect_layout, load_dataset, read_dataset, save_dataset, streaming
 from xc_dagster.data.layouts import read_lf_raw
-from tests.test_data import _corrupt, assert_format_error as assert_error
+from tests.test_data import DATA, _corrupt, assert_format_error as assert_error
 from xc_dagster.errors import XCConfigError, XCFormatError
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-if not DATA.is_dir():
-    DATA = Path("/work/shared/data")
 BIBTEX = DATA / "Bibtex" / "xc_format"
 WORDNET = DATA / "LF-WordNetNouns"
 

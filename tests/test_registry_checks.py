@@ -17,12 +17,13 @@ from xc_dagster.cli import main as cli_main
 from xc_dagster.data.canonical import XCDataset
 from xc_dagster.data.checks import compute_checks, label_frequencies
 from xc_dagster.data.registry import KNOWN_DATASETS, XCCountMismatch, lookup
+from tests.test_data import DATA
 from xc_dagster.home import Home
 from xc_dagster.pipeline import StageContext, ingest
 from xc_dagster.storage import ArtifactStore
 from xc_dagster.tracking import experiment_name
 
-WORDNET = Path(__file__).resolve().parents[2] / "shared" / "data" / "LF-WordNetNouns"
+WORDNET = DATA / "LF-WordNetNouns"
 
 # planted: train dups 2 ("red apple" x3), 2 empty train texts, 1 train point without labels;
 # test: "night owl" twice (1 dup), 2 test texts in train ("green pear", "red apple"), 2 without labels, 1 empty
