@@ -404,3 +404,15 @@ def test_every_layout_from_a_local_http_server(tmp_path, layout, make, archive):
     a, b = read_dataset(got), read_dataset(src)
     assert a.layout == layout and same(a.Y_train, b.Y_train) and same(a.Y_test, b.Y_test)
     assert a.train_texts == b.train_texts and a.label_texts == b.label_texts
+
+
+def test_load_dataset_labels_only(tmp_path):
+    """Stages that need only the label matrices skip texts, tokens and features."""
+    import tests.test_data as td
+
+    ds = read_dataset(td.make_bow(tmp_path / "bow"))
+    save_dataset(ds, tmp_path / "saved")
+    slim = load_dataset(tmp_path / "saved", texts=False, features=False)
+    assert slim.train_texts == [] and slim.X_train is None
+    assert same(slim.Y_train, ds.Y_train) and same(slim.Y_test, ds.Y_test)
+    assert np.array_equal(slim.filter_test, ds.filter_test) and slim.num_train == ds.num_train

@@ -74,6 +74,11 @@ def _filter_rows(pairs: np.ndarray, rows: np.ndarray) -> np.ndarray:
     return np.stack([new[ok], p[ok, 1]], axis=1) if ok.any() else np.zeros((0, 2), dtype=np.int64)
 
 
+def _labels(ctx: StageContext):
+    """The ingested label matrices and filter pairs, without texts or features (all most stages need)."""
+    return load_dataset(ctx.dir("ingest") / "dataset", texts=False, features=False)
+
+
 def _inv_prop(ctx: StageContext, Y_train) -> np.ndarray:
     return inverse_propensity(Y_train, ctx.cfg.evaluate.propensity_a, ctx.cfg.evaluate.propensity_b)
 
@@ -155,7 +160,7 @@ def pretrain(ctx: StageContext) -> dict[str, Any]:
     """Siamese pretraining (M1); then embeddings of every training point and label with the trained encoder."""
     p = ctx.cfg.pretrain
     seed_everything(p.seed)
-    ds = load_dataset(ctx.dir("ingest") / "dataset")
+    ds = _labels(ctx)
     valid = np.load(ctx.dir("ingest") / "valid_rows.npy")
     train_rows = np.setdiff1d(np.arange(ds.num_train), valid)
     encoder = load_encoder(ctx.cfg.tokenize.encoder, p.pooling).to(ctx.device)
@@ -193,7 +198,7 @@ def mining(ctx: StageContext) -> dict[str, Any]:
     index = _label_index(label_emb, p.index, p.hnsw_m, p.hnsw_ef_construction, p.hnsw_ef_search)
     k = min(p.shortlist_size, len(label_emb))
     scores, ids = index.search(point_emb, k)
-    ds = load_dataset(ctx.dir("ingest") / "dataset")
+    ds = _labels(ctx)
     recall = recall_at(ids, ds.Y_train)
     summary = {"shortlist_size": k, "train_recall": recall, "seconds": time.perf_counter() - t0}
     with ctx.store.writing(ctx.name, "mining") as out:
@@ -211,7 +216,7 @@ def classifier(ctx: StageContext) -> dict[str, Any]:
     d = ctx.dir("pretrain")
     point_emb, label_emb = np.load(d / "train_emb.npy"), np.load(d / "label_emb.npy")
     sl = np.load(ctx.dir("mining") / "shortlist.npy")
-    ds = load_dataset(ctx.dir("ingest") / "dataset")
+    ds = _labels(ctx)
     valid = np.load(ctx.dir("ingest") / "valid_rows.npy")
     rows = np.setdiff1d(np.arange(ds.num_train), valid)
     W, summary = train_classifiers(point_emb, label_emb, ds.Y_train, sl, rows, p, ctx.device, ctx.log_metrics)
@@ -259,7 +264,7 @@ def load_model(ctx: StageContext) -> LoadedModel:
 def fusion(ctx: StageContext) -> dict[str, Any]:
     """Fit the score fusion on the held-out validation points' shortlists from the deployed indexes."""
     t0 = time.perf_counter()
-    ds = load_dataset(ctx.dir("ingest") / "dataset")
+    ds = _labels(ctx)
     valid = np.load(ctx.dir("ingest") / "valid_rows.npy")
     if len(valid) == 0:
         fit = {"method": "alpha", "alpha": 0.5, "grid": [], "note": "no validation rows; alpha defaulted"}
@@ -283,7 +288,7 @@ def evaluation(ctx: StageContext) -> dict[str, Any]:
     """Encode the test texts with the trained encoder, predict top-k, compute the XC metrics."""
     p = ctx.cfg.evaluate
     t0 = time.perf_counter()
-    ds = load_dataset(ctx.dir("ingest") / "dataset")
+    ds = _labels(ctx)
     pooling = load_json(ctx.dir("pretrain") / "summary.json")["pooling"]  # as trained, whatever this run says
     encoder = load_encoder(str(ctx.dir("pretrain") / "encoder"), pooling).to(ctx.device)
     dtype = amp_dtype(ctx.device, ctx.cfg.pretrain.amp)

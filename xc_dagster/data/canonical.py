@@ -172,8 +172,13 @@ def _read_matrix(path: Path) -> sp.csr_matrix:
     return sp.csr_matrix(sp.load_npz(path), dtype=np.float32)
 
 
-def load_dataset(out_dir: Path) -> XCDataset:
-    """Read a folder written by :func:`save_dataset` (no pickle anywhere)."""
+def load_dataset(out_dir: Path, *, texts: bool = True, features: bool = True) -> XCDataset:
+    """Read a folder written by :func:`save_dataset` (no pickle anywhere).
+
+    ``texts=False`` / ``features=False`` skip the texts and token arrays / the BoW matrices (left empty or
+    None) for stages that need only the label matrices and filter pairs: at millions of points those are
+    most of the bytes.
+    """
     out_dir = Path(out_dir)
     meta_path = out_dir / "meta.json"
     if not out_dir.is_dir():
@@ -187,14 +192,14 @@ def load_dataset(out_dir: Path) -> XCDataset:
     if meta.get("format_version") != FORMAT_VERSION:
         raise XCFormatError(meta_path, None, f"format_version {FORMAT_VERSION}", got=str(meta.get("format_version")))
     present = set(meta.get("matrices", []))
-    kw: dict[str, Any] = {name: _read_texts(out_dir / f"{name}.parquet") for name in _TEXTS}
+    kw: dict[str, Any] = {name: _read_texts(out_dir / f"{name}.parquet") if texts else [] for name in _TEXTS}
     for name in _REQUIRED_MATRICES:
         kw[name] = _read_matrix(out_dir / f"{name}.npz")
     for name in _OPTIONAL_MATRICES:
-        kw[name] = _read_matrix(out_dir / f"{name}.npz") if name in present else None
+        kw[name] = _read_matrix(out_dir / f"{name}.npz") if name in present and features else None
     for name in _FILTERS:
         kw[name] = np.load(out_dir / f"{name}.npy", allow_pickle=False).astype(np.int64).reshape(-1, 2)
     for name in _TOKENS:
-        if name in meta.get("tokens", []):
+        if texts and name in meta.get("tokens", []):
             kw[name] = tuple(np.load(out_dir / f"{name}_{kind}.npy", allow_pickle=False) for kind in _TOKEN_KINDS)
     return XCDataset(layout=str(meta.get("layout", "")), **kw)
