@@ -19,15 +19,16 @@ The library stays importable without Dagster: Dagster runs in a subprocess with 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from xc_dagster.catalog import BUILTIN_PREFIX, LAYOUTS, TEXT_CHOICES, Catalog, DatasetSpec
+from xc_dagster.catalog import BUILTIN_PREFIX, LAYOUTS, NAME_RE, TEXT_CHOICES, Catalog, DatasetSpec
 from xc_dagster.config import PRESETS, parse_set_options
-from xc_dagster.errors import XCError
+from xc_dagster.errors import XCConfigError, XCError
 from xc_dagster.home import Home
 from xc_dagster.strategies import STRATEGIES
 
@@ -139,11 +140,7 @@ def cmd_quickstart(args: argparse.Namespace, home: Home) -> int:
 def cmd_clicks_build(args: argparse.Namespace, home: Home) -> int:
     """Click logs over a window -> ``$XC_HOME/clicklogs/NAME/<window-id>/`` (LF raw text); ``--register``
     points catalog entry NAME at it (other options of an existing entry are kept)."""
-    import dataclasses
-
-    from xc_dagster.catalog import NAME_RE
-    from xc_dagster.data.clicklog import build_click_dataset, parse_time, window_id
-    from xc_dagster.errors import XCConfigError
+    from xc_dagster.data.clicklog import build_click_dataset, parse_time, window_id  # pandas: only here
 
     if not NAME_RE.match(args.name):
         raise XCConfigError(f"clicks build: dataset name {args.name!r} must match {NAME_RE.pattern}")
@@ -159,9 +156,7 @@ def cmd_clicks_build(args: argparse.Namespace, home: Home) -> int:
     if args.register:
         cat = Catalog(home.catalog)
         old = cat.load().get(args.name)
-        changes: dict = {"source": str(out), "layout": "lf-raw", "text": "title"}
-        if old is not None and hasattr(old, "sha256"):
-            changes["sha256"] = None
+        changes: dict = {"source": str(out), "layout": "lf-raw", "text": "title", "sha256": None}
         spec = (dataclasses.replace(old, **changes) if old is not None
                 else DatasetSpec(name=args.name, **changes))
         cat.add(spec, replace=True)

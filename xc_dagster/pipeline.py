@@ -20,7 +20,7 @@ from xc_dagster.ann import LabelIndex
 from xc_dagster.catalog import BUILTIN_PREFIX, DatasetSpec, builtin_path
 from xc_dagster.classifier import train_classifiers
 from xc_dagster.config import PipelineConfig
-from xc_dagster.data import load_dataset, read_dataset, resolve_source, save_dataset
+from xc_dagster.data import XCDataset, load_dataset, read_dataset, resolve_source, save_dataset
 from xc_dagster.data.checks import check_counts, compute_checks, label_frequencies, label_frequency_plot
 from xc_dagster.data.registry import verify_counts
 from xc_dagster.device import amp_dtype, resolve_device, seed_everything
@@ -74,7 +74,7 @@ def _filter_rows(pairs: np.ndarray, rows: np.ndarray) -> np.ndarray:
     return np.stack([new[ok], p[ok, 1]], axis=1) if ok.any() else np.zeros((0, 2), dtype=np.int64)
 
 
-def _labels(ctx: StageContext):
+def _labels(ctx: StageContext) -> XCDataset:
     """The ingested label matrices and filter pairs, without texts or features (all most stages need)."""
     return load_dataset(ctx.dir("ingest") / "dataset", texts=False, features=False)
 
@@ -104,8 +104,8 @@ def ingest(ctx: StageContext) -> dict[str, Any]:
     known = ctx.spec.known
     if p.verify_counts:  # before anything is written: a wrong download never becomes an ingested dataset
         verify_counts(ctx.name, stats, known, str(folder))
-    checks = compute_checks(ds, known)
     freq = label_frequencies(ds.Y_train, ds.num_labels)
+    checks = compute_checks(ds, known, freq)
     valid = validation_split(ds.num_train, p.valid_fraction, p.valid_max, p.seed)
     with ctx.store.writing(ctx.name, "ingest") as out:
         save_dataset(ds, out / "dataset")
@@ -132,7 +132,7 @@ def tokenize(ctx: StageContext) -> dict[str, Any]:
     """
     p = ctx.cfg.tokenize
     t0 = time.perf_counter()
-    ds = load_dataset(ctx.dir("ingest") / "dataset")
+    ds = load_dataset(ctx.dir("ingest") / "dataset", features=False)
     tok = load_tokenizer(p.encoder)
     texts = {"train": ds.train_texts, "test": ds.test_texts, "label": ds.label_texts}
     summary: dict[str, Any] = {"encoder": p.encoder, "max_len": p.max_len}

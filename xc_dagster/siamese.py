@@ -121,8 +121,8 @@ def train_siamese(encoder: SiameseEncoder, point_tokens: tuple[np.ndarray, np.nd
     rows = rows[np.diff(Y.indptr)[rows] > 0]  # points without labels have no positive pair
     rng = np.random.default_rng(params.seed)
     steps_per_epoch = math.ceil(len(rows) / params.batch_size)
-    total_steps = max(1, math.ceil(params.epochs * steps_per_epoch))  # exact for random batches; the LR
-    # schedule's length for cluster batches, whose count per epoch varies a little
+    # LR schedule length: exact for random batches; cluster batches vary a little in count per epoch
+    total_steps = max(1, math.ceil(params.epochs * steps_per_epoch))
     if params.epochs <= 0 or len(rows) < 2:
         return PretrainResult(0, 0, 0.0, float("nan"))
     p_ids, p_lens = point_tokens
@@ -141,6 +141,7 @@ def train_siamese(encoder: SiameseEncoder, point_tokens: tuple[np.ndarray, np.nd
                            "pretrain_points_per_s": window_pts / max(now - window_t, 1e-9),
                            "pretrain_lr": float(sched.get_last_lr()[0])})
         window_t, window_pts, window_loss = now, 0, []
+
     ngame = NGAMESampler(Y.shape[0], encoder.dim, params) if params.sampler == "ngame" else None
     n_epochs = math.ceil(params.epochs)
     for epoch in range(n_epochs):

@@ -157,8 +157,12 @@ def frequency_summary(freq: np.ndarray) -> dict[str, Any]:
     }
 
 
-def compute_checks(ds: XCDataset, known: KnownDataset | None = None) -> dict[str, Any]:
-    """Every check on ``ds`` (see :data:`CHECKS`) plus the label-frequency summary, JSON-able."""
+def compute_checks(ds: XCDataset, known: KnownDataset | None = None,
+                   freq: np.ndarray | None = None) -> dict[str, Any]:
+    """Every check on ``ds`` (see :data:`CHECKS`) plus the label-frequency summary, JSON-able.
+
+    ``freq``: the training label frequencies when the caller already has them (else computed here).
+    """
     dups, overlap = _check_texts(ds)
     checks = {
         "label_ids_in_range": _check_labels(ds),
@@ -168,7 +172,8 @@ def compute_checks(ds: XCDataset, known: KnownDataset | None = None) -> dict[str
         "train_test_overlap": overlap,
         "filter_pairs_in_range": _check_filters(ds),
     }
-    freq = label_frequencies(ds.Y_train, len(ds.label_texts))
+    if freq is None:
+        freq = label_frequencies(ds.Y_train, len(ds.label_texts))
     return {"checks": checks, "label_frequency": frequency_summary(freq),
             "failed": sorted(k for k, v in checks.items() if not v["passed"])}
 
