@@ -89,7 +89,9 @@ def test_materialize_all_assets_through_dagster_and_read_mlflow(tiny_home):
     assert result.success
     mats = {e.asset_key.to_user_string(): e for e in result.get_asset_materialization_events()}
     ev_meta = mats["evaluation"].materialization.metadata
-    assert "metrics_table" in ev_meta and "pk_plot" in ev_meta and "mlflow_run_id" in ev_meta
+    assert {"metrics_table", "pk_plot", "decile_table", "decile_plot", "recall_by_frequency_plot",
+            "stage_seconds_table", "mlflow_run_id"} <= set(ev_meta)
+    assert ev_meta["decile_plot"].value.startswith("![")  # an inline PNG the UI renders
     p1 = ev_meta["P@1"].value
 
     mlflow.set_tracking_uri(tiny_home.mlflow_uri)
@@ -107,7 +109,15 @@ def test_materialize_all_assets_through_dagster_and_read_mlflow(tiny_home):
     hist = client.get_metric_history(by_asset["classifier"].info.run_id, "classifier_loss")
     assert [h.step for h in hist] == [1, 2, 3, 4]
     arts = {a.path for a in client.list_artifacts(ev.info.run_id)}
-    assert {"pk_plot.png", "metrics.json", "config.json"} <= arts
+    assert {"reports", "config.json"} <= arts
+    reports = {a.path for a in client.list_artifacts(ev.info.run_id, "reports")}
+    assert {"reports/pk_plot.png", "reports/decile_plot.png", "reports/recall_by_frequency.png",
+            "reports/metrics.json", "reports/reports.json"} <= reports
+    # model comparison: same metric names, params and per-stage training time on every evaluation run
+    assert ev.data.params["strategy"] == "ngame" and "tokenize.encoder" in ev.data.params
+    assert ev.data.metrics["stage_seconds.training_total"] > 0
+    assert {f"precision_at_{k}" for k in range(1, 11)} <= set(ev.data.metrics)
+    assert "coverage_at_5" in ev.data.metrics
 
 
 def test_partitions_follow_the_catalog(tiny_home, tmp_path):

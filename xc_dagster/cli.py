@@ -9,6 +9,8 @@
   xc-dagster quickstart            register the embedded LF-WordNetNouns (Titles) and materialize it
   xc-dagster materialize NAME      every asset of one partition, through `dagster asset materialize`
   xc-dagster metrics NAME          the test metrics of the last evaluation
+  xc-dagster compare NAME          the dataset's evaluation runs from MLflow, best first, with the papers'
+                                   published numbers for it as reference rows
   xc-dagster ui                    the commands that open the Dagster UI and the MLflow UI
   xc-dagster env                   shell exports of XC_HOME, DAGSTER_HOME, MLFLOW_TRACKING_URI
 
@@ -114,6 +116,22 @@ def print_metrics(home: Home, name: str) -> int:
     return 0
 
 
+def cmd_compare(args: argparse.Namespace, home: Home) -> int:
+    """Print the evaluation runs of a dataset, best first, with reference rows from the registry."""
+    from xc_dagster.comparison import COMPARE_METRICS, comparison_table, evaluation_runs, rank_runs, reference_rows
+
+    if args.sort not in COMPARE_METRICS:
+        raise XCConfigError(f"compare --sort {args.sort!r}: one of {', '.join(COMPARE_METRICS)}")
+    runs = rank_runs(evaluation_runs(home.mlflow_uri, args.name), args.sort)[:args.limit]
+    refs = reference_rows(args.name)
+    if not runs:
+        print(f"no finished evaluation runs for {args.name!r} in {home.mlflow_uri} "
+              f"(materialize it with: xc-dagster materialize {args.name})")
+    print(f"\n{args.name}: evaluation runs, best {args.sort} first (test split, %)\n")
+    print(comparison_table(runs, refs))
+    return 0
+
+
 def print_ui(home: Home) -> None:
     repo = Path(__file__).resolve().parent.parent
     ws = repo / "workspace.yaml"
@@ -196,6 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
     mat.add_argument("--select", default="*", help="Dagster asset selection (default: all)")
     met = sub.add_parser("metrics", help="print the last evaluation's test metrics")
     met.add_argument("name")
+    cmp_ = sub.add_parser("compare", help="compare the evaluation runs of a dataset (MLflow), best first")
+    cmp_.add_argument("name")
+    cmp_.add_argument("--sort", default="precision_at_1", help="metric to rank by (default precision_at_1)")
+    cmp_.add_argument("--limit", type=int, default=50, help="at most this many runs")
     sub.add_parser("ui", help="print the commands that open the Dagster and MLflow UIs")
     sub.add_parser("env", help="print shell exports for XC_HOME, DAGSTER_HOME, MLFLOW_TRACKING_URI")
     clk = sub.add_parser("clicks", help="click logs -> dataset partitions")
@@ -229,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
             return rc
         if args.cmd == "metrics":
             return print_metrics(home, args.name)
+        if args.cmd == "compare":
+            return cmd_compare(args, home)
         if args.cmd == "clicks":
             return {"build": cmd_clicks_build}[args.ccmd](args, home)
         if args.cmd == "ui":

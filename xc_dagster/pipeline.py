@@ -28,6 +28,7 @@ from xc_dagster.encoder import encode_tokens, load_encoder, load_tokenizer, save
 from xc_dagster.fusion import fit_alpha, load_fusion
 from xc_dagster.metrics import evaluate, inverse_propensity, recall_at, remove_filtered
 from xc_dagster.predict import shortlist, topk_from_scores
+from xc_dagster.reports import decile_contributions, decile_plot, pk_plot, recall_by_frequency, recall_plot
 from xc_dagster.sampling import validation_split
 from xc_dagster.siamese import train_siamese
 from xc_dagster.storage import ArtifactStore, load_json, save_json
@@ -176,7 +177,8 @@ def pretrain(ctx: StageContext) -> dict[str, Any]:
                "reclusterings": res.reclusterings,
                "points_per_s": res.points / max(res.seconds, 1e-9), "final_loss": res.final_loss,
                "encode_seconds": encode_s, "texts_per_s": (len(pt[1]) + len(lt[1])) / max(encode_s, 1e-9),
-               "device": str(ctx.device), "amp": str(dtype), "dim": encoder.dim}
+               "device": str(ctx.device), "amp": str(dtype), "dim": encoder.dim,
+               "seconds": res.seconds + encode_s}
     with ctx.store.writing(ctx.name, "pretrain") as out:
         save_encoder(encoder, load_tokenizer(ctx.cfg.tokenize.encoder), out / "encoder")
         np.save(out / "train_emb.npy", point_emb)
@@ -302,7 +304,7 @@ def evaluation(ctx: StageContext) -> dict[str, Any]:
     ids, scores = remove_filtered(ids, scores, ds.filter_test)  # reciprocal/self pairs never predicted
     t_pred = time.perf_counter() - t1
     inv = _inv_prop(ctx, ds.Y_train)
-    ks = tuple(sorted(set(p.ks) | set(range(1, 6))))
+    ks = tuple(sorted(set(p.ks) | set(range(1, 11))))  # k = 1..10 for the P@k / PSP@k curves
     metrics = evaluate(ids, ds.Y_test, ks=ks, inv_prop=inv, filter_pairs=ds.filter_test)
     metrics["shortlist_recall"] = recall_at(sl.ids, ds.Y_test)
     # each ranking on its own, for the ablation the papers report (encoder only / classifier only)
@@ -311,14 +313,38 @@ def evaluation(ctx: StageContext) -> dict[str, Any]:
         for k, v in evaluate(i2, ds.Y_test, ks=(1, 5), inv_prop=inv, filter_pairs=ds.filter_test).items():
             if k in ("precision_at_1", "precision_at_5", "psprecision_at_1", "psprecision_at_5"):
                 metrics[f"{name}_{k}"] = v
+    freq = np.load(ctx.dir("ingest") / "label_freq.npy")
+    deciles = decile_contributions(ids, ds.Y_test, freq, inv, metrics, k=5)
+    by_freq = recall_by_frequency(ids, ds.Y_test, freq, k=5, shortlist=sl.ids)
     summary = {"metrics": metrics, "alpha": fz.alpha, "n_test": int(len(q)), "encode_seconds": t_enc,
                "predict_seconds": t_pred, "ms_per_query_index_fusion": 1000 * t_pred / max(len(q), 1),
-               "seconds": time.perf_counter() - t0}
+               "stage_seconds": upstream_seconds(ctx), "seconds": time.perf_counter() - t0}
+    summary["stage_seconds"]["training_total"] = sum(summary["stage_seconds"].get(s, 0.0) for s in TRAINING_STAGES)
+    title = f"{ctx.name} ({ctx.cfg.strategy}, {ctx.cfg.preset})"
     with ctx.store.writing(ctx.name, "evaluate") as out:
         np.savez(out / "predictions.npz", ids=ids.astype(np.int32), scores=scores)
         save_json(out / "metrics.json", metrics)
+        save_json(out / "reports.json", {"deciles": deciles, "recall_by_frequency": by_freq})
+        pk_plot(metrics, out / REPORT_FILES["pk_plot"], title)
+        decile_plot(deciles, out / REPORT_FILES["decile_plot"], title)
+        recall_plot(by_freq, out / REPORT_FILES["recall_plot"], title)
         save_json(out / "summary.json", summary)
     return summary
+
+
+TRAINING_STAGES = ("pretrain", "mining", "classifier", "index", "fusion")
+REPORT_FILES = {"pk_plot": "pk_plot.png", "decile_plot": "decile_plot.png", "recall_plot": "recall_by_frequency.png"}
+
+
+def upstream_seconds(ctx: StageContext) -> dict[str, float]:
+    """Wall seconds of every stage before evaluation, from the summaries they recorded (model comparison)."""
+    out: dict[str, float] = {}
+    for stage in STAGE_ORDER[:-1]:
+        path = ctx.store.stage_dir(ctx.name, stage) / "summary.json"
+        if path.exists():
+            s = load_json(path)
+            out[stage] = float(s.get("seconds", s.get("train_seconds", 0.0) + s.get("encode_seconds", 0.0)))
+    return out
 
 
 STAGES: dict[str, Callable[[StageContext], dict[str, Any]]] = {

@@ -119,3 +119,62 @@ def verify_counts(dataset: str, stats: dict[str, Any], known: KnownDataset | Non
     bad = count_mismatches(stats, known)
     if bad:
         raise XCCountMismatch(dataset, bad, known.name, where)
+
+
+@dataclass(frozen=True)
+class ReferenceResult:
+    """A published or team-measured result on a known dataset, shown beside a user's runs (values in %)."""
+
+    method: str
+    source: str  # where the number comes from: paper and table, or how/where it was measured
+    metrics: dict[str, float]  # precision_at_1, psprecision_at_5, ... in percent
+    train_hours: float | None = None
+
+
+def _ref(method: str, source: str, hours: float | None = None, **metrics: float) -> ReferenceResult:
+    return ReferenceResult(method, source, dict(metrics), hours)
+
+
+_NGAME = "NGAME paper, one V100"
+_WORDNET_REFS = "measured by the team on a 2-core CPU, same split, filters removed, A/B 0.55/1.5"
+
+REFERENCE_RESULTS: dict[str, tuple[ReferenceResult, ...]] = {
+    "LF-AmazonTitles-131K": (
+        _ref("NGAME", _NGAME, 12.59, precision_at_1=46.01, precision_at_3=30.28, precision_at_5=21.47,
+             psprecision_at_1=38.81, psprecision_at_3=44.40, psprecision_at_5=49.43),
+        _ref("ASTRA", "ASTRA paper, one V100", 2.02, precision_at_1=46.20, precision_at_3=30.72,
+             precision_at_5=21.95, psprecision_at_1=39.36, psprecision_at_5=50.57),
+        _ref("SiameseXML", "SiameseXML paper, one V100", 1.13, precision_at_1=41.42, precision_at_5=21.21,
+             psprecision_at_1=35.80, psprecision_at_5=46.19),
+        _ref("NGAME encoder only", "NGAME ablation", precision_at_1=42.61, precision_at_5=20.69),
+        _ref("NGAME classifier only", "NGAME ablation", precision_at_1=44.95, precision_at_5=21.20),
+    ),
+    "LF-AmazonTitles-1.3M": (
+        _ref("NGAME", _NGAME, precision_at_1=56.75, precision_at_5=44.09, psprecision_at_1=29.18),
+    ),
+    "Amazon-670K": (
+        _ref("MIPS-s (BERT)", "Qaraei & Babbar", precision_at_1=46.1),
+        _ref("LightXML", "as reported by Qaraei & Babbar", precision_at_1=46.8),
+    ),
+    "LF-WordNetNounsTitles": (
+        _ref("Omikuji (Parabel-like, TF-IDF 1-2 grams)", _WORDNET_REFS, precision_at_1=27.6,
+             psprecision_at_1=13.8),
+        _ref("napkinXC (PLT)", _WORDNET_REFS, precision_at_1=27.0),
+        _ref("MiniLM zero-shot", _WORDNET_REFS, precision_at_1=12.4, psprecision_at_1=14.4),
+    ),
+    "LF-WordNetNouns": (
+        _ref("Omikuji (Parabel-like, TF-IDF 1-2 grams)", _WORDNET_REFS, precision_at_1=59.2,
+             psprecision_at_1=29.7),
+        _ref("MiniLM zero-shot", _WORDNET_REFS, precision_at_1=24.4, psprecision_at_1=26.8),
+    ),
+    "Bibtex": (
+        _ref("Omikuji (Parabel-like)", "measured by the team on a 2-core CPU, same split, A/B 0.55/1.5",
+             precision_at_1=64.0, psprecision_at_1=50.0),
+    ),
+}
+
+
+def reference_results(name: str) -> tuple[ReferenceResult, ...]:
+    """Published/measured reference results of a known dataset (by registry name), empty if none."""
+    known = lookup(name)
+    return REFERENCE_RESULTS.get(known.name, ()) if known is not None else ()
