@@ -1,9 +1,11 @@
 """One-vs-all classifiers W (NGAME M2/M4, SiameseXML Module IV) on a frozen encoder.
 
 w_l starts from the label embedding E(z_l) (Module III transfer) and is trained on each point's positives
-plus the hardest of its mined shortlist negatives, re-ranked by the current W every step. W is an
-``nn.Embedding(sparse=True)`` updated with SparseAdam: a step touches only the rows it scored, so memory
-and time per step do not grow with L.
+plus the hardest negatives under the current W, re-ranked every step, from one of two candidate pools:
+the point's mined ANNS shortlist (SiameseXML Module IV), or NGAME M2's in-batch negatives -- the positives
+of the other points of the batch, where a batch is a union of clusters of the (frozen) point embeddings so
+those are hard negatives -- or both. W is an ``nn.Embedding(sparse=True)`` updated with SparseAdam: a step
+touches only the rows it scored, so memory and time per step do not grow with L.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import scipy.sparse as sp
 import torch
 import torch.nn.functional as F
 
+from xc_dagster.clustering import balanced_clusters, cluster_batches
 from xc_dagster.config import ClassifierParams
 from xc_dagster.errors import XCConfigError
 from xc_dagster.losses import masked_bce_loss, multi_positive_triplet_loss
@@ -24,6 +27,52 @@ from xc_dagster.sampling import positive_mask, sample_positives
 
 MetricsFn = Callable[[int, dict[str, float]], None]
 LOSSES = ("bce", "triplet")
+NEGATIVES = ("shortlist", "in-batch", "both")
+
+
+def classifier_batches(rows: np.ndarray, params: ClassifierParams,
+                       rng: np.random.Generator, clusters: np.ndarray | None) -> list[np.ndarray]:
+    """One epoch of batches: random, or unions of random clusters (``clusters``: cluster id per point)."""
+    if clusters is None:
+        perm = rng.permutation(rows)
+        return [perm[s:s + params.batch_size] for s in range(0, len(perm), params.batch_size)]
+    return cluster_batches(clusters, rows, params.batch_size, rng)
+
+
+def hardest_negatives(x: torch.Tensor, W: torch.Tensor, batch: np.ndarray, pos: np.ndarray,
+                      shortlist: np.ndarray, Y: sp.csr_matrix, mode: str, num: int) -> torch.Tensor:
+    """The ``num`` hardest negatives (highest w_l.x under the current W) per point of ``batch``, -1 padded.
+
+    Candidate pools: ``shortlist`` = the point's mined labels; ``in-batch`` = every label sampled as a positive
+    by a point of the batch (NGAME M2: with cluster batches these are labels of similar points), scored with
+    one (B x U) matmul; ``both`` = their union (a label in both pools counts once). True positives of the
+    point are never negatives.
+    """
+    ids, scores = [], []
+    with torch.no_grad():
+        if mode in ("shortlist", "both"):
+            c = shortlist[batch].astype(np.int64)
+            c = np.where(positive_mask(Y, batch, c), -1, c)
+            ct = torch.from_numpy(c).to(x.device)
+            ids.append(ct)
+            scores.append(torch.einsum("bd,bkd->bk", x, W[ct.clamp_min(0)]).masked_fill(ct < 0, float("-inf")))
+        if mode in ("in-batch", "both"):
+            u = np.unique(pos[pos >= 0])
+            ub = np.broadcast_to(u, (len(batch), len(u)))
+            drop = positive_mask(Y, batch, ub)
+            if mode == "both":  # already a candidate from the shortlist
+                c = shortlist[batch]
+                r = np.repeat(np.arange(len(batch)), c.shape[1])[c.ravel() >= 0]
+                S = sp.csr_matrix((np.ones(len(r), dtype=np.int8), (r, c.ravel()[c.ravel() >= 0])),
+                                  shape=(len(batch), W.shape[0]))
+                drop |= positive_mask(S, np.arange(len(batch)), ub)
+            ut = torch.from_numpy(u).to(x.device)
+            drop_t = torch.from_numpy(drop).to(x.device)
+            ids.append(ut.expand(len(batch), -1).masked_fill(drop_t, -1))
+            scores.append((x @ W[ut].T).masked_fill(drop_t, float("-inf")))
+        cand, sc = torch.cat(ids, 1), torch.cat(scores, 1)
+        top = sc.topk(min(num, sc.shape[1]), dim=1)
+        return torch.gather(cand, 1, top.indices).masked_fill(torch.isinf(top.values), -1)
 
 
 def train_classifiers(point_emb: np.ndarray, label_emb: np.ndarray, Y: sp.csr_matrix, shortlist: np.ndarray,
@@ -32,6 +81,8 @@ def train_classifiers(point_emb: np.ndarray, label_emb: np.ndarray, Y: sp.csr_ma
     """Return W (L x D float32) and a summary; ``shortlist[i]`` are point i's mined candidate labels (-1 pad)."""
     if params.loss not in LOSSES:
         raise XCConfigError(f"classifier.loss: expected one of {LOSSES}, got {params.loss!r}")
+    if params.negatives not in NEGATIVES:
+        raise XCConfigError(f"classifier.negatives: expected one of {NEGATIVES}, got {params.negatives!r}")
     Y = Y.tocsr()
     rows = np.asarray(train_rows, dtype=np.int64)
     rows = rows[np.diff(Y.indptr)[rows] > 0]
@@ -42,25 +93,19 @@ def train_classifiers(point_emb: np.ndarray, label_emb: np.ndarray, Y: sp.csr_ma
         W.weight.copy_(torch.from_numpy(np.ascontiguousarray(label_emb, dtype=np.float32)))
     opt = torch.optim.SparseAdam(W.parameters(), lr=params.lr)
     X = torch.from_numpy(np.ascontiguousarray(point_emb, dtype=np.float32))
-    n_neg = min(params.num_negatives, shortlist.shape[1])
     steps, t0, last = 0, time.perf_counter(), float("nan")
     steps_per_epoch = math.ceil(len(rows) / params.batch_size)
+    # the encoder is frozen, so the point embeddings and hence their clusters are fixed: cluster once
+    clusters = None
+    if params.cluster_size > 1:
+        clusters = np.full(len(point_emb), -1, dtype=np.int64)
+        clusters[rows] = balanced_clusters(point_emb[rows], params.cluster_size, seed=params.seed)
     for epoch in range(params.epochs):
-        perm = rng.permutation(rows)
         ep_loss = []
-        for s in range(0, len(perm), params.batch_size):
-            batch = perm[s:s + params.batch_size]
+        for batch in classifier_batches(rows, params, rng, clusters):
             pos = sample_positives(Y, batch, params.num_positives, rng)
-            cand = shortlist[batch].astype(np.int64)
-            cand_is_pos = positive_mask(Y, batch, cand)
-            cand = np.where(cand_is_pos, -1, cand)  # positives never act as negatives
             x = X[batch].to(device)
-            c_t = torch.from_numpy(cand).to(device)
-            with torch.no_grad():  # hardest negatives under the current W
-                cs = torch.einsum("bd,bkd->bk", x, W.weight[c_t.clamp_min(0)])
-                cs = cs.masked_fill(c_t < 0, float("-inf"))
-                hard = cs.topk(n_neg, dim=1).indices
-            neg = torch.gather(c_t, 1, hard)
+            neg = hardest_negatives(x, W.weight, batch, pos, shortlist, Y, params.negatives, params.num_negatives)
             ids = torch.cat([torch.from_numpy(pos).to(device), neg], dim=1)
             valid = ids >= 0
             is_pos = torch.zeros_like(valid)
@@ -85,4 +130,6 @@ def train_classifiers(point_emb: np.ndarray, label_emb: np.ndarray, Y: sp.csr_ma
     if params.normalize:
         Wn = F.normalize(Wn, dim=-1)
     return Wn.cpu().numpy().astype(np.float32), {"steps": steps, "seconds": time.perf_counter() - t0,
-                                                 "final_loss": last, "steps_per_epoch": steps_per_epoch}
+                                                 "final_loss": last, "steps_per_epoch": steps_per_epoch,
+                                                 "negatives": params.negatives,
+                                                 "clusters": 0 if clusters is None else int(clusters.max() + 1)}

@@ -83,7 +83,9 @@ class ClassifierParams:
     lr: float = 1e-3  # SparseAdam (NGAME code: 1e-3)
     loss: str = "triplet"  # "triplet" (NGAME M2: multi-positive hinge) | "bce"
     num_positives: int = 3  # positives sampled per point per step
-    num_negatives: int = 50  # hardest shortlist negatives (under the current W) per point per step
+    num_negatives: int = 50  # hardest negatives (under the current W) per point per step
+    negatives: str = "shortlist"  # "shortlist" (mined ANNS) | "in-batch" (NGAME M2) | "both" (their union)
+    cluster_size: int = 0  # >1: batches are unions of clusters of this many points (NGAME); 0/1: random
     margin: float = 0.2  # triplet loss only
     scale: float = 10.0  # bce only: logit = scale * w.x
     normalize: bool = True  # keep every w_l at unit norm (NGAME M2), same scale as embedding scores
