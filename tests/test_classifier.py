@@ -95,3 +95,35 @@ def test_bad_negatives_value_names_the_field():
     X, E, Y, sl = _planted(n=20)
     with pytest.raises(XCConfigError, match="classifier.negatives"):
         train_classifiers(X, E, Y, sl, np.arange(20), ClassifierParams(negatives="random"), torch.device("cpu"))
+
+
+class Killed(Exception):
+    pass
+
+
+def test_killed_run_resumes_from_its_checkpoint_to_the_same_weights(tmp_path):
+    from xc_dagster.checkpoint import Checkpointer, fingerprint
+
+    X, E, Y, sl = _planted(n=200)
+    params = ClassifierParams(epochs=5, batch_size=32, lr=0.02, num_negatives=4, negatives="both",
+                              cluster_size=8, num_positives=2)
+    rows = np.arange(len(X))
+    W_full, s_full = train_classifiers(X, E, Y, sl, rows, params, torch.device("cpu"))
+
+    key = fingerprint(params.__dict__, X, E, sl, rows)
+    ckpt = Checkpointer(tmp_path / "ckpt", key)
+
+    def kill_after_epoch_3(step: int, values: dict) -> None:
+        if step == 3:
+            raise Killed
+
+    with pytest.raises(Killed):
+        train_classifiers(X, E, Y, sl, rows, params, torch.device("cpu"), kill_after_epoch_3, ckpt)
+    assert (tmp_path / "ckpt" / "state.pt").exists()
+    # a checkpoint of other hyperparameters or inputs is never resumed from
+    other = Checkpointer(tmp_path / "ckpt", fingerprint({**params.__dict__, "lr": 0.5}, X, E, sl, rows))
+    assert other.load() is None
+    W_res, s_res = train_classifiers(X, E, Y, sl, rows, params, torch.device("cpu"), None, ckpt)
+    assert s_res["resumed_from_epoch"] == 3 and s_res["steps"] == s_full["steps"]
+    assert np.array_equal(W_res, W_full)
+    assert s_res["final_loss"] == s_full["final_loss"]

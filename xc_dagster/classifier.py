@@ -19,6 +19,7 @@ import scipy.sparse as sp
 import torch
 import torch.nn.functional as F
 
+from xc_dagster.checkpoint import Checkpointer, restore_rng
 from xc_dagster.clustering import balanced_clusters, cluster_batches
 from xc_dagster.config import ClassifierParams
 from xc_dagster.errors import XCConfigError
@@ -77,8 +78,13 @@ def hardest_negatives(x: torch.Tensor, W: torch.Tensor, batch: np.ndarray, pos: 
 
 def train_classifiers(point_emb: np.ndarray, label_emb: np.ndarray, Y: sp.csr_matrix, shortlist: np.ndarray,
                       train_rows: np.ndarray, params: ClassifierParams, device: torch.device,
-                      log_metrics: MetricsFn | None = None) -> tuple[np.ndarray, dict[str, float]]:
-    """Return W (L x D float32) and a summary; ``shortlist[i]`` are point i's mined candidate labels (-1 pad)."""
+                      log_metrics: MetricsFn | None = None,
+                      checkpoint: Checkpointer | None = None) -> tuple[np.ndarray, dict[str, float]]:
+    """Return W (L x D float32) and a summary; ``shortlist[i]`` are point i's mined candidate labels (-1 pad).
+
+    With ``checkpoint``, the state is saved after every epoch and a matching checkpoint is resumed from: the
+    result equals an uninterrupted run's (same seed).
+    """
     if params.loss not in LOSSES:
         raise XCConfigError(f"classifier.loss: expected one of {LOSSES}, got {params.loss!r}")
     if params.negatives not in NEGATIVES:
@@ -100,7 +106,15 @@ def train_classifiers(point_emb: np.ndarray, label_emb: np.ndarray, Y: sp.csr_ma
     if params.cluster_size > 1:
         clusters = np.full(len(point_emb), -1, dtype=np.int64)
         clusters[rows] = balanced_clusters(point_emb[rows], params.cluster_size, seed=params.seed)
-    for epoch in range(params.epochs):
+    start = 0
+    resumed = checkpoint.load() if checkpoint is not None else None
+    if resumed is not None:
+        with torch.no_grad():
+            W.weight.copy_(resumed.state["W"].to(device))
+        opt.load_state_dict(resumed.state["opt"])
+        restore_rng(rng, resumed)
+        start, steps = resumed.epoch, int(resumed.state["steps"])
+    for epoch in range(start, params.epochs):
         ep_loss = []
         for batch in classifier_batches(rows, params, rng, clusters):
             pos = sample_positives(Y, batch, params.num_positives, rng)
@@ -124,6 +138,8 @@ def train_classifiers(point_emb: np.ndarray, label_emb: np.ndarray, Y: sp.csr_ma
             steps += 1
             ep_loss.append(float(loss.detach()))
         last = float(np.mean(ep_loss)) if ep_loss else float("nan")
+        if checkpoint is not None:
+            checkpoint.save(epoch + 1, {"W": W.weight.detach().cpu(), "opt": opt.state_dict(), "steps": steps}, rng)
         if log_metrics is not None:
             log_metrics(epoch + 1, {"classifier_loss": last})
     Wn = W.weight.detach()
@@ -131,5 +147,5 @@ def train_classifiers(point_emb: np.ndarray, label_emb: np.ndarray, Y: sp.csr_ma
         Wn = F.normalize(Wn, dim=-1)
     return Wn.cpu().numpy().astype(np.float32), {"steps": steps, "seconds": time.perf_counter() - t0,
                                                  "final_loss": last, "steps_per_epoch": steps_per_epoch,
-                                                 "negatives": params.negatives,
+                                                 "negatives": params.negatives, "resumed_from_epoch": start,
                                                  "clusters": 0 if clusters is None else int(clusters.max() + 1)}

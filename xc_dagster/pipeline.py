@@ -7,6 +7,7 @@ from a script or notebook (``run_all``). Each stage writes atomically into
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ import torch
 
 from xc_dagster.ann import LabelIndex
 from xc_dagster.catalog import BUILTIN_PREFIX, DatasetSpec, builtin_path
+from xc_dagster.checkpoint import Checkpointer, fingerprint
 from xc_dagster.classifier import train_classifiers
 from xc_dagster.config import PipelineConfig
 from xc_dagster.data import XCDataset, load_dataset, read_dataset, resolve_source, save_dataset
@@ -58,6 +60,10 @@ class StageContext:
 
     def dir(self, stage: str) -> Path:
         return self.store.require(self.name, stage)
+
+    def checkpoint_dir(self, stage: str) -> Path:
+        """Where ``stage`` keeps its per-epoch training checkpoint (removed once its artifacts are written)."""
+        return self.store.root / self.name / "_checkpoints" / stage
 
 
 def _fields(text: str) -> tuple[str, ...]:
@@ -221,10 +227,13 @@ def classifier(ctx: StageContext) -> dict[str, Any]:
     ds = _labels(ctx)
     valid = np.load(ctx.dir("ingest") / "valid_rows.npy")
     rows = np.setdiff1d(np.arange(ds.num_train), valid)
-    W, summary = train_classifiers(point_emb, label_emb, ds.Y_train, sl, rows, p, ctx.device, ctx.log_metrics)
+    key = fingerprint(dataclasses.asdict(p), point_emb, label_emb, sl, rows)
+    ckpt = Checkpointer(ctx.checkpoint_dir("classifier"), key)
+    W, summary = train_classifiers(point_emb, label_emb, ds.Y_train, sl, rows, p, ctx.device, ctx.log_metrics, ckpt)
     with ctx.store.writing(ctx.name, "classifier") as out:
         np.save(out / "W.npy", W)
         save_json(out / "summary.json", summary)
+    ckpt.clear()
     ctx.info(f"classifier {ctx.name}: {summary['steps']} steps in {summary['seconds']:.0f}s")
     return summary
 
@@ -300,7 +309,7 @@ def evaluation(ctx: StageContext) -> dict[str, Any]:
     fz = load_fusion(load_json(ctx.dir("fusion") / "fusion.json"))
     t1 = time.perf_counter()
     sl = shortlist(q, m.W, m.label_emb, m.w_index, m.e_index, ctx.cfg.index.shortlist_size)
-    ids, scores = topk_from_scores(sl.ids, fz.score(sl), p.top_k)
+    ids, scores = topk_from_scores(sl.ids, fz.score(sl, _inv_prop(ctx, ds.Y_train)), p.top_k)
     ids, scores = remove_filtered(ids, scores, ds.filter_test)  # reciprocal/self pairs never predicted
     t_pred = time.perf_counter() - t1
     inv = _inv_prop(ctx, ds.Y_train)

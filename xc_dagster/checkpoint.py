@@ -1,0 +1,79 @@
+"""Per-epoch training checkpoints, so a killed materialization resumes where it stopped.
+
+A checkpoint is one file, ``state.pt``: model and optimizer state, the torch and numpy generator states, the
+next epoch and a fingerprint of the configuration and inputs (tensors, numbers and strings only, read back
+with ``torch.load(weights_only=True)``, so loading executes no code). It is written to a temporary name and
+renamed over the previous one, so a kill mid-write leaves the previous checkpoint intact. A checkpoint whose
+fingerprint differs from the current run's (other hyperparameters, other upstream artifacts) is ignored and
+overwritten, never resumed from. The stage removes its checkpoint once its artifacts are written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def fingerprint(params: Any, *arrays: np.ndarray) -> str:
+    """A short hash of the stage's hyperparameters and of its input arrays (shape, dtype and contents)."""
+    h = hashlib.sha256(json.dumps(params, sort_keys=True, default=str).encode())
+    for a in arrays:
+        a = np.ascontiguousarray(a)
+        h.update(f"{a.shape}{a.dtype}".encode())
+        h.update(memoryview(a).cast("B"))
+    return h.hexdigest()[:32]
+
+
+@dataclass
+class Resumed:
+    """What a checkpoint restores: the next epoch to run, the tensors, and the numpy generator state."""
+
+    epoch: int
+    state: dict[str, Any]
+    rng_state: dict[str, Any]
+
+
+class Checkpointer:
+    """Save/restore the training state of one stage in ``folder`` (None disables checkpointing)."""
+
+    def __init__(self, folder: Path | None, key: str):
+        self.folder = Path(folder) if folder is not None else None
+        self.key = key
+
+    def load(self) -> Resumed | None:
+        """The saved state if it belongs to this run (same fingerprint), else None."""
+        path = None if self.folder is None else self.folder / "state.pt"
+        if path is None or not path.exists():
+            return None
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if state.get("key") != self.key:
+            return None
+        return Resumed(int(state["epoch"]), state, state["rng_state"])
+
+    def save(self, epoch: int, state: dict[str, Any], rng: np.random.Generator) -> None:
+        """Record that epochs ``< epoch`` are done, with the state to continue from."""
+        if self.folder is None:
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        tmp = self.folder / "state.pt.tmp"
+        torch.save({**state, "key": self.key, "epoch": int(epoch), "rng_state": rng.bit_generator.state,
+                    "torch_rng": torch.get_rng_state()}, tmp)
+        os.replace(tmp, self.folder / "state.pt")
+
+    def clear(self) -> None:
+        if self.folder is not None and self.folder.exists():
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def restore_rng(rng: np.random.Generator, resumed: Resumed) -> None:
+    """Put ``rng`` and torch's global generator back where the checkpoint left them."""
+    rng.bit_generator.state = resumed.rng_state
+    torch.set_rng_state(resumed.state["torch_rng"])
