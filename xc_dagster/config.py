@@ -94,11 +94,20 @@ class ClassifierParams:
 
 @dataclass
 class FusionParams:
-    """Score fusion fitted on the validation split: a * classifier + (1 - a) * embedding."""
+    """Score fusion fitted on the validation split's shortlists (see ``xc_dagster.fusion``).
 
-    method: str = "alpha"
-    objective: str = "precision_at_1"
-    grid_step: float = 0.05
+    ``alpha``: a * classifier + (1 - a) * embedding, a grid-searched. ``tree`` (NGAME): T(d) + embedding +
+    classifier, T a depth-7 tree on d = (embedding score, classifier score, inverse propensity).
+    """
+
+    method: str = "alpha"  # "alpha" | "tree"
+    objective: str = "precision_at_1"  # alpha: grid-search target; tree: reported validation objective
+    grid_step: float = 0.05  # alpha only
+    tree_depth: int = 7  # NGAME: a depth-7 tree
+    tree_min_samples_leaf: int = 1  # sklearn's default (the paper: "a standard regression tree")
+    tree_max_samples: int = 500_000  # candidates subsampled (seeded) to fit the tree; 0 = all
+    tree_add_positives: bool = True  # NGAME paper: fit on shortlist u positives (code: shortlist only)
+    seed: int = 0
 
 
 @dataclass

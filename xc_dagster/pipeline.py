@@ -27,7 +27,7 @@ from xc_dagster.data.checks import check_counts, compute_checks, label_frequenci
 from xc_dagster.data.registry import verify_counts
 from xc_dagster.device import amp_dtype, resolve_device, seed_everything
 from xc_dagster.encoder import encode_tokens, load_encoder, load_tokenizer, save_encoder
-from xc_dagster.fusion import fit_alpha, load_fusion
+from xc_dagster.fusion import check_method, fit_fusion, load_fusion, missed_positive_features
 from xc_dagster.metrics import evaluate, inverse_propensity, recall_at, remove_filtered
 from xc_dagster.predict import shortlist, topk_from_scores
 from xc_dagster.reports import decile_contributions, decile_plot, pk_plot, recall_by_frequency, recall_plot
@@ -273,25 +273,33 @@ def load_model(ctx: StageContext) -> LoadedModel:
 
 
 def fusion(ctx: StageContext) -> dict[str, Any]:
-    """Fit the score fusion on the held-out validation points' shortlists from the deployed indexes."""
+    """Fit the score fusion ``fusion.method`` on the held-out validation points' shortlists (deployed indexes).
+
+    The fitted fusion is plain JSON (a tree as arrays), loadable without executing code.
+    """
     t0 = time.perf_counter()
+    p = ctx.cfg.fusion
+    check_method(p.method)  # a bad method fails before any work
     ds = _labels(ctx)
     valid = np.load(ctx.dir("ingest") / "valid_rows.npy")
-    if len(valid) == 0:
+    if len(valid) == 0:  # alpha 0.5 ranks as the tree's T-free score emb + clf
         fit = {"method": "alpha", "alpha": 0.5, "grid": [], "note": "no validation rows; alpha defaulted"}
+        fit_summary = {"method": "alpha", "alpha": 0.5, "note": fit["note"]}
     else:
         m = load_model(ctx)
         q = np.load(ctx.dir("pretrain") / "train_emb.npy", mmap_mode="r")[valid]
         sl = shortlist(q, m.W, m.label_emb, m.w_index, m.e_index, ctx.cfg.index.shortlist_size)
-        f = fit_alpha(sl, ds.Y_train[valid], ctx.cfg.fusion, _inv_prop(ctx, ds.Y_train),
-                      _filter_rows(ds.filter_train, valid))
-        fit = f.to_dict()
-    summary = {"alpha": fit["alpha"], "objective": ctx.cfg.fusion.objective, "n_valid": int(len(valid)),
+        inv, Yv = _inv_prop(ctx, ds.Y_train), ds.Y_train[valid]
+        extra = (missed_positive_features(sl, Yv, q, m.W, m.label_emb, inv)
+                 if p.method == "tree" and p.tree_add_positives else None)
+        f = fit_fusion(sl, Yv, p, inv, _filter_rows(ds.filter_train, valid), extra=extra)
+        fit, fit_summary = f.to_dict(), f.summary()
+    summary = {**fit_summary, "objective": p.objective, "n_valid": int(len(valid)),
                "seconds": time.perf_counter() - t0}
     with ctx.store.writing(ctx.name, "fusion") as out:
         save_json(out / "fusion.json", fit)
         save_json(out / "summary.json", summary)
-    ctx.info(f"fusion {ctx.name}: alpha={fit['alpha']}")
+    ctx.info(f"fusion {ctx.name}: " + ", ".join(f"{k}={v}" for k, v in fit_summary.items()))
     return summary
 
 
@@ -309,10 +317,10 @@ def evaluation(ctx: StageContext) -> dict[str, Any]:
     fz = load_fusion(load_json(ctx.dir("fusion") / "fusion.json"))
     t1 = time.perf_counter()
     sl = shortlist(q, m.W, m.label_emb, m.w_index, m.e_index, ctx.cfg.index.shortlist_size)
-    ids, scores = topk_from_scores(sl.ids, fz.score(sl, _inv_prop(ctx, ds.Y_train)), p.top_k)
+    inv = _inv_prop(ctx, ds.Y_train)
+    ids, scores = topk_from_scores(sl.ids, fz.score(sl, inv), p.top_k)
     ids, scores = remove_filtered(ids, scores, ds.filter_test)  # reciprocal/self pairs never predicted
     t_pred = time.perf_counter() - t1
-    inv = _inv_prop(ctx, ds.Y_train)
     ks = tuple(sorted(set(p.ks) | set(range(1, 11))))  # k = 1..10 for the P@k / PSP@k curves
     metrics = evaluate(ids, ds.Y_test, ks=ks, inv_prop=inv, filter_pairs=ds.filter_test)
     metrics["shortlist_recall"] = recall_at(sl.ids, ds.Y_test)
@@ -325,7 +333,7 @@ def evaluation(ctx: StageContext) -> dict[str, Any]:
     freq = np.load(ctx.dir("ingest") / "label_freq.npy")
     deciles = decile_contributions(ids, ds.Y_test, freq, inv, metrics, k=5)
     by_freq = recall_by_frequency(ids, ds.Y_test, freq, k=5, shortlist=sl.ids)
-    summary = {"metrics": metrics, "alpha": fz.alpha, "n_test": int(len(q)), "encode_seconds": t_enc,
+    summary = {"metrics": metrics, "fusion": fz.summary(), "n_test": int(len(q)), "encode_seconds": t_enc,
                "predict_seconds": t_pred, "ms_per_query_index_fusion": 1000 * t_pred / max(len(q), 1),
                "stage_seconds": upstream_seconds(ctx), "seconds": time.perf_counter() - t0}
     summary["stage_seconds"]["training_total"] = sum(summary["stage_seconds"].get(s, 0.0) for s in TRAINING_STAGES)

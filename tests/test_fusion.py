@@ -1,0 +1,236 @@
+"""Score fusion: the alpha blend and NGAME's tree fusion (numpy predictor, JSON round trip, formula, errors)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+from sklearn.tree import DecisionTreeClassifier
+
+from xc_dagster.config import FusionParams
+from xc_dagster.errors import XCConfigError
+from xc_dagster.fusion import (AlphaFusion, TreeFusion, _objective, _tree_from_sklearn, check_method, fit_alpha,
+                               fit_fusion, fit_tree, load_fusion, missed_positive_features)
+from xc_dagster.metrics import evaluate
+from xc_dagster.predict import Shortlist, topk_from_scores
+
+
+def _roundtrip(f):
+    return load_fusion(json.loads(json.dumps(f.to_dict())))
+
+
+def _synthetic(n: int, L: int = 400, C: int = 20, seed: int = 0, inv_prop: np.ndarray | None = None):
+    """Shortlists where relevance depends non-linearly on the scores and on the label's inverse propensity.
+
+    Head labels (low inv_prop) are relevant when the classifier score is high, tail labels when the
+    embedding score is high: no single blend a*clf + (1-a)*emb ranks both well, a tree that splits on
+    inv_prop does.
+    """
+    rng = np.random.default_rng(seed)
+    if inv_prop is None:
+        inv_prop = np.where(rng.random(L) < 0.5, rng.uniform(1.0, 2.0, L), rng.uniform(4.0, 8.0, L))
+    ids = np.argsort(rng.random((n, L)), axis=1)[:, :C].astype(np.int64)
+    clf = rng.random((n, C)).astype(np.float32)
+    emb = rng.random((n, C)).astype(np.float32)
+    tail = inv_prop[ids] > 3.0
+    signal = np.where(tail, emb, clf)
+    p = np.where(signal > 0.85, 0.9, 0.02)
+    rel = rng.random((n, C)) < p
+    ids[:, -2:] = -1  # padding
+    clf[:, -2:] = -np.inf
+    emb[:, -2:] = -np.inf
+    rel[:, -2:] = False
+    r, c = np.nonzero(rel)
+    Y = sp.csr_matrix((np.ones(len(r)), (r, ids[r, c])), shape=(n, L))
+    return Shortlist(ids, clf, emb), Y, inv_prop
+
+
+# ----------------------------------------------------------------------------------------- numpy tree
+
+def test_numpy_tree_equals_sklearn_predict_proba():
+    rng = np.random.default_rng(1)
+    X = rng.normal(size=(3000, 3)).astype(np.float32)
+    y = ((X[:, 0] * X[:, 1] > 0.2) ^ (X[:, 2] > 0.5)).astype(int)
+    y[rng.random(len(y)) < 0.1] ^= 1
+    est = DecisionTreeClassifier(max_depth=7, random_state=0).fit(X, y)
+    tree = _tree_from_sklearn(est, None, {})
+    Xt = rng.normal(size=(5000, 3)).astype(np.float32)
+    # values exactly at and next to the thresholds exercise the <= comparison on float32 features
+    inner = tree.children_left >= 0
+    thr = tree.threshold[inner].astype(np.float32)
+    feat = tree.feature[inner]
+    edge = rng.normal(size=(3 * len(thr), 3)).astype(np.float32)
+    for j, delta in enumerate((0, 1, -1)):
+        vals = np.nextafter(thr, np.float32(np.inf * delta)) if delta else thr
+        edge[j * len(thr) + np.arange(len(thr)), feat] = vals
+    Xt = np.concatenate([Xt, edge])
+    np.testing.assert_array_equal(tree.predict_proba(Xt), est.predict_proba(Xt)[:, 1])
+    assert tree.max_depth == 7 and (tree.children_left == -1).sum() == est.get_n_leaves()
+
+
+def test_constant_and_one_class_trees():
+    sl, Y, inv = _synthetic(30, seed=3)
+    f = fit_tree(sl, sp.csr_matrix(Y.shape), FusionParams(method="tree"), inv)  # no positives at all
+    assert f.info["n_positive"] == 0 and len(f.leaf_prob) == 1 and f.leaf_prob[0] == 0.0
+    s = f.score(sl, inv)
+    ok = sl.ids >= 0
+    np.testing.assert_allclose(s[ok], (sl.clf + sl.emb)[ok], rtol=1e-6)
+
+
+# --------------------------------------------------------------------------------------- score formula
+
+def test_final_score_hand_example_and_padding():
+    # root: inv_prop (feature 2) <= 2.0 -> leaf 1 (P = 0.1), else leaf 2 (P = 0.9)
+    tree = TreeFusion([1, -1, -1], [2, -1, -1], [2, -2, -2], [2.0, -2.0, -2.0], [0.5, 0.1, 0.9], 1, 3)
+    sl = Shortlist(np.array([[0, 1, -1], [2, -1, -1]]),
+                   np.array([[0.5, 0.2, -np.inf], [-0.1, -np.inf, -np.inf]], dtype=np.float32),
+                   np.array([[0.3, 0.4, -np.inf], [0.25, -np.inf, -np.inf]], dtype=np.float32))
+    inv = np.array([1.5, 3.0, 2.0])
+    s = tree.score(sl, inv)
+    want = np.array([[0.1 + 0.3 + 0.5, 0.9 + 0.4 + 0.2, -np.inf], [0.1 + 0.25 - 0.1, -np.inf, -np.inf]],
+                    dtype=np.float32)
+    np.testing.assert_allclose(s, want, rtol=1e-6)
+    assert s.dtype == np.float32 and np.isneginf(s[sl.ids < 0]).all()
+    # the alpha fusion ignores inv_prop and also pads with -inf
+    a = AlphaFusion(0.25).score(sl, inv)
+    np.testing.assert_allclose(a[0, :2], [0.25 * 0.5 + 0.75 * 0.3, 0.25 * 0.2 + 0.75 * 0.4], rtol=1e-6)
+    assert np.isneginf(a[sl.ids < 0]).all()
+    assert tree.alpha is None
+
+
+# ------------------------------------------------------------------------------------ fit and compare
+
+def test_tree_beats_alpha_where_relevance_depends_on_propensity():
+    sl, Y, inv = _synthetic(800, seed=0)
+    params = FusionParams(method="tree", grid_step=0.05, tree_min_samples_leaf=5)
+    tree = fit_fusion(sl, Y, params, inv, None)
+    alpha = fit_fusion(sl, Y, replace(params, method="alpha"), inv, None)
+    assert isinstance(tree, TreeFusion) and isinstance(alpha, AlphaFusion)
+    best_alpha = max(o for _, o in alpha.grid)
+    # cross-fitted (out-of-sample) tree objective vs the alpha grid's best, on the validation points
+    assert tree.info["objective_value"] > best_alpha + 0.05
+    assert tree.summary()["method"] == "tree" and tree.summary()["n_candidates"] == 800 * 18
+    # and on fresh points from the same distribution
+    sl2, Y2, _ = _synthetic(800, seed=1, inv_prop=inv)
+    p_tree = _objective(sl2.ids, tree.score(sl2, inv), Y2, "precision_at_1", inv, None, 10)
+    p_alpha = _objective(sl2.ids, alpha.score(sl2, inv), Y2, "precision_at_1", inv, None, 10)
+    assert p_tree > p_alpha + 0.05
+
+
+def test_subsampling_seeded_and_filter_pairs_dropped():
+    sl, Y, inv = _synthetic(200, seed=4)
+    params = FusionParams(method="tree", tree_max_samples=1000, seed=7)
+    a, b = fit_tree(sl, Y, params, inv), fit_tree(sl, Y, params, inv)
+    assert a.info["n_train"] == 1000 and a.info["n_candidates"] == 200 * 18
+    np.testing.assert_array_equal(a.threshold, b.threshold)
+    fp = np.stack([np.arange(10), sl.ids[:10, 0]], axis=1)
+    c = fit_tree(sl, Y, replace(params, tree_max_samples=0), inv, filter_pairs=fp)
+    assert c.info["n_candidates"] == 200 * 18 - 10 and c.info["n_train"] == 200 * 18 - 10
+
+
+def test_missed_positives_scored_exactly_and_added():
+    rng = np.random.default_rng(5)
+    q, W, E = (rng.normal(size=s).astype(np.float32) for s in ((3, 4), (6, 4), (6, 4)))
+    ids = np.array([[0, 1, -1], [2, 3, 4], [5, -1, -1]])
+    sl = Shortlist(ids, np.where(ids >= 0, 0.0, -np.inf).astype(np.float32),
+                   np.where(ids >= 0, 0.0, -np.inf).astype(np.float32))
+    Y = sp.csr_matrix(np.array([[1, 0, 0, 1, 0, 1], [0, 0, 1, 0, 0, 0], [1, 0, 0, 0, 0, 1]], dtype=np.float32))
+    inv = np.arange(6, dtype=np.float64) + 1
+    rows, X = missed_positive_features(sl, Y, q, W, E, inv)
+    pairs = sorted(zip(rows.tolist(), (X[:, 2] - 1).astype(int).tolist()))
+    assert pairs == [(0, 3), (0, 5), (2, 0)]
+    for r, (row, lab) in enumerate(zip(rows, (X[:, 2] - 1).astype(int))):
+        np.testing.assert_allclose(X[r, :2], [q[row] @ E[lab], q[row] @ W[lab]], rtol=1e-5)
+    f = fit_tree(sl, Y, FusionParams(method="tree"), inv, extra=(rows, X))
+    assert f.info["n_missed_positives"] == 3 and f.info["n_candidates"] == 6 + 3
+    assert f.info["n_positive"] == 3 + 3
+
+
+# ----------------------------------------------------------------------------------------- save / load
+
+def test_round_trip_gives_identical_scores():
+    sl, Y, inv = _synthetic(300, seed=2)
+    tree = fit_tree(sl, Y, FusionParams(method="tree"), inv)
+    d = json.loads(json.dumps(tree.to_dict()))
+    assert d["method"] == "tree" and d["features"] == ["embedding_score", "classifier_score", "inv_propensity"]
+    loaded = load_fusion(d)
+    assert isinstance(loaded, TreeFusion)
+    np.testing.assert_array_equal(loaded.score(sl, inv), tree.score(sl, inv))
+    assert loaded.info["objective_value"] == tree.info["objective_value"]
+    alpha = fit_alpha(sl, Y, FusionParams(grid_step=0.25), inv, None)
+    np.testing.assert_array_equal(_roundtrip(alpha).score(sl), alpha.score(sl))
+    assert _roundtrip(alpha).alpha == alpha.alpha and len(alpha.grid) == 5
+
+
+def test_scores_rank_like_evaluate_expects():
+    sl, Y, inv = _synthetic(100, seed=6)
+    tree = fit_tree(sl, Y, FusionParams(method="tree"), inv)
+    top, _ = topk_from_scores(sl.ids, tree.score(sl, inv), 5)
+    assert (top >= -1).all() and evaluate(top, Y, ks=(1,))["precision_at_1"] >= 0
+
+
+# --------------------------------------------------------------------------------------------- errors
+
+def test_errors_unknown_method_and_bad_inputs():
+    with pytest.raises(XCConfigError, match="fusion.method"):
+        check_method("forest")
+    sl, Y, inv = _synthetic(20, seed=8)
+    with pytest.raises(XCConfigError, match="fusion.method"):
+        fit_fusion(sl, Y, FusionParams(method="forest"), inv, None)
+    with pytest.raises(XCConfigError, match="unknown method 'forest'"):
+        load_fusion({"method": "forest"})
+    with pytest.raises(XCConfigError, match="unknown method None"):
+        load_fusion({})
+    tree = fit_tree(sl, Y, FusionParams(method="tree"), inv)
+    with pytest.raises(XCConfigError, match="inv_prop"):
+        tree.score(sl)
+    with pytest.raises(XCConfigError, match="labels"):
+        tree.score(sl, inv[:-1])
+    with pytest.raises(XCConfigError, match="fusion.tree_depth"):
+        fit_tree(sl, Y, FusionParams(method="tree", tree_depth=0), inv)
+    d = tree.to_dict()
+    with pytest.raises(XCConfigError, match="lacks 'threshold'"):
+        load_fusion({k: v for k, v in d.items() if k != "threshold"})
+    with pytest.raises(XCConfigError, match="different lengths"):
+        load_fusion({**d, "leaf_prob": d["leaf_prob"][:-1]})
+    with pytest.raises(XCConfigError, match="child indices"):
+        load_fusion({**d, "children_left": [len(d["children_left"])] + d["children_left"][1:]})
+
+
+def test_pipeline_stage_rejects_bad_method_before_work():
+    from xc_dagster.pipeline import fusion
+
+    ctx = SimpleNamespace(cfg=SimpleNamespace(fusion=FusionParams(method="forest")))
+    with pytest.raises(XCConfigError, match="fusion.method"):
+        fusion(ctx)
+
+
+# ------------------------------------------------------------------------------------ pipeline stages
+
+def test_pipeline_fits_saves_and_evaluates_tree_fusion(tmp_path):
+    """The tiny pipeline with ``fusion.method=tree``: JSON artifact, summary numbers, evaluation scores it."""
+    from tests.tinydata import write_lf_dataset, write_tiny_encoder
+    from xc_dagster.catalog import DatasetSpec
+    from xc_dagster.pipeline import StageContext, run_all
+    from xc_dagster.storage import ArtifactStore
+
+    enc = write_tiny_encoder(tmp_path / "tiny-bert")
+    src = write_lf_dataset(tmp_path / "src" / "TinyTitles")
+    tiny = {"pretrain.epochs": 1, "pretrain.batch_size": 16, "pretrain.chunk_size": 8, "pretrain.warmup_steps": 2,
+            "mining.shortlist_size": 8, "classifier.epochs": 1, "classifier.batch_size": 32,
+            "classifier.num_negatives": 5, "index.shortlist_size": 8, "index.kind": "exact", "evaluate.top_k": 10,
+            "ingest.valid_fraction": 0.25, "tokenize.encoder": str(enc), "fusion.method": "tree"}
+    spec = DatasetSpec("TinyTitles", str(src), overrides=tiny)
+    store = ArtifactStore(tmp_path / "artifacts")
+    ctx = StageContext(store, spec, spec.config(), tmp_path / "cache")
+    out = run_all(ctx)
+    s = out["fusion"]
+    assert s["method"] == "tree" and s["n_candidates"] >= s["n_train"] > 0 and 0 <= s["objective_value"] <= 1
+    text = (store.stage_dir("TinyTitles", "fusion") / "fusion.json").read_text()
+    fz = load_fusion(json.loads(text))
+    assert isinstance(fz, TreeFusion) and fz.num_labels == 20 and fz.info["params"]["tree_add_positives"]
+    assert 0 <= out["evaluate"]["metrics"]["precision_at_1"] <= 1
