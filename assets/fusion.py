@@ -1,4 +1,6 @@
-"""Fusion fitting: the blend a * classifier + (1 - a) * embedding score, with a fitted on the shortlists of the validation points carved from train."""
+"""Fusion fitting on the shortlists of the validation points carved from train: `fusion.method=alpha`
+(SiameseXML: a * classifier + (1 - a) * embedding score, a by grid search) or `tree` (NGAME: a depth-7 decision
+tree on embedding score, classifier score and inverse propensity; final score T(d) + z.e + w.e)."""
 
 from assets._stage import stage_asset
 
