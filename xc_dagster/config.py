@@ -42,15 +42,20 @@ class TokenizeParams:
 
 @dataclass
 class PretrainParams:
-    """Siamese pretraining (NGAME M1): shared encoder, triplet loss on in-batch hard negatives."""
+    """Siamese pretraining (NGAME M1 / SiameseXML Module I): shared encoder, in-batch hard negatives.
+
+    ``sampler`` picks how batches are built (over points: random/ngame; over labels: siamesexml) and ``loss``
+    the objective on the batch's similarity matrix; they are independent (the SiameseXML paper also reports
+    Module I with the triplet loss), the ``siamesexml`` strategy sets both.
+    """
 
     epochs: float = 1.0  # fractional epochs allowed (a budget on CPU)
-    batch_size: int = 256  # points per step; each brings one sampled positive label
+    batch_size: int = 256  # points per step, each with one sampled positive label (siamesexml: labels per step)
     lr: float = 2e-4
     warmup_steps: int = 20
     weight_decay: float = 0.01
     margin: float = 0.3
-    num_negatives: int = 10  # top-k hardest in-batch negatives per point
+    num_negatives: int = 10  # top-k hardest in-batch negatives per point (siamesexml: kappa per label)
     temperature: float = 0.1  # softmax weighting of violators (NGAME code's OHNM)
     pooling: str = "mean"  # "mean" | "cls"
     chunk_size: int = 128  # texts per forward chunk, sorted by length (per-chunk padding)
@@ -60,6 +65,15 @@ class PretrainParams:
     max_cluster_size: int = 64  # ngame: C doubles from 1 at each curriculum epoch, up to this
     curriculum: tuple[int, ...] = (10, 20, 25, 50, 75, 100, 125, 150, 200)  # ngame: epochs where C doubles
     cluster_every: int = 5  # ngame: re-cluster every tau epochs (from the memory bank, no extra encoding)
+    # sampler "siamesexml" (SiameseXML Module I): each batch is `batch_size` distinct labels drawn with
+    # probability ~ freq ** label_power (freq = training points of the label), one random positive point each;
+    # one epoch = ceil(labels with freq > 0 / batch_size) batches.
+    label_power: float = 0.45  # paper: 0 = uniform over labels, 1 = the label distribution of point batches
+    centroid_points: int = 2  # positives per label averaged into the centroid v_l (paper: 2); 0 = no centroid term
+    centroid_weight: float = 0.3  # 1 - beta: loss = beta * loss(E(z_l)) + (1 - beta) * loss(v_l); paper beta = 0.7
+    loss: str = "triplet"  # "triplet" (NGAME OHNM hinge) | "siamesexml" (probabilistic contrastive, no margin)
+    contrastive_c: float = 0.9  # siamesexml loss: p(+1, v) = c * exp(d * v) / exp(d); code for Module I: c=0.9
+    contrastive_d: float = 1.5  # ... d = 1.5 (Module IV's classifiers use c=0.75, d=3.0)
     seed: int = 0
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -26,6 +28,34 @@ def ohnm_triplet_loss(sim: torch.Tensor, pos_mask: torch.Tensor, margin: float =
     weights = torch.softmax((top / temperature).masked_fill(~valid, float("-inf")), dim=1)
     weights = torch.nan_to_num(weights, nan=0.0)  # rows whose negatives are all masked
     return (weights * hinge).sum(1).mean()
+
+
+def siamesexml_loss(sim: torch.Tensor, pos_mask: torch.Tensor, c: float = 0.9, d: float = 1.5,
+                    num_negatives: int = 1, eps: float = 1e-6) -> torch.Tensor:
+    """SiameseXML's probabilistic contrastive loss (paper eq. 5/6) with in-batch hard negative mining.
+
+    Point likelihood on a cosine similarity v: ``p(+1, v) = c * exp(d * v) / exp(d)``, ``p(-1, v) = 1 - p(+1, v)``.
+    ``sim`` is (B, C), C >= B; row r's positive is the diagonal ``sim[r, r]`` (its own sampled pair), term
+    ``-ln p(+1, v) = -ln c + d(1 - v)``; its ``num_negatives`` (kappa) hardest columns not marked in ``pos_mask``
+    (true positives, diagonal included, are never negatives) each add ``-ln(1 - c * exp(d (v - 1)))``. No
+    margin. Per row the terms are averaged over kappa + 1 as in the paper's eq. 6 (the reference code sums
+    them: a constant factor, which Adam's per-parameter normalisation largely absorbs); mean over rows.
+    ``1 - p`` is clamped at ``eps`` so a similarity rounded above 1 (low-precision autocast) stays finite.
+    """
+    if not 0.0 < c < 1.0 or d <= 0.0:
+        raise ValueError(f"siamesexml_loss: need 0 < c < 1 and d > 0, got c={c}, d={d}")
+    n = min(sim.shape[0], sim.shape[1])
+    pos = sim.diagonal()[:n]
+    pos_term = -math.log(c) + d * (1.0 - pos)
+    k = min(num_negatives, sim.shape[1] - 1)
+    if k <= 0:
+        return pos_term.mean()
+    top, _ = sim[:n].masked_fill(pos_mask[:n], float("-inf")).topk(k, dim=1)
+    valid = torch.isfinite(top)
+    p_plus = c * torch.exp(d * (torch.where(valid, top, torch.zeros_like(top)) - 1.0))
+    neg_term = -torch.log((1.0 - p_plus).clamp_min(eps))
+    neg_term = neg_term.masked_fill(~valid, 0.0)
+    return ((pos_term + neg_term.sum(1)) / (k + 1)).mean()
 
 
 def multi_positive_triplet_loss(scores: torch.Tensor, is_pos: torch.Tensor, valid: torch.Tensor,

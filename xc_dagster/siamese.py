@@ -1,11 +1,16 @@
-"""Siamese pretraining (NGAME M1): the shared encoder trained so E(x).E(z) is high for positive pairs.
+"""Siamese pretraining (NGAME M1, SiameseXML Module I): the shared encoder trained so E(x).E(z) is high for
+positive pairs.
 
-Each step takes a batch of training points and one sampled positive label per point; the other points'
-labels are in-batch negatives (true positives masked), and the loss is NGAME's OHNM triplet loss. The batch
-sampler is pluggable: ``random`` batches, or ``ngame`` (Algorithm 1: batches are unions of clusters of the
-points' embeddings, kept in a memory bank filled by the training forward passes, re-clustered every tau
-epochs, with a curriculum that starts at cluster size 1 and doubles it on a schedule). Texts are run through
-the encoder in length-sorted chunks with per-chunk padding, under bf16/fp16 autocast where it pays.
+The batch sampler is pluggable. Over points: each step takes a batch of training points and one sampled
+positive label per point; the other points' labels are in-batch negatives (true positives masked). ``random``
+batches, or ``ngame`` (Algorithm 1: batches are unions of clusters of the points' embeddings, kept in a memory
+bank filled by the training forward passes, re-clustered every tau epochs, with a curriculum that starts at
+cluster size 1 and doubles it on a schedule). Over labels: ``siamesexml`` (Module I) draws distinct labels with
+probability ~ freq^0.45 and one random positive point per label; each label's in-batch negatives are the
+other labels' points, and a second label representation, the centroid of ``centroid_points`` more sampled
+positives (encoded in the same forward pass), gets the same loss, weighted 1 - beta. The loss is NGAME's
+OHNM triplet (``loss=triplet``) or SiameseXML's probabilistic contrastive loss (``loss=siamesexml``). Texts are
+run through the encoder in length-sorted chunks with per-chunk padding, under bf16/fp16 autocast where it pays.
 """
 
 from __future__ import annotations
@@ -18,14 +23,16 @@ from typing import Callable, Iterator
 import numpy as np
 import scipy.sparse as sp
 import torch
+import torch.nn.functional as F
 
 from xc_dagster.clustering import balanced_clusters, cluster_batches
 from xc_dagster.config import PretrainParams
 from xc_dagster.device import autocast
 from xc_dagster.encoder import SiameseEncoder, chunk_tensors, length_sorted_chunks
 from xc_dagster.errors import XCConfigError
-from xc_dagster.losses import ohnm_triplet_loss
-from xc_dagster.sampling import positive_mask, sample_positives
+from xc_dagster.losses import ohnm_triplet_loss, siamesexml_loss
+from xc_dagster.sampling import (label_sampling_probs, positive_mask, sample_label_batch, sample_label_points,
+                                 sample_positives)
 
 MetricsFn = Callable[[int, dict[str, float]], None]
 
@@ -74,7 +81,72 @@ class NGAMESampler:
                 yield b
 
 
-BATCH_SAMPLERS = ("random", "ngame")
+@dataclass
+class LabelBatch:
+    """A batch over labels: ``labels`` (B,), one positive point each (``anchors``, B,), and ``centroid``
+    (B, m) further positives whose mean embedding is the label's centroid estimate v_l (m may be 0)."""
+
+    labels: np.ndarray
+    anchors: np.ndarray
+    centroid: np.ndarray
+
+
+class SiameseXMLSampler:
+    """SiameseXML Module I batches over labels, drawn from the training rows' label frequencies.
+
+    ``freq`` counts only ``rows`` (the training rows; validation rows never supply a positive), labels with
+    freq 0 are never drawn. An epoch is ``ceil(#labels with freq > 0 / batch_size)`` batches, i.e. as many
+    labels as there are labels with a point, though popular ones recur and rare ones may be skipped.
+    """
+
+    def __init__(self, Y: sp.csr_matrix, rows: np.ndarray, params: PretrainParams):
+        self.rows = np.asarray(rows, dtype=np.int64)
+        self.Yc = Y.tocsr()[self.rows].tocsc()
+        self.Yc.sort_indices()
+        self.freq = np.diff(self.Yc.indptr)
+        self.probs = label_sampling_probs(self.freq, params.label_power)
+        self.n_labels = int(np.count_nonzero(self.freq))
+        self.extra = params.centroid_points if params.centroid_weight > 0 else 0
+
+    def steps_per_epoch(self, batch_size: int) -> int:
+        return math.ceil(self.n_labels / max(batch_size, 1))
+
+    def batch(self, batch_size: int, rng: np.random.Generator) -> LabelBatch:
+        labels = sample_label_batch(self.probs, batch_size, rng)
+        anchors, others = sample_label_points(self.Yc, labels, self.extra, rng)
+        return LabelBatch(labels, self.rows[anchors], self.rows[others])
+
+    def epoch(self, batch_size: int, rng: np.random.Generator) -> list[LabelBatch]:
+        return [self.batch(batch_size, rng) for _ in range(self.steps_per_epoch(batch_size))]
+
+
+BATCH_SAMPLERS = ("random", "ngame", "siamesexml")
+PRETRAIN_LOSSES = ("triplet", "siamesexml")
+
+
+def check_pretrain_params(params: PretrainParams) -> None:
+    """Raise XCConfigError naming the first ``pretrain.*`` field with an invalid value."""
+    checks = [
+        (params.sampler in BATCH_SAMPLERS, "sampler", f"one of {BATCH_SAMPLERS}"),
+        (params.loss in PRETRAIN_LOSSES, "loss", f"one of {PRETRAIN_LOSSES}"),
+        (params.batch_size >= 2, "batch_size", "an int >= 2"),
+        (params.num_negatives >= 1, "num_negatives", "an int >= 1"),
+        (0.0 < params.contrastive_c < 1.0, "contrastive_c", "a value in (0, 1)"),
+        (params.contrastive_d > 0.0, "contrastive_d", "a value > 0"),
+        (params.label_power >= 0.0, "label_power", "a value >= 0"),
+        (params.centroid_points >= 0, "centroid_points", "an int >= 0"),
+        (0.0 <= params.centroid_weight <= 1.0, "centroid_weight", "a value in [0, 1]"),
+    ]
+    for ok, name, expected in checks:
+        if not ok:
+            raise XCConfigError(f"pretrain.{name}: expected {expected}, got {getattr(params, name)!r}")
+
+
+def pair_loss(sim: torch.Tensor, mask: torch.Tensor, params: PretrainParams) -> torch.Tensor:
+    """The configured loss on a similarity matrix whose diagonal holds each row's sampled positive."""
+    if params.loss == "siamesexml":
+        return siamesexml_loss(sim, mask, params.contrastive_c, params.contrastive_d, params.num_negatives)
+    return ohnm_triplet_loss(sim, mask, params.margin, params.num_negatives, params.temperature)
 
 
 def embed_rows(encoder: SiameseEncoder, ids: np.ndarray, lens: np.ndarray, rows: np.ndarray, chunk_size: int,
@@ -100,10 +172,41 @@ def lr_lambda(warmup: int, total: int) -> Callable[[int], float]:
     return f
 
 
+def _label_batch_loss(encoder: SiameseEncoder, batch: LabelBatch, Y: sp.csr_matrix,
+                      point_tokens: tuple[np.ndarray, np.ndarray], label_tokens: tuple[np.ndarray, np.ndarray],
+                      params: PretrainParams, device: torch.device,
+                      dtype: torch.dtype | None) -> tuple[torch.Tensor, int]:
+    """SiameseXML Module I on one label batch: beta * loss(E(z_l) vs points) + (1 - beta) * loss(v_l vs points).
+
+    Rows of the similarity matrices are the labels, columns the anchors (negatives are mined per label among
+    the other labels' points, as in the paper); ``mask[l, j]`` marks anchor j as a true positive of label l.
+    Anchors and centroid points go through the encoder in one pass; gradients flow through the centroid too
+    (the paper trains both representations towards related points). Each representation mines its own kappa
+    hardest negatives. Returns the loss and the number of point texts encoded.
+    """
+    B, m = len(batch.labels), batch.centroid.shape[1]
+    mask = positive_mask(Y, batch.anchors, np.broadcast_to(batch.labels, (B, B))).T  # [label l, anchor j]
+    mask_t = torch.from_numpy(np.ascontiguousarray(mask)).to(device)
+    # a point can be drawn several times (anchor of two labels, centroid of a label with < m + 1 positives):
+    # encode each once and gather, gradients accumulate over its uses
+    pts, where = np.unique(np.concatenate([batch.anchors, batch.centroid.ravel()]), return_inverse=True)
+    with autocast(device, dtype):
+        p = embed_rows(encoder, *point_tokens, pts, params.chunk_size, device).float()
+        z = embed_rows(encoder, *label_tokens, batch.labels, params.chunk_size, device).float()
+    p = p[torch.from_numpy(where.reshape(-1)).to(device)]
+    anchors = p[:B]
+    loss = pair_loss(z @ anchors.T, mask_t, params)
+    if m > 0 and params.centroid_weight > 0:
+        v = F.normalize(p[B:].view(B, m, -1).mean(1), dim=-1)
+        w = params.centroid_weight
+        loss = (1.0 - w) * loss + w * pair_loss(v @ anchors.T, mask_t, params)
+    return loss, len(pts)
+
+
 @dataclass
 class PretrainResult:
     steps: int
-    points: int
+    points: int  # point texts encoded for training (siamesexml: anchors + centroid points)
     seconds: float
     final_loss: float
     reclusterings: int = 0
@@ -113,17 +216,22 @@ def train_siamese(encoder: SiameseEncoder, point_tokens: tuple[np.ndarray, np.nd
                   label_tokens: tuple[np.ndarray, np.ndarray], Y: sp.csr_matrix, train_rows: np.ndarray,
                   params: PretrainParams, device: torch.device, dtype: torch.dtype | None,
                   log_metrics: MetricsFn | None = None, log_every: int = 10) -> PretrainResult:
-    """Train ``encoder`` in place for ``params.epochs`` (fractional allowed) over ``train_rows`` with labels."""
-    if params.sampler not in BATCH_SAMPLERS:
-        raise XCConfigError(f"pretrain.sampler: expected one of {BATCH_SAMPLERS}, got {params.sampler!r}")
+    """Train ``encoder`` in place for ``params.epochs`` (fractional allowed) over ``train_rows`` with labels.
+
+    An epoch is one pass over the points (random/ngame) or ``ceil(#labels with a training point / batch_size)``
+    label batches (siamesexml).
+    """
+    check_pretrain_params(params)
     Y = Y.tocsr()
     rows = np.asarray(train_rows, dtype=np.int64)
     rows = rows[np.diff(Y.indptr)[rows] > 0]  # points without labels have no positive pair
     rng = np.random.default_rng(params.seed)
-    steps_per_epoch = math.ceil(len(rows) / params.batch_size)
-    # LR schedule length: exact for random batches; cluster batches vary a little in count per epoch
+    labelwise = SiameseXMLSampler(Y, rows, params) if params.sampler == "siamesexml" else None
+    steps_per_epoch = (labelwise.steps_per_epoch(params.batch_size) if labelwise is not None
+                       else math.ceil(len(rows) / params.batch_size))
+    # LR schedule length: exact for random and label batches; cluster batches vary a little in count per epoch
     total_steps = max(1, math.ceil(params.epochs * steps_per_epoch))
-    if params.epochs <= 0 or len(rows) < 2:
+    if params.epochs <= 0 or len(rows) < 2 or (labelwise is not None and labelwise.n_labels < 2):
         return PretrainResult(0, 0, 0.0, float("nan"))
     p_ids, p_lens = point_tokens
     l_ids, l_lens = label_tokens
@@ -145,28 +253,34 @@ def train_siamese(encoder: SiameseEncoder, point_tokens: tuple[np.ndarray, np.nd
     ngame = NGAMESampler(Y.shape[0], encoder.dim, params) if params.sampler == "ngame" else None
     n_epochs = math.ceil(params.epochs)
     for epoch in range(n_epochs):
-        batches = list(ngame.epoch(epoch, rows, params.batch_size, rng) if ngame is not None
-                       else random_batches(rows, params.batch_size, rng))
+        if labelwise is not None:
+            batches = labelwise.epoch(params.batch_size, rng)
+        else:
+            batches = list(ngame.epoch(epoch, rows, params.batch_size, rng) if ngame is not None
+                           else random_batches(rows, params.batch_size, rng))
         if epoch == n_epochs - 1 and params.epochs < n_epochs:  # fractional last epoch
             batches = batches[:max(1, math.ceil((params.epochs - epoch) * len(batches)))]
         for batch in batches:
-            labels = sample_positives(Y, batch, 1, rng)[:, 0]
-            mask = torch.from_numpy(positive_mask(Y, batch, np.broadcast_to(labels, (len(batch), len(labels)))))
-            with autocast(device, dtype):
-                p = embed_rows(encoder, p_ids, p_lens, batch, params.chunk_size, device)
-                z = embed_rows(encoder, l_ids, l_lens, labels, params.chunk_size, device)
-            if ngame is not None:
-                ngame.observe(batch, p)
-            sim = p.float() @ z.float().T
-            loss = ohnm_triplet_loss(sim, mask.to(device), params.margin, params.num_negatives, params.temperature)
+            if isinstance(batch, LabelBatch):
+                loss, n_points = _label_batch_loss(encoder, batch, Y, point_tokens, label_tokens, params, device,
+                                                   dtype)
+            else:
+                labels = sample_positives(Y, batch, 1, rng)[:, 0]
+                mask = torch.from_numpy(positive_mask(Y, batch, np.broadcast_to(labels, (len(batch), len(labels)))))
+                with autocast(device, dtype):
+                    p = embed_rows(encoder, p_ids, p_lens, batch, params.chunk_size, device)
+                    z = embed_rows(encoder, l_ids, l_lens, labels, params.chunk_size, device)
+                if ngame is not None:
+                    ngame.observe(batch, p)
+                loss, n_points = pair_loss(p.float() @ z.float().T, mask.to(device), params), len(batch)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(encoder.parameters(), 1.0)
             opt.step()
             sched.step()
             step += 1
-            points += len(batch)
-            window_pts += len(batch)
+            points += n_points
+            window_pts += n_points
             loss_val = float(loss.detach())
             window_loss.append(loss_val)
             if log_metrics is not None and step % log_every == 0:

@@ -26,4 +26,33 @@ STRATEGIES: dict[str, Strategy] = {
         "(baseline form: random batches; cluster batching and tree fusion are later components).",
         {"pretrain.sampler": "random", "fusion.method": "alpha"},
     ),
+    "siamesexml": Strategy(
+        "siamesexml",
+        "SiameseXML as far as the stages allow. Implemented: Module I (mini-batches over labels drawn with "
+        "probability ~ freq^0.45, one random positive point per label, kappa = 1 hardest in-batch negative "
+        "points per label, the probabilistic contrastive loss with c = 0.9, d = 1.5 on the label text "
+        "embedding (beta = 0.7) and on a 2-point label centroid (0.3)); Module III (w_l initialised from the "
+        "label embedding); Module IV in part (one-vs-all classifiers trained on the ANNS-shortlist negatives "
+        "of the frozen encoder, with the classifier stage's loss, not Module IV's contrastive loss, and "
+        "without fine-tuning a residual layer); fusion a * classifier + (1 - a) * embedding with a fitted "
+        "on validation. Not implemented yet: Module II's three-index shortlist (label text, label centroid "
+        "and training-point kNN HNSW graphs; the shortlist here comes from label embeddings only) and the "
+        "paper's bag-of-embeddings encoder (added separately; the encoder here is the configured "
+        "transformer).",
+        {
+            "pretrain.sampler": "siamesexml",
+            "pretrain.loss": "siamesexml",
+            # kappa = 1 (reference code for Module I; paper: 1 to 5); c, d, beta, power, 2 centroid points are
+            # the PretrainParams defaults (paper/code values).
+            "pretrain.num_negatives": 1,
+            # CPU budget, quick preset on LF-WordNetNounsTitles (54,606 training points after the validation
+            # split, 21,035 labels with a point, ~8 tokens per point or label title): ngame's 1 epoch of
+            # 256-point batches encodes 54.6K points + 54.6K label texts = 109K texts in 214 steps. A
+            # siamesexml batch of 256 labels encodes 256 label texts + ~598 distinct points (anchors and
+            # 2 centroid points per label, repeats encoded once), ~854 texts; an epoch is ceil(21,035 / 256)
+            # = 83 batches = ~71K texts. 1.5 epochs = 125 steps = ~106K texts: the same encoder work.
+            "pretrain.epochs": 1.5,
+            "fusion.method": "alpha",
+        },
+    ),
 }
