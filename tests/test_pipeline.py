@@ -213,3 +213,22 @@ def test_pretokenized_layout_uses_the_shipped_token_ids(tmp_path, monkeypatch, t
     assert np.array_equal(ids[0, :lens[0]], shipped[0, :lens[0]])
     assert lens[0] == np.load(folder / "trn_doc_attention_mask.npy")[0].sum()
     assert 0 <= out["evaluate"]["metrics"]["precision_at_1"] <= 1
+
+
+def test_bag_of_embeddings_encoder_through_every_stage(tiny_home):
+    """tokenize.encoder=bag: IDF fitted on the training texts at pretrain, saved without pickle, reloaded by
+    the evaluation stage from the artifact folder."""
+    from xc_dagster.bag_encoder import is_bag_folder
+
+    spec = Catalog(tiny_home.catalog).get("TinyTitles")
+    cfg = spec.config({"tokenize.encoder": "bag", "pretrain.lr": 0.01})
+    store = ArtifactStore(tiny_home.artifacts)
+    out = run_all(StageContext(store, spec, cfg, tiny_home.cache))
+    assert out["pretrain"]["encoder_type"] == "BagOfEmbeddingsEncoder" and out["pretrain"]["dim"] == 384
+    enc_dir = store.stage_dir("TinyTitles", "pretrain") / "encoder"
+    assert is_bag_folder(str(enc_dir)) and not list(enc_dir.glob("*.pkl")) and not list(enc_dir.glob("*.bin"))
+    from xc_dagster.encoder import load_encoder
+
+    idf = load_encoder(str(enc_dir)).idf.numpy()
+    assert idf.max() > idf[idf > 0].min()  # fitted: frequent and rare tokens weigh differently
+    assert 0.0 <= out["evaluate"]["metrics"]["precision_at_1"] <= 1.0

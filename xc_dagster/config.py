@@ -35,7 +35,9 @@ class IngestParams:
 class TokenizeParams:
     """Tokenization with the encoder's fast tokenizer."""
 
-    encoder: str = "minilm"  # "minilm" = the packaged all-MiniLM-L6-v2; else an HF local path or hub name
+    encoder: str = "minilm"  # "minilm" = the packaged all-MiniLM-L6-v2; "bag" / "bag:<dim>" = bag of
+    # embeddings (SiameseXML/Astec; CPU-fast, MiniLM's tokenizer; train it with pretrain.lr=0.01); else an HF
+    # local path or hub name
     max_len: int = 32  # 32 for titles, 128 full text, 256 Wikipedia (NGAME)
     label_max_len: int = 0  # 0 = same as max_len
 

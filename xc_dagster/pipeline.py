@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from xc_dagster.ann import LabelIndex
+from xc_dagster.bag_encoder import parse_bag_name
 from xc_dagster.catalog import BUILTIN_PREFIX, DatasetSpec, builtin_path
 from xc_dagster.checkpoint import Checkpointer, fingerprint
 from xc_dagster.classifier import train_classifiers
@@ -173,6 +174,8 @@ def pretrain(ctx: StageContext) -> dict[str, Any]:
     encoder = load_encoder(ctx.cfg.tokenize.encoder, p.pooling).to(ctx.device)
     dtype = amp_dtype(ctx.device, p.amp)
     pt, lt = _tokens(ctx, "train"), _tokens(ctx, "label")
+    if parse_bag_name(ctx.cfg.tokenize.encoder) is not None:  # a fresh bag encoder: IDF of the training texts
+        encoder.fit_idf(pt, lt)
     res = train_siamese(encoder, pt, lt, ds.Y_train, train_rows, p, ctx.device, dtype, ctx.log_metrics)
     ctx.info(f"pretrain {ctx.name}: {res.steps} steps, {res.points} points in {res.seconds:.0f}s")
     t1 = time.perf_counter()
@@ -184,6 +187,7 @@ def pretrain(ctx: StageContext) -> dict[str, Any]:
                "points_per_s": res.points / max(res.seconds, 1e-9), "final_loss": res.final_loss,
                "encode_seconds": encode_s, "texts_per_s": (len(pt[1]) + len(lt[1])) / max(encode_s, 1e-9),
                "device": str(ctx.device), "amp": str(dtype), "dim": encoder.dim,
+               "encoder_type": type(encoder).__name__,
                "seconds": res.seconds + encode_s}
     with ctx.store.writing(ctx.name, "pretrain") as out:
         save_encoder(encoder, load_tokenizer(ctx.cfg.tokenize.encoder), out / "encoder")
