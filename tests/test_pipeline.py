@@ -232,3 +232,37 @@ def test_bag_of_embeddings_encoder_through_every_stage(tiny_home):
     idf = load_encoder(str(enc_dir)).idf.numpy()
     assert idf.max() > idf[idf > 0].min()  # fitted: frequent and rare tokens weigh differently
     assert 0.0 <= out["evaluate"]["metrics"]["precision_at_1"] <= 1.0
+
+
+class _Killed(Exception):
+    pass
+
+
+def test_killed_pretraining_resumes_to_the_same_weights_and_metrics(tiny_home, tmp_path):
+    """A pretrain stage killed mid-epoch and run again resumes from its last epoch checkpoint (encoder,
+    optimizer, schedule, generators, NGAME memory bank) and ends exactly as an uninterrupted run."""
+    spec = Catalog(tiny_home.catalog).get("TinyTitles")
+    over = {"pretrain.sampler": "ngame", "pretrain.epochs": 3, "pretrain.curriculum": "1",
+            "pretrain.max_cluster_size": 4, "pretrain.cluster_every": 1}
+    cfg = spec.config(over)
+    full_store = ArtifactStore(tmp_path / "full")
+    full = run_all(StageContext(full_store, spec, cfg, tiny_home.cache))
+
+    store = ArtifactStore(tmp_path / "killed")
+
+    def kill_in_second_epoch(step: int, values: dict) -> None:  # 7 steps an epoch; logged every 10 steps
+        raise _Killed
+
+    ctx = StageContext(store, spec, cfg, tiny_home.cache)
+    run_all(ctx, ("ingest", "tokenize"))
+    with pytest.raises(_Killed):
+        run_all(StageContext(store, spec, cfg, tiny_home.cache, log_metrics=kill_in_second_epoch), ("pretrain",))
+    ckpt = ctx.checkpoint_dir("pretrain") / "state.pt"
+    assert ckpt.exists() and not store.stage_dir("TinyTitles", "pretrain").exists()  # nothing half-written
+    out = run_all(ctx, STAGE_ORDER[2:])
+    assert out["pretrain"]["resumed_from_epoch"] == 1 and not ckpt.exists()
+    assert out["pretrain"]["steps"] == full["pretrain"]["steps"]
+    for f in ("label_emb.npy", "train_emb.npy"):
+        assert np.array_equal(np.load(store.stage_dir("TinyTitles", "pretrain") / f),
+                              np.load(full_store.stage_dir("TinyTitles", "pretrain") / f))
+    assert out["evaluate"]["metrics"] == full["evaluate"]["metrics"]

@@ -64,8 +64,9 @@ class Checkpointer:
             return
         self.folder.mkdir(parents=True, exist_ok=True)
         tmp = self.folder / "state.pt.tmp"
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
         torch.save({**state, "key": self.key, "epoch": int(epoch), "rng_state": rng.bit_generator.state,
-                    "torch_rng": torch.get_rng_state()}, tmp)
+                    "torch_rng": torch.get_rng_state(), "cuda_rng": cuda}, tmp)
         os.replace(tmp, self.folder / "state.pt")
 
     def clear(self) -> None:
@@ -77,3 +78,5 @@ def restore_rng(rng: np.random.Generator, resumed: Resumed) -> None:
     """Put ``rng`` and torch's global generator back where the checkpoint left them."""
     rng.bit_generator.state = resumed.rng_state
     torch.set_rng_state(resumed.state["torch_rng"])
+    if resumed.state.get("cuda_rng") and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(resumed.state["cuda_rng"])

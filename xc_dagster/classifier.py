@@ -113,7 +113,7 @@ def train_classifiers(point_emb: np.ndarray, label_emb: np.ndarray, Y: sp.csr_ma
             W.weight.copy_(resumed.state["W"].to(device))
         opt.load_state_dict(resumed.state["opt"])
         restore_rng(rng, resumed)
-        start, steps = resumed.epoch, int(resumed.state["steps"])
+        start, steps, last = resumed.epoch, int(resumed.state["steps"]), float(resumed.state["last"])
     for epoch in range(start, params.epochs):
         ep_loss = []
         for batch in classifier_batches(rows, params, rng, clusters):
@@ -139,7 +139,8 @@ def train_classifiers(point_emb: np.ndarray, label_emb: np.ndarray, Y: sp.csr_ma
             ep_loss.append(float(loss.detach()))
         last = float(np.mean(ep_loss)) if ep_loss else float("nan")
         if checkpoint is not None:
-            checkpoint.save(epoch + 1, {"W": W.weight.detach().cpu(), "opt": opt.state_dict(), "steps": steps}, rng)
+            checkpoint.save(epoch + 1, {"W": W.weight.detach().cpu(), "opt": opt.state_dict(), "steps": steps,
+                                        "last": last}, rng)
         if log_metrics is not None:
             log_metrics(epoch + 1, {"classifier_loss": last})
     Wn = W.weight.detach()

@@ -176,14 +176,18 @@ def pretrain(ctx: StageContext) -> dict[str, Any]:
     pt, lt = _tokens(ctx, "train"), _tokens(ctx, "label")
     if parse_bag_name(ctx.cfg.tokenize.encoder) is not None:  # a fresh bag encoder: IDF of the training texts
         encoder.fit_idf(pt, lt)
-    res = train_siamese(encoder, pt, lt, ds.Y_train, train_rows, p, ctx.device, dtype, ctx.log_metrics)
+    key = fingerprint({**dataclasses.asdict(p), "encoder": ctx.cfg.tokenize.encoder}, pt[0], lt[0], train_rows,
+                      ds.Y_train.indices)
+    ckpt = Checkpointer(ctx.checkpoint_dir("pretrain"), key)
+    res = train_siamese(encoder, pt, lt, ds.Y_train, train_rows, p, ctx.device, dtype, ctx.log_metrics,
+                        checkpoint=ckpt)
     ctx.info(f"pretrain {ctx.name}: {res.steps} steps, {res.points} points in {res.seconds:.0f}s")
     t1 = time.perf_counter()
     point_emb = encode_tokens(encoder, *pt, ctx.device, dtype, p.encode_batch_size)
     label_emb = encode_tokens(encoder, *lt, ctx.device, dtype, p.encode_batch_size)
     encode_s = time.perf_counter() - t1
     summary = {"steps": res.steps, "points": res.points, "train_seconds": res.seconds,
-               "reclusterings": res.reclusterings,
+               "reclusterings": res.reclusterings, "resumed_from_epoch": res.resumed_from_epoch,
                "points_per_s": res.points / max(res.seconds, 1e-9), "final_loss": res.final_loss,
                "encode_seconds": encode_s, "texts_per_s": (len(pt[1]) + len(lt[1])) / max(encode_s, 1e-9),
                "device": str(ctx.device), "amp": str(dtype), "dim": encoder.dim,
@@ -194,6 +198,7 @@ def pretrain(ctx: StageContext) -> dict[str, Any]:
         np.save(out / "train_emb.npy", point_emb)
         np.save(out / "label_emb.npy", label_emb)
         save_json(out / "summary.json", {**summary, "pooling": p.pooling})
+    ckpt.clear()
     return summary
 
 

@@ -18,13 +18,14 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import scipy.sparse as sp
 import torch
 import torch.nn.functional as F
 
+from xc_dagster.checkpoint import Checkpointer, restore_rng
 from xc_dagster.clustering import balanced_clusters, cluster_batches
 from xc_dagster.config import PretrainParams
 from xc_dagster.device import autocast
@@ -63,6 +64,17 @@ class NGAMESampler:
 
     def observe(self, rows: np.ndarray, emb: torch.Tensor) -> None:
         self.bank[rows] = emb.detach().float().cpu().numpy()
+
+    def state(self) -> dict[str, Any]:
+        """Memory bank and current clustering, as tensors (for checkpoints)."""
+        labels = torch.from_numpy(self.labels) if self.labels is not None else torch.zeros(0, dtype=torch.int64)
+        return {"bank": torch.from_numpy(self.bank.copy()), "labels": labels, "has_labels": self.labels is not None,
+                "size": self.size, "reclusterings": self.reclusterings}
+
+    def load_state(self, st: dict[str, Any]) -> None:
+        self.bank = st["bank"].numpy().copy()
+        self.labels = st["labels"].numpy().copy() if st["has_labels"] else None
+        self.size, self.reclusterings = int(st["size"]), int(st["reclusterings"])
 
     def epoch(self, epoch: int, rows: np.ndarray, batch_size: int, rng: np.random.Generator) -> Iterator[np.ndarray]:
         p = self.params
@@ -210,16 +222,20 @@ class PretrainResult:
     seconds: float
     final_loss: float
     reclusterings: int = 0
+    resumed_from_epoch: int = 0
 
 
 def train_siamese(encoder: SiameseEncoder, point_tokens: tuple[np.ndarray, np.ndarray],
                   label_tokens: tuple[np.ndarray, np.ndarray], Y: sp.csr_matrix, train_rows: np.ndarray,
                   params: PretrainParams, device: torch.device, dtype: torch.dtype | None,
-                  log_metrics: MetricsFn | None = None, log_every: int = 10) -> PretrainResult:
+                  log_metrics: MetricsFn | None = None, log_every: int = 10,
+                  checkpoint: Checkpointer | None = None) -> PretrainResult:
     """Train ``encoder`` in place for ``params.epochs`` (fractional allowed) over ``train_rows`` with labels.
 
     An epoch is one pass over the points (random/ngame) or ``ceil(#labels with a training point / batch_size)``
-    label batches (siamesexml).
+    label batches (siamesexml). With ``checkpoint``, the whole training state (encoder, optimizer, schedule,
+    generators, NGAME memory bank and clusters) is saved after every epoch and a matching checkpoint is resumed
+    from, ending with the same weights as an uninterrupted run.
     """
     check_pretrain_params(params)
     Y = Y.tocsr()
@@ -252,7 +268,18 @@ def train_siamese(encoder: SiameseEncoder, point_tokens: tuple[np.ndarray, np.nd
 
     ngame = NGAMESampler(Y.shape[0], encoder.dim, params) if params.sampler == "ngame" else None
     n_epochs = math.ceil(params.epochs)
-    for epoch in range(n_epochs):
+    start = 0
+    resumed = checkpoint.load() if checkpoint is not None else None
+    if resumed is not None:
+        st = resumed.state
+        encoder.load_state_dict(st["encoder"])
+        opt.load_state_dict(st["opt"])
+        sched.load_state_dict(st["sched"])
+        if ngame is not None:
+            ngame.load_state(st["ngame"])
+        restore_rng(rng, resumed)
+        start, step, points = resumed.epoch, int(st["step"]), int(st["points"])
+    for epoch in range(start, n_epochs):
         if labelwise is not None:
             batches = labelwise.epoch(params.batch_size, rng)
         else:
@@ -285,8 +312,12 @@ def train_siamese(encoder: SiameseEncoder, point_tokens: tuple[np.ndarray, np.nd
             window_loss.append(loss_val)
             if log_metrics is not None and step % log_every == 0:
                 log_window()
+        if checkpoint is not None and epoch + 1 < n_epochs:  # the last epoch's state is the stage's result
+            checkpoint.save(epoch + 1, {"encoder": encoder.state_dict(), "opt": opt.state_dict(),
+                                        "sched": sched.state_dict(), "step": step, "points": points,
+                                        "ngame": ngame.state() if ngame is not None else {}}, rng)
     if log_metrics is not None and window_loss:
         log_window()
     encoder.eval()
     return PretrainResult(step, points, time.perf_counter() - t0, loss_val,
-                          ngame.reclusterings if ngame is not None else 0)
+                          ngame.reclusterings if ngame is not None else 0, start)
