@@ -10,7 +10,7 @@ import scipy.sparse as sp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from xc_dagster.metrics import evaluate, inverse_propensity, recall_at, remove_filtered
+from xc_dagster.metrics import evaluate, inverse_propensity, recall_at, remove_filtered, topk_from_csr
 
 
 def csr(rows: list[list[int]], L: int) -> sp.csr_matrix:
@@ -51,7 +51,8 @@ def test_hand_example_precision_ndcg_recall():
     assert m["recall_at_1"] == pytest.approx(1 / 9)
     assert m["recall_at_3"] == pytest.approx(4 / 9)
     assert m["recall_at_5"] == pytest.approx(5 / 9)
-    assert set(m) == {f"{f}_at_{k}" for f in ("precision", "ndcg", "recall") for k in (1, 3, 5)}
+    assert set(m) == {f"{f}_at_{k}" for f in ("precision", "ndcg", "recall", "coverage", "correct_coverage")
+                      for k in (1, 3, 5)}
 
 
 def test_hand_example_drop_empty_rows():
@@ -167,6 +168,165 @@ def test_validation_errors():
         evaluate(IDX3, Y3, scores=np.ones((3, 2)))
 
 
+def test_hand_example_coverage():
+    # after de-duplication the top-5 lists are row0 [2, -, 1, 4, -], row1 [3, 1, -, -, -],
+    # row2 [0, 1, 2, 3, -]; 6 labels; labels with a positive: {0, 1, 2, 4}
+    m = evaluate(IDX3, Y3, ks=(1, 3, 5))
+    # coverage@1: {2, 3, 0} -> 3/6; @3: + 1 -> {0, 1, 2, 3} 4/6; @5: + 4 -> 5/6 (label 5 never predicted)
+    assert m["coverage_at_1"] == pytest.approx(3 / 6)
+    assert m["coverage_at_3"] == pytest.approx(4 / 6)
+    assert m["coverage_at_5"] == pytest.approx(5 / 6)
+    # hits: row0 label 2 at rank 1 and label 4 at rank 4, row1 label 1 at rank 2
+    # correct coverage@1: {2} -> 1/4; @3: {2, 1} -> 2/4; @5: {2, 1, 4} -> 3/4
+    assert m["correct_coverage_at_1"] == pytest.approx(1 / 4)
+    assert m["correct_coverage_at_3"] == pytest.approx(2 / 4)
+    assert m["correct_coverage_at_5"] == pytest.approx(3 / 4)
+    # drop_empty_rows drops row 2 and its predictions: @1 {2, 3} 2/6, @3 {1, 2, 3} 3/6, @5 {1, 2, 3, 4} 4/6;
+    # correct coverage is unchanged (an empty row has no hits)
+    d = evaluate(IDX3, Y3, ks=(1, 3, 5), drop_empty_rows=True)
+    assert [d[f"coverage_at_{k}"] for k in (1, 3, 5)] == pytest.approx([2 / 6, 3 / 6, 4 / 6])
+    assert [d[f"correct_coverage_at_{k}"] for k in (1, 3, 5)] == pytest.approx([1 / 4, 2 / 4, 3 / 4])
+
+
+def test_coverage_after_filtering():
+    Y = csr([[1], [0]], 3)
+    idx = np.array([[0, 1, 2], [0, 2, 1]])
+    # unfiltered top-1: row0 0 (miss), row1 0 (hit): coverage {0} 1/3, correct {0} of {0, 1} -> 1/2
+    m = evaluate(idx, Y, ks=(1, 2))
+    assert (m["coverage_at_1"], m["correct_coverage_at_1"]) == pytest.approx((1 / 3, 1 / 2))
+    # top-2: {0, 1} + {0, 2} -> 3/3; hits row0 1 (rank 2), row1 0 -> 2/2
+    assert (m["coverage_at_2"], m["correct_coverage_at_2"]) == pytest.approx((1.0, 1.0))
+    # filtering (0, 0): row0 becomes [1, 2, -1] -> top-1 {1, 0}: 2/3, both hits: 2/2
+    f = evaluate(idx, Y, ks=(1,), filter_pairs=np.array([[0, 0]]))
+    assert (f["coverage_at_1"], f["correct_coverage_at_1"]) == pytest.approx((2 / 3, 1.0))
+
+
+def test_k_larger_than_list_and_fewer_positives_than_k():
+    # one row, positives {0, 1}, two predictions [1, 5] of 8 labels; ks go beyond the list
+    Y = csr([[0, 1]], 8)
+    m = evaluate(np.array([[1, 5]]), Y, ks=(1, 2, 4), inv_prop=np.array([2.0, 4.0, 1, 1, 1, 1, 1, 1]))
+    assert [m[f"precision_at_{k}"] for k in (1, 2, 4)] == pytest.approx([1.0, 1 / 2, 1 / 4])
+    # nDCG@4: DCG 1 / IDCG over min(4, 2) = 2 positives (1 + D2) = 0.613147...
+    assert m["ndcg_at_4"] == pytest.approx(1 / (1 + D2))
+    assert m["recall_at_4"] == pytest.approx(1 / 2)
+    # PSP@1: hit ip 4 / ideal 4 = 1; PSP@4: 4 / (4 + 2) = 2/3; PSnDCG@4: 4 / (4 + 2 D2) = 0.760...
+    assert m["psprecision_at_1"] == pytest.approx(1.0)
+    assert m["psprecision_at_4"] == pytest.approx(2 / 3)
+    assert m["psndcg_at_4"] == pytest.approx(4 / (4 + 2 * D2))
+    assert m["psrecall_at_4"] == pytest.approx(4 / 6)
+    # labels predicted anywhere: {1, 5} of 8; correct: {1} of {0, 1}
+    assert m["coverage_at_4"] == pytest.approx(2 / 8)
+    assert m["correct_coverage_at_4"] == pytest.approx(1 / 2)
+
+
+def test_repeated_filtered_label_reads_further_columns():
+    # without scores only the first k + (pairs per row) columns are needed -- unless a filtered label
+    # repeats: here all of the first six are label 5, filtered, so ranks 1..2 are labels 1 and 2
+    Y = csr([[2]], 6)
+    idx = np.array([[5, 5, 5, 5, 5, 5, 1, 2, 3]])
+    m = evaluate(idx, Y, ks=(1, 2), filter_pairs=np.array([[0, 5]]))
+    assert (m["precision_at_1"], m["precision_at_2"]) == pytest.approx((0.0, 1 / 2))
+    assert m["coverage_at_2"] == pytest.approx(2 / 6)
+
+
+def test_ties_at_top_k_boundary_use_smaller_label():
+    # scores 0.9 for label 7, then a three-way tie at 0.5 between labels 3, 5, 1 (given in that order):
+    # the top 2 must be [7, 1], the top 3 [7, 1, 3]
+    Y = csr([[1], [3]], 8)
+    idx = np.array([[7, 3, 5, 1], [7, 3, 5, 1]])
+    sc = np.array([[0.9, 0.5, 0.5, 0.5], [0.9, 0.5, 0.5, 0.5]], dtype=np.float32)
+    m = evaluate(idx, Y, ks=(2, 3), scores=sc)
+    # row0 hits label 1 at rank 2; row1 hits label 3 only at rank 3
+    assert m["precision_at_2"] == pytest.approx((1 / 2 + 0) / 2)
+    assert m["precision_at_3"] == pytest.approx((1 / 3 + 1 / 3) / 2)
+    assert m["coverage_at_2"] == pytest.approx(2 / 8)
+    S = sp.csr_matrix((sc.ravel(), (np.repeat([0, 1], 4), idx.ravel())), shape=(2, 8))
+    ids, vals = topk_from_csr(S, 3)
+    np.testing.assert_array_equal(ids, [[7, 1, 3], [7, 1, 3]])
+    np.testing.assert_allclose(vals, [[0.9, 0.5, 0.5]] * 2)
+    assert evaluate(S, Y, ks=(2, 3)) == m
+
+
+def test_topk_from_csr_padding_zeros_and_filters():
+    # row0: stored scores {4: 0.0 (explicit zero), 2: -1.0}; row1: nothing; row2: {0: 3, 1: 3, 2: 5}
+    S = sp.csr_matrix((np.array([0.0, -1.0, 3.0, 3.0, 5.0]), (np.array([0, 0, 2, 2, 2]),
+                                                                np.array([4, 2, 0, 1, 2]))), shape=(3, 6))
+    assert S.nnz == 5
+    ids, vals = topk_from_csr(S, 3)
+    np.testing.assert_array_equal(ids, [[4, 2, -1], [-1, -1, -1], [2, 0, 1]])
+    np.testing.assert_array_equal(vals, [[0.0, -1.0, -np.inf], [-np.inf] * 3, [5.0, 3.0, 3.0]])
+    assert ids.dtype == np.int64
+    ids_f, _ = topk_from_csr(S, 2, filter_pairs=np.array([[2, 2], [0, 4]]), block_rows=1)
+    np.testing.assert_array_equal(ids_f, [[2, -1], [-1, -1], [0, 1]])
+    # the stored zero is a prediction: label 4 is the top-1 of row 0
+    Y = csr([[4], [], [0]], 6)
+    m = evaluate(S, Y, ks=(1,))
+    assert m["precision_at_1"] == pytest.approx(1 / 3)  # row0 hit, row1 nothing, row2 top-1 is 2
+    # a non-canonical matrix: duplicate entries are summed (scipy's meaning): label 2 of row 0 -> 1.5
+    D = sp.csr_matrix((np.array([1.0, 0.5, 1.2]), np.array([2, 2, 4]), np.array([0, 3, 3, 3])), shape=(3, 6))
+    np.testing.assert_array_equal(topk_from_csr(D, 2)[0][0], [2, 4])
+
+
+def test_topk_from_csr_uneven_rows_match_dense():
+    # one row with 300 entries and 40 rows with one: exercises the sort-based path for ragged blocks
+    rng = np.random.default_rng(3)
+    rows = np.concatenate([np.zeros(300, dtype=int), np.arange(1, 41)])
+    cols = np.concatenate([rng.permutation(400)[:300], rng.integers(0, 400, 40)])
+    vals = np.round(rng.random(rows.size), 1)  # many ties
+    S = sp.csr_matrix((vals, (rows, cols)), shape=(41, 400))
+    fp = np.array([[0, int(cols[0])], [5, int(cols[44])]])
+    ids, sc = topk_from_csr(S, 7, filter_pairs=fp)
+    counts = np.diff(S.indptr)
+    dense_ids = np.full((41, counts.max()), -1)
+    dense_sc = np.full((41, counts.max()), -np.inf)
+    for i in range(41):
+        dense_ids[i, :counts[i]] = S.indices[S.indptr[i]:S.indptr[i + 1]]
+        dense_sc[i, :counts[i]] = S.data[S.indptr[i]:S.indptr[i + 1]]
+    for i in range(41):  # plain per-row reference
+        row = [(-s, l) for l, s in zip(dense_ids[i], dense_sc[i]) if l >= 0 and [i, l] not in fp.tolist()]
+        top = sorted(row)[:7]
+        want = [l for _, l in top] + [-1] * (7 - len(top))
+        np.testing.assert_array_equal(ids[i], want)
+    Y = sp.csr_matrix((np.ones(41), (np.arange(41), cols[:41] % 400)), shape=(41, 400))
+    kw = dict(ks=(1, 3, 7), filter_pairs=fp, inv_prop=rng.uniform(1, 5, 400))
+    assert evaluate(S, Y, **kw) == pytest.approx(evaluate(dense_ids, Y, scores=dense_sc, **kw))
+
+
+def test_memory_layout_and_dtypes_do_not_matter():
+    rng = np.random.default_rng(0)
+    idx = rng.integers(-1, 30, (50, 12))
+    sc = np.round(rng.random((50, 12)), 1)
+    Y = sp.random(50, 30, density=0.1, format="csr", random_state=1)
+    fp = np.stack([np.arange(50), rng.integers(0, 30, 50)], axis=1)
+    kw = dict(ks=(1, 3, 5), inv_prop=rng.uniform(1, 3, 30), filter_pairs=fp, block_rows=7)
+    base = evaluate(idx, Y, scores=sc, **kw)
+    assert evaluate(np.asfortranarray(idx.astype(np.int32)), Y, scores=np.asfortranarray(sc), **kw) == \
+        pytest.approx(base)
+    assert evaluate(idx.astype(np.int16), Y, scores=sc.astype(np.float32), **kw) == pytest.approx(base)
+    assert evaluate(idx[:, ::1], Y.tocoo(), scores=(sc * 10).astype(np.int64), **kw) == pytest.approx(base)
+
+
+def test_new_validation_errors():
+    with pytest.raises(ValueError, match="NaN"):
+        evaluate(IDX3, Y3, scores=np.full(IDX3.shape, np.nan))
+    # NaN in padding slots is fine
+    sc = np.where(IDX3 >= 0, 1.0, np.nan)
+    assert evaluate(IDX3, Y3, scores=sc)["precision_at_1"] >= 0
+    S = sp.csr_matrix(np.eye(3, 6))
+    with pytest.raises(ValueError, match="scores must be None"):
+        evaluate(S, Y3, scores=np.ones((3, 6)))
+    with pytest.raises(ValueError, match=r"score matrix has shape \(3, 5\)"):
+        evaluate(sp.csr_matrix(np.eye(3, 5)), Y3)
+    with pytest.raises(ValueError, match="sparse"):
+        topk_from_csr(np.eye(3), 2)
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        topk_from_csr(S, 0)
+    with pytest.raises(ValueError, match=">= 0 or -1"):
+        evaluate(np.array([[-2], [0], [0]]), Y3)
+    with pytest.raises(ValueError, match="block_rows"):
+        evaluate(IDX3, Y3, block_rows=0)
+
+
 # --------------------------------------------------------------------------------- property tests
 
 
@@ -193,7 +353,7 @@ KS = (1, 2, 3, 5)
 def test_metrics_in_unit_interval(prob, use_scores):
     idx, Y, ip, sc, _ = prob
     m = evaluate(idx, Y, ks=KS, inv_prop=ip, scores=sc if use_scores else None)
-    assert len(m) == 6 * len(KS)
+    assert len(m) == 8 * len(KS)
     assert all(0.0 <= v <= 1.0 for v in m.values()), m
     assert 0.0 <= recall_at(idx, Y) <= 1.0
 
@@ -238,3 +398,151 @@ def test_block_rows_match_default(prob, drop):
     kw = dict(ks=KS, inv_prop=ip, scores=sc, filter_pairs=fp, drop_empty_rows=drop)
     assert evaluate(idx, Y, block_rows=2, **kw) == pytest.approx(evaluate(idx, Y, **kw))
     assert recall_at(idx, Y, block_rows=2) == pytest.approx(recall_at(idx, Y))
+
+
+# ------------------------------------------------------------------ agreement with a plain reference
+
+
+def plain_top(ids: list[int], sc: list[float] | None, filt: set[int], kmax: int) -> list[int]:
+    """One row's ranked top-kmax list (-1 = miss) by the documented conventions, written plainly."""
+    kept = [(l, s) for l, s in zip(ids, sc if sc is not None else [0.0] * len(ids))
+            if not (l >= 0 and l in filt)]
+    if sc is not None:  # score descending, then smaller label id; padding dropped (it goes last)
+        ranked = [l for l, _ in sorted((t for t in kept if t[0] >= 0), key=lambda t: (-t[1], t[0]))]
+    else:  # given order; a -1 keeps its rank
+        ranked = [l for l, _ in kept]
+    ranked = (ranked + [-1] * kmax)[:kmax]
+    seen: set[int] = set()
+    out = []
+    for l in ranked:  # later copies are misses
+        out.append(-1 if l in seen and l >= 0 else l)
+        seen.add(l)
+    return out
+
+
+def plain_metrics(tops: list[list[int]], rows: list[list[int]], ip: np.ndarray, ks, L: int,
+                  drop: bool) -> dict[str, float]:
+    """Every metric of ``evaluate`` from the per-row top lists, straight from the definitions."""
+    used = [i for i in range(len(rows)) if rows[i] or not drop]
+    nu = len(used)
+    out = {}
+    for k in ks:
+        disc = [1 / math.log2(r + 2) for r in range(k)]
+        p = nd = rc = psr = psp_n = psp_d = psn_n = psn_d = 0.0
+        pred: set[int] = set()
+        hit_labels: set[int] = set()
+        for i in used:
+            y = set(rows[i])
+            top = tops[i][:k]
+            pred |= {l for l in top if l >= 0}
+            hits = [r for r, l in enumerate(top) if l >= 0 and l in y]
+            hit_labels |= {top[r] for r in hits}
+            p += len(hits) / k
+            ideal = sorted((ip[l] for l in y), reverse=True)[:k]
+            psp_n += sum(ip[top[r]] for r in hits) / k
+            psp_d += sum(ideal) / k
+            psn_n += sum(ip[top[r]] * disc[r] for r in hits)
+            psn_d += sum(v * disc[r] for r, v in enumerate(ideal))
+            if y:
+                nd += sum(disc[r] for r in hits) / sum(disc[:min(k, len(y))])
+                rc += len(hits) / len(y)
+                psr += sum(ip[top[r]] for r in hits) / sum(ip[l] for l in y)
+        pos_labels = {l for i in used for l in rows[i]}
+        out.update({f"precision_at_{k}": p / nu if nu else 0.0, f"ndcg_at_{k}": nd / nu if nu else 0.0,
+                    f"recall_at_{k}": rc / nu if nu else 0.0,
+                    f"psprecision_at_{k}": psp_n / psp_d if psp_d else 0.0,
+                    f"psndcg_at_{k}": psn_n / psn_d if psn_d else 0.0,
+                    f"psrecall_at_{k}": psr / nu if nu else 0.0,
+                    f"coverage_at_{k}": len(pred) / L,
+                    f"correct_coverage_at_{k}": len(hit_labels) / len(pos_labels) if pos_labels else 0.0})
+    return out
+
+
+@st.composite
+def filtered_problems(draw):
+    """problems() plus scores with -inf, filter pairs (some beyond the rows / labels) and a ks list."""
+    idx, Y, ip, sc, rows = draw(problems())
+    n, L = Y.shape
+    sc = np.where(np.array(draw(st.lists(st.booleans(), min_size=sc.size, max_size=sc.size)),
+                           dtype=bool).reshape(sc.shape) & (sc == 0.0), -np.inf, sc)
+    fp = np.array(draw(st.lists(st.tuples(st.integers(0, n), st.integers(0, L)), max_size=6)),
+                  dtype=np.int64).reshape(-1, 2)
+    ks = draw(st.lists(st.integers(1, 9), min_size=1, max_size=4, unique=True))
+    return idx, Y, ip, sc, rows, fp, ks
+
+
+@settings(max_examples=150, deadline=None)
+@given(filtered_problems(), st.booleans(), st.booleans(), st.integers(1, 4))
+def test_agrees_with_plain_reference(prob, use_scores, drop, block_rows):
+    idx, Y, ip, sc, rows, fp, ks = prob
+    kmax = max(ks)
+    tops = [plain_top(idx[i].tolist(), sc[i].tolist() if use_scores else None,
+                      {int(l) for r, l in fp if r == i}, kmax) for i in range(len(rows))]
+    want = plain_metrics(tops, rows, ip, ks, Y.shape[1], drop)
+    got = evaluate(idx, Y, ks=ks, inv_prop=ip, filter_pairs=fp, scores=sc if use_scores else None,
+                   block_rows=block_rows, drop_empty_rows=drop)
+    assert set(got) == set(want)
+    for key in want:
+        assert got[key] == pytest.approx(want[key], abs=1e-12), key
+
+
+@settings(max_examples=100, deadline=None)
+@given(filtered_problems(), st.integers(1, 4))
+def test_csr_scores_equal_indices_and_scores(prob, block_rows):
+    idx, Y, ip, sc, rows, fp, ks = prob
+    n, L = Y.shape
+    # a CSR score matrix holds one score per (row, label): keep the first copy of each label
+    r, c, v = [], [], []
+    for i in range(n):
+        seen: set[int] = set()
+        for l, s in zip(idx[i], sc[i]):
+            if l >= 0 and l not in seen:
+                seen.add(int(l))
+                r.append(i), c.append(int(l)), v.append(s)
+    S = sp.csr_matrix((np.array(v, dtype=float), (np.array(r, dtype=int), np.array(c, dtype=int))),
+                      shape=(n, L))
+    assert S.nnz == len(v)  # stored zeros stay stored: they are predictions
+    uniq = np.full(idx.shape, -1)
+    uniq_sc = np.full(idx.shape, -np.inf)
+    for i in range(n):
+        k = S.indptr[i + 1] - S.indptr[i]
+        uniq[i, :k] = S.indices[S.indptr[i]:S.indptr[i + 1]]
+        uniq_sc[i, :k] = S.data[S.indptr[i]:S.indptr[i + 1]]
+    kw = dict(ks=ks, inv_prop=ip, filter_pairs=fp, block_rows=block_rows)
+    assert evaluate(S, Y, **kw) == pytest.approx(evaluate(uniq, Y, scores=uniq_sc, **kw), abs=1e-12)
+    ids, vals = topk_from_csr(S, max(ks), block_rows=block_rows, filter_pairs=fp)
+    assert evaluate(ids, Y, **kw) == pytest.approx(evaluate(S, Y, **kw), abs=1e-12)
+    assert np.all(vals[ids < 0] == -np.inf)
+
+
+@settings(max_examples=50, deadline=None)
+@given(problems(), st.randoms(use_true_random=False))
+def test_row_permutation_invariance_with_filters(prob, rnd):
+    idx, Y, ip, sc, _ = prob
+    n = idx.shape[0]
+    perm = np.array(rnd.sample(range(n), n))
+    fp = np.array([[0, 0], [n - 1, Y.shape[1] - 1]])
+    inv = np.argsort(perm)  # old row r is new row inv[r]
+    fp_perm = np.stack([inv[fp[:, 0]], fp[:, 1]], axis=1)
+    a = evaluate(idx, Y, ks=KS, inv_prop=ip, scores=sc, filter_pairs=fp)
+    b = evaluate(idx[perm], Y[perm], ks=KS, inv_prop=ip, scores=sc[perm], filter_pairs=fp_perm)
+    assert a == pytest.approx(b, abs=1e-12)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 5), st.integers(1, 6), st.data())
+def test_perfect_predictions_rows_with_at_least_k_positives(n, kmax, data):
+    # every row has >= kmax positives; predictions are the true labels by inverse propensity descending
+    L = kmax + data.draw(st.integers(0, 5))
+    ip = np.array(data.draw(st.lists(st.floats(1.0, 20.0), min_size=L, max_size=L)))
+    rows = [sorted(data.draw(st.sets(st.integers(0, L - 1), min_size=kmax, max_size=L))) for _ in range(n)]
+    Y = csr(rows, L)
+    perfect = np.array([sorted(r, key=lambda l: (-ip[l], l))[:kmax] for r in rows])
+    ks = list(range(1, kmax + 1))
+    m = evaluate(perfect, Y, ks=ks, inv_prop=ip)
+    for k in ks:
+        assert m[f"precision_at_{k}"] == pytest.approx(1.0)  # = mean(min(k, |y|)/k) with |y| >= k
+        assert m[f"ndcg_at_{k}"] == pytest.approx(1.0)
+        assert m[f"psprecision_at_{k}"] == pytest.approx(1.0)
+        assert m[f"psndcg_at_{k}"] == pytest.approx(1.0)
+        assert m[f"correct_coverage_at_{k}"] == pytest.approx(m[f"coverage_at_{k}"] * L / len(set().union(*rows)))
