@@ -89,8 +89,10 @@ def test_plots_are_png(tmp_path):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def _log_eval(tracker: Tracker, dataset: str, strategy: str, p1: float, psp1: float, train_s: float) -> str:
-    params = {"strategy": strategy, "preset": "quick", "tokenize.encoder": "/models/tiny-bert"}
+def _log_eval(tracker: Tracker, dataset: str, strategy: str, p1: float, psp1: float, train_s: float,
+              fusion: str = "alpha") -> str:
+    params = {"strategy": strategy, "preset": "quick", "tokenize.encoder": "/models/tiny-bert",
+              "fusion.method": fusion, "pretrain.epochs": 1.0, "evaluate.top_k": 100}
     with tracker.run(dataset, "evaluate", params, {"strategy": strategy}) as run:
         run.log_final({"precision_at_1": p1, "psprecision_at_1": psp1, "precision_at_5": p1 / 2,
                        "stage_seconds.training_total": train_s})
@@ -104,7 +106,7 @@ def test_compare_ranks_runs_and_adds_reference_rows(tmp_path, monkeypatch, capsy
     tracker = Tracker(home.mlflow_uri, home.mlflow_artifacts)
     name = "LF-WordNetNounsTitles"
     a = _log_eval(tracker, name, "ngame", 0.34, 0.23, 600)
-    b = _log_eval(tracker, name, "siamesexml", 0.36, 0.21, 540)
+    b = _log_eval(tracker, name, "siamesexml", 0.36, 0.21, 540, fusion="tree")
     with pytest.raises(RuntimeError):  # a failed run is not compared
         with tracker.run(name, "evaluate", {"strategy": "broken"}, {}):
             raise RuntimeError("boom")
@@ -122,6 +124,9 @@ def test_compare_ranks_runs_and_adds_reference_rows(tmp_path, monkeypatch, capsy
     row_b = next(i for i, ln in enumerate(lines) if b[:8] in ln)
     row_a = next(i for i, ln in enumerate(lines) if a[:8] in ln)
     assert row_b < row_a and "36.00" in lines[row_b] and "siamesexml" in lines[row_b]
+    # the hyperparameters that differ between the runs are named on each row (and only those)
+    assert "fusion.method=tree" in lines[row_b] and "fusion.method=alpha" in lines[row_a]
+    assert "pretrain.epochs" not in out
     assert "Omikuji" in out and "27.60" in out and "broken" not in out
     assert cli_main(["compare", name, "--sort", "nope"]) == 2
     assert "compare --sort 'nope'" in capsys.readouterr().err

@@ -34,6 +34,7 @@ class ComparisonRow:
     metrics: dict[str, float] = field(default_factory=dict)  # in percent
     train_minutes: float | None = None
     reference: bool = False
+    params: dict[str, str] = field(default_factory=dict)  # the run's full effective config
 
 
 def evaluation_runs(tracking_uri: str, dataset: str) -> list[ComparisonRow]:
@@ -56,8 +57,18 @@ def evaluation_runs(tracking_uri: str, dataset: str) -> list[ComparisonRow]:
             preset=p.get("preset", ""), encoder=Path(enc).name if "/" in enc else enc,
             when=dt.datetime.fromtimestamp(r.info.start_time / 1000, dt.timezone.utc).strftime("%Y-%m-%d %H:%M"),
             metrics={k: 100 * v for k, v in m.items() if k in COMPARE_METRICS},
-            train_minutes=None if train_s is None else train_s / 60))
+            train_minutes=None if train_s is None else train_s / 60, params=dict(p)))
     return rows
+
+
+_SHOWN = {"strategy", "preset", "tokenize.encoder"}
+_NOT_MODEL = ("evaluate.", "ingest.verify_counts")  # evaluation settings, not the model's
+
+
+def differing_params(rows: list[ComparisonRow]) -> list[str]:
+    """Config keys whose values differ between the runs (beyond strategy, preset and encoder, shown anyway)."""
+    keys = sorted({k for r in rows for k in r.params} - _SHOWN)
+    return [k for k in keys if not k.startswith(_NOT_MODEL) and len({r.params.get(k) for r in rows}) > 1]
 
 
 def reference_rows(dataset: str) -> list[ComparisonRow]:
@@ -82,22 +93,31 @@ def _header(metric: str) -> str:
 
 def comparison_table(runs: list[ComparisonRow], refs: list[ComparisonRow],
                      metrics: tuple[str, ...] = COMPARE_METRICS) -> str:
-    """Fixed-width text table: runs (ranked by the caller), a rule, then reference rows with their source."""
+    """Fixed-width text table: runs (ranked by the caller), a rule, then reference rows with their source.
+
+    The last column lists, for each run, the hyperparameters whose values differ between the runs shown.
+    """
     heads = ["#", "run", "strategy", "preset", "encoder", "started (UTC)"] + [_header(m) for m in metrics] + [
-        "train min"]
+        "train min", "differs"]
     lines = []
+
+    diff = differing_params(runs)
 
     def cells(i: str, r: ComparisonRow) -> list[str]:
         vals = ["" if r.metrics.get(m) is None else f"{r.metrics[m]:.2f}" for m in metrics]
         tm = "" if r.train_minutes is None else f"{r.train_minutes:.1f}"
-        return [i, r.label, r.strategy, r.preset, r.encoder, "" if r.reference else r.when] + vals + [tm]
+        rest = " ".join(f"{k}={r.params.get(k, '-')}" for k in diff) if not r.reference else ""
+        return [i, r.label, r.strategy, r.preset, r.encoder, "" if r.reference else r.when] + vals + [tm, rest]
 
     body = [cells(str(i + 1), r) for i, r in enumerate(runs)]
     ref_body = [cells("", r) for r in refs]
     widths = [max(len(x) for x in col) for col in zip(heads, *body, *ref_body)]
 
+    last = len(heads) - 1
+
     def fmt(row: list[str]) -> str:
-        return "  ".join(c.ljust(w) if j < 6 else c.rjust(w) for j, (c, w) in enumerate(zip(row, widths))).rstrip()
+        return "  ".join(c.ljust(w) if j < 6 or j == last else c.rjust(w)
+                         for j, (c, w) in enumerate(zip(row, widths))).rstrip()
 
     lines.append(fmt(heads))
     lines.append("  ".join("-" * w for w in widths))
