@@ -21,9 +21,14 @@ class Strategy:
 STRATEGIES: dict[str, Strategy] = {
     "ngame": Strategy(
         "ngame",
-        "Siamese encoder with in-batch hard negatives (triplet, margin 0.3), classifiers initialised from "
-        "label embeddings and trained on ANNS-mined negatives, dual-MIPS shortlist with score fusion "
-        "(baseline form: random batches; cluster batching and tree fusion are later components).",
+        "NGAME: Siamese encoder trained with the OHNM triplet loss (margin 0.3) on in-batch hard negatives, "
+        "classifiers initialised from label embeddings and trained with the multi-positive triplet loss on "
+        "the hardest negatives, dual-MIPS shortlist (ANNS over W and over label embeddings) with score "
+        "fusion. The paper's components are all selectable: pretrain.sampler=ngame (Algorithm 1: cluster "
+        "batches from the memory bank, curriculum doubling C, re-clustering every tau epochs), "
+        "classifier.negatives=in-batch|both with classifier.cluster_size (M2's cluster-batched in-batch "
+        "negatives), fusion.method=tree (the depth-7 decision tree). The quick preset keeps random batches "
+        "(its one epoch ends before the curriculum's first clustering epoch).",
         {"pretrain.sampler": "random", "fusion.method": "alpha"},
     ),
     "siamesexml": Strategy(
