@@ -54,6 +54,11 @@ def pk_plot(metrics: dict[str, float], path: Path, title: str = "") -> Path:
     ax.set_xticks(ks)
     ax.grid(alpha=0.3)
     ax.legend()
+    return _save(fig, ax, path, title)
+
+
+def _save(fig, ax, path: Path, title: str) -> Path:
+    """Title, layout, write the PNG, free the figure."""
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path)
@@ -177,11 +182,7 @@ def decile_plot(dec: dict[str, Any], path: Path, title: str = "") -> Path:
     ax.set_ylabel("contribution (% points)")
     ax.grid(alpha=0.3, axis="y")
     ax.legend()
-    ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(fig, ax, path, title)
 
 
 def recall_plot(rec: dict[str, Any], path: Path, title: str = "") -> Path:
@@ -202,8 +203,4 @@ def recall_plot(rec: dict[str, Any], path: Path, title: str = "") -> Path:
     ax2.bar(x, rec["n_labels"], alpha=0.15, color="gray")
     ax2.set_ylabel("labels", color="gray")
     ax.legend(loc="upper left")
-    ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(fig, ax, path, title)
