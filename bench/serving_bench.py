@@ -40,7 +40,7 @@ import torch
 from xc_dagster import serving
 from xc_dagster.ann import LabelIndex
 from xc_dagster.fusion import AlphaFusion, TreeFusion
-from xc_dagster.predict import topk_from_scores
+from xc_dagster.predict import ShortlistSources, topk_from_scores
 
 DATA = Path(__file__).resolve().parents[1] / "xc_dagster" / "builtin_data" / "LF-WordNetNouns"
 
@@ -176,14 +176,14 @@ def main() -> None:
     cache = args.cache
     if args.model_uri:
         bundle = serving.load_served_bundle(args.model_uri, args.tracking_uri, "cpu")
-        W, E, w_index, e_index = bundle.W, bundle.label_emb, bundle.w_index, bundle.e_index
+        W, E = bundle.W, bundle.sources.label_repr
         queries = serving.encode_texts(qtexts, bundle)
         report["labels"] = {"source": args.model_uri, "n": bundle.num_labels}
     else:
         if args.labels == "21k":
             label_texts = _titles("lbl.json.gz")
             tmp = serving.ServingBundle(encoder=encoder, tokenizer=tokenizer, max_len=32,
-                                        W=np.zeros((1, 384), np.float32), label_emb=None, w_index=None, e_index=None,
+                                        sources=None,
                                         fusion=None, inv_prop=None, label_texts=None, shortlist_size=0, device=dev,
                                         dtype=dtype, batch_size=256, default_k=args.k)
             path = cache / f"E_21k_{args.encoder}.npy" if cache else None
@@ -237,7 +237,7 @@ def main() -> None:
         print(f"index build (M={args.hnsw_m}, efC={args.efc}) over {L} x {E.shape[1]}: "
               f"W {w_s:.1f}s, label_emb {e_s:.1f}s" + (" (cached)" if w_loaded and e_loaded else ""), flush=True)
         bundle = serving.ServingBundle(
-            encoder, tokenizer, 32, W, E, w_index, e_index, AlphaFusion(args.alpha),
+            encoder, tokenizer, 32, ShortlistSources(W, E, {"W": w_index, "label": e_index}), AlphaFusion(args.alpha),
             rng.uniform(1.0, 5.0, L), np.array(label_texts, dtype=object), 100, dev, dtype, 256, args.k)
 
     single_q = [queries[i:i + 1] for i in range(args.queries)]
@@ -247,7 +247,7 @@ def main() -> None:
     for setting in args.settings:
         sl_size, efs = (int(x) for x in setting.split(":"))
         bundle.shortlist_size = sl_size
-        for idx in (bundle.w_index, bundle.e_index):
+        for idx in bundle.sources.indexes.values():
             idx.ef_search = efs
         for name, fz in (("alpha", AlphaFusion(args.alpha)), ("tree", random_tree(len(W)))):
             bundle.fusion = fz
@@ -274,7 +274,7 @@ def main() -> None:
         set_threads(args.batch_threads)
         enc_thr = throughput(lambda ts: serving.encode_texts(ts, bundle), qtexts[:args.batch])
         bundle.shortlist_size = int(args.settings[0].split(":")[0])
-        for idx in (bundle.w_index, bundle.e_index):
+        for idx in bundle.sources.indexes.values():
             idx.ef_search = int(args.settings[0].split(":")[1])
         bundle.fusion = AlphaFusion(args.alpha)
         set_threads(args.single_threads)

@@ -169,7 +169,10 @@ def test_siamesexml_strategy_resolves_the_sampler_and_loss():
     assert spec.config({"pretrain.centroid_points": "0"}).pretrain.centroid_points == 0
     ngame = DatasetSpec("X-Titles", "/x").config().pretrain  # ngame unchanged
     assert ngame.sampler == "random" and ngame.loss == "triplet" and ngame.num_negatives == 10
-    for name in ("Module I", "Module III", "Module II", "not implemented"):
+    assert cfg.mining.sources == cfg.index.sources == ("label", "centroid", "knn")  # Module II
+    assert cfg.index.label_repr == "text+centroid" and cfg.classifier.loss == "siamesexml"  # fusion, Module IV
+    assert (cfg.classifier.contrastive_c, cfg.classifier.contrastive_d) == (0.75, 3.0)
+    for name in ("Module I", "Module II", "Module III", "Module IV", "residual"):
         assert name.lower() in STRATEGIES["siamesexml"].description.lower()
 
 

@@ -23,11 +23,11 @@ from xc_dagster.checkpoint import Checkpointer, restore_rng
 from xc_dagster.clustering import balanced_clusters, cluster_batches
 from xc_dagster.config import ClassifierParams
 from xc_dagster.errors import XCConfigError
-from xc_dagster.losses import masked_bce_loss, multi_positive_triplet_loss
+from xc_dagster.losses import masked_bce_loss, multi_positive_triplet_loss, siamesexml_classifier_loss
 from xc_dagster.sampling import positive_mask, sample_positives
 
 MetricsFn = Callable[[int, dict[str, float]], None]
-LOSSES = ("bce", "triplet")
+LOSSES = ("bce", "triplet", "siamesexml")
 NEGATIVES = ("shortlist", "in-batch", "both")
 
 
@@ -130,6 +130,9 @@ def train_classifiers(point_emb: np.ndarray, label_emb: np.ndarray, Y: sp.csr_ma
             scores = torch.einsum("bd,bkd->bk", x, w)
             if params.loss == "bce":
                 loss = masked_bce_loss(params.scale * scores, is_pos, valid)
+            elif params.loss == "siamesexml":
+                loss = siamesexml_classifier_loss(scores, is_pos, valid, params.contrastive_c, params.contrastive_d,
+                                                  params.neg_threshold)
             else:
                 loss = multi_positive_triplet_loss(scores, is_pos, valid, params.margin)
             opt.zero_grad(set_to_none=True)

@@ -84,6 +84,10 @@ class MiningParams:
     """Negative mining: a shortlist of candidate labels per training point from ANNS over label embeddings."""
 
     shortlist_size: int = 100
+    # where candidates come from (xc_dagster.predict.SOURCES): "label" (label text embeddings), "centroid"
+    # (label centroids), "knn" (labels of the nearest training points); SiameseXML Module II uses all three
+    sources: tuple[str, ...] = ("label",)
+    knn_weight: float = 0.025  # g: candidates ranked by (1 - g)(s_label + s_centroid) + g * s_knn (SiameseXML)
     index: str = "hnsw"  # "hnsw" (faiss) | "exact" (blocked matmul in torch)
     hnsw_m: int = 32
     hnsw_ef_construction: int = 200
@@ -97,13 +101,16 @@ class ClassifierParams:
     epochs: int = 5
     batch_size: int = 1024
     lr: float = 1e-3  # SparseAdam (NGAME code: 1e-3)
-    loss: str = "triplet"  # "triplet" (NGAME M2: multi-positive hinge) | "bce"
+    loss: str = "triplet"  # "triplet" (NGAME M2: multi-positive hinge) | "bce" | "siamesexml" (Module IV)
     num_positives: int = 3  # positives sampled per point per step
     num_negatives: int = 50  # hardest negatives (under the current W) per point per step
     negatives: str = "shortlist"  # "shortlist" (mined ANNS) | "in-batch" (NGAME M2) | "both" (their union)
     cluster_size: int = 0  # >1: batches are unions of clusters of this many points (NGAME); 0/1: random
     margin: float = 0.2  # triplet loss only
     scale: float = 10.0  # bce only: logit = scale * w.x
+    contrastive_c: float = 0.75  # siamesexml loss only (SiameseXML Module IV, reference code: c 0.75, d 3.0)
+    contrastive_d: float = 3.0
+    neg_threshold: float = 0.05  # siamesexml loss only: negative terms below this are ignored (easy negatives)
     normalize: bool = True  # keep every w_l at unit norm (NGAME M2), same scale as embedding scores
     seed: int = 0
 
@@ -131,6 +138,9 @@ class IndexParams:
     """ANNS indexes over W and over label embeddings used at inference."""
 
     kind: str = "hnsw"  # "hnsw" | "exact"
+    sources: tuple[str, ...] = ("W", "label")  # shortlist sources at inference (NGAME: dual MIPS over W and
+    # label embeddings; SiameseXML: label, centroid, knn); see xc_dagster.predict.SOURCES
+    label_repr: str = "text"  # embedding score r_l.e: "text" r_l = E(z_l) | "text+centroid" E(z_l) + v_l
     hnsw_m: int = 32
     hnsw_ef_construction: int = 200
     hnsw_ef_search: int = 200

@@ -58,6 +58,30 @@ def siamesexml_loss(sim: torch.Tensor, pos_mask: torch.Tensor, c: float = 0.9, d
     return ((pos_term + neg_term.sum(1)) / (k + 1)).mean()
 
 
+def siamesexml_classifier_loss(scores: torch.Tensor, is_pos: torch.Tensor, valid: torch.Tensor, c: float = 0.75,
+                               d: float = 3.0, neg_threshold: float = 0.05, eps: float = 1e-6) -> torch.Tensor:
+    """SiameseXML Module IV: the probabilistic contrastive loss over each point's positives + shortlist negatives.
+
+    Positive term ``-ln c + d(1 - v)``, negative term ``-ln(1 - c * exp(d (v - 1)))`` (reference code: c = 0.75,
+    d = 3.0). Negative terms below ``neg_threshold`` (easy negatives, v below about 0.1 at the defaults) are
+    dropped, as the reference code ignores them. Per row the kept terms are averaged; mean over rows that keep
+    any term. ``scores``/``is_pos``/``valid``: (B, C); padding is not valid.
+    """
+    if not 0.0 < c < 1.0 or d <= 0.0:
+        raise ValueError(f"siamesexml_classifier_loss: need 0 < c < 1 and d > 0, got c={c}, d={d}")
+    v = torch.where(valid, scores, torch.zeros_like(scores))
+    pos_term = -math.log(c) + d * (1.0 - v)
+    neg_term = -torch.log((1.0 - c * torch.exp(d * (v - 1.0))).clamp_min(eps))
+    pos = is_pos & valid
+    neg = (~is_pos) & valid & (neg_term.detach() >= neg_threshold)
+    terms = torch.where(pos, pos_term, torch.zeros_like(v)) + torch.where(neg, neg_term, torch.zeros_like(v))
+    count = (pos | neg).sum(1)
+    keep = count > 0
+    if not bool(keep.any()):
+        return scores.sum() * 0.0
+    return (terms.sum(1)[keep] / count[keep]).mean()
+
+
 def multi_positive_triplet_loss(scores: torch.Tensor, is_pos: torch.Tensor, valid: torch.Tensor,
                                 margin: float = 0.2) -> torch.Tensor:
     """NGAME M2: every (positive, negative) pair of a row gets ``[s_neg - s_pos + margin]_+``; mean over pairs.

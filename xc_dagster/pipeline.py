@@ -30,7 +30,8 @@ from xc_dagster.device import amp_dtype, resolve_device, seed_everything
 from xc_dagster.encoder import encode_tokens, load_encoder, load_tokenizer, save_encoder
 from xc_dagster.fusion import check_method, fit_fusion, load_fusion, missed_positive_features
 from xc_dagster.metrics import evaluate, inverse_propensity, recall_at, remove_filtered
-from xc_dagster.predict import shortlist, topk_from_scores
+from xc_dagster.predict import (CENTROID_FILE, ShortlistSources, build_sources, check_label_repr, check_sources,
+                                label_centroids, load_sources, retrieve, save_sources, topk_from_scores)
 from xc_dagster.reports import decile_contributions, decile_plot, pk_plot, recall_by_frequency, recall_plot
 from xc_dagster.sampling import validation_split
 from xc_dagster.siamese import train_siamese
@@ -85,6 +86,11 @@ def _filter_rows(pairs: np.ndarray, rows: np.ndarray) -> np.ndarray:
 def _labels(ctx: StageContext) -> XCDataset:
     """The ingested label matrices and filter pairs, without texts or features (all most stages need)."""
     return load_dataset(ctx.dir("ingest") / "dataset", texts=False, features=False)
+
+
+def _train_rows(ctx: StageContext, num_train: int) -> np.ndarray:
+    """Training rows the models learn from: every training point but the held-out validation ones."""
+    return np.setdiff1d(np.arange(num_train), np.load(ctx.dir("ingest") / "valid_rows.npy"))
 
 
 def _inv_prop(ctx: StageContext, Y_train) -> np.ndarray:
@@ -169,8 +175,7 @@ def pretrain(ctx: StageContext) -> dict[str, Any]:
     p = ctx.cfg.pretrain
     seed_everything(p.seed)
     ds = _labels(ctx)
-    valid = np.load(ctx.dir("ingest") / "valid_rows.npy")
-    train_rows = np.setdiff1d(np.arange(ds.num_train), valid)
+    train_rows = _train_rows(ctx, ds.num_train)
     encoder = load_encoder(ctx.cfg.tokenize.encoder, p.pooling).to(ctx.device)
     dtype = amp_dtype(ctx.device, p.amp)
     pt, lt = _tokens(ctx, "train"), _tokens(ctx, "label")
@@ -207,22 +212,38 @@ def _label_index(vectors: np.ndarray, kind: str, m: int, efc: int, efs: int) -> 
 
 
 def mining(ctx: StageContext) -> dict[str, Any]:
-    """Negative mining: top-k labels of each training point from ANNS over the label embeddings."""
+    """Negative mining (SiameseXML Module II): a shortlist of candidate labels per training point.
+
+    Candidates come from ``mining.sources`` (label text embeddings; label centroids; labels of the point's
+    nearest other training points), ranked by (1 - g)(s_label + s_centroid) + g * s_knn with exact scores.
+    The label centroids (of the non-validation training points) are written here for later stages.
+    """
     p = ctx.cfg.mining
+    check_sources(p.sources, "mining.sources")
     t0 = time.perf_counter()
     d = ctx.dir("pretrain")
     point_emb, label_emb = np.load(d / "train_emb.npy"), np.load(d / "label_emb.npy")
-    index = _label_index(label_emb, p.index, p.hnsw_m, p.hnsw_ef_construction, p.hnsw_ef_search)
-    k = min(p.shortlist_size, len(label_emb))
-    scores, ids = index.search(point_emb, k)
     ds = _labels(ctx)
+    rows = _train_rows(ctx, ds.num_train)
+    centroids = label_centroids(point_emb, ds.Y_train, rows)
+    src = build_sources(p.sources, label_emb, label_emb, centroids, point_emb[rows], ds.Y_train[rows],
+                        "text+centroid" if "centroid" in p.sources else "text", p.index, p.hnsw_m,
+                        p.hnsw_ef_construction, p.hnsw_ef_search)
+    k = min(p.shortlist_size, len(label_emb))
+    own = np.full(ds.num_train, -1, dtype=np.int64)
+    own[rows] = np.arange(len(rows))  # a training point is not its own neighbour
+    sl = retrieve(point_emb, src, k, exclude_knn=own)
+    merged = sl.emb if sl.knn is None else (1.0 - p.knn_weight) * sl.emb + p.knn_weight * sl.knn
+    ids, scores = topk_from_scores(sl.ids, np.where(sl.ids < 0, -np.inf, merged).astype(np.float32), k)
     recall = recall_at(ids, ds.Y_train)
-    summary = {"shortlist_size": k, "train_recall": recall, "seconds": time.perf_counter() - t0}
+    summary = {"shortlist_size": k, "sources": list(p.sources), "train_recall": recall,
+               "seconds": time.perf_counter() - t0}
     with ctx.store.writing(ctx.name, "mining") as out:
         np.save(out / "shortlist.npy", ids.astype(np.int32))
         np.save(out / "shortlist_scores.npy", scores)
+        np.save(out / CENTROID_FILE, centroids)
         save_json(out / "summary.json", summary)
-    ctx.info(f"mining {ctx.name}: shortlist of {k}, recall on train {recall:.3f}")
+    ctx.info(f"mining {ctx.name}: shortlist of {k} from {'+'.join(p.sources)}, recall on train {recall:.3f}")
     return summary
 
 
@@ -234,8 +255,7 @@ def classifier(ctx: StageContext) -> dict[str, Any]:
     point_emb, label_emb = np.load(d / "train_emb.npy"), np.load(d / "label_emb.npy")
     sl = np.load(ctx.dir("mining") / "shortlist.npy")
     ds = _labels(ctx)
-    valid = np.load(ctx.dir("ingest") / "valid_rows.npy")
-    rows = np.setdiff1d(np.arange(ds.num_train), valid)
+    rows = _train_rows(ctx, ds.num_train)
     key = fingerprint(dataclasses.asdict(p), point_emb, label_emb, sl, rows)
     ckpt = Checkpointer(ctx.checkpoint_dir("classifier"), key)
     W, summary = train_classifiers(point_emb, label_emb, ds.Y_train, sl, rows, p, ctx.device, ctx.log_metrics, ckpt)
@@ -248,37 +268,41 @@ def classifier(ctx: StageContext) -> dict[str, Any]:
 
 
 def index(ctx: StageContext) -> dict[str, Any]:
-    """ANNS indexes over W and over the label embeddings (dual MIPS)."""
+    """The ANNS indexes of ``index.sources`` that inference shortlists from (NGAME dual MIPS: W and label
+    embeddings; SiameseXML Module II: label embeddings, label centroids, training-point kNN)."""
     p = ctx.cfg.index
+    check_sources(p.sources, "index.sources")
+    check_label_repr(p.label_repr, "index.label_repr")
     t0 = time.perf_counter()
     W = np.load(ctx.dir("classifier") / "W.npy")
     label_emb = np.load(ctx.dir("pretrain") / "label_emb.npy")
+    need_centroids = "centroid" in p.sources or p.label_repr == "text+centroid"
+    centroids = np.load(ctx.dir("mining") / CENTROID_FILE) if need_centroids else None
+    point_emb = knn_labels = None
+    if "knn" in p.sources:
+        ds = _labels(ctx)
+        rows = _train_rows(ctx, ds.num_train)
+        point_emb = np.load(ctx.dir("pretrain") / "train_emb.npy", mmap_mode="r")[rows]
+        knn_labels = ds.Y_train[rows]
+    src = build_sources(p.sources, W, label_emb, centroids, point_emb, knn_labels, p.label_repr, p.kind,
+                        p.hnsw_m, p.hnsw_ef_construction, p.hnsw_ef_search)
     with ctx.store.writing(ctx.name, "index") as out:
-        for name, vec in (("W", W), ("label_emb", label_emb)):
-            _label_index(vec, p.kind, p.hnsw_m, p.hnsw_ef_construction, p.hnsw_ef_search).save(out / f"{name}.index")
-        summary = {"kind": p.kind, "labels": int(len(W)), "dim": int(W.shape[1]),
+        save_sources(src, out, centroids)
+        summary = {"kind": p.kind, "sources": list(p.sources), "label_repr": p.label_repr,
+                   "labels": int(len(W)), "dim": int(W.shape[1]),
+                   "knn_points": int(point_emb.shape[0]) if point_emb is not None else 0,
                    "seconds": time.perf_counter() - t0}
         save_json(out / "summary.json", summary)
     return summary
 
 
-@dataclass
-class LoadedModel:
-    """Everything inference needs, loaded from the artifacts of one dataset."""
-
-    W: np.ndarray
-    label_emb: np.ndarray
-    w_index: LabelIndex
-    e_index: LabelIndex
-
-
-def load_model(ctx: StageContext) -> LoadedModel:
-    """W, label embeddings and both indexes; the index kind is the one the index stage recorded."""
+def load_model(ctx: StageContext) -> ShortlistSources:
+    """W, the label representation and the indexes, as the index stage recorded them (kind, sources)."""
     d = ctx.dir("index")
-    kind = load_json(d / "summary.json")["kind"]
-    efs = ctx.cfg.index.hnsw_ef_search
-    return LoadedModel(np.load(ctx.dir("classifier") / "W.npy"), np.load(ctx.dir("pretrain") / "label_emb.npy"),
-                       LabelIndex.load(d / "W.index", kind, efs), LabelIndex.load(d / "label_emb.index", kind, efs))
+    info = load_json(d / "summary.json")
+    return load_sources(d, tuple(info.get("sources", ("W", "label"))), info.get("label_repr", "text"),
+                        info["kind"], ctx.cfg.index.hnsw_ef_search, np.load(ctx.dir("classifier") / "W.npy"),
+                        np.load(ctx.dir("pretrain") / "label_emb.npy"))
 
 
 def fusion(ctx: StageContext) -> dict[str, Any]:
@@ -297,9 +321,9 @@ def fusion(ctx: StageContext) -> dict[str, Any]:
     else:
         m = load_model(ctx)
         q = np.load(ctx.dir("pretrain") / "train_emb.npy", mmap_mode="r")[valid]
-        sl = shortlist(q, m.W, m.label_emb, m.w_index, m.e_index, ctx.cfg.index.shortlist_size)
+        sl = retrieve(q, m, ctx.cfg.index.shortlist_size)
         inv, Yv = _inv_prop(ctx, ds.Y_train), ds.Y_train[valid]
-        extra = (missed_positive_features(sl, Yv, q, m.W, m.label_emb, inv)
+        extra = (missed_positive_features(sl, Yv, q, m.W, m.label_repr, inv)
                  if p.method == "tree" and p.tree_add_positives else None)
         f = fit_fusion(sl, Yv, p, inv, _filter_rows(ds.filter_train, valid), extra=extra)
         fit, fit_summary = f.to_dict(), f.summary()
@@ -325,7 +349,7 @@ def evaluation(ctx: StageContext) -> dict[str, Any]:
     m = load_model(ctx)
     fz = load_fusion(load_json(ctx.dir("fusion") / "fusion.json"))
     t1 = time.perf_counter()
-    sl = shortlist(q, m.W, m.label_emb, m.w_index, m.e_index, ctx.cfg.index.shortlist_size)
+    sl = retrieve(q, m, ctx.cfg.index.shortlist_size)
     inv = _inv_prop(ctx, ds.Y_train)
     ids, scores = topk_from_scores(sl.ids, fz.score(sl, inv), p.top_k)
     ids, scores = remove_filtered(ids, scores, ds.filter_test)  # reciprocal/self pairs never predicted

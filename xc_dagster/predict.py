@@ -1,8 +1,18 @@
-"""Inference: shortlist from the ANNS indexes, exact re-scoring, fusion, top-k.
+"""Inference: shortlist from ANNS indexes, exact re-scoring, fusion, top-k.
 
-Dual MIPS (NGAME): the union of the top neighbours of the query embedding among the classifiers W and among
-the label embeddings is the shortlist; each candidate gets its classifier score w_l.e and embedding score
-z_l.e, which the fitted fusion combines. Work is done in row blocks so memory stays bounded.
+A shortlist is the union of candidates from one or more *sources* (``SOURCES``):
+
+* ``W``: top neighbours of the query embedding among the classifier vectors (NGAME's MIPS over W);
+* ``label``: among the label text embeddings E(z_l) (NGAME's dual MIPS; SiameseXML's ANNS^z);
+* ``centroid``: among the label centroids v_l, the normalised mean embedding of the label's training points
+  (SiameseXML Module II, ANNS^mu);
+* ``knn``: the labels of the query's nearest training points (SiameseXML Module II, ANNS^x), a label scored
+  by the summed similarity of the neighbours that carry it.
+
+Each candidate then gets exact scores: the classifier score w_l.e and the embedding score r_l.e, where r_l is
+the label representation the model uses (E(z_l), or E(z_l) + v_l as in SiameseXML's fusion), and the kNN
+score (0 when the knn source did not propose it). The fitted fusion combines them. Work is done in row blocks
+so memory stays bounded; every step is O(k) per query per source, independent of L.
 """
 
 from __future__ import annotations
@@ -10,42 +20,214 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import scipy.sparse as sp
 import torch
 
 from xc_dagster.ann import LabelIndex
+from xc_dagster.errors import XCConfigError
 from xc_dagster.sampling import dedupe_rows
+
+SOURCES = ("W", "label", "centroid", "knn")
+LABEL_REPRS = ("text", "text+centroid")
 
 
 @dataclass
 class Shortlist:
     ids: np.ndarray  # (n, C) int64, -1 padded, unique per row
     clf: np.ndarray  # (n, C) float32 classifier scores w_l.e (-inf on padding)
-    emb: np.ndarray  # (n, C) float32 embedding scores z_l.e (-inf on padding)
+    emb: np.ndarray  # (n, C) float32 embedding scores r_l.e (-inf on padding)
+    knn: np.ndarray | None = None  # (n, C) float32 kNN scores (0 where knn did not propose the label)
+
+
+@dataclass
+class ShortlistSources:
+    """The indexes a shortlist is drawn from and the label vectors its candidates are scored with."""
+
+    W: np.ndarray  # (L, D) classifier vectors (at mining time, before classifiers exist: the label vectors)
+    label_repr: np.ndarray  # (L, D) label representation r_l of the embedding score
+    indexes: dict[str, LabelIndex]  # source name (SOURCES) -> index; "knn" indexes training points
+    knn_labels: sp.csr_matrix | None = None  # (rows of the knn index) x L: labels of each indexed point
+
+    def __post_init__(self) -> None:
+        check_sources(tuple(self.indexes), "shortlist sources")
+        if "knn" in self.indexes and self.knn_labels is None:
+            raise ValueError("the knn source needs knn_labels (labels of the indexed training points)")
+
+
+def check_sources(sources: tuple[str, ...], where: str) -> None:
+    """A non-empty subset of ``SOURCES`` without repeats, or a config error naming ``where``."""
+    bad = [s for s in sources if s not in SOURCES]
+    if not sources or bad or len(set(sources)) != len(sources):
+        raise XCConfigError(f"{where}: expected distinct names from {', '.join(SOURCES)}, got {list(sources)}")
+
+
+def check_label_repr(label_repr: str, where: str) -> None:
+    if label_repr not in LABEL_REPRS:
+        raise XCConfigError(f"{where}: expected one of {', '.join(LABEL_REPRS)}, got {label_repr!r}")
+
+
+def label_centroids(point_emb: np.ndarray, Y: sp.csr_matrix, rows: np.ndarray | None = None,
+                    block: int = 65536) -> np.ndarray:
+    """v_l = normalise(mean of E(x_i) over training points i with y_il = 1) (SiameseXML); 0 for unseen labels.
+
+    O(nnz(Y) * D), streamed over row blocks so ``point_emb`` may be a memmap.
+    """
+    Y = Y.tocsr()
+    rows = np.arange(Y.shape[0]) if rows is None else np.asarray(rows, dtype=np.int64)
+    acc = np.zeros((Y.shape[1], point_emb.shape[1]), dtype=np.float64)
+    for s in range(0, len(rows), block):
+        r = rows[s:s + block]
+        acc += np.asarray(Y[r].T @ np.asarray(point_emb[r], dtype=np.float64))
+    norm = np.linalg.norm(acc, axis=1, keepdims=True)
+    return np.divide(acc, norm, out=np.zeros_like(acc), where=norm > 0).astype(np.float32)
+
+
+def knn_label_scores(nbr_ids: np.ndarray, nbr_sims: np.ndarray, knn_labels: sp.csr_matrix,
+                     k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Top-k labels per query from its neighbours: score(l) = sum of sims of neighbours labelled l.
+
+    ``nbr_ids`` (n, m) rows of ``knn_labels`` (-1 = none); returns (ids int64, scores float32), -1 / 0 padded,
+    by score descending then label id. Vectorised with one sparse product (n x rows) @ (rows x L).
+    """
+    n, m = nbr_ids.shape
+    ok = nbr_ids >= 0
+    r = np.repeat(np.arange(n), m)[ok.ravel()]
+    S = sp.csr_matrix((nbr_sims[ok].astype(np.float64), (r, nbr_ids[ok])), shape=(n, knn_labels.shape[0]))
+    P = (S @ knn_labels.astype(np.float64)).tocsr()
+    P.sum_duplicates()
+    ids = np.full((n, k), -1, dtype=np.int64)
+    scores = np.zeros((n, k), dtype=np.float32)
+    if P.nnz == 0:
+        return ids, scores
+    prow = np.repeat(np.arange(n), np.diff(P.indptr))
+    order = np.lexsort((P.indices, -P.data, prow))  # by row, score desc, label id
+    prow, pid, pval = prow[order], P.indices[order], P.data[order]
+    rank = np.arange(len(prow)) - P.indptr[prow]
+    keep = rank < k
+    ids[prow[keep], rank[keep]] = pid[keep]
+    scores[prow[keep], rank[keep]] = pval[keep]
+    return ids, scores
+
+
+def retrieve(queries: np.ndarray, src: ShortlistSources, k: int, exclude_knn: np.ndarray | None = None,
+             block: int = 1024) -> Shortlist:
+    """Union of every source's top-k candidates per query, each with exact classifier/embedding/kNN scores.
+
+    ``exclude_knn[i]``: a knn-index row never used as query i's neighbour (the point itself when the queries
+    are the indexed training points), or -1.
+    """
+    n = len(queries)
+    names = list(src.indexes)
+    width = k * len(names)
+    ids_all = np.full((n, width), -1, dtype=np.int64)
+    clf_all = np.full((n, width), -np.inf, dtype=np.float32)
+    emb_all = np.full((n, width), -np.inf, dtype=np.float32)
+    knn_all = np.zeros((n, width), dtype=np.float32) if "knn" in names else None
+    Wt = torch.from_numpy(np.ascontiguousarray(src.W, dtype=np.float32))
+    Rt = torch.from_numpy(np.ascontiguousarray(src.label_repr, dtype=np.float32))
+    for s in range(0, n, block):
+        q = np.ascontiguousarray(queries[s:s + block], dtype=np.float32)
+        parts, knn_ids, knn_sc = [], None, None
+        for name in names:
+            if name == "knn":
+                extra = 0 if exclude_knn is None else 1
+                sims, nbrs = src.indexes[name].search(q, k + extra)
+                if exclude_knn is not None:
+                    nbrs = np.where(nbrs == exclude_knn[s:s + len(q), None], -1, nbrs)
+                knn_ids, knn_sc = knn_label_scores(nbrs, sims, src.knn_labels, k)
+                parts.append(knn_ids)
+            else:
+                parts.append(src.indexes[name].search(q, k)[1])
+        ids = dedupe_rows(np.concatenate(parts, axis=1))
+        safe = torch.from_numpy(np.maximum(ids, 0))
+        qt = torch.from_numpy(q)
+        pad = ids < 0
+        rows = slice(s, s + len(q))
+        ids_all[rows] = ids
+        clf_all[rows] = np.where(pad, -np.inf, torch.einsum("bd,bkd->bk", qt, Wt[safe]).numpy())
+        emb_all[rows] = np.where(pad, -np.inf, torch.einsum("bd,bkd->bk", qt, Rt[safe]).numpy())
+        if knn_all is not None:
+            knn_all[rows] = _lookup(ids, knn_ids, knn_sc, len(src.W))
+    return Shortlist(ids_all, clf_all, emb_all, knn_all)
+
+
+def _lookup(ids: np.ndarray, keys: np.ndarray, values: np.ndarray, num_labels: int) -> np.ndarray:
+    """Row-wise ``values[i, j']`` where ``keys[i, j'] == ids[i, j]``, else 0 (keys unique per row, -1 = none).
+
+    Keys become ``row * L + label`` so one sorted search serves every row.
+    """
+    rows = np.arange(len(ids), dtype=np.int64)[:, None]
+    ok = keys >= 0
+    flat = (rows * num_labels + keys)[ok]
+    order = np.argsort(flat)
+    flat, vals = flat[order], values[ok][order]
+    if flat.size == 0:
+        return np.zeros(ids.shape, dtype=np.float32)
+    probe = rows * num_labels + np.maximum(ids, 0)
+    pos = np.minimum(np.searchsorted(flat, probe), flat.size - 1)
+    return np.where((flat[pos] == probe) & (ids >= 0), vals[pos], 0.0).astype(np.float32)
+
+
+INDEX_FILES = {"W": "W.index", "label": "label_emb.index", "centroid": "centroid.index", "knn": "knn.index"}
+KNN_LABELS_FILE = "knn_labels.npz"
+CENTROID_FILE = "label_centroid.npy"
+
+
+def label_representation(label_emb: np.ndarray, centroids: np.ndarray | None, label_repr: str) -> np.ndarray:
+    """r_l for the embedding score: E(z_l) ("text") or E(z_l) + v_l ("text+centroid", SiameseXML)."""
+    check_label_repr(label_repr, "label representation")
+    if label_repr == "text":
+        return label_emb
+    if centroids is None:
+        raise ValueError("label_repr text+centroid needs the label centroids")
+    return (np.asarray(label_emb, dtype=np.float32) + centroids).astype(np.float32)
+
+
+def build_sources(sources: tuple[str, ...], W: np.ndarray, label_emb: np.ndarray, centroids: np.ndarray | None,
+                  point_emb: np.ndarray | None, knn_labels: sp.csr_matrix | None, label_repr: str, kind: str,
+                  m: int, ef_construction: int, ef_search: int) -> ShortlistSources:
+    """Build the ANNS index of every source; ``point_emb`` / ``knn_labels``: the indexed training points."""
+    vectors = {"W": W, "label": label_emb, "centroid": centroids, "knn": point_emb}
+    indexes = {}
+    for name in sources:
+        if vectors[name] is None:
+            raise ValueError(f"source {name!r} needs its vectors")
+        indexes[name] = LabelIndex(kind, vectors[name], m=m, ef_construction=ef_construction, ef_search=ef_search)
+    return ShortlistSources(W, label_representation(label_emb, centroids, label_repr), indexes,
+                            knn_labels.tocsr() if knn_labels is not None else None)
+
+
+def save_sources(src: ShortlistSources, folder, centroids: np.ndarray | None) -> None:
+    """Write every index as ``INDEX_FILES[name]``, the kNN label matrix and the centroids when used."""
+    from pathlib import Path
+
+    folder = Path(folder)
+    for name, index in src.indexes.items():
+        index.save(folder / INDEX_FILES[name])
+    if src.knn_labels is not None:
+        sp.save_npz(folder / KNN_LABELS_FILE, src.knn_labels.astype(np.float32))
+    if centroids is not None:
+        np.save(folder / CENTROID_FILE, centroids)
+
+
+def load_sources(folder, sources: tuple[str, ...], label_repr: str, kind: str, ef_search: int, W: np.ndarray,
+                 label_emb: np.ndarray) -> ShortlistSources:
+    """The sources ``save_sources`` wrote into ``folder`` (faiss files, .npy, .npz; no pickle)."""
+    from pathlib import Path
+
+    folder = Path(folder)
+    check_sources(tuple(sources), f"{folder}: sources")
+    indexes = {name: LabelIndex.load(folder / INDEX_FILES[name], kind, ef_search) for name in sources}
+    knn = sp.load_npz(folder / KNN_LABELS_FILE).tocsr() if "knn" in sources else None
+    path = folder / CENTROID_FILE
+    centroids = np.load(path, allow_pickle=False) if path.exists() else None
+    return ShortlistSources(W, label_representation(label_emb, centroids, label_repr), indexes, knn)
 
 
 def shortlist(queries: np.ndarray, W: np.ndarray, label_emb: np.ndarray, w_index: LabelIndex,
               e_index: LabelIndex, k: int, block: int = 1024) -> Shortlist:
-    """Union of the two indexes' top-k per query, with both scores of every candidate."""
-    n = len(queries)
-    ids_all = np.full((n, 2 * k), -1, dtype=np.int64)
-    clf_all = np.full((n, 2 * k), -np.inf, dtype=np.float32)
-    emb_all = np.full((n, 2 * k), -np.inf, dtype=np.float32)
-    Wt = torch.from_numpy(np.ascontiguousarray(W, dtype=np.float32))
-    Et = torch.from_numpy(np.ascontiguousarray(label_emb, dtype=np.float32))
-    for s in range(0, n, block):
-        q = np.ascontiguousarray(queries[s:s + block], dtype=np.float32)
-        _, a = w_index.search(q, k)
-        _, b = e_index.search(q, k)
-        ids = dedupe_rows(np.concatenate([a, b], axis=1))
-        safe = torch.from_numpy(np.maximum(ids, 0))
-        qt = torch.from_numpy(q)
-        clf = torch.einsum("bd,bkd->bk", qt, Wt[safe]).numpy()
-        emb = torch.einsum("bd,bkd->bk", qt, Et[safe]).numpy()
-        pad = ids < 0
-        ids_all[s:s + len(q)] = ids
-        clf_all[s:s + len(q)] = np.where(pad, -np.inf, clf)
-        emb_all[s:s + len(q)] = np.where(pad, -np.inf, emb)
-    return Shortlist(ids_all, clf_all, emb_all)
+    """Dual MIPS (NGAME): union of the W and label-embedding indexes' top-k, with both scores."""
+    return retrieve(queries, ShortlistSources(W, label_emb, {"W": w_index, "label": e_index}), k, block=block)
 
 
 def fuse(sl: Shortlist, alpha: float) -> np.ndarray:

@@ -8,8 +8,10 @@ that loads from plain files only:
 ``encoder/``           the trained encoder and its tokenizer (safetensors + HF JSON files, or the bag encoder)
 ``W.npy``              classifier matrix (L, D)
 ``label_emb.npy``      label embeddings (L, D)
-``W.index``            ANNS index over W (faiss HNSW file, or ``.npy`` vectors for ``exact``)
-``label_emb.index``    ANNS index over the label embeddings
+``*.index``            the ANNS indexes of the shortlist sources the model was evaluated with (faiss HNSW
+                       files, or ``.npy`` vectors for ``exact``): ``W.index``, ``label_emb.index`` and, for
+                       SiameseXML's Module II, ``centroid.index``, ``knn.index`` (+ ``knn_labels.npz``)
+``label_centroid.npy`` label centroids, when the sources or the label representation use them
 ``fusion.json``        the fitted fusion (alpha or tree), as the fusion stage wrote it
 ``inv_prop.npy``       inverse propensities of the labels (the tree fusion's third feature)
 ``labels.parquet``     label texts (column ``text``, row = label id)
@@ -17,7 +19,7 @@ that loads from plain files only:
 =====================  ==================================================================================
 
 ``predict_topk(texts, bundle, k)`` is the whole inference path (tokenize with the training max_len, encode,
-shortlist from both indexes, fuse, top-k): the pyfunc and ``bench/serving_bench.py`` both call it, and it
+shortlist from the indexes, fuse, top-k): the pyfunc and ``bench/serving_bench.py`` both call it, and it
 gives the evaluation stage's predictions for the same texts (same tokenizer, chunking and autocast).
 
 Registry: one registered model per dataset, ``xc-<dataset>``. The first version gets the alias
@@ -49,12 +51,12 @@ import numpy as np
 import pandas as pd
 import torch
 
-from xc_dagster.ann import LabelIndex
 from xc_dagster.device import amp_dtype, resolve_device
 from xc_dagster.encoder import encode_tokens, load_encoder, load_tokenizer
 from xc_dagster.errors import XCConfigError, XCError
 from xc_dagster.fusion import load_fusion
-from xc_dagster.predict import shortlist, topk_from_scores
+from xc_dagster.predict import (CENTROID_FILE, INDEX_FILES, KNN_LABELS_FILE, ShortlistSources, load_sources,
+                                retrieve, topk_from_scores)
 from xc_dagster.storage import load_json, save_json
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -98,10 +100,7 @@ class ServingBundle:
     encoder: torch.nn.Module
     tokenizer: Any
     max_len: int
-    W: np.ndarray
-    label_emb: np.ndarray
-    w_index: LabelIndex
-    e_index: LabelIndex
+    sources: ShortlistSources  # W, label representation and the shortlist's indexes
     fusion: Any  # load_fusion(...): .score(shortlist, inv_prop)
     inv_prop: np.ndarray
     label_texts: np.ndarray  # object array, row = label id
@@ -111,6 +110,10 @@ class ServingBundle:
     batch_size: int
     default_k: int
     info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def W(self) -> np.ndarray:
+        return self.sources.W
 
     @property
     def num_labels(self) -> int:
@@ -136,7 +139,7 @@ def write_bundle(ctx: "StageContext", out: Path, default_k: int = 10, shortlist_
                  ef_search: int = 0) -> dict[str, Any]:
     """Assemble the serving bundle of ``ctx``'s dataset from the stages' artifacts into ``out``.
 
-    Reads pretrain/encoder, pretrain/label_emb.npy, classifier/W.npy, index/{W,label_emb}.index,
+    Reads pretrain/encoder, pretrain/label_emb.npy, classifier/W.npy, the index stage's files,
     fusion/fusion.json and the ingested label texts; computes the inverse propensities as evaluation does.
     ``shortlist_size`` / ``ef_search`` > 0 override the evaluated ``index.shortlist_size`` /
     ``index.hnsw_ef_search`` (a faster, slightly less exact serving setting). Returns ``serving.json``.
@@ -155,15 +158,18 @@ def write_bundle(ctx: "StageContext", out: Path, default_k: int = 10, shortlist_
     _link_tree(pre / "encoder", out / "encoder")
     _link_or_copy(pre / "label_emb.npy", out / "label_emb.npy")
     _link_or_copy(ctx.dir("classifier") / "W.npy", out / "W.npy")
-    for name in ("W.index", "label_emb.index"):
-        _link_or_copy(idx / name, out / name)
+    idx_summary = load_json(idx / "summary.json")
+    sources = idx_summary.get("sources", ["W", "label"])
+    for name in [INDEX_FILES[n] for n in sources] + [KNN_LABELS_FILE, CENTROID_FILE]:
+        if (idx / name).exists():
+            _link_or_copy(idx / name, out / name)
     _link_or_copy(ctx.dir("fusion") / "fusion.json", out / "fusion.json")
     ds_dir = ctx.dir("ingest") / "dataset"
     _link_or_copy(ds_dir / "label_texts.parquet", out / "labels.parquet")
     ds = load_dataset(ds_dir, texts=False, features=False)
     inv = inverse_propensity(ds.Y_train, ctx.cfg.evaluate.propensity_a, ctx.cfg.evaluate.propensity_b)
     np.save(out / "inv_prop.npy", np.asarray(inv, dtype=np.float64), allow_pickle=False)
-    pre_summary, idx_summary = load_json(pre / "summary.json"), load_json(idx / "summary.json")
+    pre_summary = load_json(pre / "summary.json")
     tok_summary = load_json(ctx.dir("tokenize") / "summary.json")
     fusion_method = load_json(out / "fusion.json").get("method")
     info = {
@@ -172,7 +178,8 @@ def write_bundle(ctx: "StageContext", out: Path, default_k: int = 10, shortlist_
         "pooling": pre_summary.get("pooling", ctx.cfg.pretrain.pooling),
         "max_len": int(tok_summary.get("max_len", ctx.cfg.tokenize.max_len)),
         "amp": ctx.cfg.pretrain.amp, "encode_batch_size": int(ctx.cfg.pretrain.encode_batch_size),
-        "index_kind": idx_summary["kind"], "ef_search": int(ef_search or ctx.cfg.index.hnsw_ef_search),
+        "index_kind": idx_summary["kind"], "sources": list(sources),
+        "label_repr": idx_summary.get("label_repr", "text"), "ef_search": int(ef_search or ctx.cfg.index.hnsw_ef_search),
         "shortlist_size": int(shortlist_size or ctx.cfg.index.shortlist_size), "fusion": fusion_method,
         "as_evaluated": (not shortlist_size or shortlist_size == ctx.cfg.index.shortlist_size)
                         and (not ef_search or ef_search == ctx.cfg.index.hnsw_ef_search),
@@ -209,10 +216,9 @@ def load_bundle(folder: str | Path, device: str | torch.device | None = None) ->
     if len(label_texts) != len(W):
         raise XCError(f"serving bundle {folder}: {len(label_texts)} label texts for {len(W)} classifiers")
     return ServingBundle(
-        encoder=encoder, tokenizer=tokenizer, max_len=int(info["max_len"]), W=W,
-        label_emb=np.load(folder / "label_emb.npy", allow_pickle=False),
-        w_index=LabelIndex.load(folder / "W.index", kind, efs),
-        e_index=LabelIndex.load(folder / "label_emb.index", kind, efs),
+        encoder=encoder, tokenizer=tokenizer, max_len=int(info["max_len"]),
+        sources=load_sources(folder, tuple(info.get("sources", ("W", "label"))), info.get("label_repr", "text"),
+                             kind, efs, W, np.load(folder / "label_emb.npy", allow_pickle=False)),
         fusion=load_fusion(load_json(folder / "fusion.json")),
         inv_prop=np.load(folder / "inv_prop.npy", allow_pickle=False), label_texts=label_texts,
         shortlist_size=int(info["shortlist_size"]), device=dev, dtype=amp_dtype(dev, info.get("amp", "auto")),
@@ -243,12 +249,12 @@ def encode_texts(texts: Sequence[str], bundle: ServingBundle) -> np.ndarray:
 
 
 def rank(queries: np.ndarray, bundle: ServingBundle, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The index + fusion part: shortlist from both indexes, fused scores, top-k (ids -1 padded)."""
+    """The index + fusion part: shortlist from the indexes, fused scores, top-k (ids -1 padded)."""
     if k < 1:
         raise XCConfigError(f"k: expected >= 1, got {k}")
     if len(queries) == 0:
         return np.zeros((0, k), dtype=np.int64), np.zeros((0, k), dtype=np.float32)
-    sl = shortlist(queries, bundle.W, bundle.label_emb, bundle.w_index, bundle.e_index, bundle.shortlist_size)
+    sl = retrieve(queries, bundle.sources, bundle.shortlist_size)
     return topk_from_scores(sl.ids, bundle.fusion.score(sl, bundle.inv_prop), k)
 
 

@@ -33,17 +33,17 @@ STRATEGIES: dict[str, Strategy] = {
     ),
     "siamesexml": Strategy(
         "siamesexml",
-        "SiameseXML as far as the stages allow. Implemented: Module I (mini-batches over labels drawn with "
-        "probability ~ freq^0.45, one random positive point per label, kappa = 1 hardest in-batch negative "
-        "points per label, the probabilistic contrastive loss with c = 0.9, d = 1.5 on the label text "
-        "embedding (beta = 0.7) and on a 2-point label centroid (0.3)); Module III (w_l initialised from the "
-        "label embedding); Module IV in part (one-vs-all classifiers trained on the ANNS-shortlist negatives "
-        "of the frozen encoder, with the classifier stage's loss, not Module IV's contrastive loss, and "
-        "without fine-tuning a residual layer); fusion a * classifier + (1 - a) * embedding with a fitted "
-        "on validation. Not implemented yet: Module II's three-index shortlist (label text, label centroid "
-        "and training-point kNN HNSW graphs; the shortlist here comes from label embeddings only) and the "
-        "paper's bag-of-embeddings encoder (added separately; the encoder here is the configured "
-        "transformer).",
+        "SiameseXML. Module I: mini-batches over labels drawn with probability ~ freq^0.45, one random "
+        "positive point per label, kappa = 1 hardest in-batch negative points per label, the probabilistic "
+        "contrastive loss with c = 0.9, d = 1.5 on the label text embedding (beta = 0.7) and on a 2-point "
+        "label centroid (0.3). Module II: shortlists merged from three ANNS indexes (label text embeddings, "
+        "label centroids v_l, labels of the nearest training points), ranked by (1 - g)(s_text + s_centroid) "
+        "+ g s_knn with g = 0.025, for training negatives and at inference. Module III: w_l initialised from "
+        "the label embedding. Module IV: one-vs-all classifiers on positives + the hardest shortlist negatives "
+        "with the probabilistic contrastive loss (c = 0.75, d = 3.0, easy negatives ignored); the encoder stays "
+        "frozen (the paper also fine-tunes the bag encoder's residual layer here). Fusion "
+        "a * w_l.e + (1 - a) * (E(z_l) + v_l).e with a fitted on validation. Use tokenize.encoder=bag for "
+        "the paper's bag-of-embeddings encoder.",
         {
             "pretrain.sampler": "siamesexml",
             "pretrain.loss": "siamesexml",
@@ -57,6 +57,10 @@ STRATEGIES: dict[str, Strategy] = {
             # 2 centroid points per label, repeats encoded once), ~854 texts; an epoch is ceil(21,035 / 256)
             # = 83 batches = ~71K texts. 1.5 epochs = 125 steps = ~106K texts: the same encoder work.
             "pretrain.epochs": 1.5,
+            "mining.sources": ("label", "centroid", "knn"),
+            "index.sources": ("label", "centroid", "knn"),
+            "index.label_repr": "text+centroid",
+            "classifier.loss": "siamesexml",
             "fusion.method": "alpha",
         },
     ),

@@ -1,0 +1,205 @@
+"""SiameseXML Module II (shortlists from label text, label centroid and training-point kNN indexes) and
+Module IV's classifier loss: hand-computed values, exactness against brute force, the pipeline path."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+
+from xc_dagster.ann import LabelIndex
+from xc_dagster.errors import XCConfigError
+from xc_dagster.losses import siamesexml_classifier_loss
+from xc_dagster.predict import (ShortlistSources, build_sources, check_sources, knn_label_scores, label_centroids,
+                                load_sources, retrieve, save_sources)
+
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+
+
+def test_label_centroids_hand_computed():
+    X = np.array([[1, 0], [0, 1], [1, 1], [3, 4]], dtype=np.float32)
+    Y = sp.csr_matrix(np.array([[1, 0, 0], [1, 1, 0], [0, 1, 0], [0, 0, 1]], dtype=np.float32))
+    C = label_centroids(X, Y, rows=np.array([0, 1, 2]))  # row 3 (validation) is left out
+    s = 1 / math.sqrt(2)
+    assert C[0] == pytest.approx([s, s])  # mean of (1,0),(0,1) normalised
+    b = np.array([1, 2]) / math.sqrt(5)  # (0,1)+(1,1) = (1,2)
+    assert C[1] == pytest.approx(b)
+    assert C[2] == pytest.approx([0, 0])  # no non-validation point: zero vector, scores 0
+    assert np.allclose(label_centroids(X, Y, rows=np.array([0, 1, 2]), block=1), C)  # streamed the same
+
+
+def test_knn_label_scores_sum_similarities_and_rank():
+    knn_labels = sp.csr_matrix(np.array([[1, 1, 0, 0], [0, 1, 0, 0], [0, 0, 0, 1]], dtype=np.float32))
+    nbrs = np.array([[0, 1, 2], [2, -1, -1]])
+    sims = np.array([[0.9, 0.5, 0.4], [0.7, 0.0, 0.0]], dtype=np.float32)
+    ids, sc = knn_label_scores(nbrs, sims, knn_labels, k=3)
+    # row 0: label 1 = 0.9 + 0.5, label 0 = 0.9, label 3 = 0.4
+    assert ids[0].tolist() == [1, 0, 3] and sc[0] == pytest.approx([1.4, 0.9, 0.4])
+    assert ids[1].tolist() == [3, -1, -1] and sc[1] == pytest.approx([0.7, 0, 0])
+    ids2, _ = knn_label_scores(nbrs, sims, knn_labels, k=2)
+    assert ids2[0].tolist() == [1, 0]
+
+
+def _problem(seed: int = 0, L: int = 300, N: int = 500, D: int = 16):
+    rng = np.random.default_rng(seed)
+    E = _unit(rng.standard_normal((L, D)))
+    Y = sp.random(N, L, density=0.01, random_state=seed, format="csr", dtype=np.float32)
+    Y.data[:] = 1
+    X = _unit(rng.standard_normal((N, D)))
+    return E, Y, X, rng
+
+
+def test_retrieve_is_the_union_of_each_source_with_exact_scores():
+    E, Y, X, rng = _problem()
+    C = label_centroids(X, Y)
+    src = build_sources(("label", "centroid", "knn"), E, E, C, X, Y, "text+centroid", "exact", 8, 40, 40)
+    Q = _unit(rng.standard_normal((20, 16)))
+    k = 10
+    sl = retrieve(Q, src, k, block=7)
+    for i in range(len(Q)):
+        want = set(np.argsort(-(E @ Q[i]), kind="stable")[:k]) | set(np.argsort(-(C @ Q[i]), kind="stable")[:k])
+        nb = np.argsort(-(X @ Q[i]), kind="stable")[:k]
+        votes = np.asarray(X[nb] @ Q[i])[:, None] * Y[nb].toarray()
+        knn = votes.sum(0)
+        has = Y[nb].toarray().sum(0) > 0
+        top = [l for l in np.lexsort((np.arange(len(knn)), -knn)) if has[l]][:k]
+        want |= set(top)
+        got = sl.ids[i][sl.ids[i] >= 0]
+        assert set(got) == want and len(got) == len(want)  # union, each label once
+        ok = sl.ids[i] >= 0
+        assert sl.emb[i][ok] == pytest.approx((E + C)[got] @ Q[i], abs=1e-5)  # r_l = E(z_l) + v_l
+        assert sl.clf[i][ok] == pytest.approx(E[got] @ Q[i], abs=1e-5)
+        kv = {l: knn[l] for l in top}
+        assert sl.knn[i][ok] == pytest.approx([kv.get(l, 0.0) for l in got], abs=1e-5)
+        assert np.all(np.isinf(sl.emb[i][~ok]))
+
+
+def test_retrieve_excludes_the_query_point_itself_from_knn():
+    E, Y, X, _ = _problem(1, L=50, N=60)
+    src = build_sources(("knn",), E, E, None, X, Y, "text", "exact", 8, 40, 40)
+    own = np.arange(len(X))
+    with_self = retrieve(X, src, 5)
+    without = retrieve(X, src, 5, exclude_knn=own)
+    for i in range(len(X)):
+        nb = [j for j in np.argsort(-(X @ X[i]), kind="stable") if j != i][:5]
+        labels = set(Y[nb].indices)
+        got = set(without.ids[i][without.ids[i] >= 0])
+        assert got <= labels and len(got) == min(5, len(labels))
+    # the point itself is its own nearest neighbour (sim 1): its labels lead the unexcluded list
+    i = int(np.flatnonzero(np.diff(Y.indptr))[0])
+    lead = with_self.ids[i][np.argmax(with_self.knn[i])]
+    assert lead in set(Y[i].indices)
+
+
+def test_hnsw_sources_recall_against_exact_and_round_trip(tmp_path):
+    E, Y, X, rng = _problem(2, L=2000, N=3000, D=32)
+    C = label_centroids(X, Y)
+    Q = _unit(rng.standard_normal((200, 32)))
+    args = (("W", "label", "centroid", "knn"), E, E, C, X, Y, "text+centroid")
+    exact = retrieve(Q, build_sources(*args, "exact", 16, 100, 100), 20)
+    hnsw_src = build_sources(*args, "hnsw", 16, 100, 100)
+    approx = retrieve(Q, hnsw_src, 20)
+    recall = np.mean([len(set(a[a >= 0]) & set(b[b >= 0])) / max(1, (b >= 0).sum())
+                      for a, b in zip(approx.ids, exact.ids)])
+    assert recall > 0.95
+    save_sources(hnsw_src, tmp_path, C)
+    back = load_sources(tmp_path, ("W", "label", "centroid", "knn"), "text+centroid", "hnsw", 100, E, E)
+    again = retrieve(Q, back, 20)
+    assert np.array_equal(again.ids, approx.ids) and np.allclose(again.emb, approx.emb)
+
+
+@pytest.mark.parametrize("bad", [(), ("label", "label"), ("W", "labels")])
+def test_bad_sources_are_config_errors(bad):
+    with pytest.raises(XCConfigError, match="W, label, centroid, knn"):
+        check_sources(bad, "index.sources")
+
+
+def test_knn_source_needs_its_labels():
+    E = _unit(np.eye(4, dtype=np.float32))
+    with pytest.raises(ValueError, match="knn_labels"):
+        ShortlistSources(E, E, {"knn": LabelIndex("exact", E)})
+
+
+# ------------------------------------------------------------------ Module IV loss
+
+def test_siamesexml_classifier_loss_hand_computed():
+    c, d = 0.75, 3.0
+    scores = torch.tensor([[0.8, 0.6, 0.0, 0.5], [0.9, -0.2, 0.3, 0.0]])
+    is_pos = torch.tensor([[True, False, False, False], [True, True, False, False]])
+    valid = torch.tensor([[True, True, True, False], [True, True, True, True]])
+    loss = siamesexml_classifier_loss(scores, is_pos, valid, c, d, 0.05)
+
+    def pos(v):
+        return -math.log(c) + d * (1 - v)
+
+    def neg(v):
+        return -math.log(1 - c * math.exp(d * (v - 1)))
+
+    assert neg(0.0) < 0.05 < neg(0.3)  # v = 0 is an easy negative: dropped; 0.3 and 0.6 kept
+    row0 = (pos(0.8) + neg(0.6)) / 2  # padding (0.5) not valid
+    row1 = (pos(0.9) + pos(-0.2) + neg(0.3)) / 3
+    assert float(loss) == pytest.approx((row0 + row1) / 2, rel=1e-5)
+    no_drop = siamesexml_classifier_loss(scores, is_pos, valid, c, d, 0.0)
+    row0b = (pos(0.8) + neg(0.6) + neg(0.0)) / 3
+    row1b = (pos(0.9) + pos(-0.2) + neg(0.3) + neg(0.0)) / 4
+    assert float(no_drop) == pytest.approx((row0b + row1b) / 2, rel=1e-5)
+
+
+def test_siamesexml_classifier_loss_gradients_pull_positives_push_negatives():
+    scores = torch.tensor([[0.2, 0.5]], requires_grad=True)
+    siamesexml_classifier_loss(scores, torch.tensor([[True, False]]), torch.tensor([[True, True]])).backward()
+    assert scores.grad[0, 0] < 0 < scores.grad[0, 1]  # descent raises the positive, lowers the negative
+    with pytest.raises(ValueError):
+        siamesexml_classifier_loss(scores, torch.tensor([[True, False]]), torch.tensor([[True, True]]), c=1.0)
+
+
+# ------------------------------------------------------------------ the siamesexml strategy through every stage
+
+def test_siamesexml_strategy_three_index_shortlist_through_the_pipeline_and_bundle(tmp_path, monkeypatch):
+    from tests.test_pipeline import TINY
+    from tests.tinydata import write_lf_dataset, write_tiny_encoder
+    from xc_dagster import serving
+    from xc_dagster.catalog import Catalog, DatasetSpec
+    from xc_dagster.data import load_dataset
+    from xc_dagster.home import Home
+    from xc_dagster.metrics import recall_at, remove_filtered
+    from xc_dagster.pipeline import StageContext, run_all
+    from xc_dagster.storage import ArtifactStore, load_json
+
+    monkeypatch.setenv("XC_HOME", str(tmp_path / "home"))
+    home = Home.from_env().ensure()
+    enc = write_tiny_encoder(tmp_path / "enc")
+    src = write_lf_dataset(tmp_path / "src" / "TinyTitles")
+    Catalog(home.catalog).add(DatasetSpec("TinyTitles", str(src), strategy="siamesexml",
+                                          overrides={**TINY, "tokenize.encoder": str(enc), "pretrain.epochs": 1}))
+    spec = Catalog(home.catalog).get("TinyTitles")
+    cfg = spec.config()
+    assert cfg.mining.sources == ("label", "centroid", "knn") and cfg.index.label_repr == "text+centroid"
+    assert cfg.classifier.loss == "siamesexml"
+    ctx = StageContext(ArtifactStore(home.artifacts), spec, cfg, home.cache)
+    out = run_all(ctx)
+    assert out["mining"]["sources"] == ["label", "centroid", "knn"]
+    assert out["index"]["sources"] == ["label", "centroid", "knn"] and out["index"]["knn_points"] == 108
+    ds = load_dataset(ctx.dir("ingest") / "dataset", features=False)
+    sl = np.load(ctx.dir("mining") / "shortlist.npy")
+    assert sl.shape == (120, 8) and sl.max() < 20
+    # the merged shortlist's train recall is at least the label-text index's alone at the same width
+    emb = np.load(ctx.dir("pretrain") / "train_emb.npy")
+    text_only = np.argsort(-(emb @ np.load(ctx.dir("pretrain") / "label_emb.npy").T), axis=1)[:, :8]
+    assert recall_at(sl, ds.Y_train) >= recall_at(text_only, ds.Y_train) - 0.02
+    files = {p.name for p in ctx.dir("index").iterdir()}
+    assert {"label_emb.index", "centroid.index", "knn.index", "knn_labels.npz", "label_centroid.npy"} <= files
+    assert "W.index" not in files
+    # the serving bundle carries the three indexes and reproduces the evaluation's predictions
+    serving.write_bundle(ctx, tmp_path / "bundle")
+    bundle = serving.load_bundle(tmp_path / "bundle", "cpu")
+    assert set(bundle.sources.indexes) == {"label", "centroid", "knn"}
+    ids, scores = serving.predict_topk(ds.test_texts, bundle, 10)
+    filtered, _ = remove_filtered(ids, scores, ds.filter_test)
+    np.testing.assert_array_equal(filtered, np.load(ctx.dir("evaluate") / "predictions.npz")["ids"])
+    assert 0.0 <= load_json(ctx.dir("evaluate") / "metrics.json")["precision_at_1"] <= 1.0
