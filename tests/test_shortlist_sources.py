@@ -176,11 +176,12 @@ def test_siamesexml_strategy_three_index_shortlist_through_the_pipeline_and_bund
     enc = write_tiny_encoder(tmp_path / "enc")
     src = write_lf_dataset(tmp_path / "src" / "TinyTitles")
     Catalog(home.catalog).add(DatasetSpec("TinyTitles", str(src), strategy="siamesexml",
-                                          overrides={**TINY, "tokenize.encoder": str(enc), "pretrain.epochs": 1}))
+                                          overrides={**TINY, "tokenize.encoder": str(enc), "pretrain.epochs": 1,
+                                                     "classifier.loss": "siamesexml"}))
     spec = Catalog(home.catalog).get("TinyTitles")
     cfg = spec.config()
     assert cfg.mining.sources == ("label", "centroid", "knn") and cfg.index.label_repr == "text+centroid"
-    assert cfg.classifier.loss == "siamesexml"
+    assert cfg.classifier.loss == "siamesexml"  # Module IV's loss, selected
     ctx = StageContext(ArtifactStore(home.artifacts), spec, cfg, home.cache)
     out = run_all(ctx)
     assert out["mining"]["sources"] == ["label", "centroid", "knn"]
