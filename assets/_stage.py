@@ -42,7 +42,8 @@ def materialize_stage(context: dg.AssetExecutionContext, stage: str, config: dg.
             context.log.info(f"{stage} step {step}: " + ", ".join(f"{k}={v:.4g}" for k, v in values.items()))
 
         ctx = StageContext(store=home.store(), spec=spec, cfg=cfg, cache_dir=h.cache,
-                           device=compute.torch_device(), log_metrics=log_metrics, info=context.log.info)
+                           device=compute.torch_device(), log_metrics=log_metrics, info=context.log.info,
+                           tracking_uri=tracker.tracking_uri)
         summary = STAGES[stage](ctx)
         numbers = _flat_numbers(summary)
         run.log_final(numbers)

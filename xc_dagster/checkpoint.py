@@ -32,6 +32,18 @@ def fingerprint(params: Any, *arrays: np.ndarray) -> str:
     return h.hexdigest()[:32]
 
 
+def fingerprint_files(folder: Path) -> str:
+    """A short hash of every file under ``folder`` (relative names and contents), e.g. a warm-start encoder."""
+    h = hashlib.sha256()
+    for f in sorted(Path(folder).rglob("*")):
+        if f.is_file():
+            h.update(f.relative_to(folder).as_posix().encode())
+            with open(f, "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(block)
+    return h.hexdigest()[:32]
+
+
 @dataclass
 class Resumed:
     """What a checkpoint restores: the next epoch to run, the tensors, and the numpy generator state."""

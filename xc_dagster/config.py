@@ -76,6 +76,10 @@ class PretrainParams:
     loss: str = "triplet"  # "triplet" (NGAME OHNM hinge) | "siamesexml" (probabilistic contrastive, no margin)
     contrastive_c: float = 0.9  # siamesexml loss: p(+1, v) = c * exp(d * v) / exp(d); code for Module I: c=0.9
     contrastive_d: float = 1.5  # ... d = 1.5 (Module IV's classifiers use c=0.75, d=3.0)
+    # retrain from a previous model: "" = cold start from tokenize.encoder; "champion" = the dataset's
+    # registered champion (cold when there is none yet); or a serving bundle folder. Encoder and classifiers
+    # start from it; labels new to the data start from their text embeddings (xc_dagster.warm_start).
+    warm_start: str = ""
     seed: int = 0
 
 

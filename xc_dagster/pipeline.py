@@ -20,7 +20,7 @@ import torch
 from xc_dagster.ann import LabelIndex
 from xc_dagster.bag_encoder import parse_bag_name
 from xc_dagster.catalog import BUILTIN_PREFIX, DatasetSpec, builtin_path
-from xc_dagster.checkpoint import Checkpointer, fingerprint
+from xc_dagster.checkpoint import Checkpointer, fingerprint, fingerprint_files
 from xc_dagster.classifier import train_classifiers
 from xc_dagster.config import PipelineConfig
 from xc_dagster.data import XCDataset, load_dataset, read_dataset, resolve_source, save_dataset
@@ -37,6 +37,7 @@ from xc_dagster.sampling import validation_split
 from xc_dagster.siamese import train_siamese
 from xc_dagster.storage import ArtifactStore, load_json, save_json
 from xc_dagster.tokenization import load_tokens, save_pretokenized, tokenize_to_npy
+from xc_dagster.warm_start import check_same_vocabulary, classifier_init, resolve_warm_start
 
 log = logging.getLogger("xc_dagster")
 
@@ -55,6 +56,7 @@ class StageContext:
     device: torch.device = field(default_factory=lambda: resolve_device("auto"))
     log_metrics: Callable[[int, dict[str, float]], None] | None = None
     info: Callable[[str], None] = log.info
+    tracking_uri: str | None = None  # the MLflow store (pretrain.warm_start=champion finds the champion there)
 
     @property
     def name(self) -> str:
@@ -91,6 +93,13 @@ def _labels(ctx: StageContext) -> XCDataset:
 def _train_rows(ctx: StageContext, num_train: int) -> np.ndarray:
     """Training rows the models learn from: every training point but the held-out validation ones."""
     return np.setdiff1d(np.arange(num_train), np.load(ctx.dir("ingest") / "valid_rows.npy"))
+
+
+def _label_texts(ctx: StageContext) -> list[str]:
+    return load_dataset(ctx.dir("ingest") / "dataset", features=False).label_texts
+
+
+CLASSIFIER_INIT = "classifier_init.npy"
 
 
 def _inv_prop(ctx: StageContext, Y_train) -> np.ndarray:
@@ -176,12 +185,18 @@ def pretrain(ctx: StageContext) -> dict[str, Any]:
     seed_everything(p.seed)
     ds = _labels(ctx)
     train_rows = _train_rows(ctx, ds.num_train)
-    encoder = load_encoder(ctx.cfg.tokenize.encoder, p.pooling).to(ctx.device)
+    warm = resolve_warm_start(p.warm_start, ctx.name, ctx.tracking_uri, ctx.store.root / ctx.name / "_warm_start")
+    tokenizer = load_tokenizer(ctx.cfg.tokenize.encoder)
+    if warm is not None:
+        check_same_vocabulary(warm, tokenizer)
+        ctx.info(f"pretrain {ctx.name}: warm start from {warm}")
+    encoder = load_encoder(str(warm / "encoder") if warm else ctx.cfg.tokenize.encoder, p.pooling).to(ctx.device)
     dtype = amp_dtype(ctx.device, p.amp)
     pt, lt = _tokens(ctx, "train"), _tokens(ctx, "label")
-    if parse_bag_name(ctx.cfg.tokenize.encoder) is not None:  # a fresh bag encoder: IDF of the training texts
+    if warm is None and parse_bag_name(ctx.cfg.tokenize.encoder) is not None:  # fresh bag: IDF of the texts
         encoder.fit_idf(pt, lt)
-    key = fingerprint({**dataclasses.asdict(p), "encoder": ctx.cfg.tokenize.encoder}, pt[0], lt[0], train_rows,
+    key = fingerprint({**dataclasses.asdict(p), "encoder": ctx.cfg.tokenize.encoder,
+                       "warm": fingerprint_files(warm / "encoder") if warm else ""}, pt[0], lt[0], train_rows,
                       ds.Y_train.indices)
     ckpt = Checkpointer(ctx.checkpoint_dir("pretrain"), key)
     res = train_siamese(encoder, pt, lt, ds.Y_train, train_rows, p, ctx.device, dtype, ctx.log_metrics,
@@ -191,7 +206,10 @@ def pretrain(ctx: StageContext) -> dict[str, Any]:
     point_emb = encode_tokens(encoder, *pt, ctx.device, dtype, p.encode_batch_size)
     label_emb = encode_tokens(encoder, *lt, ctx.device, dtype, p.encode_batch_size)
     encode_s = time.perf_counter() - t1
-    summary = {"steps": res.steps, "points": res.points, "train_seconds": res.seconds,
+    W0, warm_labels = None, 0
+    if warm is not None:
+        W0, warm_labels = classifier_init(warm, _label_texts(ctx), label_emb)
+    summary = {"warm_start": str(warm) if warm else "", "warm_start_labels": warm_labels,"steps": res.steps, "points": res.points, "train_seconds": res.seconds,
                "reclusterings": res.reclusterings, "resumed_from_epoch": res.resumed_from_epoch,
                "points_per_s": res.points / max(res.seconds, 1e-9), "final_loss": res.final_loss,
                "encode_seconds": encode_s, "texts_per_s": (len(pt[1]) + len(lt[1])) / max(encode_s, 1e-9),
@@ -199,9 +217,11 @@ def pretrain(ctx: StageContext) -> dict[str, Any]:
                "encoder_type": type(encoder).__name__,
                "seconds": res.seconds + encode_s}
     with ctx.store.writing(ctx.name, "pretrain") as out:
-        save_encoder(encoder, load_tokenizer(ctx.cfg.tokenize.encoder), out / "encoder")
+        save_encoder(encoder, tokenizer, out / "encoder")
         np.save(out / "train_emb.npy", point_emb)
         np.save(out / "label_emb.npy", label_emb)
+        if W0 is not None:  # the classifier stage starts from it instead of the label embeddings
+            np.save(out / CLASSIFIER_INIT, W0)
         save_json(out / "summary.json", {**summary, "pooling": p.pooling})
     ckpt.clear()
     return summary
@@ -252,7 +272,9 @@ def classifier(ctx: StageContext) -> dict[str, Any]:
     p = ctx.cfg.classifier
     seed_everything(p.seed)
     d = ctx.dir("pretrain")
-    point_emb, label_emb = np.load(d / "train_emb.npy"), np.load(d / "label_emb.npy")
+    point_emb = np.load(d / "train_emb.npy")
+    init = d / CLASSIFIER_INIT  # a warm start's W, else W starts from the label embeddings
+    label_emb = np.load(init if init.exists() else d / "label_emb.npy")
     sl = np.load(ctx.dir("mining") / "shortlist.npy")
     ds = _labels(ctx)
     rows = _train_rows(ctx, ds.num_train)

@@ -58,6 +58,7 @@ from xc_dagster.fusion import load_fusion
 from xc_dagster.predict import (CENTROID_FILE, INDEX_FILES, KNN_LABELS_FILE, ShortlistSources, load_sources,
                                 retrieve, topk_from_scores)
 from xc_dagster.storage import load_json, save_json
+from xc_dagster.warm_start import SERVING_FILE
 
 if TYPE_CHECKING:  # pragma: no cover
     from mlflow.tracking import MlflowClient
@@ -68,7 +69,6 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger("xc_dagster")
 
 BUNDLE_FORMAT = 1
-SERVING_FILE = "serving.json"
 CHAMPION, CHALLENGER = "champion", "challenger"
 GATE_METRICS = ("precision_at_1", "psprecision_at_1")
 RUN_METRICS = ("precision_at_1", "precision_at_3", "precision_at_5", "psprecision_at_1", "psprecision_at_3",
