@@ -1,7 +1,9 @@
-"""Dagster resources: the home folder (storage root + catalog), MLflow tracking, compute device."""
+"""Dagster resources: the home folder (storage root + catalog), MLflow tracking, compute device, the
+click-log feed the retraining sensor watches."""
 
+from resources.clicklogs import ClickLogFeedResource
 from resources.compute import ComputeResource
 from resources.home import XCHomeResource, dataset_partitions
 from resources.tracking import MLflowResource
 
-__all__ = ["ComputeResource", "MLflowResource", "XCHomeResource", "dataset_partitions"]
+__all__ = ["ClickLogFeedResource", "ComputeResource", "MLflowResource", "XCHomeResource", "dataset_partitions"]

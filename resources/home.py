@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import dagster as dg
@@ -26,7 +27,8 @@ class XCHomeResource(dg.ConfigurableResource):
         return Catalog(self.home().catalog)
 
 
-def dataset_partitions(home: Home | None = None) -> dg.StaticPartitionsDefinition:
-    """One partition per catalog dataset, read when the code location loads (reload to see new ones)."""
+def dataset_partitions(home: Home | None = None, extra: Iterable[str] = ()) -> dg.StaticPartitionsDefinition:
+    """One partition per catalog dataset (plus ``extra`` names: the click-log feed's dataset folders, whose
+    catalog entries the sensor creates), read when the code location loads (reload to see new ones)."""
     home = home or Home.from_env()
-    return dg.StaticPartitionsDefinition(Catalog(home.catalog).names())
+    return dg.StaticPartitionsDefinition(sorted(set(Catalog(home.catalog).names()) | set(extra)))

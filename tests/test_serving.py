@@ -9,7 +9,6 @@ import dataclasses
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -25,7 +24,7 @@ import pandas as pd
 import pytest
 
 from tests.test_pipeline import TINY
-from tests.tinydata import write_lf_dataset, write_tiny_encoder
+from tests.tinydata import stop_process_group, write_lf_dataset, write_tiny_encoder
 from xc_dagster import serving
 from xc_dagster.catalog import Catalog, DatasetSpec
 from xc_dagster.data import load_dataset
@@ -320,14 +319,7 @@ def test_mlflow_models_serve_answers_scoring_requests(built, tmp_path):
         with urllib.request.urlopen(req, timeout=60) as r:
             answer = json.loads(r.read())
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)  # the server and its uvicorn worker (their own session)
-            proc.wait(timeout=20)
-        except ProcessLookupError:
-            pass
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
+        stop_process_group(proc, 20)  # the server and its uvicorn worker (their own session)
         log.close()
     preds = answer["predictions"]
     assert [p["label_ids"] for p in preds] == expected.tolist()

@@ -38,12 +38,13 @@ def test_classifier_init_takes_known_labels_by_text_and_new_ones_from_text_embed
         classifier_init(b, ["pine"], np.zeros((1, 3), dtype=np.float32))
 
 
-def test_resolve_warm_start_values_and_errors(tmp_path):
+def test_resolve_warm_start_values_and_errors(tmp_path, monkeypatch):
     assert resolve_warm_start("", "X", None, tmp_path / "w") is None
     with pytest.raises(XCConfigError, match="pretrain.warm_start='/nope'.*serving bundle"):
         resolve_warm_start("/nope", "X", None, tmp_path / "w")
-    with pytest.raises(XCConfigError, match="tracking store"):
-        resolve_warm_start("champion", "X", None, tmp_path / "w")
+    monkeypatch.setenv("XC_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert resolve_warm_start("champion", "X", None, tmp_path / "w") is None  # the home's store, no champion
     b = _fake_bundle(tmp_path / "b", np.eye(2), ["a", "b"])
     assert resolve_warm_start(str(b), "X", None, tmp_path / "w") == b
     # a tracking store without a registered model for the dataset: cold start

@@ -57,3 +57,19 @@ def write_tiny_encoder(folder: Path, seed: int = 0) -> Path:
     BertModel(cfg).save_pretrained(folder, safe_serialization=True)
     tok.save_pretrained(folder)
     return folder
+
+
+def stop_process_group(proc, timeout: float = 30.0) -> None:
+    """SIGTERM a server started with ``start_new_session=True`` and its children; SIGKILL if it lingers."""
+    import os
+    import signal
+    import subprocess
+
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=timeout)
+    except ProcessLookupError:
+        pass
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)

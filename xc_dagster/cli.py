@@ -12,6 +12,7 @@
   xc-dagster compare NAME          the dataset's evaluation runs from MLflow, best first, with the papers'
                                    published numbers for it as reference rows
   xc-dagster ui                    the commands that open the Dagster UI and the MLflow UI
+  xc-dagster retrain check         changed dataset sources and click-log feeds (docs/AUTOMATION.md)
   xc-dagster env                   shell exports of XC_HOME, DAGSTER_HOME, MLFLOW_TRACKING_URI
 
 The library stays importable without Dagster: Dagster runs in a subprocess with ``DAGSTER_HOME`` set to
@@ -21,7 +22,6 @@ The library stays importable without Dagster: Dagster runs in a subprocess with 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import shutil
 import subprocess
@@ -139,6 +139,8 @@ def print_ui(home: Home) -> None:
     print("\nOpen the results:")
     print(f"  Dagster UI:  XC_HOME={home.root} DAGSTER_HOME={home.dagster_home} {_bin('dagster')} dev {target}")
     print(f"  MLflow UI:   {_bin('mlflow')} ui --backend-store-uri {home.mlflow_uri} --port 5000")
+    print("  (`dagster dev` also runs the daemon: switch on click_log_sensor / retrain_schedule under "
+          "Automation; docs/AUTOMATION.md)")
 
 
 def cmd_quickstart(args: argparse.Namespace, home: Home) -> int:
@@ -172,14 +174,30 @@ def cmd_clicks_build(args: argparse.Namespace, home: Home) -> int:
           f"({s['n_new_labels']} new) -> {out}")
     print(f"next window's --previous: {out / 'label_map.json'}")
     if args.register:
-        cat = Catalog(home.catalog)
-        old = cat.load().get(args.name)
-        changes: dict = {"source": str(out), "layout": "lf-raw", "text": "title", "sha256": None}
-        spec = (dataclasses.replace(old, **changes) if old is not None
-                else DatasetSpec(name=args.name, **changes))
-        cat.add(spec, replace=True)
-        print(f"{'updated' if old is not None else 'registered'} dataset {args.name!r} in {home.catalog}; "
+        from xc_dagster.retraining import register_click_dataset
+
+        _, existed = register_click_dataset(Catalog(home.catalog), args.name, out)
+        print(f"{'updated' if existed else 'registered'} dataset {args.name!r} in {home.catalog}; "
               f"materialize it with: xc-dagster materialize {args.name}")
+    return 0
+
+
+def cmd_retrain_check(args: argparse.Namespace, home: Home) -> int:
+    """What the retraining automation would do now: changed catalog sources (retrain_schedule) and
+    click-log files not yet consumed (click_log_sensor, from a fresh cursor: every file counts as new)."""
+    from xc_dagster.retraining import changed_datasets, feed_root, list_feeds
+
+    changes = changed_datasets(home)
+    if not changes:
+        print(f"no datasets in {home.catalog}")
+    for c in changes:
+        print(f"{c.name}: {'CHANGED' if c.changed else 'unchanged'} ({c.reason})")
+    root = feed_root(home)
+    listing = list_feeds(root)
+    print(f"\nclick-log feed root {root}: " + (", ".join(f"{n} ({len(f)} file(s))" for n, f in
+                                                          sorted(listing.feeds.items())) or "no dataset folders"))
+    for name in listing.ignored:
+        print(f"  folder {name!r} ignored: not a valid dataset name")
     return 0
 
 
@@ -233,6 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
     cb.add_argument("--test-fraction", type=float, default=0.2, help="latest fraction of queries -> test")
     cb.add_argument("--min-clicks", type=int, default=1, help="clicks for a (query, label) pair to count")
     cb.add_argument("--register", action="store_true", help="add/update catalog entry NAME with this folder")
+    rt = sub.add_parser("retrain", help="retraining automation (docs/AUTOMATION.md)")
+    rsub = rt.add_subparsers(dest="rcmd", required=True)
+    rsub.add_parser("check", help="which datasets' sources changed since their last ingest; the click-log feeds")
     return p
 
 
@@ -255,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_compare(args, home)
         if args.cmd == "clicks":
             return {"build": cmd_clicks_build}[args.ccmd](args, home)
+        if args.cmd == "retrain":
+            return {"check": cmd_retrain_check}[args.rcmd](args, home)
         if args.cmd == "ui":
             print_ui(home)
             return 0

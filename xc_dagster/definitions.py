@@ -1,12 +1,15 @@
-"""The Dagster code location: every stage asset partitioned by the catalog's datasets, the resources, and
-the job that materializes a whole partition. The only module of the library that imports Dagster."""
+"""The Dagster code location: every stage asset partitioned by the catalog's datasets, the resources, the
+job that materializes a whole partition, and the retraining automation on it (``click_log_sensor``,
+``retrain_schedule``; both STOPPED until switched on, see ``docs/AUTOMATION.md``). The only module of the
+library that imports Dagster."""
 
 from __future__ import annotations
 
 import dagster as dg
 
 from assets import build_assets, build_lifecycle_assets
-from resources import ComputeResource, MLflowResource, XCHomeResource, dataset_partitions
+from assets.automation import build_click_log_sensor, build_retrain_schedule
+from resources import ClickLogFeedResource, ComputeResource, MLflowResource, XCHomeResource, dataset_partitions
 from xc_dagster.home import Home
 
 PIPELINE_JOB = "xc_pipeline"
@@ -18,9 +21,11 @@ def pipeline_resources(home: Home) -> dict[str, object]:
 
 
 def build_definitions(home: Home | None = None) -> dg.Definitions:
-    """Definitions for the catalog under ``home`` (default: ``XC_HOME``)."""
+    """Definitions for the catalog under ``home`` (default: ``XC_HOME``); the partitions are the catalog's
+    datasets plus the click-log feed's dataset folders (whose catalog entries the sensor creates)."""
     home = (home or Home.from_env()).ensure()
-    partitions = dataset_partitions(home)
+    clicklogs = ClickLogFeedResource()
+    partitions = dataset_partitions(home, extra=clicklogs.partition_names(home))
     assets = build_assets(partitions) + build_lifecycle_assets(partitions)
     job = dg.define_asset_job(PIPELINE_JOB, selection=dg.AssetSelection.all(), partitions_def=partitions,
                               description="Every stage of one dataset partition, ingest to evaluation, then "
@@ -28,7 +33,9 @@ def build_definitions(home: Home | None = None) -> dg.Definitions:
     return dg.Definitions(
         assets=assets,
         jobs=[job],
-        resources=pipeline_resources(home),
+        sensors=[build_click_log_sensor(job, partitions)],
+        schedules=[build_retrain_schedule(job, partitions)],
+        resources={**pipeline_resources(home), "clicklogs": clicklogs},
     )
 
 

@@ -37,6 +37,8 @@ from xc_dagster.sampling import validation_split
 from xc_dagster.siamese import train_siamese
 from xc_dagster.storage import ArtifactStore, load_json, save_json
 from xc_dagster.tokenization import load_tokens, save_pretokenized, tokenize_to_npy
+from xc_dagster.errors import XCError
+from xc_dagster.retraining import source_fingerprint
 from xc_dagster.warm_start import check_same_vocabulary, classifier_init, resolve_warm_start
 
 log = logging.getLogger("xc_dagster")
@@ -117,6 +119,7 @@ def ingest(ctx: StageContext) -> dict[str, Any]:
     p = ctx.cfg.ingest
     t0 = time.perf_counter()
     src = ctx.spec.source
+    source_digest = _source_digest(src)  # before reading: a change made during ingest shows next time
     folder = (builtin_path(src[len(BUILTIN_PREFIX):]) if src.startswith(BUILTIN_PREFIX)
               else resolve_source(src, ctx.cache_dir / ctx.name, sha256=ctx.spec.sha256))
     text = p.text if p.text != "auto" else ctx.spec.text_fields
@@ -137,7 +140,7 @@ def ingest(ctx: StageContext) -> dict[str, Any]:
         np.save(out / "label_freq.npy", freq)
         label_frequency_plot(freq, out / "label_freq.png", ctx.name)
         stats.update({"n_valid": int(len(valid)), "layout": ds.layout, "text": text, "source": str(folder),
-                      "registry": known.name if known else None,
+                      "registry": known.name if known else None, "source_fingerprint": source_digest,
                       "counts_verified": bool(known is not None and p.verify_counts),
                       "checks_failed": checks["failed"], "check_counts": check_counts(checks),
                       "label_frequency": checks["label_frequency"],
@@ -145,6 +148,15 @@ def ingest(ctx: StageContext) -> dict[str, Any]:
         save_json(out / "summary.json", stats)
     ctx.info(f"ingest {ctx.name}: {stats['n_train']} train / {stats['n_test']} test / {stats['n_labels']} labels")
     return stats
+
+
+def _source_digest(source: str) -> str | None:
+    """The source's file fingerprint (names, sizes, modification stamps) that the retrain schedule compares."""
+    try:
+        fp = source_fingerprint(source)
+    except XCError:
+        return None
+    return None if fp is None else fp.digest
 
 
 def tokenize(ctx: StageContext) -> dict[str, Any]:

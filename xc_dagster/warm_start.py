@@ -53,13 +53,17 @@ def champion_bundle(dataset: str, tracking_uri: str, dest: Path) -> Path | None:
 
 
 def resolve_warm_start(value: str, dataset: str, tracking_uri: str | None, dest: Path) -> Path | None:
-    """The bundle folder ``pretrain.warm_start`` names, or None for a cold start (see the module docstring)."""
+    """The bundle folder ``pretrain.warm_start`` names, or None for a cold start (see the module docstring).
+
+    ``tracking_uri`` None: the store the MLflow resource uses by default (``$MLFLOW_TRACKING_URI``, else
+    ``$XC_HOME/mlflow.db``)."""
     if not value:
         return None
     if value == "champion":
-        if not tracking_uri:
-            raise XCConfigError("pretrain.warm_start=champion needs the MLflow tracking store (run the stage "
-                                "through Dagster, or set StageContext.tracking_uri)")
+        if not tracking_uri:  # as the MLflow resource defaults: $MLFLOW_TRACKING_URI, else $XC_HOME/mlflow.db
+            from xc_dagster.home import Home
+
+            tracking_uri = Home.from_env().mlflow_uri
         return champion_bundle(dataset, tracking_uri, dest)
     path = Path(value).expanduser()
     if not is_bundle(path):
