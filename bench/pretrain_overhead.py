@@ -180,6 +180,20 @@ class Timer:
 
 # ----------------------------------------------------------------------------------- pretrain steps
 
+def timed_update(tm: Timer, loss: torch.Tensor, enc, opt, sched) -> None:
+    """train_siamese's update after the loss (backward, clip at 1.0, AdamW + schedule, loss.item), timed."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    tm.lap("backward")
+    torch.nn.utils.clip_grad_norm_(enc.parameters(), 1.0)
+    tm.lap("clip")
+    opt.step()
+    sched.step()
+    tm.lap("opt_step")
+    float(loss.detach())
+    tm.lap("loss_item")
+
+
 def step_bare(enc, opt, pt, lt, point_rows: np.ndarray, label_rows: np.ndarray, chunk_size: int,
               dtype) -> Timer:
     tm = Timer()
@@ -212,16 +226,7 @@ def step_full_points(enc, opt, sched, Y, pt, lt, batch: np.ndarray, params: Pret
         tm.lap("bank_update")
     loss = pair_loss(p.float() @ z.float().T, mask.to(DEVICE), params)
     tm.lap("loss")
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    tm.lap("backward")
-    torch.nn.utils.clip_grad_norm_(enc.parameters(), 1.0)
-    tm.lap("clip")
-    opt.step()
-    sched.step()
-    tm.lap("opt_step")
-    float(loss.detach())
-    tm.lap("loss_item")
+    timed_update(tm, loss, enc, opt, sched)
     return tm, labels
 
 
@@ -250,16 +255,7 @@ def step_full_labels(enc, opt, sched, Y, pt, lt, batch, params: PretrainParams, 
         w = params.centroid_weight
         loss = (1.0 - w) * loss + w * pair_loss(v @ anchors.T, mask_t, params)
     tm.lap("loss")
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    tm.lap("backward")
-    torch.nn.utils.clip_grad_norm_(enc.parameters(), 1.0)
-    tm.lap("clip")
-    opt.step()
-    sched.step()
-    tm.lap("opt_step")
-    float(loss.detach())
-    tm.lap("loss_item")
+    timed_update(tm, loss, enc, opt, sched)
     return tm
 
 
