@@ -61,13 +61,12 @@ import torch.nn.functional as F
 from xc_dagster.ann import exact_topk
 from xc_dagster.bag_encoder import parse_bag_name
 from xc_dagster.catalog import builtin_path
-from xc_dagster.classifier import classifier_batches, hardest_negatives
+from xc_dagster.classifier import classifier_batches, classifier_loss, hardest_negatives
 from xc_dagster.clustering import balanced_clusters
 from xc_dagster.config import ClassifierParams, PretrainParams
 from xc_dagster.data import read_dataset
 from xc_dagster.device import amp_dtype, autocast
 from xc_dagster.encoder import chunk_tensors, encode_tokens, length_sorted_chunks, load_encoder, load_tokenizer
-from xc_dagster.losses import masked_bce_loss, multi_positive_triplet_loss
 from xc_dagster.sampling import positive_mask, sample_positives, validation_split
 from xc_dagster.siamese import (NGAMESampler, SiameseXMLSampler, embed_rows, lr_lambda, pair_loss, random_batches,
                                 train_siamese)
@@ -428,10 +427,7 @@ def clf_step_full(W, opt, X, Y, batch, shortlist, params: ClassifierParams, rng)
         w = F.normalize(w, dim=-1)
     scores = torch.einsum("bd,bkd->bk", x, w)
     tm.lap("gather+dot")
-    if params.loss == "bce":
-        loss = masked_bce_loss(params.scale * scores, is_pos, valid)
-    else:
-        loss = multi_positive_triplet_loss(scores, is_pos, valid, params.margin)
+    loss = classifier_loss(scores, is_pos, valid, params)
     tm.lap("loss")
     opt.zero_grad(set_to_none=True)
     loss.backward()

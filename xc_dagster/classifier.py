@@ -76,6 +76,18 @@ def hardest_negatives(x: torch.Tensor, W: torch.Tensor, batch: np.ndarray, pos: 
         return torch.gather(cand, 1, top.indices).masked_fill(torch.isinf(top.values), -1)
 
 
+def classifier_loss(scores: torch.Tensor, is_pos: torch.Tensor, valid: torch.Tensor,
+                    params: ClassifierParams) -> torch.Tensor:
+    """``classifier.loss`` on a batch's (B, C) candidate scores: bce (on scale * score), the SiameseXML Module IV
+    contrastive loss, or NGAME M2's multi-positive triplet."""
+    if params.loss == "bce":
+        return masked_bce_loss(params.scale * scores, is_pos, valid)
+    if params.loss == "siamesexml":
+        return siamesexml_classifier_loss(scores, is_pos, valid, params.contrastive_c, params.contrastive_d,
+                                          params.neg_threshold)
+    return multi_positive_triplet_loss(scores, is_pos, valid, params.margin)
+
+
 def train_classifiers(point_emb: np.ndarray, label_emb: np.ndarray, Y: sp.csr_matrix, shortlist: np.ndarray,
                       train_rows: np.ndarray, params: ClassifierParams, device: torch.device,
                       log_metrics: MetricsFn | None = None,
@@ -128,13 +140,7 @@ def train_classifiers(point_emb: np.ndarray, label_emb: np.ndarray, Y: sp.csr_ma
             if params.normalize:
                 w = F.normalize(w, dim=-1)
             scores = torch.einsum("bd,bkd->bk", x, w)
-            if params.loss == "bce":
-                loss = masked_bce_loss(params.scale * scores, is_pos, valid)
-            elif params.loss == "siamesexml":
-                loss = siamesexml_classifier_loss(scores, is_pos, valid, params.contrastive_c, params.contrastive_d,
-                                                  params.neg_threshold)
-            else:
-                loss = multi_positive_triplet_loss(scores, is_pos, valid, params.margin)
+            loss = classifier_loss(scores, is_pos, valid, params)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()

@@ -23,7 +23,8 @@ from xc_dagster.catalog import BUILTIN_PREFIX, DatasetSpec, builtin_path
 from xc_dagster.checkpoint import Checkpointer, fingerprint, fingerprint_files
 from xc_dagster.classifier import train_classifiers
 from xc_dagster.config import PipelineConfig
-from xc_dagster.data import XCDataset, load_dataset, read_dataset, resolve_source, save_dataset
+from xc_dagster.data import (XCDataset, load_dataset, load_label_texts, read_dataset, resolve_source,
+                             save_dataset)
 from xc_dagster.data.checks import check_counts, compute_checks, label_frequencies, label_frequency_plot
 from xc_dagster.data.registry import verify_counts
 from xc_dagster.device import amp_dtype, resolve_device, seed_everything
@@ -95,10 +96,6 @@ def _labels(ctx: StageContext) -> XCDataset:
 def _train_rows(ctx: StageContext, num_train: int) -> np.ndarray:
     """Training rows the models learn from: every training point but the held-out validation ones."""
     return np.setdiff1d(np.arange(num_train), np.load(ctx.dir("ingest") / "valid_rows.npy"))
-
-
-def _label_texts(ctx: StageContext) -> list[str]:
-    return load_dataset(ctx.dir("ingest") / "dataset", features=False).label_texts
 
 
 CLASSIFIER_INIT = "classifier_init.npy"
@@ -220,7 +217,7 @@ def pretrain(ctx: StageContext) -> dict[str, Any]:
     encode_s = time.perf_counter() - t1
     W0, warm_labels = None, 0
     if warm is not None:
-        W0, warm_labels = classifier_init(warm, _label_texts(ctx), label_emb)
+        W0, warm_labels = classifier_init(warm, load_label_texts(ctx.dir("ingest") / "dataset"), label_emb)
     summary = {"warm_start": str(warm) if warm else "", "warm_start_labels": warm_labels,"steps": res.steps, "points": res.points, "train_seconds": res.seconds,
                "reclusterings": res.reclusterings, "resumed_from_epoch": res.resumed_from_epoch,
                "points_per_s": res.points / max(res.seconds, 1e-9), "final_loss": res.final_loss,

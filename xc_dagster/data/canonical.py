@@ -172,6 +172,11 @@ def _read_matrix(path: Path) -> sp.csr_matrix:
     return sp.csr_matrix(sp.load_npz(path), dtype=np.float32)
 
 
+def load_label_texts(out_dir: Path) -> list[str]:
+    """Only the label texts of a canonical dataset folder (row = label id)."""
+    return _read_texts(Path(out_dir) / "label_texts.parquet")
+
+
 def load_dataset(out_dir: Path, *, texts: bool = True, features: bool = True) -> XCDataset:
     """Read a folder written by :func:`save_dataset` (no pickle anywhere).
 
