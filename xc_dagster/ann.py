@@ -1,8 +1,10 @@
 """Approximate (and exact) maximum-inner-product search over label vectors: W or label embeddings.
 
-``hnsw`` is a faiss HNSW graph (inner product), O(log L) per query; ``exact`` is a blocked matrix product in
-torch (on the GPU when there is one), the reference that recall is measured against. Both return the top-k
-(scores, ids) per query, ids -1 where fewer than k exist, ties broken by smaller id.
+``hnsw`` is a faiss HNSW graph (inner product), O(log L) per query; ``ivf`` is a faiss inverted file (inner
+product): the vectors clustered by k-means into ``nlist`` partitions, a query scans the ``nprobe`` partitions
+whose centroids score highest (MIPS-s's clustering-based MIPS, O(nprobe * L / nlist) per query); ``exact`` is a
+blocked matrix product in torch (on the GPU when there is one), the reference that recall is measured against.
+All return the top-k (scores, ids) per query, ids -1 where fewer than k exist (exact: ties broken by smaller id).
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ import numpy as np
 import torch
 
 from xc_dagster.errors import XCConfigError
+
+
+KINDS = ("hnsw", "ivf", "exact")
 
 
 def exact_topk(queries: np.ndarray, keys: np.ndarray, k: int, block: int = 4096,
@@ -40,23 +45,32 @@ class LabelIndex:
     """A MIPS index over L label vectors (rows of W or label embeddings)."""
 
     def __init__(self, kind: str, vectors: np.ndarray | None = None, *, m: int = 32, ef_construction: int = 200,
-                 ef_search: int = 200, faiss_index=None):
-        if kind not in ("hnsw", "exact"):
-            raise XCConfigError(f"index kind: expected hnsw|exact, got {kind!r}")
+                 ef_search: int = 200, faiss_index=None, nlist: int = 0, nprobe: int = 64, seed: int = 0):
+        if kind not in KINDS:
+            raise XCConfigError(f"index kind: expected one of {'|'.join(KINDS)}, got {kind!r}")
         self.kind = kind
         self.ef_search = ef_search
+        self.nprobe = nprobe
         self._index = faiss_index
         self._vectors = None if vectors is None else np.ascontiguousarray(vectors, dtype=np.float32)
-        if self._index is None and kind == "hnsw":
+        if self._index is None and kind != "exact":
             import faiss
 
             if self._vectors is None:
-                raise ValueError("hnsw index needs vectors")
-            idx = faiss.IndexHNSWFlat(self._vectors.shape[1], m, faiss.METRIC_INNER_PRODUCT)
-            idx.hnsw.efConstruction = ef_construction
+                raise ValueError(f"{kind} index needs vectors")
+            n, dim = self._vectors.shape
+            if kind == "hnsw":
+                idx = faiss.IndexHNSWFlat(dim, m, faiss.METRIC_INNER_PRODUCT)
+                idx.hnsw.efConstruction = ef_construction
+            else:
+                nl = max(1, min(nlist or int(round(np.sqrt(n))), n))
+                idx = faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, nl, faiss.METRIC_INNER_PRODUCT)
+                idx.cp.seed = seed
+                idx.cp.min_points_per_centroid = 1  # sqrt(L) partitions of L vectors: avoid faiss's warning
+                idx.train(self._vectors)
             idx.add(self._vectors)
             self._index = idx
-        if self._index is not None:
+        if self._index is not None and kind == "hnsw":
             self._index.hnsw.efSearch = ef_search
 
     @property
@@ -68,14 +82,17 @@ class LabelIndex:
         q = np.ascontiguousarray(queries, dtype=np.float32)
         if self.kind == "exact":
             return exact_topk(q, self._vectors, k)
-        self._index.hnsw.efSearch = max(self.ef_search, k)
+        if self.kind == "ivf":
+            self._index.nprobe = min(self.nprobe, self._index.nlist)
+        else:
+            self._index.hnsw.efSearch = max(self.ef_search, k)
         scores, ids = self._index.search(q, k)
         scores = np.where(ids < 0, -np.inf, scores).astype(np.float32)
         return scores, ids.astype(np.int64)
 
     def save(self, path: Path) -> None:
-        """HNSW: a faiss file; exact: the vectors as .npy (loads without executing code)."""
-        if self.kind == "hnsw":
+        """HNSW/IVF: a faiss file; exact: the vectors as .npy (loads without executing code)."""
+        if self.kind != "exact":
             import faiss
 
             faiss.write_index(self._index, str(path))
@@ -84,10 +101,10 @@ class LabelIndex:
                 np.save(fh, self._vectors)
 
     @classmethod
-    def load(cls, path: Path, kind: str, ef_search: int = 200) -> "LabelIndex":
-        if kind == "hnsw":
+    def load(cls, path: Path, kind: str, ef_search: int = 200, nprobe: int = 64) -> "LabelIndex":
+        if kind != "exact":
             import faiss
 
-            return cls("hnsw", faiss_index=faiss.read_index(str(path)), ef_search=ef_search)
+            return cls(kind, faiss_index=faiss.read_index(str(path)), ef_search=ef_search, nprobe=nprobe)
         with open(path, "rb") as fh:
             return cls("exact", np.load(fh, allow_pickle=False))

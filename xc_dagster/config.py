@@ -105,10 +105,12 @@ class ClassifierParams:
     epochs: int = 5
     batch_size: int = 1024
     lr: float = 1e-3  # SparseAdam (NGAME code: 1e-3)
-    loss: str = "triplet"  # "triplet" (NGAME M2: multi-positive hinge) | "bce" | "siamesexml" (Module IV)
+    loss: str = "triplet"  # "triplet" (NGAME M2: multi-positive hinge) | "bce" | "siamesexml" (Module IV); the
+    # sampled negatives (uniform/astra/mips) always train with BCE
     num_positives: int = 3  # positives sampled per point per step
     num_negatives: int = 50  # hardest negatives (under the current W) per point per step
-    negatives: str = "shortlist"  # "shortlist" (mined ANNS) | "in-batch" (NGAME M2) | "both" (their union)
+    negatives: str = "shortlist"  # hardest of: "shortlist" (mined ANNS) | "in-batch" (NGAME M2) | "both"; or sampled
+    # over all labels, BCE: "uniform" | "astra" (stale W index + uniform) | "mips" (MIPS-s)
     cluster_size: int = 0  # >1: batches are unions of clusters of this many points (NGAME); 0/1: random
     margin: float = 0.2  # triplet loss only
     scale: float = 10.0  # bce only: logit = scale * w.x
@@ -116,6 +118,27 @@ class ClassifierParams:
     contrastive_d: float = 3.0
     neg_threshold: float = 0.05  # siamesexml loss only: negative terms below this are ignored (easy negatives)
     normalize: bool = True  # keep every w_l at unit norm (NGAME M2), same scale as embedding scores
+    # --- BCE over sampled negatives (ASTRA / MIPS-s; negatives = uniform | astra | mips), xc_dagster.end_to_end
+    train_encoder: bool = False  # fine-tune the encoder end to end with the classifiers (ASTRA, MIPS-s)
+    encoder_lr: float = 1e-5  # AdamW, encoder (ASTRA: 1e-5)
+    w_optimizer: str = "sparse-adam"  # "sgd" (ASTRA: SGD for the classifiers) | "sparse-adam"; lr = classifier.lr
+    weight_decay: float = 0.0  # classifiers, on the rows a step touches (ASTRA: 1e-4)
+    dropout: float = 0.0  # on the query embedding before the classifiers (ASTRA tunes 0.5-0.9)
+    warmup_steps: int = 0  # cosine schedule with linear warm-up, for encoder and classifiers
+    label_points: bool = False  # add every label's text as a training point with that label (ASTRA)
+    num_hard: int = 50  # astra: k_h stale hard negatives; mips: k negatives from the MIPS
+    num_random: int = 400  # astra: k_r uniform negatives (weight L / k_r); mips: R - k uniform negatives
+    hard_start: float = 5.0  # astra: tau_s, epochs of uniform-only warm-up (fractions allowed)
+    refresh_every: float = 5.0  # astra: tau_r, epochs between index refreshes; mips: P (MIPS-s: 8 per epoch)
+    refresh_async: bool = True  # astra: build the next index in the background during the interval before it
+    sampler_index: str = "hnsw"  # index over W: "hnsw" (astra) | "ivf" (mips: ~sqrt(L) k-means partitions) | "exact"
+    sampler_hnsw_m: int = 32
+    sampler_hnsw_ef: int = 100
+    mips_partitions: int = 0  # ivf partitions K; 0 = round(sqrt(L)) (MIPS-s)
+    mips_probe: int = 64  # ivf partitions probed per query (MIPS-s: tau = 64)
+    shards: int = 0  # W sharded by label: 0 = one shard per visible GPU (1 on CPU), n = n shards
+    chunk_size: int = 128  # texts per encoder forward chunk (train_encoder)
+    encode_batch_size: int = 256  # re-encoding after training (train_encoder)
     seed: int = 0
 
 

@@ -22,6 +22,7 @@ from xc_dagster.bag_encoder import parse_bag_name
 from xc_dagster.catalog import BUILTIN_PREFIX, DatasetSpec, builtin_path
 from xc_dagster.checkpoint import Checkpointer, fingerprint, fingerprint_files
 from xc_dagster.classifier import train_classifiers
+from xc_dagster.end_to_end import train_end_to_end
 from xc_dagster.config import PipelineConfig
 from xc_dagster.data import (XCDataset, load_dataset, load_label_texts, read_dataset, resolve_source,
                              save_dataset)
@@ -38,7 +39,8 @@ from xc_dagster.sampling import validation_split
 from xc_dagster.siamese import train_siamese
 from xc_dagster.storage import ArtifactStore, load_json, save_json
 from xc_dagster.tokenization import load_tokens, save_pretokenized, tokenize_to_npy
-from xc_dagster.errors import XCError
+from xc_dagster.errors import XCConfigError, XCError
+from xc_dagster.negatives import SAMPLERS
 from xc_dagster.retraining import source_fingerprint
 from xc_dagster.warm_start import check_same_vocabulary, classifier_init, resolve_warm_start
 
@@ -277,25 +279,58 @@ def mining(ctx: StageContext) -> dict[str, Any]:
 
 
 def classifier(ctx: StageContext) -> dict[str, Any]:
-    """Train one-vs-all W from label embeddings on positives + mined negatives (validation rows held out)."""
+    """Train one-vs-all W from label embeddings (validation rows held out): on positives + the hardest mined
+    negatives (NGAME, SiameseXML), or with BCE over sampled negatives (ASTRA, MIPS-s), then optionally with the
+    encoder fine-tuned end to end; that encoder and its re-computed embeddings are written here and every later
+    stage uses them (``model_dir``)."""
     p = ctx.cfg.classifier
     seed_everything(p.seed)
     d = ctx.dir("pretrain")
     point_emb = np.load(d / "train_emb.npy")
     init = d / CLASSIFIER_INIT  # a warm start's W, else W starts from the label embeddings
-    label_emb = np.load(init if init.exists() else d / "label_emb.npy")
+    W0 = np.load(init if init.exists() else d / "label_emb.npy")
     sl = np.load(ctx.dir("mining") / "shortlist.npy")
     ds = _labels(ctx)
     rows = _train_rows(ctx, ds.num_train)
-    key = fingerprint(dataclasses.asdict(p), point_emb, label_emb, sl, rows)
+    sampled = p.negatives in SAMPLERS
+    if p.train_encoder and not sampled:
+        raise XCConfigError(f"classifier.train_encoder: end-to-end training needs sampled negatives "
+                            f"(classifier.negatives = {' | '.join(SAMPLERS)}), got {p.negatives!r}")
+    key = fingerprint({**dataclasses.asdict(p), "warm": fingerprint_files(d / "encoder") if p.train_encoder else ""},
+                      point_emb, W0, sl, rows)
     ckpt = Checkpointer(ctx.checkpoint_dir("classifier"), key)
-    W, summary = train_classifiers(point_emb, label_emb, ds.Y_train, sl, rows, p, ctx.device, ctx.log_metrics, ckpt)
+    encoder = tokenizer = None
+    if sampled:
+        kw: dict[str, Any] = {}
+        if p.train_encoder:
+            pooling = load_json(d / "summary.json")["pooling"]
+            encoder = load_encoder(str(d / "encoder"), pooling).to(ctx.device)
+            tokenizer = load_tokenizer(str(d / "encoder"))
+            kw = {"encoder": encoder, "point_tokens": _tokens(ctx, "train"), "label_tokens": _tokens(ctx, "label"),
+                  "dtype": amp_dtype(ctx.device, ctx.cfg.pretrain.amp)}
+        res = train_end_to_end(point_emb, np.load(d / "label_emb.npy"), W0, ds.Y_train, rows, p, ctx.device,
+                               shortlist=sl, log_metrics=ctx.log_metrics, checkpoint=ckpt, **kw)
+        W, summary = res.W, res.summary
+    else:
+        W, summary = train_classifiers(point_emb, W0, ds.Y_train, sl, rows, p, ctx.device, ctx.log_metrics, ckpt)
     with ctx.store.writing(ctx.name, "classifier") as out:
         np.save(out / "W.npy", W)
+        if encoder is not None:  # the fine-tuned encoder replaces the pretrained one downstream
+            save_encoder(encoder, tokenizer, out / "encoder")
+            np.save(out / "train_emb.npy", res.point_emb)
+            np.save(out / "label_emb.npy", res.label_emb)
+            summary.update({"pooling": pooling, "encoder_type": type(encoder).__name__})
         save_json(out / "summary.json", summary)
     ckpt.clear()
     ctx.info(f"classifier {ctx.name}: {summary['steps']} steps in {summary['seconds']:.0f}s")
     return summary
+
+
+def model_dir(ctx: StageContext) -> Path:
+    """Where the deployed encoder and its embeddings live: the classifier stage's when it fine-tuned the encoder
+    end to end (ASTRA, MIPS-s), else the pretrain stage's."""
+    c = ctx.store.stage_dir(ctx.name, "classifier")
+    return c if (c / "encoder").is_dir() else ctx.dir("pretrain")
 
 
 def index(ctx: StageContext) -> dict[str, Any]:
@@ -306,14 +341,14 @@ def index(ctx: StageContext) -> dict[str, Any]:
     check_label_repr(p.label_repr, "index.label_repr")
     t0 = time.perf_counter()
     W = np.load(ctx.dir("classifier") / "W.npy")
-    label_emb = np.load(ctx.dir("pretrain") / "label_emb.npy")
+    label_emb = np.load(model_dir(ctx) / "label_emb.npy")
     need_centroids = "centroid" in p.sources or p.label_repr == "text+centroid"
     centroids = np.load(ctx.dir("mining") / CENTROID_FILE) if need_centroids else None
     point_emb = knn_labels = None
     if "knn" in p.sources:
         ds = _labels(ctx)
         rows = _train_rows(ctx, ds.num_train)
-        point_emb = np.load(ctx.dir("pretrain") / "train_emb.npy", mmap_mode="r")[rows]
+        point_emb = np.load(model_dir(ctx) / "train_emb.npy", mmap_mode="r")[rows]
         knn_labels = ds.Y_train[rows]
     src = build_sources(p.sources, W, label_emb, centroids, point_emb, knn_labels, p.label_repr, p.kind,
                         p.hnsw_m, p.hnsw_ef_construction, p.hnsw_ef_search)
@@ -333,7 +368,7 @@ def load_model(ctx: StageContext) -> ShortlistSources:
     info = load_json(d / "summary.json")
     return load_sources(d, tuple(info.get("sources", ("W", "label"))), info.get("label_repr", "text"),
                         info["kind"], ctx.cfg.index.hnsw_ef_search, np.load(ctx.dir("classifier") / "W.npy"),
-                        np.load(ctx.dir("pretrain") / "label_emb.npy"))
+                        np.load(model_dir(ctx) / "label_emb.npy"))
 
 
 def fusion(ctx: StageContext) -> dict[str, Any]:
@@ -351,7 +386,7 @@ def fusion(ctx: StageContext) -> dict[str, Any]:
         fit_summary = {"method": "alpha", "alpha": 0.5, "note": fit["note"]}
     else:
         m = load_model(ctx)
-        q = np.load(ctx.dir("pretrain") / "train_emb.npy", mmap_mode="r")[valid]
+        q = np.load(model_dir(ctx) / "train_emb.npy", mmap_mode="r")[valid]
         sl = retrieve(q, m, ctx.cfg.index.shortlist_size)
         inv, Yv = _inv_prop(ctx, ds.Y_train), ds.Y_train[valid]
         extra = (missed_positive_features(sl, Yv, q, m.W, m.label_repr, inv)
@@ -372,8 +407,9 @@ def evaluation(ctx: StageContext) -> dict[str, Any]:
     p = ctx.cfg.evaluate
     t0 = time.perf_counter()
     ds = _labels(ctx)
-    pooling = load_json(ctx.dir("pretrain") / "summary.json")["pooling"]  # as trained, whatever this run says
-    encoder = load_encoder(str(ctx.dir("pretrain") / "encoder"), pooling).to(ctx.device)
+    md = model_dir(ctx)
+    pooling = load_json(md / "summary.json")["pooling"]  # as trained, whatever this run says
+    encoder = load_encoder(str(md / "encoder"), pooling).to(ctx.device)
     dtype = amp_dtype(ctx.device, ctx.cfg.pretrain.amp)
     q = encode_tokens(encoder, *_tokens(ctx, "test"), ctx.device, dtype, ctx.cfg.pretrain.encode_batch_size)
     t_enc = time.perf_counter() - t0

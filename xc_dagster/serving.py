@@ -139,7 +139,7 @@ def write_bundle(ctx: "StageContext", out: Path, default_k: int = 10, shortlist_
                  ef_search: int = 0) -> dict[str, Any]:
     """Assemble the serving bundle of ``ctx``'s dataset from the stages' artifacts into ``out``.
 
-    Reads pretrain/encoder, pretrain/label_emb.npy, classifier/W.npy, the index stage's files,
+    Reads the deployed encoder and label_emb.npy (pretrain's, or classifier's when trained end to end), classifier/W.npy, the index stage's files,
     fusion/fusion.json and the ingested label texts; computes the inverse propensities as evaluation does.
     ``shortlist_size`` / ``ef_search`` > 0 override the evaluated ``index.shortlist_size`` /
     ``index.hnsw_ef_search`` (a faster, slightly less exact serving setting). Returns ``serving.json``.
@@ -154,7 +154,9 @@ def write_bundle(ctx: "StageContext", out: Path, default_k: int = 10, shortlist_
                             f"{shortlist_size} / {ef_search}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    pre, idx = ctx.dir("pretrain"), ctx.dir("index")
+    from xc_dagster.pipeline import model_dir
+
+    pre, idx = model_dir(ctx), ctx.dir("index")  # the deployed encoder: pretrain's, or the end-to-end one
     _link_tree(pre / "encoder", out / "encoder")
     _link_or_copy(pre / "label_emb.npy", out / "label_emb.npy")
     _link_or_copy(ctx.dir("classifier") / "W.npy", out / "W.npy")

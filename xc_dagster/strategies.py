@@ -1,8 +1,9 @@
 """Strategies: each seed method is a named set of component choices layered onto a preset.
 
 A strategy chooses components by configuration (batch sampler, losses, fusion), never by copying a stage.
-Only strategies whose components exist are registered; the NGAME, SiameseXML, ASTRA and MIPS-s samplers
-arrive as their components land.
+NGAME and SiameseXML train the encoder first (pretrain stage) and the classifiers on the frozen encoder; ASTRA
+and MIPS-s train both end to end in the classifier stage with BCE over negatives sampled from a stale index over
+W (``xc_dagster.negatives``), and the later stages use the encoder the classifier stage wrote.
 """
 
 from __future__ import annotations
@@ -66,6 +67,51 @@ STRATEGIES: dict[str, Strategy] = {
             # on LF-WordNetNounsTitles with the same Module I encoder and Module II shortlists (validation
             # classifier-only P@1 after 3 epochs: 18.3 vs 24.5; bench/RESULTS.md), so it is an option, not the
             # default.
+            "fusion.method": "alpha",
+        },
+    ),
+    "astra": Strategy(
+        "astra",
+        "ASTRA: encoder and one-vs-all classifiers trained end to end with BCE; per query k_p = 7 positives, "
+        "k_h = 50 stale hard negatives = its nearest labels in an HNSW index over the classifier vectors W "
+        "(positives excluded) and k_r = 400 uniform draws weighted L / k_r, so the loss is an "
+        "unbiased estimate of the full BCE; uniform-only warm-up for tau_s, index rebuilt every tau_r in a "
+        "background thread from W and the query embeddings saved during the interval before; label texts "
+        "added as training points; AdamW for the encoder, SGD with weight decay 1e-4 for W, cosine schedule "
+        "with warm-up, dropout on the query embedding. The paper runs 75 epochs with tau_s = tau_r = 5; the "
+        "CPU quick preset trains 1 epoch, so tau_s = tau_r = 0.25 epoch (classifier.hard_start / "
+        "refresh_every). The pretrain stage only embeds with the starting encoder (pretrain.epochs 0): the "
+        "packaged MiniLM is already a pretrained sentence encoder, and the end-to-end stage trains it.",
+        {
+            "pretrain.epochs": 0,
+            "classifier.negatives": "astra", "classifier.train_encoder": True, "classifier.label_points": True,
+            "classifier.loss": "bce", "classifier.num_positives": 7, "classifier.num_hard": 50,
+            "classifier.num_random": 400, "classifier.hard_start": 0.25, "classifier.refresh_every": 0.25,
+            "classifier.w_optimizer": "sgd", "classifier.weight_decay": 1e-4,
+            "classifier.epochs": 1, "classifier.sampler_index": "hnsw",
+            **{f"classifier.{k}": v for k, v in (("batch_size", 128), ("lr", 2.0), ("normalize", False),
+                                                  ("scale", 1.0), ("encoder_lr", 1e-4), ("warmup_steps", 20),
+                                                  ("dropout", 0.0))},
+            "fusion.method": "alpha",
+        },
+    ),
+    "mips": Strategy(
+        "mips",
+        "MIPS-s (meta-classifier free negative sampling): encoder and classifiers trained end to end with plain "
+        "BCE over all positives, k = 5 negatives from a clustering-based MIPS over a stale snapshot of W "
+        "(faiss IVF, inner product, ~sqrt(L) partitions, tau = 64 probed, fresh query embeddings, positives "
+        "removed) and R - k = 95 uniform negatives; W re-clustered every P = 1/8 epoch (8 pre-processings per "
+        "epoch as in the paper's Fig. 2). Same optimiser and schedule as astra; no label texts as points.",
+        {
+            "pretrain.epochs": 0,
+            "classifier.negatives": "mips", "classifier.train_encoder": True, "classifier.label_points": False,
+            "classifier.loss": "bce", "classifier.num_positives": 7, "classifier.num_hard": 5,
+            "classifier.num_random": 95, "classifier.refresh_every": 0.125, "classifier.sampler_index": "ivf",
+            "classifier.mips_probe": 64, "classifier.w_optimizer": "sgd", "classifier.weight_decay": 1e-4,
+            "classifier.epochs": 1,
+            **{f"classifier.{k}": v for k, v in (("batch_size", 128), ("lr", 2.0), ("normalize", False),
+                                                  ("scale", 1.0), ("encoder_lr", 1e-4), ("warmup_steps", 20),
+                                                  ("dropout", 0.0))},
             "fusion.method": "alpha",
         },
     ),

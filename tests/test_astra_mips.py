@@ -1,0 +1,261 @@
+"""ASTRA and MIPS-s: sampled negatives over all labels from a stale index over W, the sharded classifiers, and the
+strategies through every stage with the encoder trained end to end."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+
+from tests.test_pipeline import TINY, tiny_encoder, tiny_home  # noqa: F401  (fixtures)
+from xc_dagster.ann import LabelIndex, exact_topk
+from xc_dagster.catalog import Catalog
+from xc_dagster.config import ClassifierParams
+from xc_dagster.end_to_end import cosine_with_warmup, examples, train_end_to_end
+from xc_dagster.errors import XCConfigError
+from xc_dagster.negatives import (AstraNegatives, IndexSettings, MipsNegatives, build_indexes, drop_members,
+                                  first_valid, hard_negatives, uniform_negatives)
+from xc_dagster.pipeline import STAGE_ORDER, StageContext, model_dir, run_all
+from xc_dagster.sampling import positive_mask
+from xc_dagster.sharded import ShardedClassifier, ShardedOptimizer
+from xc_dagster.storage import ArtifactStore
+
+EXACT = IndexSettings("exact")
+
+
+def _problem(n=40, L=30, d=8, seed=0):
+    rng = np.random.default_rng(seed)
+    rows = np.repeat(np.arange(n), 3)
+    cols = np.concatenate([rng.choice(L, 3, replace=False) for _ in range(n)])
+    Y = sp.csr_matrix((np.ones(len(rows), np.float32), (rows, cols)), shape=(n, L))
+    W = rng.normal(size=(L, d)).astype(np.float32)
+    X = rng.normal(size=(n, d)).astype(np.float32)
+    return Y, W, X
+
+
+def test_helpers_by_hand():
+    ids = np.array([[3, 5, -1, 7], [1, 2, 3, 4]])
+    assert drop_members(ids, np.array([[5, 9], [4, -1]]), 10).tolist() == [[3, -1, -1, 7], [1, 2, 3, -1]]
+    assert first_valid(np.array([[-1, 4, -1, 2]]), 3).tolist() == [[4, 2, -1]]
+    assert first_valid(np.array([[1, 4, 2]]), 2, np.array([[0.1, 0.5, 0.9]])).tolist() == [[2, 4]]
+    f = cosine_with_warmup(4, 14)
+    assert [round(f(s), 3) for s in (0, 3, 4, 9, 14)] == [0.25, 1.0, 1.0, 0.5, 0.0]
+
+
+def test_hard_negatives_are_the_exact_top_non_positives():
+    Y, W, X = _problem()
+    W[Y[0].indices] = X[0] * 10 + 0.1 * np.arange(3, dtype=np.float32)[:, None]  # the row's positives are its best-scoring labels: all must be skipped
+    idx = build_indexes([(0, W)], "exact")
+    got = hard_negatives(idx, X, Y, np.arange(len(X)), 4, extra=3)
+    s = X @ W.T
+    for i in range(len(X)):
+        order = [l for l in np.argsort(-s[i], kind="stable") if Y[i, l] == 0][:4]
+        assert got[i].tolist() == order
+    # sharded: one index per shard, merged by score = the same lists
+    got2 = hard_negatives(build_indexes([(0, W[:10]), (10, W[10:25]), (25, W[25:])], "exact"), X, Y,
+                          np.arange(len(X)), 4, extra=3)
+    assert np.array_equal(got, got2)
+
+
+def test_astra_estimator_is_unbiased_for_the_full_negative_loss():
+    """E[sum_pos + sum_H f + L/k_r sum_R f] = sum over all non-positive labels of log(1 + e^s), checked over
+    many independent draws, in the warm-up (uniform only) and after (hard + uniform)."""
+    Y, W, X = _problem(n=4, L=50, d=6, seed=1)
+    s = X @ W.T
+    f = np.log1p(np.exp(s))
+    truth = np.array([f[i][Y[i].toarray().ravel() == 0].sum() for i in range(4)])
+    rng = np.random.default_rng(0)
+    rows = np.arange(4)
+    sampler = AstraNegatives(Y, X.copy(), num_hard=5, num_random=4, start_step=1, refresh_steps=100,
+                             lead_steps=0, index=EXACT, asynchronous=False)
+    sampler.before_step(1, lambda: [(0, W)])
+    assert sampler.table is not None and sampler.refreshes == 1
+    for step in (0, 1):  # 0: warm-up (uniform only), 1: stale hard + uniform
+        est = []
+        for _ in range(20000):
+            neg = sampler.sample(rows, X, step, rng)
+            assert not positive_mask(Y, rows, neg.ids).any()
+            est.append((np.where(neg.ids >= 0, f[rows[:, None], np.maximum(neg.ids, 0)], 0) * neg.weights).sum(1))
+        est = np.array(est)
+        se = est.std(0) / np.sqrt(len(est))
+        assert np.all(np.abs(est.mean(0) - truth) < 4 * se + 1e-9), (step, est.mean(0), truth, se)
+        if step == 1:  # the hard part is deterministic: the table's labels with weight 1
+            neg = sampler.sample(rows, X, step, rng)
+            assert np.array_equal(neg.ids[:, :5], sampler.table[rows]) and np.all(neg.weights[:, :5] == 1)
+
+
+def test_no_positive_is_ever_a_negative():
+    Y, W, X = _problem(n=60, L=12, d=5)  # 3 positives of 12 labels: many draws hit positives
+    rng = np.random.default_rng(0)
+    rows = np.arange(60)
+    astra = AstraNegatives(Y, X.copy(), 4, 20, 0, 2, 1, IndexSettings("hnsw", m=8), asynchronous=True)
+    mips = MipsNegatives(Y, 3, 20, 2, IndexSettings("ivf", nlist=3, nprobe=3))
+    for step in range(6):
+        for smp in (astra, mips):
+            smp.before_step(step, lambda: [(0, W + step)])
+            neg = smp.sample(rows, X, step, rng)
+            assert not positive_mask(Y, rows, neg.ids).any()
+            assert np.all((neg.weights > 0) == (neg.ids >= 0))
+    astra.close()
+    u = uniform_negatives(Y, rows, 30, rng)
+    assert not positive_mask(Y, rows, u.ids).any() and np.allclose(u.weights[u.ids >= 0], 12 / 30)
+
+
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_astra_warm_up_refresh_schedule_and_stale_index(asynchronous):
+    """Uniform only before hard_start; a new table exactly at start + k * every, built from W as it was
+    ``lead`` steps earlier (async) or at that step (sync); the same stale table in between."""
+    Y, W, X = _problem(n=30, L=40, d=6, seed=2)
+    rng = np.random.default_rng(0)
+    start, every, lead = 3, 4, 2
+    smp = AstraNegatives(Y, X.copy(), 5, 6, start, every, lead, EXACT, asynchronous=asynchronous, total_steps=12)
+    snaps: dict[int, np.ndarray] = {}
+    tables = {}
+    Wt = W.copy()
+    for step in range(12):
+        Wt = Wt + np.random.default_rng(step).normal(size=W.shape).astype(np.float32)  # training moves W
+        snaps[step] = Wt.copy()
+        smp.before_step(step, lambda: [(0, Wt.copy())])
+        neg = smp.sample(np.arange(30), X, step, rng)
+        if step < start:
+            assert smp.table is None and np.allclose(neg.weights[neg.ids >= 0], 40 / 11)  # uniform only
+        else:
+            tables[step] = smp.table.copy()
+            assert np.array_equal(neg.ids[:, :5], smp.table)
+    assert smp.refreshes == 3  # steps 3, 7, 11 (15 is past the end: never built)
+    for s in (4, 5, 6):
+        assert np.array_equal(tables[s], tables[3])
+    for s in (8, 9, 10):
+        assert np.array_equal(tables[s], tables[7])
+    assert not np.array_equal(tables[7], tables[3])
+    for due in (3, 7, 11):
+        built_at = due - lead if asynchronous else due
+        expect = hard_negatives(build_indexes([(0, snaps[built_at])], "exact"), X, Y, np.arange(30), 5, 3)
+        assert np.array_equal(tables[due], expect)
+    smp.close()
+
+
+def test_mips_ivf_refresh_every_p_steps_and_full_probe_is_exact():
+    Y, W, X = _problem(n=30, L=64, d=8, seed=3)
+    # nprobe = nlist: the IVF search is exhaustive, so the k MIPS negatives are the exact top-k non-positives
+    smp = MipsNegatives(Y, 4, 10, 3, IndexSettings("ivf", nlist=8, nprobe=8))
+    rng = np.random.default_rng(0)
+    for step in range(7):
+        smp.before_step(step, lambda: [(0, W)])
+        neg = smp.sample(np.arange(30), X, step, rng)
+        exact = hard_negatives(build_indexes([(0, W)], "exact"), X, Y, np.arange(30), 4, 3)
+        assert np.array_equal(neg.ids[:, :4], exact)
+        u = neg.ids[:, 4:]
+        assert all(len(set(r[r >= 0])) == (r >= 0).sum() for r in u)  # union: no repeats
+        assert all(not set(u[r][u[r] >= 0]) & set(neg.ids[r, :4]) for r in range(30))  # not hard twice
+    assert smp.refreshes == 3  # steps 0, 3, 6
+    idx = LabelIndex("ivf", W, nlist=8, nprobe=2)
+    s, i = idx.search(X, 5)
+    _, ie = exact_topk(X, W, 5)
+    assert i.shape == (30, 5) and 0.3 < (i == ie).mean() <= 1.0  # 2 of 8 partitions: approximate
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_sharded_classifier_scores_and_sparse_sgd_match_dense(shards):
+    rng = np.random.default_rng(0)
+    L, D, B, K = 50, 6, 4, 7
+    W0 = rng.normal(size=(L, D)).astype(np.float32)
+    clf = ShardedClassifier(W0, [torch.device("cpu")] * shards)
+    assert len(clf.weights) == shards and clf.offsets[-1] == L
+    x = torch.from_numpy(rng.normal(size=(B, D)).astype(np.float32)).requires_grad_(True)
+    ids = torch.from_numpy(rng.integers(-1, L, size=(B, K)))
+    s = clf.scores(x, ids)
+    dense = torch.from_numpy(W0)
+    want = torch.where(ids >= 0, (x.unsqueeze(1) * dense[ids.clamp_min(0)]).sum(-1), torch.zeros(()))
+    assert torch.allclose(s, want, atol=1e-5)
+    (s * torch.arange(K, dtype=torch.float32)).sum().backward()
+    ShardedOptimizer(clf, "sgd", lr=0.1, weight_decay=0.01).step()
+    Wd = torch.from_numpy(W0.copy()).requires_grad_(True)
+    sd = torch.where(ids >= 0, (x.detach().unsqueeze(1) * Wd[ids.clamp_min(0)]).sum(-1), torch.zeros(()))
+    (sd * torch.arange(K, dtype=torch.float32)).sum().backward()
+    touched = np.unique(ids[ids >= 0].numpy())
+    expect = W0.copy()
+    expect[touched] -= 0.1 * (Wd.grad.numpy()[touched] + 0.01 * W0[touched])
+    assert np.allclose(clf.full(), expect, atol=1e-5)
+    untouched = np.setdiff1d(np.arange(L), touched)
+    assert np.array_equal(clf.full()[untouched], W0[untouched])
+    # the gather path (many distinct rows) and the matmul path (few) give the same scores
+    ids2 = torch.from_numpy(rng.integers(0, 3, size=(B, K)))
+    now = torch.from_numpy(clf.full())
+    assert torch.allclose(clf.scores(x.detach(), ids2), (x.detach().unsqueeze(1) * now[ids2]).sum(-1), atol=1e-5)
+
+
+def test_examples_add_label_texts_as_points():
+    Y = sp.csr_matrix(np.array([[1, 0, 1], [0, 0, 0], [0, 1, 0]], dtype=np.float32))
+    src, Yex = examples(Y, np.array([0, 1, 2]), label_points=True)
+    assert src.tolist() == [0, 2, -1, -2, -3]  # point 1 has no label: not an example
+    assert Yex.toarray().tolist() == [[1, 0, 1], [0, 1, 0], [1, 0, 0], [0, 1, 0], [0, 0, 1]]
+
+
+def test_frozen_astra_learns_and_errors_are_clear():
+    """With the encoder frozen, BCE over astra negatives moves W so that positives outrank the rest."""
+    Y, _, _ = _problem(n=200, L=40, d=16, seed=4)
+    rng = np.random.default_rng(4)
+    labels = rng.normal(size=(40, 16)).astype(np.float32)
+    X = np.asarray(Y @ labels, dtype=np.float32) + 0.3 * rng.normal(size=(200, 16)).astype(np.float32)
+    X /= np.linalg.norm(X, axis=1, keepdims=True)
+    W0 = rng.normal(size=(40, 16)).astype(np.float32) * 0.1
+    p = ClassifierParams(negatives="astra", epochs=6, batch_size=32, num_hard=5, num_random=10, hard_start=2,
+                         refresh_every=2, w_optimizer="sgd", lr=0.5, normalize=False, scale=1.0, label_points=False,
+                         sampler_index="exact")
+    res = train_end_to_end(X, labels, W0, Y, np.arange(200), p, torch.device("cpu"))
+    _, top = exact_topk(X, res.W, 1)
+    _, top0 = exact_topk(X, W0, 1)
+    p1 = np.asarray(Y[np.arange(200), top[:, 0]]).mean()
+    p1_0 = np.asarray(Y[np.arange(200), top0[:, 0]]).mean()
+    assert p1 > 0.6 and p1_0 < 0.2, (p1, p1_0)
+    assert res.summary["refreshes"] == 2 and res.point_emb is None  # refreshes at epochs 2 and 4
+    with pytest.raises(XCConfigError, match="train_encoder"):
+        train_end_to_end(X, labels, W0, Y, np.arange(200), ClassifierParams(negatives="astra", train_encoder=True),
+                         torch.device("cpu"))
+    with pytest.raises(XCConfigError, match="w_optimizer"):
+        train_end_to_end(X, labels, W0, Y, np.arange(200), ClassifierParams(negatives="mips", w_optimizer="adamw"),
+                         torch.device("cpu"))
+
+
+E2E = {"classifier.epochs": 2, "classifier.batch_size": 16, "classifier.num_hard": 3, "classifier.num_random": 6,
+       "classifier.hard_start": 0.5, "classifier.refresh_every": 0.5, "classifier.sampler_hnsw_m": 8,
+       "classifier.chunk_size": 8, "classifier.mips_probe": 4}
+
+
+@pytest.mark.parametrize("strategy", ["astra", "mips"])
+def test_strategy_trains_the_encoder_end_to_end_through_every_stage(tiny_home, strategy):
+    spec = Catalog(tiny_home.catalog).get("TinyTitles")
+    spec = dataclasses.replace(spec, strategy=strategy)
+    cfg = spec.config(E2E)
+    assert cfg.classifier.train_encoder and cfg.classifier.negatives == strategy
+    store = ArtifactStore(tiny_home.artifacts)
+    ctx = StageContext(store, spec, cfg, tiny_home.cache)
+    out = run_all(ctx)
+    c = out["classifier"]
+    assert c["train_encoder"] and c["negatives"] == strategy and c["refreshes"] >= 2
+    n_labels = 20 if strategy == "astra" else 0  # ASTRA adds the label texts as points, MIPS-s does not
+    assert c["label_points"] == n_labels
+    assert c["examples"] == n_labels + out["ingest"]["n_train"] - out["ingest"]["n_valid"]
+    cdir, pdir = store.stage_dir("TinyTitles", "classifier"), store.stage_dir("TinyTitles", "pretrain")
+    assert model_dir(ctx) == cdir and (cdir / "encoder" / "model.safetensors").exists()
+    # the fine-tuned encoder's embeddings differ from pretraining's, and inference uses them
+    assert not np.allclose(np.load(cdir / "label_emb.npy"), np.load(pdir / "label_emb.npy"))
+    W = np.load(cdir / "W.npy")
+    assert W.shape == (20, 32) and np.isfinite(W).all()
+    for k in ("precision_at_1", "psprecision_at_5", "shortlist_recall"):
+        assert 0.0 <= out["evaluate"]["metrics"][k] <= 1.0
+    assert list(out) == list(STAGE_ORDER)
+
+
+def test_train_encoder_needs_sampled_negatives(tiny_home):
+    spec = Catalog(tiny_home.catalog).get("TinyTitles")
+    cfg = spec.config({"classifier.train_encoder": True})
+    ctx = StageContext(ArtifactStore(tiny_home.artifacts), spec, cfg, tiny_home.cache)
+    run_all(ctx, STAGE_ORDER[:4])
+    with pytest.raises(XCConfigError, match="classifier.train_encoder"):
+        run_all(ctx, ("classifier",))
+    assert not ctx.store.stage_dir("TinyTitles", "classifier").exists()

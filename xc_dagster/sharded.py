@@ -1,0 +1,136 @@
+"""The classifier matrix W sharded by label across devices (ASTRA's model-parallel classifiers).
+
+Shard k holds the contiguous label range ``[offsets[k], offsets[k + 1])`` on its own device. A step gathers
+only the distinct rows it scores (at most B x (positives + negatives)) as a small leaf tensor, computes the
+scores on the shard's device and returns them on the query's device; the backward pass gives a dense gradient
+for those rows only, and the update writes them back. Memory and time per step therefore do not grow with L.
+On one device it is the same code with one shard. Updates: plain SGD with weight decay on the touched rows
+(ASTRA trains its classifiers with SGD), or lazy Adam (``torch.optim.SparseAdam``) on them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from xc_dagster.errors import XCConfigError
+
+OPTIMIZERS = ("sgd", "sparse-adam")
+
+
+def shard_devices(shards: int, device: torch.device) -> list[torch.device]:
+    """``shards`` devices for W: 0 = one shard per visible CUDA device (one on CPU); n = n shards, round-robin
+    over the CUDA devices when there are any, else all on ``device``."""
+    if shards < 0:
+        raise XCConfigError(f"classifier.shards: expected >= 0, got {shards}")
+    cuda = torch.cuda.device_count() if device.type == "cuda" else 0
+    if shards == 0:
+        shards = max(cuda, 1)
+    if cuda:
+        return [torch.device("cuda", i % cuda) for i in range(shards)]
+    return [device] * shards
+
+
+class ShardedClassifier:
+    """One-vs-all classifiers w_l, rows split by label over ``devices``."""
+
+    def __init__(self, W0: np.ndarray, devices: list[torch.device]):
+        L = len(W0)
+        if not devices:
+            raise ValueError("ShardedClassifier needs at least one device")
+        n = min(len(devices), max(L, 1))
+        self.offsets = np.linspace(0, L, n + 1).round().astype(np.int64)
+        self.devices = devices[:n]
+        self.weights = [torch.nn.Parameter(torch.from_numpy(np.array(
+            W0[self.offsets[k]:self.offsets[k + 1]], dtype=np.float32)).to(dev), requires_grad=False)
+            for k, dev in enumerate(self.devices)]
+        self._leaves: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+
+    @property
+    def num_labels(self) -> int:
+        return int(self.offsets[-1])
+
+    def scores(self, x: torch.Tensor, ids: torch.Tensor, normalize: bool = False) -> torch.Tensor:
+        """``(B, K)`` scores w_ids[b, j] . x[b] (0 where ``ids`` < 0), with gradients to x and to the rows used
+        (kept for ``ShardedOptimizer.step``); ``normalize``: cosine scores (each w_l scaled to unit norm)."""
+        self._leaves = []
+        out = torch.zeros(ids.shape, dtype=x.dtype, device=x.device)
+        for k, dev in enumerate(self.devices):
+            lo, hi = int(self.offsets[k]), int(self.offsets[k + 1])
+            inside = (ids >= lo) & (ids < hi)
+            local = torch.where(inside, ids - lo, -1).to(dev)
+            uniq, inv = torch.unique(local, return_inverse=True)
+            has_pad = bool(uniq.numel()) and int(uniq[0]) < 0
+            rows = uniq[1:] if has_pad else uniq
+            if rows.numel() == 0:
+                continue
+            leaf = self.weights[k].detach()[rows].requires_grad_(True)
+            w = torch.cat([leaf.new_zeros(1, leaf.shape[1]), leaf]) if has_pad else leaf
+            if normalize:
+                w = F.normalize(w, dim=-1)
+            xd = x.to(dev)
+            if len(w) * 2 <= inv.numel():  # few distinct rows (L small or shared negatives): one (B, U) matmul
+                s = torch.gather(xd @ w.T, 1, inv)
+            else:  # gather each candidate's row: O(B K D), whatever L is
+                s = torch.bmm(w.index_select(0, inv.reshape(-1)).view(*inv.shape, -1), xd.unsqueeze(2)).squeeze(2)
+            out = out + torch.where(inside, s.to(x.device), torch.zeros((), dtype=x.dtype, device=x.device))
+            self._leaves.append((k, rows, leaf))
+        return out
+
+    def full_scores(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, L)`` scores against every label (the O(L) full-softmax step ASTRA avoids; for baselines)."""
+        return torch.cat([(x.to(dev) @ w.T).to(x.device) for w, dev in zip(self.weights, self.devices)], 1)
+
+    def snapshot(self) -> list[tuple[int, np.ndarray]]:
+        """A CPU copy of each shard as ``(first label id, rows)``: what a stale index is built from."""
+        return [(int(self.offsets[k]), w.detach().to("cpu", copy=True).numpy()) for k, w in enumerate(self.weights)]
+
+    def full(self) -> np.ndarray:
+        """W as one (L, D) float32 array."""
+        return np.concatenate([w for _, w in self.snapshot()])
+
+    def load_full(self, W: torch.Tensor | np.ndarray) -> None:
+        W = torch.as_tensor(np.asarray(W, dtype=np.float32))
+        with torch.no_grad():
+            for k, w in enumerate(self.weights):
+                w.copy_(W[self.offsets[k]:self.offsets[k + 1]].to(w.device))
+
+
+class ShardedOptimizer:
+    """Updates the rows a step scored: ``sgd`` (w -= lr (g + wd w), weight decay lazy: touched rows only) or
+    ``sparse-adam`` (lazy Adam). ``lr`` is scaled by the schedule factor passed to ``step``."""
+
+    def __init__(self, clf: ShardedClassifier, kind: str, lr: float, weight_decay: float = 0.0):
+        if kind not in OPTIMIZERS:
+            raise XCConfigError(f"classifier.w_optimizer: expected one of {OPTIMIZERS}, got {kind!r}")
+        self.clf, self.kind, self.lr, self.weight_decay = clf, kind, lr, weight_decay
+        self._adam = ([torch.optim.SparseAdam([w], lr=lr) for w in clf.weights] if kind == "sparse-adam" else [])
+
+    @torch.no_grad()
+    def step(self, factor: float = 1.0) -> None:
+        lr = self.lr * factor
+        for k, rows, leaf in self.clf._leaves:
+            if leaf.grad is None:
+                continue
+            w, g = self.clf.weights[k], leaf.grad
+            if self.kind == "sgd":
+                if self.weight_decay:
+                    g = g + self.weight_decay * w[rows]
+                w.index_add_(0, rows, g, alpha=-lr)
+            else:
+                opt = self._adam[k]
+                for group in opt.param_groups:
+                    group["lr"] = lr
+                w.grad = torch.sparse_coo_tensor(rows.unsqueeze(0), g, w.shape, is_coalesced=True,
+                                                 check_invariants=False)
+                opt.step()
+                w.grad = None
+        self.clf._leaves = []
+
+    def state_dict(self) -> dict:
+        return {"adam": [o.state_dict() for o in self._adam]}
+
+    def load_state_dict(self, st: dict) -> None:
+        for o, s in zip(self._adam, st.get("adam", [])):
+            o.load_state_dict(s)
