@@ -213,6 +213,7 @@ def test_frozen_astra_learns_and_errors_are_clear():
     p1_0 = np.asarray(Y[np.arange(200), top0[:, 0]]).mean()
     assert p1 > 0.6 and p1_0 < 0.2, (p1, p1_0)
     assert res.summary["refreshes"] == 2 and res.point_emb is None  # refreshes at epochs 2 and 4
+    assert res.summary["logit_bias"] < -1.0  # started at the log prior odds, log(3/37) = -2.5
     with pytest.raises(XCConfigError, match="train_encoder"):
         train_end_to_end(X, labels, W0, Y, np.arange(200), ClassifierParams(negatives="astra", train_encoder=True),
                          torch.device("cpu"))
@@ -259,3 +260,37 @@ def test_train_encoder_needs_sampled_negatives(tiny_home):
     with pytest.raises(XCConfigError, match="classifier.train_encoder"):
         run_all(ctx, ("classifier",))
     assert not ctx.store.stage_dir("TinyTitles", "classifier").exists()
+
+
+class _Killed(Exception):
+    pass
+
+
+@pytest.mark.parametrize("negatives", ["astra", "mips"])
+def test_killed_training_resumes_to_the_same_classifiers(tmp_path, negatives):
+    """Killed after its first epoch checkpoint (mid-refresh-interval, a background build pending), the trainer
+    resumes to exactly the W of an uninterrupted run: sampler table, bank, stale snapshot and RNGs restored."""
+    from xc_dagster.checkpoint import Checkpointer
+
+    Y, _, _ = _problem(n=120, L=40, d=16, seed=5)
+    rng = np.random.default_rng(5)
+    X = rng.normal(size=(120, 16)).astype(np.float32)
+    X /= np.linalg.norm(X, axis=1, keepdims=True)
+    labels = rng.normal(size=(40, 16)).astype(np.float32)
+    p = ClassifierParams(negatives=negatives, epochs=3, batch_size=16, num_hard=4, num_random=8, hard_start=0.5,
+                         refresh_every=0.75, w_optimizer="sgd", lr=0.3, normalize=False, scale=1.0,
+                         label_points=True, sampler_index="ivf" if negatives == "mips" else "hnsw",
+                         sampler_hnsw_m=8, mips_partitions=6, mips_probe=2)
+    full = train_end_to_end(X, labels, labels, Y, np.arange(120), p, torch.device("cpu"))
+    ck = Checkpointer(tmp_path / "ck", "key")
+
+    def kill(step: int, values: dict) -> None:
+        if step >= 12:  # 10 steps an epoch (160 examples / 16): the epoch-1 checkpoint exists
+            raise _Killed
+
+    with pytest.raises(_Killed):
+        train_end_to_end(X, labels, labels, Y, np.arange(120), p, torch.device("cpu"), checkpoint=ck,
+                         log_metrics=kill, log_every=1)
+    again = train_end_to_end(X, labels, labels, Y, np.arange(120), p, torch.device("cpu"), checkpoint=ck)
+    assert again.summary["resumed_from_epoch"] == 1 and again.summary["steps"] == full.summary["steps"] == 30
+    assert np.array_equal(again.W, full.W)

@@ -101,6 +101,10 @@ def train_classifiers(point_emb: np.ndarray, label_emb: np.ndarray, Y: sp.csr_ma
         raise XCConfigError(f"classifier.loss: expected one of {LOSSES}, got {params.loss!r}")
     if params.negatives not in NEGATIVES:
         raise XCConfigError(f"classifier.negatives: expected one of {NEGATIVES}, got {params.negatives!r}")
+    if params.epochs != int(params.epochs) or params.epochs < 0:
+        raise XCConfigError(f"classifier.epochs: the hardest-negative trainer takes whole epochs >= 0, got "
+                            f"{params.epochs} (fractions work with classifier.negatives=uniform|astra|mips)")
+    epochs = int(params.epochs)
     Y = Y.tocsr()
     rows = np.asarray(train_rows, dtype=np.int64)
     rows = rows[np.diff(Y.indptr)[rows] > 0]
@@ -126,7 +130,7 @@ def train_classifiers(point_emb: np.ndarray, label_emb: np.ndarray, Y: sp.csr_ma
         opt.load_state_dict(resumed.state["opt"])
         restore_rng(rng, resumed)
         start, steps, last = resumed.epoch, int(resumed.state["steps"]), float(resumed.state["last"])
-    for epoch in range(start, params.epochs):
+    for epoch in range(start, epochs):
         ep_loss = []
         for batch in classifier_batches(rows, params, rng, clusters):
             pos = sample_positives(Y, batch, params.num_positives, rng)

@@ -102,7 +102,7 @@ class MiningParams:
 class ClassifierParams:
     """One-vs-all classifiers W (M2/M4), initialised from label embeddings, trained on positives + mined negatives."""
 
-    epochs: int = 5
+    epochs: float = 5  # fractions only with sampled negatives (uniform/astra/mips): a CPU budget
     batch_size: int = 1024
     lr: float = 1e-3  # SparseAdam (NGAME code: 1e-3)
     loss: str = "triplet"  # "triplet" (NGAME M2: multi-positive hinge) | "bce" | "siamesexml" (Module IV); the
@@ -120,6 +120,10 @@ class ClassifierParams:
     normalize: bool = True  # keep every w_l at unit norm (NGAME M2), same scale as embedding scores
     # --- BCE over sampled negatives (ASTRA / MIPS-s; negatives = uniform | astra | mips), xc_dagster.end_to_end
     train_encoder: bool = False  # fine-tune the encoder end to end with the classifiers (ASTRA, MIPS-s)
+    # one learned logit bias shared by all labels, initialised at the log prior odds of a positive: it absorbs
+    # "almost every label is negative" at once, so that neither the encoder nor W has to (a shared constant:
+    # rankings, indexes and serving are unchanged)
+    logit_bias: bool = True
     encoder_lr: float = 1e-5  # AdamW, encoder (ASTRA: 1e-5)
     w_optimizer: str = "sparse-adam"  # "sgd" (ASTRA: SGD for the classifiers) | "sparse-adam"; lr = classifier.lr
     weight_decay: float = 0.0  # classifiers, on the rows a step touches (ASTRA: 1e-4)

@@ -4,7 +4,8 @@ Training examples are the training points (validation rows held out) and, with `
 text as a point whose one positive is that label (ASTRA, following Renee). Per step: embed the batch (the
 encoder in train mode when ``train_encoder``, else the frozen embeddings), take up to ``num_positives`` (k_p)
 positives, draw negatives from the sampler (``xc_dagster.negatives``), and minimise
-``sum_pos log(1 + e^-s) + sum_neg weight * log(1 + e^s)`` (mean over the batch). W lives in a
+``sum_pos log(1 + e^-s) + sum_neg weight * log(1 + e^s)`` (mean over the batch), s = scale * w.x + b with b one
+learned bias shared by all labels (``logit_bias``). W lives in a
 ``ShardedClassifier`` (one shard per GPU) and only the scored rows are touched: SGD (ASTRA) or SparseAdam for W,
 AdamW for the encoder, one cosine-with-warm-up schedule for both, dropout on the query embedding before the
 classifiers. With ``checkpoint`` the whole state is saved after every epoch and resumed from.
@@ -155,11 +156,19 @@ def train_end_to_end(point_emb: np.ndarray, label_emb: np.ndarray, W0: np.ndarra
         enc_opt = torch.optim.AdamW(encoder.parameters(), lr=params.encoder_lr, weight_decay=0.01)
         enc_sched = torch.optim.lr_scheduler.LambdaLR(enc_opt, sched_f)
         encoder.train()
+    prior = min(max(Yex.nnz / max(n, 1) / max(Yex.shape[1], 1), 1e-9), 0.5)
+    bias = torch.tensor(math.log(prior / (1 - prior)) if params.logit_bias else 0.0, device=device,
+                        requires_grad=params.logit_bias)
+    bias_opt = torch.optim.Adam([bias], lr=1e-2) if params.logit_bias else None
     step, start, t0, last = 0, 0, time.perf_counter(), float("nan")
     resumed = checkpoint.load() if checkpoint is not None else None
     if resumed is not None:
         st = resumed.state
         clf.load_full(st["W"])
+        if bias_opt is not None:
+            with torch.no_grad():
+                bias.copy_(st["bias"])
+            bias_opt.load_state_dict(st["bias_opt"])
         w_opt.load_state_dict(st["w_opt"])
         if train_enc:
             encoder.load_state_dict(st["encoder"])
@@ -194,9 +203,11 @@ def train_end_to_end(point_emb: np.ndarray, label_emb: np.ndarray, W0: np.ndarra
                 is_pos[:, :pos.shape[1]] = True
                 xd = F.dropout(x.float(), params.dropout, training=True) if params.dropout > 0 else x.float()
                 scores = clf.scores(xd, ids, normalize=params.normalize)
-                loss = masked_bce_loss(params.scale * scores, is_pos, valid & (weights > 0), weights)
+                loss = masked_bce_loss(params.scale * scores + bias, is_pos, valid & (weights > 0), weights)
                 if train_enc:
                     enc_opt.zero_grad(set_to_none=True)
+                if bias_opt is not None:
+                    bias_opt.zero_grad(set_to_none=True)
                 loss.backward()
                 if train_enc:
                     torch.nn.utils.clip_grad_norm_(encoder.parameters(), 1.0)
@@ -204,6 +215,8 @@ def train_end_to_end(point_emb: np.ndarray, label_emb: np.ndarray, W0: np.ndarra
                     enc_sched.step()
                     sampler.observe(batch, x_np)
                 w_opt.step(sched_f(step))
+                if bias_opt is not None:
+                    bias_opt.step()
                 step += 1
                 last = float(loss.detach())
                 ep_loss.append(last)
@@ -218,6 +231,7 @@ def train_end_to_end(point_emb: np.ndarray, label_emb: np.ndarray, W0: np.ndarra
             if checkpoint is not None and epoch + 1 < n_epochs:
                 checkpoint.save(epoch + 1, {
                     "W": torch.from_numpy(clf.full()), "w_opt": w_opt.state_dict(), "step": step, "last": last,
+                    "bias": bias.detach().clone(), "bias_opt": bias_opt.state_dict() if bias_opt else {},
                     "encoder": encoder.state_dict() if train_enc else {},
                     "enc_opt": enc_opt.state_dict() if train_enc else {},
                     "enc_sched": enc_sched.state_dict() if train_enc else {},
@@ -239,6 +253,7 @@ def train_end_to_end(point_emb: np.ndarray, label_emb: np.ndarray, W0: np.ndarra
     summary = {"steps": step, "seconds": seconds, "final_loss": last, "steps_per_epoch": spe,
                "examples": int(n), "label_points": int(is_label.sum()), "negatives": params.negatives,
                "train_encoder": bool(train_enc), "refreshes": int(sampler.refreshes),
+               "logit_bias": float(bias.detach()),
                "index_build_seconds_mean": float(np.mean(builds)) if builds else 0.0,
                "shards": len(clf.weights), "resumed_from_epoch": start,
                "examples_per_s": step * params.batch_size / max(seconds, 1e-9),
