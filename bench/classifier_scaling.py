@@ -62,8 +62,8 @@ import scipy.sparse as sp  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from xc_dagster.end_to_end import cosine_with_warmup  # noqa: E402
-from xc_dagster.losses import masked_bce_loss  # noqa: E402
+from xc_dagster.config import ClassifierParams  # noqa: E402
+from xc_dagster.end_to_end import cosine_with_warmup, sampled_bce  # noqa: E402
 from xc_dagster.negatives import (AstraNegatives, IndexSettings, MipsNegatives, _extra,  # noqa: E402
                                   hard_negatives)
 from xc_dagster.sampling import sample_positives  # noqa: E402
@@ -74,6 +74,7 @@ CPU = torch.device("cpu")
 K_P, K_H, K_R = 7, 50, 400  # ASTRA Table 11
 MIPS_K, MIPS_R = 5, 100  # MIPS-s: k MIPS negatives of R
 LR, WD, DROPOUT = 0.05, 1e-4, 0.85  # ASTRA Table 11 (classifier SGD)
+STEP_PARAMS = ClassifierParams(dropout=DROPOUT, normalize=False, scale=1.0)
 TAU_R_EPOCHS = 5  # ASTRA: refresh every 5 epochs
 MIPS_REFRESH_PER_EPOCH = 8  # MIPS-s: P = 8 refreshes per epoch
 NEVER = 10 ** 9
@@ -237,15 +238,8 @@ def run_worker(method: str, L: int, args: argparse.Namespace) -> dict[str, Any]:
             x = torch.from_numpy(bank[batch]).to(CPU)
             x_np = x.detach().float().cpu().numpy()
             neg = sampler.sample(batch, x_np, step, rng)
-            ids = torch.from_numpy(np.concatenate([pos, neg.ids], 1)).to(CPU)
-            weights = torch.from_numpy(np.concatenate([np.ones(pos.shape, np.float32), neg.weights], 1)).to(CPU)
-            valid = ids >= 0
-            is_pos = torch.zeros_like(valid)
-            is_pos[:, :pos.shape[1]] = True
-            xd = F.dropout(x.float(), DROPOUT, training=True)
             tb = pc()
-            scores = clf.scores(xd, ids, normalize=False)
-            loss = masked_bce_loss(scores, is_pos, valid & (weights > 0), weights)  # scale 1 (ASTRA: plain w.x)
+            loss = sampled_bce(clf, x, pos, neg, STEP_PARAMS)  # scale 1, no bias (ASTRA: plain w.x)
             tc = pc()
             loss.backward()
             td = pc()

@@ -137,7 +137,8 @@ class ClassifierParams:
     refresh_async: bool = True  # astra: build the next index in the background during the interval before it
     sampler_index: str = "hnsw"  # index over W: "hnsw" (astra) | "ivf" (mips: ~sqrt(L) k-means partitions) | "exact"
     sampler_hnsw_m: int = 32
-    sampler_hnsw_ef: int = 100
+    sampler_hnsw_ef: int = 100  # efSearch of the stale hard-negative index
+    sampler_hnsw_ef_construction: int = 100
     mips_partitions: int = 0  # ivf partitions K; 0 = round(sqrt(L)) (MIPS-s)
     mips_probe: int = 64  # ivf partitions probed per query (MIPS-s: tau = 64)
     shards: int = 0  # W sharded by label: 0 = one shard per visible GPU (1 on CPU), n = n shards

@@ -29,7 +29,8 @@ from xc_dagster.device import autocast
 from xc_dagster.encoder import encode_tokens
 from xc_dagster.errors import XCConfigError
 from xc_dagster.losses import masked_bce_loss
-from xc_dagster.negatives import SAMPLERS, AstraNegatives, IndexSettings, MipsNegatives, UniformNegatives
+from xc_dagster.negatives import (SAMPLERS, AstraNegatives, IndexSettings, MipsNegatives, NegativeSample,
+                                  UniformNegatives)
 from xc_dagster.sampling import sample_positives
 from xc_dagster.sharded import ShardedClassifier, ShardedOptimizer, shard_devices
 from xc_dagster.siamese import embed_rows
@@ -70,7 +71,8 @@ def make_sampler(params: ClassifierParams, Yex: sp.csr_matrix, bank: np.ndarray,
             raise XCConfigError(f"classifier.{what}: expected >= 0 epochs, got {epochs}")
         return int(round(epochs * steps_per_epoch))
 
-    idx = IndexSettings(params.sampler_index, params.sampler_hnsw_m, params.sampler_hnsw_ef, params.sampler_hnsw_ef,
+    idx = IndexSettings(params.sampler_index, params.sampler_hnsw_m, params.sampler_hnsw_ef_construction,
+                        params.sampler_hnsw_ef,
                         params.mips_partitions, params.mips_probe, params.seed)
     every = max(1, steps(params.refresh_every, "refresh_every"))
     if params.negatives == "uniform":
@@ -80,6 +82,20 @@ def make_sampler(params: ClassifierParams, Yex: sp.csr_matrix, bank: np.ndarray,
                               every, min(steps_per_epoch, every), idx, params.refresh_async, initial_table,
                               total_steps)
     return MipsNegatives(Yex, params.num_hard, params.num_hard + params.num_random, every, idx)
+
+
+def sampled_bce(clf: ShardedClassifier, x: torch.Tensor, pos: np.ndarray, neg: NegativeSample,
+                params: ClassifierParams, bias: torch.Tensor | float = 0.0) -> torch.Tensor:
+    """One step's loss: BCE of (dropout) query embeddings ``x`` against their positives (weight 1) and sampled
+    negatives (the sampler's weights); s = scale * w.x + bias; only the rows in ``pos``/``neg`` are read."""
+    ids = torch.from_numpy(np.concatenate([pos, neg.ids], 1)).to(x.device)
+    weights = torch.from_numpy(np.concatenate([np.ones(pos.shape, np.float32), neg.weights], 1)).to(x.device)
+    valid = ids >= 0
+    is_pos = torch.zeros_like(valid)
+    is_pos[:, :pos.shape[1]] = True
+    xd = F.dropout(x.float(), params.dropout, training=True) if params.dropout > 0 else x.float()
+    scores = clf.scores(xd, ids, normalize=params.normalize)
+    return masked_bce_loss(params.scale * scores + bias, is_pos, valid & (weights > 0), weights)
 
 
 def _to_torch(x: Any) -> Any:
@@ -196,14 +212,7 @@ def train_end_to_end(point_emb: np.ndarray, label_emb: np.ndarray, W0: np.ndarra
                     x = torch.from_numpy(bank[batch]).to(device)
                 x_np = x.detach().float().cpu().numpy()
                 neg = sampler.sample(batch, x_np, step, rng)
-                ids = torch.from_numpy(np.concatenate([pos, neg.ids], 1)).to(device)
-                weights = torch.from_numpy(np.concatenate([np.ones(pos.shape, np.float32), neg.weights], 1)).to(device)
-                valid = ids >= 0
-                is_pos = torch.zeros_like(valid)
-                is_pos[:, :pos.shape[1]] = True
-                xd = F.dropout(x.float(), params.dropout, training=True) if params.dropout > 0 else x.float()
-                scores = clf.scores(xd, ids, normalize=params.normalize)
-                loss = masked_bce_loss(params.scale * scores + bias, is_pos, valid & (weights > 0), weights)
+                loss = sampled_bce(clf, x, pos, neg, params, bias)
                 if train_enc:
                     enc_opt.zero_grad(set_to_none=True)
                 if bias_opt is not None:

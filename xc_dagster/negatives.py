@@ -134,6 +134,24 @@ class IndexSettings:
                              ef_search=self.ef_search, nlist=self.nlist, nprobe=self.nprobe, seed=self.seed)
 
 
+def dump_index(index: LabelIndex) -> np.ndarray:
+    """An index as one array (faiss's serialisation, or the exact index's vectors) for a checkpoint."""
+    if index.kind == "exact":
+        return index._vectors
+    import faiss
+
+    return faiss.serialize_index(index._index)
+
+
+def load_index(array: np.ndarray, settings: IndexSettings) -> LabelIndex:
+    if settings.kind == "exact":
+        return LabelIndex("exact", np.asarray(array, dtype=np.float32))
+    import faiss
+
+    return LabelIndex(settings.kind, faiss_index=faiss.deserialize_index(np.asarray(array, dtype=np.uint8)),
+                      ef_search=settings.ef_search, nprobe=settings.nprobe)
+
+
 def _extra(Y: sp.csr_matrix) -> int:
     """Extra neighbours to search so that positives ranked first still leave k negatives (capped)."""
     nnz = np.diff(Y.indptr)
@@ -280,7 +298,6 @@ class MipsNegatives:
             raise XCConfigError(f"classifier.refresh_every: must come to at least one step, got {refresh_steps}")
         self.Y, self.k, self.R, self.every, self.index = Y, num_mips, num_total, refresh_steps, index
         self.indexes: list[tuple[int, LabelIndex]] | None = None
-        self._snapshot: list[tuple[int, np.ndarray]] | None = None
         self.refreshes = 0
         self.build_seconds: list[float] = []
 
@@ -288,8 +305,7 @@ class MipsNegatives:
         if self.k > 0 and (self.indexes is None or step % self.every == 0):
             import time
             t0 = time.perf_counter()
-            self._snapshot = snapshot_fn()
-            self.indexes = self.index.build(self._snapshot)
+            self.indexes = self.index.build(snapshot_fn())
             self.build_seconds.append(time.perf_counter() - t0)
             self.refreshes += 1
 
@@ -307,12 +323,14 @@ class MipsNegatives:
         return NegativeSample(ids, (ids >= 0).astype(np.float32))
 
     def state(self) -> dict[str, Any]:
-        """The stale W snapshot in use (its index is rebuilt from it on resume: same seed, same index)."""
-        return {"refreshes": self.refreshes, "snapshot": self._snapshot}
+        """The stale indexes in use, serialised (no extra copy of W is kept while training)."""
+        return {"refreshes": self.refreshes,
+                "indexes": None if self.indexes is None else [(off, dump_index(i)) for off, i in self.indexes]}
 
     def load_state(self, st: dict[str, Any]) -> None:
-        self.refreshes, self._snapshot = int(st["refreshes"]), st["snapshot"]
-        self.indexes = self.index.build(self._snapshot) if self._snapshot is not None else None
+        self.refreshes = int(st["refreshes"])
+        self.indexes = (None if st["indexes"] is None else
+                        [(int(off), load_index(a, self.index)) for off, a in st["indexes"]])
 
     def close(self) -> None:
         pass

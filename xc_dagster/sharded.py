@@ -66,7 +66,9 @@ class ShardedClassifier:
             if rows.numel() == 0:
                 continue
             leaf = self.weights[k].detach()[rows].requires_grad_(True)
-            w = torch.cat([leaf.new_zeros(1, leaf.shape[1]), leaf]) if has_pad else leaf
+            if has_pad:  # other shards' / padding entries read row 0 of the leaf; masked out below (zero grad)
+                inv = (inv - 1).clamp_min(0)
+            w = leaf
             if normalize:
                 w = F.normalize(w, dim=-1)
             xd = x.to(dev)
@@ -116,7 +118,7 @@ class ShardedOptimizer:
             w, g = self.clf.weights[k], leaf.grad
             if self.kind == "sgd":
                 if self.weight_decay:
-                    g = g + self.weight_decay * w[rows]
+                    g.add_(w[rows], alpha=self.weight_decay)  # g is this step's own leaf gradient
                 w.index_add_(0, rows, g, alpha=-lr)
             else:
                 opt = self._adam[k]
