@@ -19,12 +19,15 @@ class Strategy:
     overrides: dict[str, Any] = field(default_factory=dict)
 
 
-# End-to-end training on the CPU budget (about one pass over the data; the papers run 75 epochs on GPUs with
+# ASTRA / MIPS-s shared settings: end to end from the starting encoder, BCE, k_p = 7, SGD with weight decay 1e-4
+# for W; and the CPU budget (about one pass over the data; the papers run 75 epochs on GPUs with
 # encoder lr 1e-5, classifier lr 0.05, dropout 0.5-0.9). Measured on LF-WordNetNounsTitles from MiniLM, 0.1 epoch
 # of astra, validation classifier-only P@1 (start: 12.7): W lr 0.05 -> 15.1, 1.0 -> 18.9 (encoder lr 1e-4);
 # encoder lr 3e-4 -> 20.9; without the shared logit bias the encoder collapsed (P@1 2.6-3.4). Unnormalised W
 # (BCE needs free logit scale), no dropout (too few epochs for it to pay).
-E2E_CPU = {"classifier.batch_size": 128, "classifier.lr": 1.0, "classifier.normalize": False,
+E2E_CPU = {"pretrain.epochs": 0, "classifier.train_encoder": True, "classifier.loss": "bce",
+           "classifier.num_positives": 7, "classifier.w_optimizer": "sgd", "classifier.weight_decay": 1e-4,
+           "fusion.method": "alpha", "classifier.batch_size": 128, "classifier.lr": 1.0, "classifier.normalize": False,
            "classifier.scale": 1.0, "classifier.encoder_lr": 2e-4, "classifier.warmup_steps": 20,
            "classifier.dropout": 0.0, "classifier.logit_bias": True}
 
@@ -92,14 +95,10 @@ STRATEGIES: dict[str, Strategy] = {
         "refresh_every). The pretrain stage only embeds with the starting encoder (pretrain.epochs 0): the "
         "packaged MiniLM is already a pretrained sentence encoder, and the end-to-end stage trains it.",
         {
-            "pretrain.epochs": 0,
-            "classifier.negatives": "astra", "classifier.train_encoder": True, "classifier.label_points": True,
-            "classifier.loss": "bce", "classifier.num_positives": 7, "classifier.num_hard": 50,
-            "classifier.num_random": 400, "classifier.hard_start": 0.25, "classifier.refresh_every": 0.25,
-            "classifier.w_optimizer": "sgd", "classifier.weight_decay": 1e-4,
-            "classifier.epochs": 0.75, "classifier.sampler_index": "hnsw",
             **E2E_CPU,
-            "fusion.method": "alpha",
+            "classifier.negatives": "astra", "classifier.label_points": True, "classifier.num_hard": 50,
+            "classifier.num_random": 400, "classifier.hard_start": 0.25, "classifier.refresh_every": 0.25,
+            "classifier.epochs": 0.75, "classifier.sampler_index": "hnsw",
         },
     ),
     "mips": Strategy(
@@ -110,14 +109,10 @@ STRATEGIES: dict[str, Strategy] = {
         "removed) and R - k = 95 uniform negatives; W re-clustered every P = 1/8 epoch (8 pre-processings per "
         "epoch as in the paper's Fig. 2). Same optimiser and schedule as astra; no label texts as points.",
         {
-            "pretrain.epochs": 0,
-            "classifier.negatives": "mips", "classifier.train_encoder": True, "classifier.label_points": False,
-            "classifier.loss": "bce", "classifier.num_positives": 7, "classifier.num_hard": 5,
-            "classifier.num_random": 95, "classifier.refresh_every": 0.125, "classifier.sampler_index": "ivf",
-            "classifier.mips_probe": 64, "classifier.w_optimizer": "sgd", "classifier.weight_decay": 1e-4,
-            "classifier.epochs": 1,
             **E2E_CPU,
-            "fusion.method": "alpha",
+            "classifier.negatives": "mips", "classifier.label_points": False, "classifier.num_hard": 5,
+            "classifier.num_random": 95, "classifier.refresh_every": 0.125, "classifier.sampler_index": "ivf",
+            "classifier.mips_probe": 64, "classifier.epochs": 1,
         },
     ),
 }
