@@ -103,7 +103,7 @@ def test_materialize_all_assets_through_dagster_and_read_mlflow(tiny_home):
     assert ev.data.metrics["precision_at_1"] == pytest.approx(p1 / 100)
     assert ev.info.run_id == ev_meta["mlflow_run_id"].value
     # run config overrode one value for that run only; params hold the full effective config
-    assert by_asset["classifier"].data.params["classifier.epochs"] == "4"
+    assert float(by_asset["classifier"].data.params["classifier.epochs"]) == 4  # a float field: "4.0"
     assert by_asset["pretrain"].data.params["pretrain.epochs"] == "2.0"
     client = mlflow.MlflowClient(tiny_home.mlflow_uri)
     hist = client.get_metric_history(by_asset["classifier"].info.run_id, "classifier_loss")
