@@ -68,8 +68,8 @@ from xc_dagster.data import read_dataset
 from xc_dagster.device import amp_dtype, autocast
 from xc_dagster.encoder import chunk_tensors, encode_tokens, length_sorted_chunks, load_encoder, load_tokenizer
 from xc_dagster.sampling import positive_mask, sample_positives, validation_split
-from xc_dagster.siamese import (NGAMESampler, SiameseXMLSampler, embed_rows, lr_lambda, pair_loss, random_batches,
-                                train_siamese)
+from xc_dagster.siamese import (NGAMESampler, SiameseXMLSampler, embed_rows, label_batch_pair_loss, lr_lambda,
+                                pair_loss, random_batches, train_siamese)
 from xc_dagster.tokenization import load_tokens, tokenize_to_npy
 
 pc = time.perf_counter
@@ -246,13 +246,7 @@ def step_full_labels(enc, opt, sched, Y, pt, lt, batch, params: PretrainParams, 
         p = embed_rows(enc, *pt, pts, params.chunk_size, DEVICE).float()
         z = embed_rows(enc, *lt, batch.labels, params.chunk_size, DEVICE).float()
     tm.lap("forward")
-    p = p[torch.from_numpy(where.reshape(-1)).to(DEVICE)]
-    anchors = p[:B]
-    loss = pair_loss(z @ anchors.T, mask_t, params)
-    if m > 0 and params.centroid_weight > 0:
-        v = F.normalize(p[B:].view(B, m, -1).mean(1), dim=-1)
-        w = params.centroid_weight
-        loss = (1.0 - w) * loss + w * pair_loss(v @ anchors.T, mask_t, params)
+    loss = label_batch_pair_loss(p, z, where, m, mask_t, params)
     tm.lap("loss")
     timed_update(tm, loss, enc, opt, sched)
     return tm

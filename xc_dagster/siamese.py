@@ -205,14 +205,22 @@ def _label_batch_loss(encoder: SiameseEncoder, batch: LabelBatch, Y: sp.csr_matr
     with autocast(device, dtype):
         p = embed_rows(encoder, *point_tokens, pts, params.chunk_size, device).float()
         z = embed_rows(encoder, *label_tokens, batch.labels, params.chunk_size, device).float()
-    p = p[torch.from_numpy(where.reshape(-1)).to(device)]
+    return label_batch_pair_loss(p, z, where, m, mask_t, params), len(pts)
+
+
+def label_batch_pair_loss(p: torch.Tensor, z: torch.Tensor, where: np.ndarray, m: int, mask_t: torch.Tensor,
+                          params: PretrainParams) -> torch.Tensor:
+    """Module I's loss from a label batch's embeddings: ``p`` of the distinct points (``where`` maps the B
+    anchors then the B x m centroid points to them), ``z`` of the B labels; beta-weighted text and centroid terms."""
+    B = len(z)
+    p = p[torch.from_numpy(where.reshape(-1)).to(p.device)]
     anchors = p[:B]
     loss = pair_loss(z @ anchors.T, mask_t, params)
     if m > 0 and params.centroid_weight > 0:
         v = F.normalize(p[B:].view(B, m, -1).mean(1), dim=-1)
         w = params.centroid_weight
         loss = (1.0 - w) * loss + w * pair_loss(v @ anchors.T, mask_t, params)
-    return loss, len(pts)
+    return loss
 
 
 @dataclass
