@@ -179,16 +179,24 @@ class Timer:
 
 # ----------------------------------------------------------------------------------- pretrain steps
 
-def timed_update(tm: Timer, loss: torch.Tensor, enc, opt, sched) -> None:
-    """train_siamese's update after the loss (backward, clip at 1.0, AdamW + schedule, loss.item), timed."""
+def timed_backward_step(tm: Timer, loss: torch.Tensor, opt, enc=None, sched=None) -> None:
+    """Backward and optimizer step, timed; with ``enc`` the gradient is clipped at 1.0 first (train_siamese),
+    with ``sched`` the schedule steps too."""
     opt.zero_grad(set_to_none=True)
     loss.backward()
     tm.lap("backward")
-    torch.nn.utils.clip_grad_norm_(enc.parameters(), 1.0)
-    tm.lap("clip")
+    if enc is not None:
+        torch.nn.utils.clip_grad_norm_(enc.parameters(), 1.0)
+        tm.lap("clip")
     opt.step()
-    sched.step()
+    if sched is not None:
+        sched.step()
     tm.lap("opt_step")
+
+
+def timed_update(tm: Timer, loss: torch.Tensor, enc, opt, sched) -> None:
+    """train_siamese's update after the loss (backward, clip at 1.0, AdamW + schedule, loss.item), timed."""
+    timed_backward_step(tm, loss, opt, enc, sched)
     float(loss.detach())
     tm.lap("loss_item")
 
@@ -201,11 +209,7 @@ def step_bare(enc, opt, pt, lt, point_rows: np.ndarray, label_rows: np.ndarray, 
     tm.lap("forward")
     loss = p.float().sum() + z.float().sum()
     tm.lap("loss")
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    tm.lap("backward")
-    opt.step()
-    tm.lap("opt_step")
+    timed_backward_step(tm, loss, opt)
     return tm
 
 
@@ -423,11 +427,7 @@ def clf_step_full(W, opt, X, Y, batch, shortlist, params: ClassifierParams, rng)
     tm.lap("gather+dot")
     loss = classifier_loss(scores, is_pos, valid, params)
     tm.lap("loss")
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    tm.lap("backward")
-    opt.step()
-    tm.lap("opt_step")
+    timed_backward_step(tm, loss, opt)
     float(loss.detach())
     tm.lap("loss_item")
     return tm, ids
@@ -440,11 +440,7 @@ def clf_step_bare(W, opt, X, batch, ids: torch.Tensor) -> Timer:
     scores = torch.einsum("bd,bkd->bk", x, w)
     tm.lap("gather+dot")
     loss = scores.sum()
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    tm.lap("backward")
-    opt.step()
-    tm.lap("opt_step")
+    timed_backward_step(tm, loss, opt)
     return tm
 
 

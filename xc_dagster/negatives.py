@@ -24,6 +24,7 @@ by score, as ASTRA does across GPUs.
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -207,6 +208,7 @@ class AstraNegatives:
         if refresh_steps < 1:
             raise XCConfigError(f"classifier.refresh_every: must come to at least one step, got {refresh_steps}")
         self.Y, self.bank = Y, bank
+        self.extra = _extra(Y)
         self.num_hard, self.num_random = num_hard, num_random
         self.start, self.every = max(start_step, 0), refresh_steps
         self.lead = max(0, min(lead_steps, refresh_steps)) if asynchronous else 0
@@ -230,10 +232,9 @@ class AstraNegatives:
         return self.start + k * self.every
 
     def _build(self, snapshot: list[tuple[int, np.ndarray]], queries: np.ndarray) -> np.ndarray:
-        import time
         t0 = time.perf_counter()
         table = hard_negatives(self.index.build(snapshot), queries, self.Y, np.arange(len(queries)),
-                               self.num_hard, _extra(self.Y))
+                               self.num_hard, self.extra)
         self.build_seconds.append(time.perf_counter() - t0)
         return table
 
@@ -297,13 +298,13 @@ class MipsNegatives:
         if refresh_steps < 1:
             raise XCConfigError(f"classifier.refresh_every: must come to at least one step, got {refresh_steps}")
         self.Y, self.k, self.R, self.every, self.index = Y, num_mips, num_total, refresh_steps, index
+        self.extra = _extra(Y)  # once: Y does not change, sample() runs every step
         self.indexes: list[tuple[int, LabelIndex]] | None = None
         self.refreshes = 0
         self.build_seconds: list[float] = []
 
     def before_step(self, step: int, snapshot_fn) -> None:
         if self.k > 0 and (self.indexes is None or step % self.every == 0):
-            import time
             t0 = time.perf_counter()
             self.indexes = self.index.build(snapshot_fn())
             self.build_seconds.append(time.perf_counter() - t0)
@@ -315,7 +316,7 @@ class MipsNegatives:
     def sample(self, rows: np.ndarray, emb: np.ndarray, step: int, rng: np.random.Generator) -> NegativeSample:
         L = self.Y.shape[1]
         hard = (hard_negatives(self.indexes, np.ascontiguousarray(emb, dtype=np.float32), self.Y, rows, self.k,
-                               _extra(self.Y)) if self.k > 0 else np.zeros((len(rows), 0), dtype=np.int64))
+                               self.extra) if self.k > 0 else np.zeros((len(rows), 0), dtype=np.int64))
         rand = uniform_draws(L, len(rows), self.R - self.k, rng)
         rand = np.where(positive_mask(self.Y, rows, rand), -1, rand)
         rand = dedupe_rows(drop_members(rand, hard, L))

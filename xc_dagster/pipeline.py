@@ -288,7 +288,8 @@ def classifier(ctx: StageContext) -> dict[str, Any]:
     d = ctx.dir("pretrain")
     point_emb = np.load(d / "train_emb.npy")
     init = d / CLASSIFIER_INIT  # a warm start's W, else W starts from the label embeddings
-    W0 = np.load(init if init.exists() else d / "label_emb.npy")
+    label_emb = np.load(d / "label_emb.npy")
+    W0 = np.load(init) if init.exists() else label_emb
     sl = np.load(ctx.dir("mining") / "shortlist.npy")
     ds = _labels(ctx)
     rows = _train_rows(ctx, ds.num_train)
@@ -308,7 +309,7 @@ def classifier(ctx: StageContext) -> dict[str, Any]:
             tokenizer = load_tokenizer(str(d / "encoder"))
             kw = {"encoder": encoder, "point_tokens": _tokens(ctx, "train"), "label_tokens": _tokens(ctx, "label"),
                   "dtype": amp_dtype(ctx.device, ctx.cfg.pretrain.amp)}
-        res = train_end_to_end(point_emb, np.load(d / "label_emb.npy"), W0, ds.Y_train, rows, p, ctx.device,
+        res = train_end_to_end(point_emb, label_emb, W0, ds.Y_train, rows, p, ctx.device,
                                shortlist=sl, log_metrics=ctx.log_metrics, checkpoint=ckpt, **kw)
         W, summary = res.W, res.summary
     else:
