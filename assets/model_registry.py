@@ -3,14 +3,15 @@ tokenizer, classifier matrix, label ids and texts, both ANNS indexes and the fus
 with scores out (``params={"k": ...}``). Registered as ``xc-<dataset>``: the first version gets the alias
 ``champion``, later ones ``challenger``. The blocking check ``champion_gate`` compares the challenger's test
 P@1 and PSP@1 with the champion's on the same test split and promotes it (moves ``champion``) when neither
-is worse by more than ``tolerance`` percentage points; refused, the check fails with severity ERROR, which
-blocks assets downstream of this one. Serve the champion with
+is worse by more than ``tolerance`` percentage points (the run config's; without one, as in the runs of the
+click-log sensor and the retrain schedule, the dataset's catalog ``gate_tolerance``, else 0); refused, the
+check fails with severity ERROR, which blocks assets downstream of this one. Serve the champion with
 ``mlflow models serve -m models:/xc-<dataset>@champion --env-manager local``."""
 
 
 import json
 import warnings
-from typing import Any
+from typing import Any, Optional
 
 import dagster as dg
 import pydantic
@@ -29,9 +30,10 @@ CHECK_DESCRIPTION = ("Champion/challenger gate: the new version's test P@1 and P
 class RegisteredModelConfig(dg.Config):
     """How the model is logged and gated."""
 
-    tolerance: float = pydantic.Field(
-        default=0.0, ge=0.0, description="how many percentage points of test P@1 and of PSP@1 the challenger may "
-                                         "lose against the champion and still be promoted (0.5 = half a point)")
+    tolerance: Optional[float] = pydantic.Field(
+        default=None, ge=0.0, description="how many percentage points of test P@1 and of PSP@1 the challenger may "
+                                          "lose against the champion and still be promoted (0.5 = half a point); "
+                                          "empty = the dataset's catalog gate_tolerance, else 0")
     default_k: int = pydantic.Field(default=10, ge=1, description="top-k returned when a request gives no k")
     bundle_code: bool = pydantic.Field(
         default=True, description="ship a copy of the xc_dagster library with the model (MLflow code_paths)")
@@ -65,6 +67,7 @@ def _gate_result(decision: dict[str, Any]) -> dg.AssetCheckResult:
         "decision": dg.MetadataValue.text(decision["verdict"]),
         "promoted": dg.MetadataValue.bool(bool(decision["promote"])),
         "tolerance_pp": dg.MetadataValue.float(decision["tolerance_pp"]),
+        "tolerance_source": dg.MetadataValue.text(str(decision.get("tolerance_source", "argument"))),
         "challenger_version": dg.MetadataValue.text(decision["challenger_version"]),
         "champion_version": dg.MetadataValue.text(str(decision["champion_version"])),
         "champion_metrics_source": dg.MetadataValue.text(str(decision["champion_metrics_source"])),
@@ -101,7 +104,9 @@ def build(partitions: dg.PartitionsDefinition) -> dg.AssetsDefinition:
                                             "preset": cfg.preset},
                              default_k=config.default_k, bundle_code=config.bundle_code, device=device,
                              shortlist_size=config.shortlist_size, ef_search=config.ef_search)
-        decision = champion_gate(ctx, tracker, reg, config.tolerance, device=device)
+        tolerance, tolerance_source = spec.champion_tolerance(config.tolerance)
+        decision = champion_gate(ctx, tracker, reg, tolerance, device=device)
+        decision["tolerance_source"] = tolerance_source
         metadata = {
             "model_name": dg.MetadataValue.text(reg["name"]),
             "version": dg.MetadataValue.text(reg["version"]),

@@ -108,6 +108,30 @@ def test_catalog_bad_yaml_names_file_and_line(tmp_path):
         Catalog(p).load()
 
 
+def test_catalog_gate_tolerance_validated_saved_and_resolved(tmp_path):
+    """The champion gate's per-dataset tolerance: checked when the entry is added or loaded (the error names
+    the field), kept through save/load, and below an explicit run config value."""
+    cat = Catalog(tmp_path / "catalog.yaml")
+    cat.add(DatasetSpec("A", "/data/a", gate_tolerance="0.5"))  # numeric text, as from the CLI
+    cat.add(DatasetSpec("B", "/data/b"))
+    a, b = cat.get("A"), cat.get("B")
+    assert a.gate_tolerance == 0.5 and "gate_tolerance: 0.5" in cat.path.read_text()
+    assert a.champion_tolerance() == (0.5, "catalog gate_tolerance")
+    assert a.champion_tolerance(0.0) == (0.0, "run config")  # an explicit 0 in run config still wins
+    assert a.champion_tolerance(2) == (2.0, "run config")
+    assert b.gate_tolerance is None and b.champion_tolerance() == (0.0, "default")
+    for bad in (-0.1, "half a point", float("nan"), float("inf"), True, [1.0]):
+        with pytest.raises(XCConfigError, match=r"dataset 'C' gate_tolerance: expected a finite number of "
+                                                r"percentage points >= 0"):
+            cat.add(DatasetSpec("C", "/data/c", gate_tolerance=bad))
+    assert cat.names() == ["A", "B"]
+    cat.path.write_text("datasets:\n  D:\n    source: /data/d\n    gate_tolerance: -1\n")
+    with pytest.raises(XCConfigError, match=r"catalog.yaml: dataset 'D' gate_tolerance: .* got -1"):
+        cat.load()
+    with pytest.raises(XCConfigError, match="run config registered_model.tolerance"):
+        b.champion_tolerance(-1.0)
+
+
 def test_atomic_dir_leaves_nothing_on_failure(tmp_path):
     final = tmp_path / "stage"
     with atomic_dir(final) as d:

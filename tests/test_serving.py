@@ -270,6 +270,59 @@ def test_registered_model_asset_and_blocking_gate_through_dagster(built):
     assert len(runs) == 2 and {r.data.tags["dagster_run_id"] for r in runs} == {res.run_id, res2.run_id}
 
 
+def test_gate_tolerance_from_the_catalog_when_the_run_has_no_config(built):
+    """Runs of the click-log sensor and the retrain schedule carry no run config: the gate then takes the
+    dataset's catalog ``gate_tolerance``; a tolerance given in run config still wins over it."""
+    import dagster as dg
+
+    from assets import build_lifecycle_assets
+    from resources import dataset_partitions
+    from xc_dagster.definitions import pipeline_resources
+
+    home = built.home
+    assets = build_lifecycle_assets(dataset_partitions(home))
+    cat = Catalog(home.catalog)
+    entry = cat.get(DATASET)
+    mpath = built.ctx.dir("evaluate") / "metrics.json"
+    original = mpath.read_text()
+    psp = built.metrics["psprecision_at_1"]
+
+    def materialize(psp_drop_pp: float, run_config: dict | None = None):
+        save_json(mpath, {**json.loads(original), "psprecision_at_1": psp - psp_drop_pp / 100})
+        res = dg.materialize(assets, partition_key=DATASET, resources=pipeline_resources(home),
+                             instance=dg.DagsterInstance.ephemeral(), raise_on_error=False, run_config=run_config)
+        (check,) = res.get_asset_check_evaluations()
+        return res, {k: v.value for k, v in check.metadata.items()}
+
+    try:
+        cat.add(dataclasses.replace(entry, gate_tolerance=1.0), replace=True)
+        res, m = materialize(0.0)  # a champion with the measured numbers (first version or a tie)
+        assert res.success and m["promoted"] is True and m["tolerance_pp"] == 1.0
+        champion = m["challenger_version"]
+        # PSP@1 0.5 pp below the champion, no run config: within the catalog's 1 pp -> promoted
+        res, m = materialize(0.5)
+        assert res.success and m["promoted"] is True and m["decision"] == "promoted to champion"
+        assert m["champion_version"] == champion
+        assert m["tolerance_pp"] == 1.0 and m["tolerance_source"] == "catalog gate_tolerance"
+        assert m["delta_pp"]["psprecision_at_1"] == pytest.approx(-0.5, abs=1e-6)
+        champion = m["challenger_version"]
+        # again 0.5 pp below the (new) champion, with tolerance 0 in run config: the run config wins, refused
+        res, m = materialize(1.0, {"ops": {"registered_model": {"config": {"tolerance": 0.0}}}})
+        assert not res.success and m["promoted"] is False and m["decision"] == "refused: stays challenger"
+        assert m["tolerance_pp"] == 0.0 and m["tolerance_source"] == "run config"
+        assert m["delta_pp"]["psprecision_at_1"] == pytest.approx(-0.5, abs=1e-6)
+        # the same numbers without the catalog value and without run config: the default 0, refused
+        cat.add(dataclasses.replace(entry, gate_tolerance=None), replace=True)
+        res, m = materialize(1.0)
+        assert not res.success and m["promoted"] is False
+        assert m["tolerance_pp"] == 0.0 and m["tolerance_source"] == "default"
+        client = mlflow.MlflowClient(home.mlflow_uri)
+        assert str(client.get_model_version_by_alias(NAME, "champion").version) == champion
+    finally:
+        mpath.write_text(original)
+        cat.add(entry, replace=True)
+
+
 # ------------------------------------------------------------------------------------- HTTP serving
 
 def _free_port() -> int:

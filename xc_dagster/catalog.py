@@ -2,7 +2,9 @@
 
 Each dataset is a name, a source (local folder or file, ``file://``, ``http(s)://`` or any fsspec URI), a
 layout (``auto`` detects it), an optional ``sha256`` of the source file/archive, and options (text fields,
-max_len, propensity A/B, strategy, preset and ``stage.field`` hyperparameter overrides). Options left unset
+max_len, propensity A/B, strategy, preset and ``stage.field`` hyperparameter overrides; ``gate_tolerance``,
+the champion gate's tolerance for runs that give none in their run config, as the sensor's and the
+schedule's runs). Options left unset
 come from the registry of known public datasets (:mod:`xc_dagster.data.registry`) when the name is one of
 them, else from the name (``Titles`` -> title, dataset family -> propensity A/B). Adding one needs no code
 change: the partition exists as soon as the code location (re)loads.
@@ -10,6 +12,7 @@ change: the partition exists as soon as the code location (re)loads.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -37,6 +40,22 @@ def builtin_path(name: str) -> Path:
     if not path.is_dir():
         raise XCDatasetNotFound(f"source {BUILTIN_PREFIX}{name}: no embedded dataset {name!r} at {path}")
     return path
+
+
+def parse_tolerance(value: Any, what: str = "tolerance") -> float:
+    """A champion-gate tolerance in percentage points: a finite number >= 0 (numeric text too), as a float.
+
+    Anything else raises :class:`XCConfigError` naming ``what`` (the field it came from).
+    """
+    try:
+        if isinstance(value, bool):
+            raise ValueError(value)
+        pp = float(value)
+    except (TypeError, ValueError):
+        pp = math.nan
+    if not (math.isfinite(pp) and pp >= 0):
+        raise XCConfigError(f"{what}: expected a finite number of percentage points >= 0, got {value!r}")
+    return pp
 
 
 def default_text(name: str) -> str:
@@ -67,6 +86,9 @@ class DatasetSpec:
     preset: str = "quick"
     overrides: dict[str, Any] = field(default_factory=dict)
     sha256: str | None = None  # hex SHA-256 of the source file/archive, checked before it is ingested
+    # champion gate (asset registered_model): percentage points of test P@1 and PSP@1 a challenger may lose
+    # and still be promoted, for runs whose run config sets no tolerance (sensor, schedule); None = 0
+    gate_tolerance: float | None = None
 
     def validate(self, where: str = "catalog") -> "DatasetSpec":
         if not NAME_RE.match(self.name or ""):
@@ -88,6 +110,9 @@ class DatasetSpec:
             self.sha256 = normalize_sha256(self.sha256)
         except XCConfigError as exc:
             raise XCConfigError(f"{where}: dataset {self.name!r} {exc}") from None
+        if self.gate_tolerance is not None:
+            self.gate_tolerance = parse_tolerance(self.gate_tolerance,
+                                                  f"{where}: dataset {self.name!r} gate_tolerance")
         apply_overrides(PipelineConfig(), self.overrides, f"{where}: dataset {self.name!r} overrides")
         return self
 
@@ -129,6 +154,16 @@ class DatasetSpec:
                               (f"dataset {self.name!r} options", self.option_overrides()),
                               (f"catalog overrides of {self.name!r}", self.overrides),
                               ("run config", run_overrides or {}))
+
+    def champion_tolerance(self, run_config: float | None = None) -> tuple[float, str]:
+        """The champion gate's tolerance in percentage points and where it comes from: the run config's value
+        when one is given, else this entry's ``gate_tolerance``, else 0."""
+        if run_config is not None:
+            return parse_tolerance(run_config, "run config registered_model.tolerance"), "run config"
+        if self.gate_tolerance is not None:
+            return (parse_tolerance(self.gate_tolerance, f"catalog dataset {self.name!r} gate_tolerance"),
+                    "catalog gate_tolerance")
+        return 0.0, "default"
 
     def to_yaml_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -180,7 +215,7 @@ class Catalog:
         body = {"datasets": {n: datasets[n].to_yaml_dict() for n in sorted(datasets)}}
         header = ("# xc-dagster dataset catalog: each entry is a Dagster partition.\n"
                   "# Keys: source, layout, text, max_len, propensity_a, propensity_b, strategy, preset, overrides,"
-                  " sha256\n")
+                  " sha256, gate_tolerance\n")
         atomic_write_text(self.path, header + yaml.safe_dump(body, sort_keys=False))
 
     def add(self, spec: DatasetSpec, replace: bool = False) -> None:

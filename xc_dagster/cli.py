@@ -2,6 +2,7 @@
 
   xc-dagster datasets add NAME --source URI [--text title|title+content] [--strategy S] [--preset P]
                                             [--sha256 HEX] [--set stage.field=value ...]
+                                            [--gate-tolerance PP]
                                  (a known public dataset, e.g. LF-AmazonTitles-131K, needs only --source)
   xc-dagster datasets list | remove NAME
   xc-dagster clicks build NAME --logs PATH [--start ISO] [--end ISO] [--previous MAP] [--register]
@@ -59,7 +60,8 @@ def cmd_add(args: argparse.Namespace, home: Home) -> int:
     pa, pb = (args.propensity or (None, None))
     spec = DatasetSpec(name=args.name, source=args.source, layout=args.layout, text=args.text,
                        max_len=args.max_len, propensity_a=pa, propensity_b=pb, strategy=args.strategy,
-                       preset=args.preset, overrides=overrides, sha256=args.sha256)
+                       preset=args.preset, overrides=overrides, sha256=args.sha256,
+                       gate_tolerance=args.gate_tolerance)
     Catalog(home.catalog).add(spec, replace=args.replace)
     print(f"added dataset {args.name!r} (text: {spec.text_fields}, strategy: {spec.strategy}, "
           f"preset: {spec.preset}) to {home.catalog}")
@@ -221,6 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
     add.add_argument("--strategy", default="ngame", choices=sorted(STRATEGIES))
     add.add_argument("--preset", default="quick", choices=sorted(PRESETS))
     add.add_argument("--set", action="append", metavar="STAGE.FIELD=VALUE", help="hyperparameter override")
+    add.add_argument("--gate-tolerance", metavar="PP",
+                     help="champion gate: percentage points of test P@1 and PSP@1 a new version may lose and "
+                          "still be promoted, in runs without run config (sensor, schedule; default 0)")
     add.add_argument("--replace", action="store_true", help="replace an existing entry")
     dsub.add_parser("list", help="list datasets")
     rm = dsub.add_parser("remove", help="remove a dataset from the catalog")

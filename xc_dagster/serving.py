@@ -51,6 +51,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from xc_dagster.catalog import parse_tolerance
 from xc_dagster.device import amp_dtype, resolve_device
 from xc_dagster.encoder import encode_tokens, load_encoder, load_tokenizer
 from xc_dagster.errors import XCConfigError, XCError
@@ -554,8 +555,7 @@ def promotion_decision(challenger: Mapping[str, float], champion: Mapping[str, f
     ``tolerance`` percentage points (metrics are fractions in [0, 1]; 0.5 = half a point). A drop of exactly
     the tolerance passes; a missing or NaN number refuses. ``champion=None``: the first version, promoted.
     """
-    if not (isinstance(tolerance, (int, float)) and math.isfinite(tolerance) and tolerance >= 0):
-        raise XCConfigError(f"tolerance: expected a finite number of percentage points >= 0, got {tolerance!r}")
+    tolerance = parse_tolerance(tolerance)
     chal = {m: float(challenger.get(m, float("nan"))) for m in GATE_METRICS}
     out: dict[str, Any] = {"metrics": list(GATE_METRICS), "tolerance_pp": float(tolerance), "challenger": chal}
     if champion is None:
