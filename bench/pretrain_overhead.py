@@ -9,6 +9,15 @@ same batches (the sampler, clustering and loss together must cost under 15% on t
       [--tau 5] [--classifier-modes shortlist in-batch both] [--classifier-steps 20] [--threads 2]
       [--out bench/results/pretrain_overhead.json]
 
+A step count of 0 skips that part: ``--steps 0`` the bag-encoder rows, ``--minilm-steps 0`` the transformer
+rows, ``--classifier-steps 0`` the classifier rows, ``--crosscheck-steps 0`` the ``train_siamese`` cross-check
+(the JSON lists what was skipped under ``skipped``); skipping every part, with no ``--clustering-sizes``
+either, is refused. Smoke run (about 1.5 minutes on 2 cores)::
+
+  python bench/pretrain_overhead.py --encoders bag --samplers random siamesexml --steps 2 --warmup 1 \
+      --classifier-modes shortlist --classifier-steps 2 --crosscheck-steps 0 --clustering-sizes \
+      --out /tmp/pretrain_overhead_smoke.json
+
 Method, per (encoder, sampler):
   (A) bare: the encoder on the step's point texts and label texts, in the same length-sorted chunks
       (``length_sorted_chunks`` + ``chunk_tensors``, as ``embed_rows``), loss = sum of the embeddings,
@@ -459,6 +468,8 @@ def bench_classifier(mode: str, data: dict[str, Any], point_emb: np.ndarray, lab
     batches = classifier_batches(rows, params, rng, clusters)
     t_epoch = pc() - t
     n = args.warmup + args.classifier_steps
+    if n > len(batches):
+        raise SystemExit(f"{n} classifier steps asked, an epoch has {len(batches)} batches")
     batches = batches[:n]
     # the mined shortlist (exact top-100 label embeddings), computed for the rows these batches use only
     used = np.unique(np.concatenate(batches))
@@ -532,28 +543,68 @@ def fmt_row(r: dict[str, Any]) -> str:
             f"IQR {100 * op['q25']:+.1f}..{100 * op['q75']:+.1f}%)")
 
 
+def step_count(text: str) -> int:
+    """argparse type of the step counts: a whole number >= 0 (0 = skip that part)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0 (0 = skip that part), got {text!r}")
+    return value
+
+
+def plan_parts(args: argparse.Namespace) -> tuple[list[tuple[str, int]], list[str], list[str]]:
+    """What runs: the pretrain (encoder, steps) pairs, the cross-check samplers, the classifier modes; the
+    parts a step count of 0 (or an empty list) skips go to ``args.skipped``."""
+    skipped: list[str] = []
+    encoders = []
+    for enc_name in args.encoders:
+        bag = parse_bag_name(enc_name) is not None
+        steps = args.steps if bag else args.minilm_steps
+        if steps == 0:
+            skipped.append(f"pretrain {enc_name}: {'--steps' if bag else '--minilm-steps'} 0")
+        elif args.samplers:
+            encoders.append((enc_name, steps))
+    cross = [s for s in args.samplers if s != "ngame"] if args.crosscheck_steps > 0 else []
+    if args.crosscheck_steps == 0:
+        skipped.append("crosscheck: --crosscheck-steps 0")
+    modes = list(args.classifier_modes) if args.classifier_steps > 0 else []
+    if args.classifier_steps == 0:
+        skipped.append("classifier: --classifier-steps 0")
+    args.skipped = skipped
+    return encoders, cross, modes
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--encoders", nargs="*", default=["bag", "minilm"])
     ap.add_argument("--samplers", nargs="*", default=["random", "ngame", "siamesexml"])
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--max-len", type=int, default=32)
-    ap.add_argument("--steps", type=int, default=40, help="timed A/B pairs per sampler (bag encoder)")
-    ap.add_argument("--minilm-steps", type=int, default=6, help="timed A/B pairs per sampler (transformers)")
-    ap.add_argument("--warmup", type=int, default=2, help="A/B pairs run first and not timed")
+    ap.add_argument("--steps", type=step_count, default=40,
+                    help="timed A/B pairs per sampler (bag encoder; 0 = skip its rows)")
+    ap.add_argument("--minilm-steps", type=step_count, default=6,
+                    help="timed A/B pairs per sampler (transformers; 0 = skip their rows)")
+    ap.add_argument("--warmup", type=step_count, default=2, help="A/B pairs run first and not timed")
     ap.add_argument("--cluster-size", type=int, default=8, help="ngame C for the timed batches (power of 2)")
     ap.add_argument("--clustering-sizes", type=int, nargs="*", default=[2, 8, 64],
                     help="C values balanced_clusters is timed at on the memory bank")
     ap.add_argument("--tau", type=int, default=5, help="ngame re-clustering period in epochs")
     ap.add_argument("--classifier-modes", nargs="*", default=["shortlist", "in-batch", "both"])
-    ap.add_argument("--classifier-steps", type=int, default=20)
+    ap.add_argument("--classifier-steps", type=step_count, default=20,
+                    help="timed A/B pairs per classifier mode (0 = skip the classifier rows)")
     ap.add_argument("--classifier-batch-size", type=int, default=1024)
-    ap.add_argument("--crosscheck-steps", type=int, default=20,
+    ap.add_argument("--crosscheck-steps", type=step_count, default=20,
                     help="train_siamese itself for this many steps (bag encoder; 0 = skip)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--out", type=Path, default=Path("bench/results/pretrain_overhead.json"))
     args = ap.parse_args()
+    encoders, cross, modes = plan_parts(args)
+    if not (encoders or cross or modes or args.clustering_sizes):
+        ap.error("nothing to measure: every part is skipped (" + "; ".join(args.skipped) + ") and no "
+                 "--clustering-sizes are given")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     t_start = pc()
@@ -568,18 +619,30 @@ def main() -> None:
         print(f"data: {len(data['rows'])} training rows, {data['n_labels']} labels, "
               f"{data['seconds']:.1f}s to read + tokenize", flush=True)
 
-        # memory bank / frozen embeddings: the (untrained) bag encoder's embeddings of every text
-        t = pc()
-        bag = make_encoder("bag", data["pt"], data["lt"], 0)
-        point_emb = encode_tokens(bag, *data["pt"], DEVICE, None, 1024)
-        label_emb = encode_tokens(bag, *data["lt"], DEVICE, None, 1024)
-        del bag
-        result["bank_seconds"] = pc() - t
+        result["skipped"] = args.skipped
+        for note in args.skipped:
+            print(f"skipped: {note}", flush=True)
 
-        # clustering of the memory bank (training rows), as NGAMESampler.epoch / train_classifiers call it
+        # memory bank / frozen embeddings: the (untrained) bag encoder's embeddings of every text (the ngame
+        # memory bank of the pretrain rows, the classifier rows' inputs, what is clustered; the cross-check
+        # needs none of them)
+        sizes = set(args.clustering_sizes)
+        if args.cluster_size > 1 and any(m != "shortlist" for m in modes):
+            sizes.add(args.cluster_size)
+        point_emb = label_emb = None
+        if encoders or modes or sizes:
+            t = pc()
+            bag = make_encoder("bag", data["pt"], data["lt"], 0)
+            point_emb = encode_tokens(bag, *data["pt"], DEVICE, None, 1024)
+            label_emb = encode_tokens(bag, *data["lt"], DEVICE, None, 1024)
+            del bag
+            result["bank_seconds"] = pc() - t
+
+        # clustering of the memory bank (training rows), as NGAMESampler.epoch / train_classifiers call it:
+        # the --clustering-sizes, plus --cluster-size when a classifier mode batches by clusters
         clusters_by_size: dict[int, tuple[np.ndarray, float]] = {}
         result["clustering"] = []
-        for c in sorted(set(args.clustering_sizes) | {args.cluster_size}):
+        for c in sorted(sizes):
             t = pc()
             lab = balanced_clusters(point_emb[data["rows"]], c, seed=0)
             dt = pc() - t
@@ -589,8 +652,7 @@ def main() -> None:
             print(f"balanced_clusters N={len(data['rows'])} C={c}: {dt:.2f}s, {lab.max() + 1} clusters", flush=True)
 
         result["pretrain"] = []
-        for enc_name in args.encoders:
-            steps = args.steps if parse_bag_name(enc_name) is not None else args.minilm_steps
+        for enc_name, steps in encoders:
             for sampler in args.samplers:
                 t = pc()
                 r = bench_pretrain(enc_name, sampler, data, point_emb, args, steps)
@@ -601,14 +663,13 @@ def main() -> None:
                 write(args.out, result)
 
         result["crosscheck"] = []
-        if args.crosscheck_steps > 0:
-            for sampler in [s for s in args.samplers if s != "ngame"]:
-                r = crosscheck_train_siamese("bag", sampler, data, args, args.crosscheck_steps)
-                result["crosscheck"].append(r)
-                print(f"train_siamese bag/{sampler}: {r['steps']} steps, {r['points_per_s']:.1f} points/s", flush=True)
+        for sampler in cross:
+            r = crosscheck_train_siamese("bag", sampler, data, args, args.crosscheck_steps)
+            result["crosscheck"].append(r)
+            print(f"train_siamese bag/{sampler}: {r['steps']} steps, {r['points_per_s']:.1f} points/s", flush=True)
 
         result["classifier"] = []
-        for mode in args.classifier_modes:
+        for mode in modes:
             r = bench_classifier(mode, data, point_emb, label_emb, clusters_by_size, args)
             result["classifier"].append(r)
             print(fmt_row(r), flush=True)
