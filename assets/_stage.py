@@ -11,7 +11,8 @@ import dagster as dg
 
 from assets.config import CONFIG_CLASSES, run_overrides
 from resources import ComputeResource, MLflowResource, XCHomeResource
-from xc_dagster.pipeline import STAGES, StageContext
+from xc_dagster.pipeline import STAGE_ORDER, STAGES, StageContext
+from xc_dagster.provenance import record_params, with_upstream_params
 
 
 def _flat_numbers(d: dict[str, Any], prefix: str = "") -> dict[str, float]:
@@ -33,7 +34,15 @@ def materialize_stage(context: dg.AssetExecutionContext, stage: str, config: dg.
     dataset = context.partition_key
     h = home.home()
     spec = home.catalog().get(dataset)
-    cfg = spec.config(run_overrides(stage, config))
+    store = home.store()
+    # upstream sections as their artifacts were built (an upstream run's run config included), not as this
+    # run resolves them: what the stage uses and what MLflow logs (xc_dagster.provenance)
+    upstream = with_upstream_params(spec.config(run_overrides(stage, config)), store, dataset,
+                                    STAGE_ORDER[:STAGE_ORDER.index(stage)])
+    cfg = upstream.cfg
+    for key, v in upstream.differs.items():
+        context.log.info(f"{key} = {v['recorded']!r} as the upstream artifacts were built (this run's "
+                         f"catalog/preset value: {v['resolved']!r})")
     tracker = mlflow.tracker(h)
     tags = {"dagster_run_id": context.run_id, "strategy": cfg.strategy, "preset": cfg.preset}
     with tracker.run(dataset, stage, cfg.flat(), tags) as run:
@@ -41,14 +50,16 @@ def materialize_stage(context: dg.AssetExecutionContext, stage: str, config: dg.
             run.log_metrics(step, values)
             context.log.info(f"{stage} step {step}: " + ", ".join(f"{k}={v:.4g}" for k, v in values.items()))
 
-        ctx = StageContext(store=home.store(), spec=spec, cfg=cfg, cache_dir=h.cache,
+        ctx = StageContext(store=store, spec=spec, cfg=cfg, cache_dir=h.cache,
                            device=compute.torch_device(), log_metrics=log_metrics, info=context.log.info,
                            tracking_uri=tracker.tracking_uri)
         summary = STAGES[stage](ctx)
+        record_params(store, dataset, stage, cfg)
         numbers = _flat_numbers(summary)
         run.log_final(numbers)
         run.log_dict(summary, f"{stage}_summary.json")
         run.log_dict(cfg.flat(), "config.json")
+        run.log_dict(upstream.report(), "config_sources.json")
         metadata: dict[str, Any] = {k: dg.MetadataValue.float(v) for k, v in numbers.items()}
         stage_dir = ctx.store.stage_dir(dataset, stage)
         size = sum(f.stat().st_size for f in stage_dir.rglob("*") if f.is_file())
@@ -61,6 +72,9 @@ def materialize_stage(context: dg.AssetExecutionContext, stage: str, config: dg.
             "config": dg.MetadataValue.json(json.loads(json.dumps(
                 {k: v for k, v in cfg.flat().items() if k.startswith(stage + ".")}, default=str))),
         })
+        if upstream.differs:
+            metadata["config_from_upstream"] = dg.MetadataValue.json(
+                json.loads(json.dumps(upstream.differs, default=str)))
         if extra_metadata is not None:
             metadata.update(extra_metadata(ctx, summary, run))
         checks = check_results(ctx, summary) if check_results is not None else None

@@ -17,7 +17,8 @@ import dagster as dg
 import pydantic
 
 from resources import ComputeResource, MLflowResource, XCHomeResource
-from xc_dagster.pipeline import StageContext
+from xc_dagster.pipeline import STAGE_ORDER, StageContext
+from xc_dagster.provenance import with_upstream_params
 from xc_dagster.serving import champion_gate, register_model
 
 ASSET = "registered_model"
@@ -95,9 +96,11 @@ def build(partitions: dg.PartitionsDefinition) -> dg.AssetsDefinition:
         dataset = context.partition_key
         h = home.home()
         spec = home.catalog().get(dataset)
-        cfg = spec.config()
+        store = home.store()
+        # every stage's section as its artifacts were built (xc_dagster.provenance): the bundle and the params
+        cfg = with_upstream_params(spec.config(), store, dataset, STAGE_ORDER).cfg
         device = compute.torch_device()
-        ctx = StageContext(store=home.store(), spec=spec, cfg=cfg, cache_dir=h.cache, device=device,
+        ctx = StageContext(store=store, spec=spec, cfg=cfg, cache_dir=h.cache, device=device,
                            info=context.log.info)
         tracker = mlflow.tracker(h)
         reg = register_model(ctx, tracker, {"dagster_run_id": context.run_id, "strategy": cfg.strategy,

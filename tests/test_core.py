@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -130,6 +131,39 @@ def test_catalog_gate_tolerance_validated_saved_and_resolved(tmp_path):
         cat.load()
     with pytest.raises(XCConfigError, match="run config registered_model.tolerance"):
         b.champion_tolerance(-1.0)
+
+
+def test_upstream_sections_come_from_the_stage_records(tmp_path):
+    """with_upstream_params: each upstream stage's section as recorded next to its artifacts; the run's own
+    section, downstream sections and stages without a record keep the run's resolution."""
+    from xc_dagster.provenance import record_params, recorded_params, with_upstream_params
+    from xc_dagster.storage import ArtifactStore
+
+    store = ArtifactStore(tmp_path)
+    built = resolve_config("quick", "ngame", ("run config", {"fusion.method": "tree", "index.shortlist_size": 50,
+                                                              "mining.sources": "label knn"}))
+    for stage in ("mining", "index", "fusion"):
+        store.stage_dir("D", stage).mkdir(parents=True)
+        record_params(store, "D", stage, built)
+    store.stage_dir("D", "classifier").mkdir(parents=True)  # artifacts from before records existed
+    path = store.stage_dir("D", "fusion") / "params.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "fusion.gone": 1}))  # a field since removed
+    run = resolve_config("quick", "ngame", ("run config", {"evaluate.top_k": 20, "fusion.grid_step": 0.1}))
+    up = with_upstream_params(run, store, "D", ("ingest", "mining", "classifier", "index", "fusion"))
+    assert up.cfg.fusion.method == "tree" and up.cfg.index.shortlist_size == 50
+    assert up.cfg.mining.sources == ("label", "knn")  # a tuple again after JSON
+    assert up.cfg.fusion.grid_step == 0.05  # fusion's section as recorded, not this run's value
+    assert up.cfg.evaluate.top_k == 20  # not upstream: this run's
+    assert run.fusion.method == "alpha" and run.index.shortlist_size == 100  # the input is not changed
+    assert up.recorded == ["mining", "index", "fusion"] and up.unrecorded == ["classifier"]
+    assert up.differs == {"fusion.grid_step": {"recorded": 0.05, "resolved": 0.1},
+                          "fusion.method": {"recorded": "tree", "resolved": "alpha"},
+                          "index.shortlist_size": {"recorded": 50, "resolved": 100},
+                          "mining.sources": {"recorded": ("label", "knn"), "resolved": ("label",)}}
+    assert recorded_params(store, "D", "classifier") is None
+    path.write_text("{not json")
+    with pytest.raises(XCConfigError, match="fusion/params.json: not valid JSON"):
+        with_upstream_params(run, store, "D", ("fusion",))
 
 
 def test_atomic_dir_leaves_nothing_on_failure(tmp_path):

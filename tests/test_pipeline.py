@@ -120,6 +120,57 @@ def test_materialize_all_assets_through_dagster_and_read_mlflow(tiny_home):
     assert "coverage_at_5" in ev.data.metrics
 
 
+def test_upstream_run_config_is_what_downstream_runs_log(tiny_home):
+    """fusion materialized with run config method=tree, then evaluation alone (no run config): evaluation
+    uses and logs fusion.method=tree, as the fusion artifacts were built, not the catalog's alpha; so
+    `xc-dagster compare` shows the two evaluation runs' difference."""
+    import dagster as dg
+
+    from assets import build_assets
+    from resources import dataset_partitions
+    from xc_dagster.comparison import comparison_table, differing_params, evaluation_runs
+    from xc_dagster.definitions import pipeline_resources
+
+    assets = build_assets(dataset_partitions(tiny_home))
+
+    def materialize(selection=None, run_config=None):
+        res = dg.materialize(assets, selection=selection, partition_key="TinyTitles",
+                             resources=pipeline_resources(tiny_home), instance=dg.DagsterInstance.ephemeral(),
+                             run_config=run_config)
+        assert res.success
+        return {e.asset_key.to_user_string(): e.materialization.metadata
+                for e in res.get_asset_materialization_events()}
+
+    first = materialize()  # every stage, catalog values: fusion.method alpha
+    store = ArtifactStore(tiny_home.artifacts)
+    for stage in STAGE_ORDER:  # each stage records the config its artifacts were built with
+        rec = json.loads((store.stage_dir("TinyTitles", stage) / "params.json").read_text())
+        assert rec["fusion.method"] == "alpha" and rec["classifier.epochs"] == 3
+    assert "config_from_upstream" not in first["evaluation"]
+    materialize(["fusion"], {"ops": {"fusion": {"config": {"method": "tree"}}}})
+    rec = json.loads((store.stage_dir("TinyTitles", "fusion") / "params.json").read_text())
+    assert rec["fusion.method"] == "tree"
+    second = materialize(["evaluation"])
+    assert second["evaluation"]["config_from_upstream"].value == {
+        "fusion.method": {"recorded": "tree", "resolved": "alpha"}}
+    summary = json.loads((store.stage_dir("TinyTitles", "evaluate") / "summary.json").read_text())
+    assert summary["fusion"]["method"] == "tree"  # the evaluation scored with the tree fusion ...
+    client = mlflow.MlflowClient(tiny_home.mlflow_uri)
+    ev1, ev2 = (client.get_run(m["mlflow_run_id"].value) for m in (first["evaluation"], second["evaluation"]))
+    assert ev1.data.params["fusion.method"] == "alpha"
+    assert ev2.data.params["fusion.method"] == "tree"  # ... and its MLflow run says so
+    assert ev2.data.params["fusion.tree_depth"] == "7" and ev2.data.params["classifier.epochs"] == "3.0"
+    sources = mlflow.artifacts.load_dict(f"{ev2.info.artifact_uri}/config_sources.json")
+    assert sources["recorded"] == list(STAGE_ORDER[:-1]) and sources["unrecorded"] == []
+    assert json.loads((store.stage_dir("TinyTitles", "evaluate") / "params.json").read_text())[
+        "fusion.method"] == "tree"
+    rows = evaluation_runs(tiny_home.mlflow_uri, "TinyTitles")
+    assert [r.params["fusion.method"] for r in rows] == ["tree", "alpha"]  # newest first
+    assert "fusion.method" in differing_params(rows)
+    table = comparison_table(rows, [])
+    assert "fusion.method=tree" in table and "fusion.method=alpha" in table
+
+
 def test_partitions_follow_the_catalog(tiny_home, tmp_path):
     from xc_dagster.definitions import build_definitions
 
