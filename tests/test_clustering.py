@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from xc_dagster.clustering import balanced_clusters, cluster_batches
 
@@ -87,3 +88,62 @@ def test_ngame_sampler_uses_memory_bank_clusters_and_reclusters_every_tau():
     list(s2.epoch(3, rows, 16, rng))
     assert s2.reclusterings == 2  # epoch 1 (first), epoch 2 (tau = 2); not epoch 3
     assert ep1
+
+
+def test_seed_bank_clusters_the_starting_encoders_embeddings_from_epoch_0(monkeypatch, tmp_path):
+    """pretrain.seed_bank: the first clustering (curriculum at epoch 0) is of the starting encoder's embeddings
+    of the training points; without it a curriculum at epoch 0 is a config error (the bank is empty)."""
+    import dataclasses
+
+    import pytest
+    import scipy.sparse as sp
+    import torch
+
+    from tests.tinydata import WORDS, write_tiny_encoder
+    from xc_dagster import siamese
+    from xc_dagster.config import PretrainParams
+    from xc_dagster.encoder import encode_tokens, load_encoder, load_tokenizer
+    from xc_dagster.errors import XCConfigError
+
+    torch.manual_seed(0)
+    path = write_tiny_encoder(tmp_path / "enc")
+    tok = load_tokenizer(str(path))
+    texts = [f"{WORDS[i % 12]} {WORDS[(3 * i + 1) % 12]}" for i in range(32)]
+
+    def tokens(t):
+        enc = tok(t, max_length=8, truncation=True, padding="max_length", return_tensors="np")
+        return enc["input_ids"].astype(np.int32), enc["attention_mask"].sum(1).astype(np.int32)
+
+    pt, lt = tokens(texts), tokens(WORDS[:12])
+    Y = sp.csr_matrix((np.ones(32, dtype=np.float32), (np.arange(32), np.arange(32) % 12)), shape=(32, 12))
+    rows = np.arange(2, 32)  # rows 0, 1 held out: their bank rows stay zero
+    params = PretrainParams(sampler="ngame", curriculum=(0,), max_cluster_size=4, cluster_every=5, epochs=1,
+                            batch_size=8, chunk_size=16, amp="off", warmup_steps=1)
+    enc = load_encoder(str(path))
+    with pytest.raises(XCConfigError, match="pretrain.curriculum.*seed_bank"):
+        siamese.train_siamese(enc, pt, lt, Y, rows, params, torch.device("cpu"), None)
+    start = encode_tokens(load_encoder(str(path)), pt[0][rows], pt[1][rows], torch.device("cpu"), None)
+    seen = []
+    real = siamese.balanced_clusters
+    monkeypatch.setattr(siamese, "balanced_clusters", lambda X, *a, **k: (seen.append(np.array(X)), real(X, *a, **k))[1])
+    res = siamese.train_siamese(enc, pt, lt, Y, rows, dataclasses.replace(params, seed_bank=True),
+                                torch.device("cpu"), None)
+    assert res.reclusterings == 1 and res.steps >= 30 // 8
+    assert len(seen) == 1 and np.allclose(seen[0], start, atol=1e-5)  # epoch 0's clusters: starting embeddings
+
+
+def test_point_batch_loss_symmetric_on_a_hand_case():
+    """symmetric: the mean of the point-anchored loss and the label-anchored one on the transposed matrix."""
+    import torch
+
+    from xc_dagster.config import PretrainParams
+    from xc_dagster.siamese import point_batch_loss
+
+    sim = torch.tensor([[0.9, 0.7], [0.2, 0.5]])
+    mask = torch.eye(2, dtype=torch.bool)
+    p = PretrainParams(margin=0.3, num_negatives=1)
+    # points: row 0 [0.7 - 0.9 + 0.3]_+ = 0.1, row 1 [0.2 - 0.5 + 0.3]_+ = 0 -> 0.05
+    assert float(point_batch_loss(sim, mask, p)) == pytest.approx(0.05, abs=1e-6)
+    # labels (transposed): label 0 [0.2 - 0.9 + 0.3]_+ = 0, label 1 [0.7 - 0.5 + 0.3]_+ = 0.5 -> 0.25
+    import dataclasses
+    assert float(point_batch_loss(sim, mask, dataclasses.replace(p, symmetric=True))) == pytest.approx(0.15, abs=1e-6)

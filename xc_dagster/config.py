@@ -67,6 +67,13 @@ class PretrainParams:
     max_cluster_size: int = 64  # ngame: C doubles from 1 at each curriculum epoch, up to this
     curriculum: tuple[int, ...] = (10, 20, 25, 50, 75, 100, 125, 150, 200)  # ngame: epochs where C doubles
     cluster_every: int = 5  # ngame: re-cluster every tau epochs (from the memory bank, no extra encoding)
+    # ngame: fill the memory bank with the starting encoder's embeddings (one forward pass) before training, so
+    # a curriculum starting at epoch 0 clusters from the first batch. The paper starts at C = 1 because its
+    # encoder starts poor; a pretrained sentence encoder's zero-shot embeddings already give hard negatives.
+    seed_bank: bool = False
+    # point batches: also the label-anchored direction (each sampled label against the batch's points, as
+    # SiameseXML's Module I), from the same similarity matrix: a second loss term at no extra encoding
+    symmetric: bool = False
     # sampler "siamesexml" (SiameseXML Module I): each batch is `batch_size` distinct labels drawn with
     # probability ~ freq ** label_power (freq = training points of the label), one random positive point each;
     # one epoch = ceil(labels with freq > 0 / batch_size) batches.

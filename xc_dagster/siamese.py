@@ -29,7 +29,7 @@ from xc_dagster.checkpoint import Checkpointer, restore_rng
 from xc_dagster.clustering import balanced_clusters, cluster_batches
 from xc_dagster.config import PretrainParams
 from xc_dagster.device import autocast
-from xc_dagster.encoder import SiameseEncoder, chunk_tensors, length_sorted_chunks
+from xc_dagster.encoder import SiameseEncoder, chunk_tensors, encode_tokens, length_sorted_chunks
 from xc_dagster.errors import XCConfigError
 from xc_dagster.losses import ohnm_triplet_loss, siamesexml_loss
 from xc_dagster.sampling import (label_sampling_probs, positive_mask, sample_label_batch, sample_label_points,
@@ -152,6 +152,11 @@ def check_pretrain_params(params: PretrainParams) -> None:
     for ok, name, expected in checks:
         if not ok:
             raise XCConfigError(f"pretrain.{name}: expected {expected}, got {getattr(params, name)!r}")
+    if (params.sampler == "ngame" and not params.seed_bank
+            and curriculum_cluster_size(0, params.curriculum, params.max_cluster_size) > 1):
+        raise XCConfigError(f"pretrain.curriculum: {params.curriculum!r} clusters from epoch 0, when the memory "
+                            "bank is still empty; set pretrain.seed_bank=true (fill it with the starting "
+                            "encoder's embeddings) or start the curriculum at epoch 1 or later")
 
 
 def pair_loss(sim: torch.Tensor, mask: torch.Tensor, params: PretrainParams) -> torch.Tensor:
@@ -159,6 +164,15 @@ def pair_loss(sim: torch.Tensor, mask: torch.Tensor, params: PretrainParams) -> 
     if params.loss == "siamesexml":
         return siamesexml_loss(sim, mask, params.contrastive_c, params.contrastive_d, params.num_negatives)
     return ohnm_triplet_loss(sim, mask, params.margin, params.num_negatives, params.temperature)
+
+
+def point_batch_loss(sim: torch.Tensor, mask: torch.Tensor, params: PretrainParams) -> torch.Tensor:
+    """Loss of a point batch: rows are the points, columns their sampled labels (the diagonal); with
+    ``symmetric`` also the label-anchored direction on the transposed matrix, the two averaged."""
+    loss = pair_loss(sim, mask, params)
+    if params.symmetric:
+        loss = 0.5 * (loss + pair_loss(sim.T, mask.T, params))
+    return loss
 
 
 def embed_rows(encoder: SiameseEncoder, ids: np.ndarray, lens: np.ndarray, rows: np.ndarray, chunk_size: int,
@@ -287,6 +301,12 @@ def train_siamese(encoder: SiameseEncoder, point_tokens: tuple[np.ndarray, np.nd
             ngame.load_state(st["ngame"])
         restore_rng(rng, resumed)
         start, step, points = resumed.epoch, int(st["step"]), int(st["points"])
+    elif ngame is not None and params.seed_bank:
+        t_bank = time.perf_counter()
+        ngame.bank[rows] = encode_tokens(encoder, p_ids[rows], p_lens[rows], device, dtype, params.encode_batch_size)
+        encoder.train()
+        if log_metrics is not None:
+            log_metrics(0, {"pretrain_seed_bank_seconds": time.perf_counter() - t_bank})
     for epoch in range(start, n_epochs):
         if labelwise is not None:
             batches = labelwise.epoch(params.batch_size, rng)
@@ -307,7 +327,7 @@ def train_siamese(encoder: SiameseEncoder, point_tokens: tuple[np.ndarray, np.nd
                     z = embed_rows(encoder, l_ids, l_lens, labels, params.chunk_size, device)
                 if ngame is not None:
                     ngame.observe(batch, p)
-                loss, n_points = pair_loss(p.float() @ z.float().T, mask.to(device), params), len(batch)
+                loss, n_points = point_batch_loss(p.float() @ z.float().T, mask.to(device), params), len(batch)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(encoder.parameters(), 1.0)
