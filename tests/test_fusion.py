@@ -234,3 +234,33 @@ def test_pipeline_fits_saves_and_evaluates_tree_fusion(tmp_path):
     fz = load_fusion(json.loads(text))
     assert isinstance(fz, TreeFusion) and fz.num_labels == 20 and fz.info["params"]["tree_add_positives"]
     assert 0 <= out["evaluate"]["metrics"]["precision_at_1"] <= 1
+
+
+def test_alpha_fits_a_knn_weight_jointly_when_the_shortlist_has_knn_scores():
+    """Relevance follows the kNN score on half the candidates: the joint (a, c) grid finds c > 0 and beats the
+    best two-score blend; without kNN scores, or with knn_grid (0,), it is the plain blend; c round-trips."""
+    rng = np.random.default_rng(3)
+    n, C, L = 400, 20, 300
+    ids = np.argsort(rng.random((n, L)), axis=1)[:, :C].astype(np.int64)
+    clf, emb, knn = (rng.random((n, C)).astype(np.float32) for _ in range(3))
+    rel = (0.5 * clf + knn) > 1.2
+    r, c = np.nonzero(rel)
+    Y = sp.csr_matrix((np.ones(len(r)), (r, ids[r, c])), shape=(n, L))
+    sl = Shortlist(ids, clf, emb, knn)
+    p = FusionParams(grid_step=0.25, knn_grid=(0.0, 0.5, 1.0, 2.0))
+    fit = fit_alpha(sl, Y, p, None, None)
+    plain = fit_alpha(Shortlist(ids, clf, emb), Y, p, None, None)
+    assert fit.knn_weight > 0 and plain.knn_weight == 0.0 and plain.knn_grid == []
+    assert [c for c, _ in fit.knn_grid] == [0.0, 0.5, 1.0, 2.0]
+    assert dict(fit.knn_grid)[0.0] == pytest.approx(max(o for _, o in plain.grid))  # c = 0: the plain blend
+    assert max(o for _, o in fit.grid) > max(o for _, o in plain.grid) + 0.05
+    want = fit.alpha * clf + (1 - fit.alpha) * emb + fit.knn_weight * knn
+    np.testing.assert_allclose(fit.score(sl), want, rtol=1e-6)
+    back = _roundtrip(fit)
+    assert back.knn_weight == fit.knn_weight
+    np.testing.assert_array_equal(back.score(sl), fit.score(sl))
+    assert fit_alpha(sl, Y, replace(p, knn_grid=(0.0,)), None, None).knn_weight == 0.0
+    with pytest.raises(XCConfigError, match="shortlist has none"):
+        fit.score(Shortlist(ids, clf, emb))
+    with pytest.raises(XCConfigError, match="fusion.knn_grid"):
+        fit_alpha(sl, Y, replace(p, knn_grid=(-1.0,)), None, None)

@@ -204,3 +204,29 @@ def test_siamesexml_strategy_three_index_shortlist_through_the_pipeline_and_bund
     filtered, _ = remove_filtered(ids, scores, ds.filter_test)
     np.testing.assert_array_equal(filtered, np.load(ctx.dir("evaluate") / "predictions.npz")["ids"])
     assert 0.0 <= load_json(ctx.dir("evaluate") / "metrics.json")["precision_at_1"] <= 1.0
+
+
+def test_knn_score_from_the_k_nearest_neighbours_only():
+    """index.knn_neighbours K: the kNN score is the mean over the K nearest training points of (similarity
+    where the point carries the label); candidates still come from all k retrieved neighbours."""
+    E, Y, X, rng = _problem()
+    Q = _unit(rng.standard_normal((15, 16)))
+    k, K = 10, 3
+    src = build_sources(("knn",), E, E, None, X, Y, "text", "exact", 8, 40, 40)
+    src_k = ShortlistSources(src.W, src.label_repr, src.indexes, src.knn_labels, knn_neighbours=K)
+    full, near = retrieve(Q, src, k), retrieve(Q, src_k, k)
+    assert np.array_equal(full.ids, near.ids)  # same candidates
+    Yd = Y.toarray()
+    for i in range(len(Q)):
+        nb = np.argsort(-(X @ Q[i]), kind="stable")[:K]
+        want = (X[nb] @ Q[i]) @ Yd[nb] / K
+        ok = near.ids[i] >= 0
+        assert near.knn[i][ok] == pytest.approx(want[near.ids[i][ok]], abs=1e-5)
+    # a query that is an indexed point: itself excluded, still K neighbours
+    own = np.arange(5)
+    sl = retrieve(X[:5], src_k, k, exclude_knn=own)
+    for i in range(5):
+        order = [j for j in np.argsort(-(X @ X[i]), kind="stable") if j != i][:K]
+        want = (X[order] @ X[i]) @ Yd[order] / K
+        ok = sl.ids[i] >= 0
+        assert sl.knn[i][ok] == pytest.approx(want[sl.ids[i][ok]], abs=1e-5)

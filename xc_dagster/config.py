@@ -165,6 +165,9 @@ class FusionParams:
     method: str = "alpha"  # "alpha" | "tree"
     objective: str = "precision_at_1"  # alpha: grid-search target; tree: reported validation objective
     grid_step: float = 0.05  # alpha only
+    # alpha only, when the shortlist has kNN scores (index.sources with knn): weights c tried jointly with alpha
+    # for a * classifier + (1 - a) * embedding + c * kNN; 0 = the two-score blend
+    knn_grid: tuple[float, ...] = (0.0, 0.125, 0.25, 0.5, 1.0)
     tree_depth: int = 7  # NGAME: a depth-7 tree
     tree_min_samples_leaf: int = 1  # sklearn's default (the paper: "a standard regression tree")
     tree_max_samples: int = 500_000  # candidates subsampled (seeded) to fit the tree; 0 = all
@@ -184,6 +187,9 @@ class IndexParams:
     hnsw_ef_construction: int = 200
     hnsw_ef_search: int = 200
     shortlist_size: int = 100  # neighbours retrieved from each index per query
+    # knn source: its score (a fusion input) is the mean over the K nearest training points of their
+    # similarity where they carry the label; candidates still come from all shortlist_size neighbours
+    knn_neighbours: int = 10
 
 
 @dataclass

@@ -5,7 +5,10 @@ from train:
 
 ``alpha`` (SiameseXML's blend, the baseline): s = a * w_l.e + (1 - a) * z_l.e with a chosen by a grid search
 on a metric (default P@1). Adding the embedding score keeps tail labels, whose classifiers saw few
-positives, in the ranking (PSP).
+positives, in the ranking (PSP). When the shortlist has kNN scores (``index.sources`` with ``knn``:
+SiameseXML's ANNS^x over the training points, the mean similarity of the ``index.knn_neighbours`` nearest
+training points carrying the label), s = a * w_l.e + (1 - a) * z_l.e + c * kNN with (a, c) on a joint grid
+(``fusion.knn_grid``; c = 0 is the two-score blend, so the grid can only match or beat it on validation).
 
 ``tree`` (NGAME, Appendix C): every candidate (point i, label l) gets the descriptor
 d_il = (z_l.e_i, w_l.e_i, f_l) and a target t_il = 1 if l is relevant to i. A depth-7 tree T is fitted to
@@ -23,6 +26,7 @@ vectorised numpy walk (one step per tree level, all candidates at once); sklearn
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -74,19 +78,27 @@ def _objective(ids: np.ndarray, scores: np.ndarray, Y: sp.csr_matrix, objective:
 @dataclass
 class AlphaFusion:
     alpha: float
-    grid: list[tuple[float, float]] = field(default_factory=list)  # (alpha, objective) tried
+    grid: list[tuple[float, float]] = field(default_factory=list)  # (alpha, objective) tried at knn_weight
+    knn_weight: float = 0.0  # c: weight of the kNN score (0: the two-score blend)
+    knn_grid: list[tuple[float, float]] = field(default_factory=list)  # (c, best objective over alpha) tried
     method: str = field(default="alpha", init=False)
 
     def score(self, sl: Shortlist, inv_prop: np.ndarray | None = None) -> np.ndarray:
-        """a * classifier + (1 - a) * embedding; ``inv_prop`` is unused (same signature as the tree)."""
-        return fuse(sl, self.alpha)
+        """a * classifier + (1 - a) * embedding (+ c * kNN); ``inv_prop`` is unused (the tree's signature)."""
+        if self.knn_weight == 0.0:
+            return fuse(sl, self.alpha)
+        if sl.knn is None:
+            raise XCConfigError(f"the fusion weighs kNN scores (c = {self.knn_weight}) but the shortlist has none: "
+                                "its sources lack knn (index.sources)")
+        return fuse(sl, self.alpha, self.knn_weight)
 
     def to_dict(self) -> dict:
-        return {"method": "alpha", "alpha": self.alpha, "grid": self.grid}
+        return {"method": "alpha", "alpha": self.alpha, "grid": self.grid, "knn_weight": self.knn_weight,
+                "knn_grid": self.knn_grid}
 
     def summary(self) -> dict:
         best = max((o for _, o in self.grid), default=None)
-        return {"method": "alpha", "alpha": self.alpha, "objective_value": best}
+        return {"method": "alpha", "alpha": self.alpha, "knn_weight": self.knn_weight, "objective_value": best}
 
 
 def fit_alpha(sl: Shortlist, Y_valid: sp.csr_matrix, params: FusionParams, inv_prop: np.ndarray | None,
@@ -95,10 +107,20 @@ def fit_alpha(sl: Shortlist, Y_valid: sp.csr_matrix, params: FusionParams, inv_p
     if not 0 < params.grid_step <= 1:
         raise XCConfigError(f"fusion.grid_step: expected a value in (0, 1], got {params.grid_step}")
     grid = np.round(np.arange(0.0, 1.0 + 1e-9, params.grid_step), 6)
-    tried = [(float(a), _objective(sl.ids, fuse(sl, float(a)), Y_valid, params.objective, inv_prop,
-                                   filter_pairs, top_k)) for a in grid]
-    best = max(tried, key=lambda t: (t[1], t[0]))  # ties: prefer more classifier weight
-    return AlphaFusion(best[0], tried)
+    knn_grid = (0.0,) if sl.knn is None else tuple(float(c) for c in params.knn_grid)
+    if not knn_grid or any(not (math.isfinite(c) and c >= 0) for c in knn_grid):
+        raise XCConfigError(f"fusion.knn_grid: expected weights >= 0, got {list(params.knn_grid)}")
+    best_fit: AlphaFusion | None = None
+    by_c = []
+    for c in sorted(set(knn_grid)):  # ties: prefer the smaller kNN weight, then more classifier weight
+        tried = [(float(a), _objective(sl.ids, fuse(sl, float(a), c), Y_valid, params.objective, inv_prop,
+                                       filter_pairs, top_k)) for a in grid]
+        best = max(tried, key=lambda t: (t[1], t[0]))
+        by_c.append((c, best[1]))
+        if best_fit is None or best[1] > max(o for _, o in best_fit.grid):
+            best_fit = AlphaFusion(best[0], tried, c)
+    best_fit.knn_grid = by_c if sl.knn is not None else []
+    return best_fit
 
 
 # ------------------------------------------------------------------------------------------------- tree
@@ -356,7 +378,8 @@ def load_fusion(d: dict) -> AlphaFusion | TreeFusion:
     """A fusion from its ``to_dict`` form (``fusion.json``); no code is executed."""
     method = d.get("method")
     if method == "alpha":
-        return AlphaFusion(float(d["alpha"]), [tuple(x) for x in d.get("grid", [])])
+        return AlphaFusion(float(d["alpha"]), [tuple(x) for x in d.get("grid", [])], float(d.get("knn_weight", 0.0)),
+                           [tuple(x) for x in d.get("knn_grid", [])])
     if method == "tree":
         return TreeFusion.from_dict(d)
     raise XCConfigError(f"fusion file: unknown method {method!r}; expected one of {', '.join(METHODS)}")

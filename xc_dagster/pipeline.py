@@ -340,6 +340,8 @@ def index(ctx: StageContext) -> dict[str, Any]:
     p = ctx.cfg.index
     check_sources(p.sources, "index.sources")
     check_label_repr(p.label_repr, "index.label_repr")
+    if not (isinstance(p.knn_neighbours, int) and p.knn_neighbours >= 0):
+        raise XCConfigError(f"index.knn_neighbours: expected an int >= 0, got {p.knn_neighbours!r}")
     t0 = time.perf_counter()
     W = np.load(ctx.dir("classifier") / "W.npy")
     label_emb = np.load(model_dir(ctx) / "label_emb.npy")
@@ -358,6 +360,7 @@ def index(ctx: StageContext) -> dict[str, Any]:
         summary = {"kind": p.kind, "sources": list(p.sources), "label_repr": p.label_repr,
                    "labels": int(len(W)), "dim": int(W.shape[1]),
                    "knn_points": int(point_emb.shape[0]) if point_emb is not None else 0,
+                   "knn_neighbours": int(p.knn_neighbours) if "knn" in p.sources else 0,
                    "seconds": time.perf_counter() - t0}
         save_json(out / "summary.json", summary)
     return summary
@@ -369,7 +372,7 @@ def load_model(ctx: StageContext) -> ShortlistSources:
     info = load_json(d / "summary.json")
     return load_sources(d, tuple(info.get("sources", ("W", "label"))), info.get("label_repr", "text"),
                         info["kind"], ctx.cfg.index.hnsw_ef_search, np.load(ctx.dir("classifier") / "W.npy"),
-                        np.load(model_dir(ctx) / "label_emb.npy"))
+                        np.load(model_dir(ctx) / "label_emb.npy"), int(info.get("knn_neighbours", 0)))
 
 
 def fusion(ctx: StageContext) -> dict[str, Any]:

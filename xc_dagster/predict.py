@@ -47,6 +47,10 @@ class ShortlistSources:
     label_repr: np.ndarray  # (L, D) label representation r_l of the embedding score
     indexes: dict[str, LabelIndex]  # source name (SOURCES) -> index; "knn" indexes training points
     knn_labels: sp.csr_matrix | None = None  # (rows of the knn index) x L: labels of each indexed point
+    # the kNN score of a candidate: 0 = summed similarity of the query's k retrieved neighbours that carry it
+    # (SiameseXML's ANNS^x ranking); K > 0 = mean over the K nearest neighbours of (similarity if the neighbour
+    # carries the label, else 0): a fusion input on the scale of the other scores. Candidates come from all k.
+    knn_neighbours: int = 0
 
     def __post_init__(self) -> None:
         check_sources(tuple(self.indexes), "shortlist sources")
@@ -136,6 +140,16 @@ def retrieve(queries: np.ndarray, src: ShortlistSources, k: int, exclude_knn: np
                     nbrs = np.where(nbrs == exclude_knn[s:s + len(q), None], -1, nbrs)
                 knn_ids, knn_sc = knn_label_scores(nbrs, sims, src.knn_labels, k)
                 parts.append(knn_ids)
+                if src.knn_neighbours > 0:  # the score from the K nearest only (the excluded self is -1)
+                    K = src.knn_neighbours
+                    near = nbrs[:, :K + extra].copy()
+                    if extra:  # keep K neighbours per row: drop the last one of rows that lost none to exclusion
+                        full = (near >= 0).sum(1) > K
+                        near[full, -1] = -1
+                    carried = np.where(near >= 0, np.diff(src.knn_labels.indptr)[np.maximum(near, 0)], 0).sum(1)
+                    knn_ids, knn_sc = knn_label_scores(near, sims[:, :K + extra], src.knn_labels,
+                                                       max(int(carried.max(initial=0)), 1))
+                    knn_sc = knn_sc / K
             else:
                 parts.append(src.indexes[name].search(q, k)[1])
         ids = dedupe_rows(np.concatenate(parts, axis=1))
@@ -211,7 +225,7 @@ def save_sources(src: ShortlistSources, folder, centroids: np.ndarray | None) ->
 
 
 def load_sources(folder, sources: tuple[str, ...], label_repr: str, kind: str, ef_search: int, W: np.ndarray,
-                 label_emb: np.ndarray) -> ShortlistSources:
+                 label_emb: np.ndarray, knn_neighbours: int = 0) -> ShortlistSources:
     """The sources ``save_sources`` wrote into ``folder`` (faiss files, .npy, .npz; no pickle)."""
     from pathlib import Path
 
@@ -221,7 +235,7 @@ def load_sources(folder, sources: tuple[str, ...], label_repr: str, kind: str, e
     knn = sp.load_npz(folder / KNN_LABELS_FILE).tocsr() if "knn" in sources else None
     path = folder / CENTROID_FILE
     centroids = np.load(path, allow_pickle=False) if path.exists() else None
-    return ShortlistSources(W, label_representation(label_emb, centroids, label_repr), indexes, knn)
+    return ShortlistSources(W, label_representation(label_emb, centroids, label_repr), indexes, knn, knn_neighbours)
 
 
 def shortlist(queries: np.ndarray, W: np.ndarray, label_emb: np.ndarray, w_index: LabelIndex,
@@ -230,10 +244,13 @@ def shortlist(queries: np.ndarray, W: np.ndarray, label_emb: np.ndarray, w_index
     return retrieve(queries, ShortlistSources(W, label_emb, {"W": w_index, "label": e_index}), k, block=block)
 
 
-def fuse(sl: Shortlist, alpha: float) -> np.ndarray:
-    """Fused score a * classifier + (1 - a) * embedding; -inf on padding."""
+def fuse(sl: Shortlist, alpha: float, knn_weight: float = 0.0) -> np.ndarray:
+    """Fused score a * classifier + (1 - a) * embedding (+ c * kNN score when ``knn_weight`` c > 0); -inf on
+    padding."""
     with np.errstate(invalid="ignore"):
         s = alpha * sl.clf + (1.0 - alpha) * sl.emb
+        if knn_weight:
+            s = s + knn_weight * sl.knn
     return np.where(sl.ids < 0, -np.inf, s).astype(np.float32)
 
 
