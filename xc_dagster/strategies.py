@@ -34,8 +34,9 @@ E2E_CPU = {"pretrain.epochs": 0, "classifier.train_encoder": True, "classifier.l
 # Inference for every strategy: besides the paper's own indexes, SiameseXML's kNN index over the training points
 # (ANNS^x) adds candidates and a third fusion input, the mean similarity of the 10 nearest training points that
 # carry the label, with its weight fitted on validation jointly with alpha (0 allowed: it can only help there).
-# Measured on LF-WordNetNounsTitles with ngame's encoder and classifiers (exact scores, test split): kNN alone
-# P@1 34.0 (classifiers 32.1, label embeddings 16.6); fused with both 37.2 vs 34.4 without it; PSP@1 24.4 vs 24.2.
+# Measured on LF-WordNetNounsTitles (test split, bench/RESULTS.md): kNN alone P@1 34.0 with ngame's encoder
+# (classifiers 32.1, label embeddings 16.6); ngame fused 37.5 with it vs 34.4 without; astra 34.4 vs 22.6,
+# mips 33.7 vs 19.6 (one end-to-end pass on CPU); PSP@1 moves little (ngame 23.4 vs 23.2).
 # Set index.sources=W,label for NGAME's dual MIPS alone.
 KNN_INFERENCE = {"index.sources": ("W", "label", "knn")}
 
