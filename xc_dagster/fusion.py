@@ -85,9 +85,7 @@ class AlphaFusion:
 
     def score(self, sl: Shortlist, inv_prop: np.ndarray | None = None) -> np.ndarray:
         """a * classifier + (1 - a) * embedding (+ c * kNN); ``inv_prop`` is unused (the tree's signature)."""
-        if self.knn_weight == 0.0:
-            return fuse(sl, self.alpha)
-        if sl.knn is None:
+        if self.knn_weight and sl.knn is None:
             raise XCConfigError(f"the fusion weighs kNN scores (c = {self.knn_weight}) but the shortlist has none: "
                                 "its sources lack knn (index.sources)")
         return fuse(sl, self.alpha, self.knn_weight)
@@ -110,15 +108,14 @@ def fit_alpha(sl: Shortlist, Y_valid: sp.csr_matrix, params: FusionParams, inv_p
     knn_grid = (0.0,) if sl.knn is None else tuple(float(c) for c in params.knn_grid)
     if not knn_grid or any(not (math.isfinite(c) and c >= 0) for c in knn_grid):
         raise XCConfigError(f"fusion.knn_grid: expected weights >= 0, got {list(params.knn_grid)}")
-    best_fit: AlphaFusion | None = None
-    by_c = []
+    best_fit, best_value, by_c = None, -math.inf, []
     for c in sorted(set(knn_grid)):  # ties: prefer the smaller kNN weight, then more classifier weight
         tried = [(float(a), _objective(sl.ids, fuse(sl, float(a), c), Y_valid, params.objective, inv_prop,
                                        filter_pairs, top_k)) for a in grid]
-        best = max(tried, key=lambda t: (t[1], t[0]))
-        by_c.append((c, best[1]))
-        if best_fit is None or best[1] > max(o for _, o in best_fit.grid):
-            best_fit = AlphaFusion(best[0], tried, c)
+        a, value = max(tried, key=lambda t: (t[1], t[0]))
+        by_c.append((c, value))
+        if best_fit is None or value > best_value:
+            best_fit, best_value = AlphaFusion(a, tried, c), value
     best_fit.knn_grid = by_c if sl.knn is not None else []
     return best_fit
 

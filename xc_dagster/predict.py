@@ -113,6 +113,18 @@ def knn_label_scores(nbr_ids: np.ndarray, nbr_sims: np.ndarray, knn_labels: sp.c
     return ids, scores
 
 
+def nearest_knn_scores(nbrs: np.ndarray, sims: np.ndarray, knn_labels: sp.csr_matrix, K: int,
+                       extra: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every label of the K nearest neighbours with its mean vote sum(sim) / K (``knn_label_scores`` over
+    the first K + ``extra`` columns; ``extra`` = 1 when the query's own row may be among them as -1)."""
+    near = nbrs[:, :K + extra].copy()
+    if extra:  # keep K neighbours per row: drop the last one of rows that lost none to exclusion
+        near[(near >= 0).sum(1) > K, -1] = -1
+    carried = np.where(near >= 0, np.diff(knn_labels.indptr)[np.maximum(near, 0)], 0).sum(1)
+    ids, scores = knn_label_scores(near, sims[:, :K + extra], knn_labels, max(int(carried.max(initial=0)), 1))
+    return ids, scores / K
+
+
 def retrieve(queries: np.ndarray, src: ShortlistSources, k: int, exclude_knn: np.ndarray | None = None,
              block: int = 1024) -> Shortlist:
     """Union of every source's top-k candidates per query, each with exact classifier/embedding/kNN scores.
@@ -140,16 +152,8 @@ def retrieve(queries: np.ndarray, src: ShortlistSources, k: int, exclude_knn: np
                     nbrs = np.where(nbrs == exclude_knn[s:s + len(q), None], -1, nbrs)
                 knn_ids, knn_sc = knn_label_scores(nbrs, sims, src.knn_labels, k)
                 parts.append(knn_ids)
-                if src.knn_neighbours > 0:  # the score from the K nearest only (the excluded self is -1)
-                    K = src.knn_neighbours
-                    near = nbrs[:, :K + extra].copy()
-                    if extra:  # keep K neighbours per row: drop the last one of rows that lost none to exclusion
-                        full = (near >= 0).sum(1) > K
-                        near[full, -1] = -1
-                    carried = np.where(near >= 0, np.diff(src.knn_labels.indptr)[np.maximum(near, 0)], 0).sum(1)
-                    knn_ids, knn_sc = knn_label_scores(near, sims[:, :K + extra], src.knn_labels,
-                                                       max(int(carried.max(initial=0)), 1))
-                    knn_sc = knn_sc / K
+                if src.knn_neighbours > 0:
+                    knn_ids, knn_sc = nearest_knn_scores(nbrs, sims, src.knn_labels, src.knn_neighbours, extra)
             else:
                 parts.append(src.indexes[name].search(q, k)[1])
         ids = dedupe_rows(np.concatenate(parts, axis=1))
