@@ -14,7 +14,7 @@ from xc_dagster.ann import LabelIndex, exact_topk
 from xc_dagster.catalog import Catalog, DatasetSpec, default_propensity, default_text
 from xc_dagster.config import parse_set_options, resolve_config
 from xc_dagster.errors import XCConfigError, XCDatasetNotFound
-from xc_dagster.losses import masked_bce_loss, multi_positive_triplet_loss, ohnm_triplet_loss
+from xc_dagster.losses import infonce_loss, masked_bce_loss, multi_positive_triplet_loss, ohnm_triplet_loss
 from xc_dagster.predict import topk_from_scores
 from xc_dagster.sampling import dedupe_rows, positive_mask, sample_positives, validation_split
 from xc_dagster.storage import atomic_dir
@@ -233,6 +233,24 @@ def test_ohnm_triplet_loss_hand_computed():
     loss.backward()
     # d loss / d s_pos(point 0) = -w0 / 2 (weights are treated through softmax too, but hinge of 2nd is 0)
     assert sim.grad[0, 0].item() == pytest.approx(-w0 / 2, rel=1e-4)
+
+
+def test_infonce_loss_hand_computed_with_masked_true_positive():
+    # row 0: positive 0.5, negatives 0.6 and 0.1; row 1: positive 0.9, column 0 (0.2) is also a true positive
+    # of row 1, so it leaves the denominator; temperature 0.5
+    sim = torch.tensor([[0.5, 0.6, 0.1], [0.2, 0.9, 0.0]], requires_grad=True)
+    mask = torch.tensor([[True, False, False], [True, True, False]])
+    t = 0.5
+    row0 = -0.5 / t + math.log(math.exp(0.5 / t) + math.exp(0.6 / t) + math.exp(0.1 / t))
+    row1 = -0.9 / t + math.log(math.exp(0.9 / t) + math.exp(0.0 / t))
+    loss = infonce_loss(sim, mask, temperature=t)
+    assert loss.item() == pytest.approx((row0 + row1) / 2, rel=1e-6)
+    loss.backward()
+    # d/d s_pos(row 0) = (softmax_0 - 1) / (t * 2); the masked true positive gets no gradient
+    z0 = math.exp(0.5 / t) + math.exp(0.6 / t) + math.exp(0.1 / t)
+    assert sim.grad[0, 0].item() == pytest.approx((math.exp(0.5 / t) / z0 - 1) / (2 * t), rel=1e-5)
+    assert sim.grad[0, 1].item() == pytest.approx(math.exp(0.6 / t) / z0 / (2 * t), rel=1e-5)
+    assert sim.grad[1, 0].item() == 0.0
 
 
 def test_multi_positive_triplet_and_bce_hand_computed():

@@ -251,7 +251,7 @@ def test_alpha_fits_a_knn_weight_jointly_when_the_shortlist_has_knn_scores():
     fit = fit_alpha(sl, Y, p, None, None)
     plain = fit_alpha(Shortlist(ids, clf, emb), Y, p, None, None)
     assert fit.knn_weight > 0 and plain.knn_weight == 0.0 and plain.knn_grid == []
-    assert [c for c, _ in fit.knn_grid] == [0.0, 0.5, 1.0, 2.0]
+    assert [c for c, _ in fit.knn_grid][:4] == [0.0, 0.5, 1.0, 2.0]
     assert dict(fit.knn_grid)[0.0] == pytest.approx(max(o for _, o in plain.grid))  # c = 0: the plain blend
     assert max(o for _, o in fit.grid) > max(o for _, o in plain.grid) + 0.05
     want = fit.alpha * clf + (1 - fit.alpha) * emb + fit.knn_weight * knn
@@ -264,3 +264,27 @@ def test_alpha_fits_a_knn_weight_jointly_when_the_shortlist_has_knn_scores():
         fit.score(Shortlist(ids, clf, emb))
     with pytest.raises(XCConfigError, match="fusion.knn_grid"):
         fit_alpha(sl, Y, replace(p, knn_grid=(-1.0,)), None, None)
+
+
+def test_alpha_extends_the_knn_grid_when_its_optimum_is_on_the_edge():
+    """Relevance is 3 * kNN + emb: a grid that stops at c = 0.125 has its best weight on its edge, so the fit
+    keeps doubling c while validation improves (and stops after the first weight that does not);
+    knn_grid_extend = 0 keeps the grid as given."""
+    rng = np.random.default_rng(5)
+    n, C, L = 600, 20, 400
+    ids = np.argsort(rng.random((n, L)), axis=1)[:, :C].astype(np.int64)
+    clf, emb, knn = (rng.random((n, C)).astype(np.float32) for _ in range(3))
+    top = np.argmax(3.0 * knn + emb, axis=1)  # one relevant label per row: the best under 3 kNN + emb
+    Y = sp.csr_matrix((np.ones(n), (np.arange(n), ids[np.arange(n), top])), shape=(n, L))
+    sl = Shortlist(ids, clf, emb, knn)
+    p = FusionParams(grid_step=0.25, knn_grid=(0.0, 0.125))
+    edge = fit_alpha(sl, Y, replace(p, knn_grid_extend=0), None, None)
+    assert edge.knn_weight == 0.125 and [c for c, _ in edge.knn_grid] == [0.0, 0.125]
+    fit = fit_alpha(sl, Y, p, None, None)
+    tried = [c for c, _ in fit.knn_grid]
+    assert tried[:3] == [0.0, 0.125, 0.25] and all(b == 2 * a for a, b in zip(tried[1:], tried[2:]))
+    assert fit.knn_weight >= 1.0 and fit.knn_weight == tried[-2]  # the last weight tried did not improve
+    values = dict(fit.knn_grid)
+    assert values[fit.knn_weight] > values[0.125] + 0.1
+    with pytest.raises(XCConfigError, match="fusion.knn_grid_extend"):
+        fit_alpha(sl, Y, replace(p, knn_grid_extend=-1), None, None)

@@ -83,6 +83,7 @@ class PretrainParams:
     loss: str = "triplet"  # "triplet" (NGAME OHNM hinge) | "siamesexml" (probabilistic contrastive, no margin)
     contrastive_c: float = 0.9  # siamesexml loss: p(+1, v) = c * exp(d * v) / exp(d); code for Module I: c=0.9
     contrastive_d: float = 1.5  # ... d = 1.5 (Module IV's classifiers use c=0.75, d=3.0)
+    infonce_temperature: float = 0.05  # loss "infonce": in-batch softmax at this temperature (MiniLM's: 0.05)
     # retrain from a previous model: "" = cold start from tokenize.encoder; "champion" = the dataset's
     # registered champion (cold when there is none yet); or a serving bundle folder. Encoder and classifiers
     # start from it; labels new to the data start from their text embeddings (xc_dagster.warm_start).
@@ -168,6 +169,8 @@ class FusionParams:
     # alpha only, when the shortlist has kNN scores (index.sources with knn): weights c tried jointly with alpha
     # for a * classifier + (1 - a) * embedding + c * kNN; 0 = the two-score blend
     knn_grid: tuple[float, ...] = (0.0, 0.125, 0.25, 0.5, 1.0)
+    # when the best kNN weight is the grid's largest, double it up to this many times while validation improves
+    knn_grid_extend: int = 6
     tree_depth: int = 7  # NGAME: a depth-7 tree
     tree_min_samples_leaf: int = 1  # sklearn's default (the paper: "a standard regression tree")
     tree_max_samples: int = 500_000  # candidates subsampled (seeded) to fit the tree; 0 = all

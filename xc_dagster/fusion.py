@@ -108,14 +108,31 @@ def fit_alpha(sl: Shortlist, Y_valid: sp.csr_matrix, params: FusionParams, inv_p
     knn_grid = (0.0,) if sl.knn is None else tuple(float(c) for c in params.knn_grid)
     if not knn_grid or any(not (math.isfinite(c) and c >= 0) for c in knn_grid):
         raise XCConfigError(f"fusion.knn_grid: expected weights >= 0, got {list(params.knn_grid)}")
+    if params.knn_grid_extend < 0:
+        raise XCConfigError(f"fusion.knn_grid_extend: expected an int >= 0, got {params.knn_grid_extend}")
     best_fit, best_value, by_c = None, -math.inf, []
-    for c in sorted(set(knn_grid)):  # ties: prefer the smaller kNN weight, then more classifier weight
+
+    def try_c(c: float) -> bool:
+        """Best alpha at kNN weight ``c``; True when it beats every weight tried so far."""
+        nonlocal best_fit, best_value
         tried = [(float(a), _objective(sl.ids, fuse(sl, float(a), c), Y_valid, params.objective, inv_prop,
                                        filter_pairs, top_k)) for a in grid]
         a, value = max(tried, key=lambda t: (t[1], t[0]))
         by_c.append((c, value))
         if best_fit is None or value > best_value:
             best_fit, best_value = AlphaFusion(a, tried, c), value
+            return True
+        return False
+
+    for c in sorted(set(knn_grid)):  # ties: prefer the smaller kNN weight, then more classifier weight
+        try_c(c)
+    # the optimum on the grid's edge: the grid was too small, keep doubling the weight while it improves
+    top = max(knn_grid)
+    if sl.knn is not None and top > 0 and best_fit.knn_weight == top:
+        for _ in range(params.knn_grid_extend):
+            top *= 2.0
+            if not try_c(top):
+                break
     best_fit.knn_grid = by_c if sl.knn is not None else []
     return best_fit
 

@@ -30,6 +30,21 @@ def ohnm_triplet_loss(sim: torch.Tensor, pos_mask: torch.Tensor, margin: float =
     return (weights * hinge).sum(1).mean()
 
 
+def infonce_loss(sim: torch.Tensor, pos_mask: torch.Tensor, temperature: float = 0.05) -> torch.Tensor:
+    """In-batch softmax cross-entropy (InfoNCE; the loss all-MiniLM-L6-v2 was trained with, scale 20).
+
+    Row i's target is its sampled positive ``sim[i, i]``; every other column is a negative unless
+    ``pos_mask`` marks it a true positive of row i, in which case it leaves the denominator (it is not a
+    negative). Unlike the top-k hinge, every in-batch negative gets gradient in proportion to its softmax
+    weight, and no margin stops the gradient once the positive leads. Mean over rows.
+    """
+    n = min(sim.shape[0], sim.shape[1])
+    logits = (sim[:n] / temperature).masked_fill(pos_mask[:n], float("-inf"))
+    diag = torch.arange(n, device=sim.device)
+    logits[diag, diag] = sim[diag, diag] / temperature
+    return F.cross_entropy(logits, diag)
+
+
 def siamesexml_loss(sim: torch.Tensor, pos_mask: torch.Tensor, c: float = 0.9, d: float = 1.5,
                     num_negatives: int = 1, eps: float = 1e-6) -> torch.Tensor:
     """SiameseXML's probabilistic contrastive loss (paper eq. 5/6) with in-batch hard negative mining.

@@ -31,7 +31,7 @@ from xc_dagster.config import PretrainParams
 from xc_dagster.device import autocast
 from xc_dagster.encoder import SiameseEncoder, chunk_tensors, encode_tokens, length_sorted_chunks
 from xc_dagster.errors import XCConfigError
-from xc_dagster.losses import ohnm_triplet_loss, siamesexml_loss
+from xc_dagster.losses import infonce_loss, ohnm_triplet_loss, siamesexml_loss
 from xc_dagster.sampling import (label_sampling_probs, positive_mask, sample_label_batch, sample_label_points,
                                  sample_positives)
 
@@ -133,7 +133,7 @@ class SiameseXMLSampler:
 
 
 BATCH_SAMPLERS = ("random", "ngame", "siamesexml")
-PRETRAIN_LOSSES = ("triplet", "siamesexml")
+PRETRAIN_LOSSES = ("triplet", "siamesexml", "infonce")
 
 
 def check_pretrain_params(params: PretrainParams) -> None:
@@ -163,6 +163,8 @@ def pair_loss(sim: torch.Tensor, mask: torch.Tensor, params: PretrainParams) -> 
     """The configured loss on a similarity matrix whose diagonal holds each row's sampled positive."""
     if params.loss == "siamesexml":
         return siamesexml_loss(sim, mask, params.contrastive_c, params.contrastive_d, params.num_negatives)
+    if params.loss == "infonce":
+        return infonce_loss(sim, mask, params.infonce_temperature)
     return ohnm_triplet_loss(sim, mask, params.margin, params.num_negatives, params.temperature)
 
 
