@@ -65,12 +65,17 @@ def check_method(method: str) -> str:
 
 def _objective(ids: np.ndarray, scores: np.ndarray, Y: sp.csr_matrix, objective: str,
                inv_prop: np.ndarray | None, filter_pairs: np.ndarray | None, top_k: int) -> float:
-    """``objective`` (a metric name of ``evaluate``) of the ranking by ``scores`` of the shortlist ``ids``."""
+    """``objective`` (a metric name of ``evaluate``, or several joined by ``+``, summed: e.g.
+    ``precision_at_1+psprecision_at_1`` weighs head and tail equally) of the ranking by ``scores`` of the
+    shortlist ``ids``."""
     top, _ = topk_from_scores(ids, scores, top_k)
     m = evaluate(top, Y, ks=_OBJECTIVE_KS, inv_prop=inv_prop, filter_pairs=filter_pairs)
-    if objective not in m:
-        raise XCConfigError(f"fusion.objective: {objective!r} is not a metric; one of {sorted(m)}")
-    return float(m[objective])
+    names = objective.split("+")
+    for name in names:
+        if name not in m:
+            raise XCConfigError(f"fusion.objective: {name!r} is not a metric; one of {sorted(m)} (or several "
+                                "joined by '+')")
+    return float(sum(m[name] for name in names))
 
 
 # ------------------------------------------------------------------------------------------------ alpha

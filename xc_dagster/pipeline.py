@@ -346,13 +346,16 @@ def index(ctx: StageContext) -> dict[str, Any]:
     W = np.load(ctx.dir("classifier") / "W.npy")
     label_emb = np.load(model_dir(ctx) / "label_emb.npy")
     need_centroids = "centroid" in p.sources or p.label_repr == "text+centroid"
-    centroids = np.load(ctx.dir("mining") / CENTROID_FILE) if need_centroids else None
-    point_emb = knn_labels = None
-    if "knn" in p.sources:
+    centroids = point_emb = knn_labels = None
+    if need_centroids or "knn" in p.sources:
         ds = _labels(ctx)
         rows = _train_rows(ctx, ds.num_train)
-        point_emb = np.load(model_dir(ctx) / "train_emb.npy", mmap_mode="r")[rows]
-        knn_labels = ds.Y_train[rows]
+        train_emb = np.load(model_dir(ctx) / "train_emb.npy", mmap_mode="r")
+        # from the deployed encoder's embeddings: mining's centroids are stale once ASTRA/MIPS-s fine-tuned it
+        centroids = label_centroids(train_emb, ds.Y_train, rows) if need_centroids else None
+        if "knn" in p.sources:
+            point_emb = train_emb[rows]
+            knn_labels = ds.Y_train[rows]
     src = build_sources(p.sources, W, label_emb, centroids, point_emb, knn_labels, p.label_repr, p.kind,
                         p.hnsw_m, p.hnsw_ef_construction, p.hnsw_ef_search)
     with ctx.store.writing(ctx.name, "index") as out:
