@@ -18,7 +18,9 @@ from xc_dagster.end_to_end import cosine_with_warmup, examples, train_end_to_end
 from xc_dagster.errors import XCConfigError
 from xc_dagster.negatives import (AstraNegatives, IndexSettings, MipsNegatives, build_indexes, drop_members,
                                   first_valid, hard_negatives, uniform_negatives)
+from xc_dagster.data import load_dataset
 from xc_dagster.pipeline import STAGE_ORDER, StageContext, model_dir, run_all
+from xc_dagster.predict import CENTROID_FILE, label_centroids
 from xc_dagster.sampling import positive_mask
 from xc_dagster.sharded import ShardedClassifier, ShardedOptimizer
 from xc_dagster.storage import ArtifactStore
@@ -231,8 +233,9 @@ E2E = {"classifier.epochs": 2, "classifier.batch_size": 16, "classifier.num_hard
 def test_strategy_trains_the_encoder_end_to_end_through_every_stage(tiny_home, strategy):
     spec = Catalog(tiny_home.catalog).get("TinyTitles")
     spec = dataclasses.replace(spec, strategy=strategy)
-    cfg = spec.config(E2E)
+    cfg = spec.config({**E2E, "index.label_repr": "text+centroid"})
     assert cfg.classifier.train_encoder and cfg.classifier.negatives == strategy
+    assert cfg.fusion.objective == "precision_at_1"  # the end-to-end strategies fit their fusion for P@1
     store = ArtifactStore(tiny_home.artifacts)
     ctx = StageContext(store, spec, cfg, tiny_home.cache)
     out = run_all(ctx)
@@ -247,6 +250,12 @@ def test_strategy_trains_the_encoder_end_to_end_through_every_stage(tiny_home, s
     assert not np.allclose(np.load(cdir / "label_emb.npy"), np.load(pdir / "label_emb.npy"))
     W = np.load(cdir / "W.npy")
     assert W.shape == (20, 32) and np.isfinite(W).all()
+    # the index's label centroids come from the fine-tuned encoder's embeddings, not mining's stale ones
+    ds = load_dataset(store.stage_dir("TinyTitles", "ingest") / "dataset", texts=False, features=False)
+    rows = np.setdiff1d(np.arange(ds.num_train), np.load(store.stage_dir("TinyTitles", "ingest") / "valid_rows.npy"))
+    got = np.load(store.stage_dir("TinyTitles", "index") / CENTROID_FILE)
+    np.testing.assert_allclose(got, label_centroids(np.load(cdir / "train_emb.npy"), ds.Y_train, rows), atol=1e-6)
+    assert not np.allclose(got, np.load(store.stage_dir("TinyTitles", "mining") / CENTROID_FILE))
     for k in ("precision_at_1", "psprecision_at_5", "shortlist_recall"):
         assert 0.0 <= out["evaluate"]["metrics"][k] <= 1.0
     assert list(out) == list(STAGE_ORDER)
