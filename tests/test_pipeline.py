@@ -3,6 +3,7 @@ materialization of every asset of a partition, MLflow records, CLI."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import mlflow
@@ -12,6 +13,7 @@ import pytest
 from tests.tinydata import write_lf_dataset, write_tiny_encoder
 from xc_dagster.catalog import Catalog, DatasetSpec
 from xc_dagster.cli import main as cli_main
+from xc_dagster.errors import XCConfigError
 from xc_dagster.home import Home
 from xc_dagster.pipeline import STAGE_ORDER, StageContext, run_all
 from xc_dagster.storage import ArtifactStore
@@ -70,6 +72,20 @@ def test_run_all_stages_without_dagster(tiny_home):
     assert preds["ids"].shape == (40, 10)
     # filter pairs (0, 19) and (3, 18) never appear in predictions
     assert 19 not in preds["ids"][0] and 18 not in preds["ids"][3]
+    # each stage recorded the config it ran with; a later run of downstream stages takes the upstream sections
+    # from those records, not from its own (changed) config, and records what it used
+    for stage in STAGE_ORDER:
+        assert json.loads((store.stage_dir("TinyTitles", stage) / "params.json").read_text()) == json.loads(
+            json.dumps(cfg.flat()))  # tuples as JSON lists
+    changed = dataclasses.replace(cfg, index=dataclasses.replace(cfg.index, shortlist_size=5),
+                                  fusion=dataclasses.replace(cfg.fusion, grid_step=0.5))
+    again = run_all(StageContext(store, spec, changed, tiny_home.cache), ("fusion", "evaluate"))
+    rec = json.loads((store.stage_dir("TinyTitles", "evaluate") / "params.json").read_text())
+    assert rec["index.shortlist_size"] == 8 and rec["fusion.grid_step"] == 0.5
+    fusion = json.loads((store.stage_dir("TinyTitles", "fusion") / "fusion.json").read_text())
+    assert [a for a, _ in fusion["grid"]] == [0.0, 0.5, 1.0] and again["fusion"]["alpha"] in (0.0, 0.5, 1.0)
+    with pytest.raises(XCConfigError, match="unknown stage"):
+        run_all(StageContext(store, spec, cfg, tiny_home.cache), ("fusion", "evaluation"))
 
 
 def test_materialize_all_assets_through_dagster_and_read_mlflow(tiny_home):

@@ -34,6 +34,7 @@ from xc_dagster.fusion import check_method, fit_fusion, load_fusion, missed_posi
 from xc_dagster.metrics import evaluate, inverse_propensity, recall_at, remove_filtered
 from xc_dagster.predict import (CENTROID_FILE, ShortlistSources, build_sources, check_label_repr, check_sources,
                                 label_centroids, load_sources, retrieve, save_sources, topk_from_scores)
+from xc_dagster.provenance import record_params, with_upstream_params
 from xc_dagster.reports import decile_contributions, decile_plot, pk_plot, recall_by_frequency, recall_plot
 from xc_dagster.sampling import validation_split
 from xc_dagster.siamese import train_siamese
@@ -478,11 +479,20 @@ STAGES: dict[str, Callable[[StageContext], dict[str, Any]]] = {
 
 
 def run_all(ctx: StageContext, stages: tuple[str, ...] = STAGE_ORDER) -> dict[str, dict[str, Any]]:
-    """Run the stages in order without Dagster (scripts, notebooks, the GPU box); returns every summary."""
+    """Run the stages in order without Dagster (scripts, notebooks, the GPU box); returns every summary.
+
+    As the Dagster assets do (``xc_dagster.provenance``): the sections of the stages before the first one run
+    come from their artifacts' records, and each stage run records the config it ran with."""
+    unknown = [s for s in stages if s not in STAGES]
+    if unknown:
+        raise XCConfigError(f"run_all: unknown stage(s) {unknown}; stages are {list(STAGE_ORDER)}")
+    first = min((STAGE_ORDER.index(s) for s in stages), default=0)
+    ctx = dataclasses.replace(ctx, cfg=with_upstream_params(ctx.cfg, ctx.store, ctx.name, STAGE_ORDER[:first]).cfg)
     out = {}
     for s in stages:
         t0 = time.perf_counter()
         out[s] = STAGES[s](ctx)
+        record_params(ctx.store, ctx.name, s, ctx.cfg)
         out[s]["wall_seconds"] = time.perf_counter() - t0
         ctx.info(f"stage {s} done in {out[s]['wall_seconds']:.1f}s")
     return out
