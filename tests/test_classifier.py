@@ -127,3 +127,62 @@ def test_killed_run_resumes_from_its_checkpoint_to_the_same_weights(tmp_path):
     assert s_res["resumed_from_epoch"] == 3 and s_res["steps"] == s_full["steps"]
     assert np.array_equal(W_res, W_full)
     assert s_res["final_loss"] == s_full["final_loss"]
+
+
+def _tiny_bag(D: int = 16, seed: int = 0):
+    from xc_dagster.bag_encoder import create_bag_encoder
+
+    return create_bag_encoder(50, D, init="random", seed=seed)
+
+
+def test_module_iv_trains_the_residual_with_w_on_frozen_intermediate_embeddings():
+    """SiameseXML Module IV: the residual block R and W learn together on x = N(R(h)), h frozen; the token
+    table is untouched; the encoder is updated in place and reproducible with the seed."""
+    from xc_dagster.bag_encoder import embed_from_intermediate
+
+    H, E, Y, sl = _planted(seed=1)  # H plays the intermediate embeddings f_E(x)
+    enc = _tiny_bag()
+    table = enc.embedding.weight.detach().clone()
+    before = {k: v.clone() for k, v in enc.residual.state_dict().items()}
+    X0 = embed_from_intermediate(enc, H, torch.device("cpu"))
+    params = ClassifierParams(epochs=15, batch_size=64, lr=0.02, num_negatives=5, num_positives=1,
+                              residual_lr=0.01)
+    W, summary = train_classifiers(H, E, Y, sl, np.arange(len(H)), params, torch.device("cpu"), encoder=enc)
+    assert not enc.training
+    assert torch.equal(enc.embedding.weight, table)
+    assert not torch.equal(enc.residual.state_dict()["linear.parametrizations.weight.original"],
+                           before["linear.parametrizations.weight.original"])
+    X1 = embed_from_intermediate(enc, H, torch.device("cpu"))
+    assert np.allclose(np.linalg.norm(X1, axis=1), 1, atol=1e-5) and not np.allclose(X0, X1)
+    p1_before = float(((X0 @ E.T).argmax(1) == Y.indices).mean())
+    assert float(((X1 @ W.T).argmax(1) == Y.indices).mean()) > p1_before + 0.1
+    enc2 = _tiny_bag()
+    W2, _ = train_classifiers(H, E, Y, sl, np.arange(len(H)), params, torch.device("cpu"), encoder=enc2)
+    assert np.array_equal(W, W2)
+    assert all(torch.equal(a, b) for a, b in zip(enc.residual.state_dict().values(),
+                                                 enc2.residual.state_dict().values()))
+
+
+def test_module_iv_killed_run_resumes_residual_and_w_to_the_same_state(tmp_path):
+    from xc_dagster.checkpoint import Checkpointer, fingerprint
+
+    H, E, Y, sl = _planted(n=200, seed=2)
+    params = ClassifierParams(epochs=4, batch_size=32, lr=0.02, num_negatives=4, num_positives=2, residual_lr=0.01)
+    rows = np.arange(len(H))
+    full_enc = _tiny_bag()
+    W_full, _ = train_classifiers(H, E, Y, sl, rows, params, torch.device("cpu"), encoder=full_enc)
+    ckpt = Checkpointer(tmp_path / "ckpt", fingerprint(params.__dict__, H, E, sl, rows))
+
+    def kill_after_epoch_2(step: int, values: dict) -> None:
+        if step == 2:
+            raise Killed
+
+    with pytest.raises(Killed):
+        train_classifiers(H, E, Y, sl, rows, params, torch.device("cpu"), kill_after_epoch_2, ckpt,
+                          encoder=_tiny_bag())
+    enc = _tiny_bag()  # a fresh process: the residual comes back from the checkpoint
+    W_res, s_res = train_classifiers(H, E, Y, sl, rows, params, torch.device("cpu"), None, ckpt, encoder=enc)
+    assert s_res["resumed_from_epoch"] == 2
+    assert np.array_equal(W_res, W_full)
+    assert all(torch.equal(a, b) for a, b in zip(enc.residual.state_dict().values(),
+                                                 full_enc.residual.state_dict().values()))

@@ -301,6 +301,44 @@ def test_bag_of_embeddings_encoder_through_every_stage(tiny_home):
     assert 0.0 <= out["evaluate"]["metrics"]["precision_at_1"] <= 1.0
 
 
+def test_siamesexml_module_iv_fine_tunes_the_bag_residual_and_deploys_it(tiny_home):
+    """siamesexml + bag encoder: Module IV trains the residual block with W; the classifier stage writes that
+    encoder (token table as pretrained, residual changed) and the embeddings it gives, and index and evaluation
+    use it."""
+    import torch
+
+    from xc_dagster.encoder import encode_tokens, load_encoder
+    from xc_dagster.pipeline import _labels, _tokens, _train_rows, model_dir
+    from xc_dagster.predict import label_centroids
+
+    spec = dataclasses.replace(Catalog(tiny_home.catalog).get("TinyTitles"), strategy="siamesexml")
+    cfg = spec.config({"tokenize.encoder": "bag", "pretrain.lr": 0.01, "pretrain.epochs": 1,
+                       "classifier.residual_lr": 0.01})
+    assert cfg.classifier.train_residual
+    ctx = StageContext(ArtifactStore(tiny_home.artifacts), spec, cfg, tiny_home.cache)
+    out = run_all(ctx)
+    assert out["classifier"]["residual"] == "trained"
+    assert model_dir(ctx) == ctx.dir("classifier")
+    pre = load_encoder(str(ctx.dir("pretrain") / "encoder"))
+    tuned = load_encoder(str(ctx.dir("classifier") / "encoder"))
+    assert torch.equal(pre.embedding.weight, tuned.embedding.weight) and torch.equal(pre.idf, tuned.idf)
+    assert not torch.equal(pre.residual.radius, tuned.residual.radius) or not torch.equal(
+        pre.residual.linear.bias, tuned.residual.linear.bias)
+    emb = np.load(ctx.dir("classifier") / "train_emb.npy")
+    want = encode_tokens(tuned, *_tokens(ctx, "train"), torch.device("cpu"), None)
+    np.testing.assert_allclose(emb, want, atol=1e-5)
+    assert not np.allclose(emb, np.load(ctx.dir("pretrain") / "train_emb.npy"), atol=1e-3)
+    lab = np.load(ctx.dir("classifier") / "label_emb.npy")
+    np.testing.assert_allclose(lab, encode_tokens(tuned, *_tokens(ctx, "label"), torch.device("cpu"), None),
+                               atol=1e-5)
+    np.testing.assert_allclose(np.load(ctx.dir("index") / "label_centroid.npy"),
+                               label_centroids(emb, _labels(ctx).Y_train, _train_rows(ctx, len(emb))), atol=1e-5)
+    # sampled negatives fine-tune the whole encoder instead: asking for the residual there is a config error
+    bad = dataclasses.replace(cfg, classifier=dataclasses.replace(cfg.classifier, negatives="uniform"))
+    with pytest.raises(XCConfigError, match="classifier.train_residual"):
+        run_all(StageContext(ctx.store, spec, bad, tiny_home.cache), ("classifier",))
+
+
 class _Killed(Exception):
     pass
 

@@ -185,6 +185,8 @@ def test_siamesexml_strategy_three_index_shortlist_through_the_pipeline_and_bund
     ctx = StageContext(ArtifactStore(home.artifacts), spec, cfg, home.cache)
     out = run_all(ctx)
     assert out["mining"]["sources"] == ["label", "centroid", "knn"]
+    # Module IV's residual fine-tuning needs the bag encoder: the transformer stays frozen and deployed as is
+    assert out["classifier"]["residual"].startswith("n/a") and not (ctx.dir("classifier") / "encoder").exists()
     assert out["index"]["sources"] == ["label", "centroid", "knn"] and out["index"]["knn_points"] == 108
     ds = load_dataset(ctx.dir("ingest") / "dataset", features=False)
     sl = np.load(ctx.dir("mining") / "shortlist.npy")

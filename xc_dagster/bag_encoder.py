@@ -190,8 +190,12 @@ class BagOfEmbeddingsEncoder(torch.nn.Module):
         pooled = self.embedding(ids, per_sample_weights=w)
         return F.normalize(F.gelu(pooled.float()), dim=-1)
 
+    def from_intermediate(self, h: torch.Tensor) -> torch.Tensor:
+        """The final unit embedding N(R(h)) of intermediate embeddings h (SiameseXML Module IV trains R on them)."""
+        return F.normalize(self.residual(h).float(), dim=-1)
+
     def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return F.normalize(self.residual(self.intermediate(ids, mask)).float(), dim=-1)
+        return self.from_intermediate(self.intermediate(ids, mask))
 
     def save(self, out_dir: str | Path) -> None:
         """Write ``bag_encoder.json`` + ``bag_encoder.safetensors`` (no pickle) into ``out_dir``."""
@@ -202,6 +206,19 @@ class BagOfEmbeddingsEncoder(torch.nn.Module):
         state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
         save_file(state, str(out / BAG_WEIGHTS_FILE), metadata={"type": BAG_TYPE})
         (out / BAG_CONFIG_FILE).write_text(json.dumps(self.config(), indent=2) + "\n")
+
+
+def embed_from_intermediate(encoder: BagOfEmbeddingsEncoder, h: np.ndarray, device: torch.device,
+                            batch_size: int = 4096) -> np.ndarray:
+    """The final unit embeddings N(R(h)) of (N, D) intermediate embeddings, in eval mode and in chunks: what
+    ``encoder`` gives the texts, without re-reading their tokens (after Module IV changed only R)."""
+    out = np.zeros(h.shape, dtype=np.float32)
+    encoder.eval()
+    with torch.inference_mode():
+        for s in range(0, len(h), batch_size):
+            chunk = torch.from_numpy(np.ascontiguousarray(h[s:s + batch_size], dtype=np.float32)).to(device)
+            out[s:s + batch_size] = encoder.from_intermediate(chunk).cpu().numpy()
+    return out
 
 
 # -------------------------------------------------------------------------------------- create / load

@@ -6,6 +6,9 @@ the point's mined ANNS shortlist (SiameseXML Module IV), or NGAME M2's in-batch 
 of the other points of the batch, where a batch is a union of clusters of the (frozen) point embeddings so
 those are hard negatives -- or both. W is an ``nn.Embedding(sparse=True)`` updated with SparseAdam: a step
 touches only the rows it scored, so memory and time per step do not grow with L.
+
+SiameseXML Module IV also fine-tunes the bag encoder's residual block with W (``classifier.train_residual``):
+the points' intermediate embeddings f_E(x) stay frozen and x = N(R(f_E(x))) is recomputed every step.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import scipy.sparse as sp
 import torch
 import torch.nn.functional as F
 
+from xc_dagster.bag_encoder import BagOfEmbeddingsEncoder
 from xc_dagster.checkpoint import Checkpointer, restore_rng
 from xc_dagster.clustering import balanced_clusters, cluster_batches
 from xc_dagster.config import ClassifierParams
@@ -91,8 +95,13 @@ def classifier_loss(scores: torch.Tensor, is_pos: torch.Tensor, valid: torch.Ten
 def train_classifiers(point_emb: np.ndarray, label_emb: np.ndarray, Y: sp.csr_matrix, shortlist: np.ndarray,
                       train_rows: np.ndarray, params: ClassifierParams, device: torch.device,
                       log_metrics: MetricsFn | None = None,
-                      checkpoint: Checkpointer | None = None) -> tuple[np.ndarray, dict[str, float]]:
+                      checkpoint: Checkpointer | None = None,
+                      encoder: BagOfEmbeddingsEncoder | None = None) -> tuple[np.ndarray, dict[str, float]]:
     """Return W (L x D float32) and a summary; ``shortlist[i]`` are point i's mined candidate labels (-1 pad).
+
+    With ``encoder`` (SiameseXML Module IV), ``point_emb`` are its intermediate embeddings f_E(x) and its
+    residual block is trained with W (Adam, ``classifier.residual_lr``; the token table stays frozen): a point
+    scores as ``encoder.from_intermediate(f_E(x))``. The encoder is updated in place and left in eval mode.
 
     With ``checkpoint``, the state is saved after every epoch and a matching checkpoint is resumed from: the
     result equals an uninterrupted run's (same seed).
@@ -114,6 +123,10 @@ def train_classifiers(point_emb: np.ndarray, label_emb: np.ndarray, Y: sp.csr_ma
     with torch.no_grad():
         W.weight.copy_(torch.from_numpy(np.ascontiguousarray(label_emb, dtype=np.float32)))
     opt = torch.optim.SparseAdam(W.parameters(), lr=params.lr)
+    residual_opt = None
+    if encoder is not None:
+        encoder.to(device).train()  # dropout of the residual block, as in the pretraining
+        residual_opt = torch.optim.Adam(encoder.residual.parameters(), lr=params.residual_lr)
     X = torch.from_numpy(np.ascontiguousarray(point_emb, dtype=np.float32))
     steps, t0, last = 0, time.perf_counter(), float("nan")
     steps_per_epoch = math.ceil(len(rows) / params.batch_size)
@@ -128,6 +141,9 @@ def train_classifiers(point_emb: np.ndarray, label_emb: np.ndarray, Y: sp.csr_ma
         with torch.no_grad():
             W.weight.copy_(resumed.state["W"].to(device))
         opt.load_state_dict(resumed.state["opt"])
+        if encoder is not None:
+            encoder.residual.load_state_dict(resumed.state["residual"])
+            residual_opt.load_state_dict(resumed.state["residual_opt"])
         restore_rng(rng, resumed)
         start, steps, last = resumed.epoch, int(resumed.state["steps"]), float(resumed.state["last"])
     for epoch in range(start, epochs):
@@ -135,6 +151,8 @@ def train_classifiers(point_emb: np.ndarray, label_emb: np.ndarray, Y: sp.csr_ma
         for batch in classifier_batches(rows, params, rng, clusters):
             pos = sample_positives(Y, batch, params.num_positives, rng)
             x = X[batch].to(device)
+            if encoder is not None:
+                x = encoder.from_intermediate(x)
             neg = hardest_negatives(x, W.weight, batch, pos, shortlist, Y, params.negatives, params.num_negatives)
             ids = torch.cat([torch.from_numpy(pos).to(device), neg], dim=1)
             valid = ids >= 0
@@ -146,16 +164,25 @@ def train_classifiers(point_emb: np.ndarray, label_emb: np.ndarray, Y: sp.csr_ma
             scores = torch.einsum("bd,bkd->bk", x, w)
             loss = classifier_loss(scores, is_pos, valid, params)
             opt.zero_grad(set_to_none=True)
+            if residual_opt is not None:
+                residual_opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
+            if residual_opt is not None:
+                residual_opt.step()
             steps += 1
             ep_loss.append(float(loss.detach()))
         last = float(np.mean(ep_loss)) if ep_loss else float("nan")
         if checkpoint is not None:
-            checkpoint.save(epoch + 1, {"W": W.weight.detach().cpu(), "opt": opt.state_dict(), "steps": steps,
-                                        "last": last}, rng)
+            state = {"W": W.weight.detach().cpu(), "opt": opt.state_dict(), "steps": steps, "last": last}
+            if encoder is not None:
+                state.update(residual={k: v.detach().cpu() for k, v in encoder.residual.state_dict().items()},
+                             residual_opt=residual_opt.state_dict())
+            checkpoint.save(epoch + 1, state, rng)
         if log_metrics is not None:
             log_metrics(epoch + 1, {"classifier_loss": last})
+    if encoder is not None:
+        encoder.eval()
     Wn = W.weight.detach()
     if params.normalize:
         Wn = F.normalize(Wn, dim=-1)

@@ -126,6 +126,11 @@ class ClassifierParams:
     contrastive_d: float = 3.0
     neg_threshold: float = 0.05  # siamesexml loss only: negative terms below this are ignored (easy negatives)
     normalize: bool = True  # keep every w_l at unit norm (NGAME M2), same scale as embedding scores
+    # SiameseXML Module IV: also fine-tune the bag encoder's residual block (on its frozen intermediate
+    # embeddings) with the classifiers; the updated encoder is deployed downstream. Applies to encoders with a
+    # residual block (tokenize.encoder=bag); a transformer stays frozen (recorded in the stage summary).
+    train_residual: bool = False
+    residual_lr: float = 2e-4  # Adam, the residual block (SiameseXML code, Module IV: 2e-4)
     # --- BCE over sampled negatives (ASTRA / MIPS-s; negatives = uniform | astra | mips), xc_dagster.end_to_end
     train_encoder: bool = False  # fine-tune the encoder end to end with the classifiers (ASTRA, MIPS-s)
     # one learned logit bias shared by all labels, initialised at the log prior odds of a positive: it absorbs

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -125,15 +126,19 @@ def chunk_tensors(ids: np.ndarray, lengths: np.ndarray, rows: np.ndarray,
 
 
 def encode_tokens(encoder: TextEncoder, ids: np.ndarray, lengths: np.ndarray, device: torch.device,
-                  dtype: torch.dtype | None, batch_size: int = 256, progress=None) -> np.ndarray:
-    """Embed every row of a token-id array (memmap ok): (N, D) float32, unit rows, input order kept."""
+                  dtype: torch.dtype | None, batch_size: int = 256, progress=None,
+                  forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> np.ndarray:
+    """Embed every row of a token-id array (memmap ok): (N, D) float32, unit rows, input order kept.
+
+    ``forward`` replaces ``encoder(ids, mask)``, e.g. the bag encoder's ``intermediate`` embeddings."""
     n = len(lengths)
     out = np.zeros((n, encoder.dim), dtype=np.float32)
     encoder.eval()
+    fn = encoder if forward is None else forward
     with torch.inference_mode(), autocast(device, dtype):
         for rows in length_sorted_chunks(np.asarray(lengths), batch_size):
             t_ids, mask = chunk_tensors(ids, lengths, rows, device)
-            out[rows] = encoder(t_ids, mask).float().cpu().numpy()
+            out[rows] = fn(t_ids, mask).float().cpu().numpy()
             if progress is not None:
                 progress(len(rows))
     return out

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from xc_dagster.ann import LabelIndex
-from xc_dagster.bag_encoder import parse_bag_name
+from xc_dagster.bag_encoder import BagOfEmbeddingsEncoder, embed_from_intermediate, parse_bag_name
 from xc_dagster.catalog import BUILTIN_PREFIX, DatasetSpec, builtin_path
 from xc_dagster.checkpoint import Checkpointer, fingerprint, fingerprint_files
 from xc_dagster.classifier import train_classifiers
@@ -281,9 +281,10 @@ def mining(ctx: StageContext) -> dict[str, Any]:
 
 def classifier(ctx: StageContext) -> dict[str, Any]:
     """Train one-vs-all W from label embeddings (validation rows held out): on positives + the hardest mined
-    negatives (NGAME, SiameseXML), or with BCE over sampled negatives (ASTRA, MIPS-s), then optionally with the
-    encoder fine-tuned end to end; that encoder and its re-computed embeddings are written here and every later
-    stage uses them (``model_dir``)."""
+    negatives (NGAME, SiameseXML), or with BCE over sampled negatives (ASTRA, MIPS-s), optionally fine-tuning
+    the encoder with them (end to end: ``classifier.train_encoder``; the bag encoder's residual block, SiameseXML
+    Module IV: ``classifier.train_residual``); that encoder and its re-computed embeddings are written here and
+    every later stage uses them (``model_dir``)."""
     p = ctx.cfg.classifier
     seed_everything(p.seed)
     d = ctx.dir("pretrain")
@@ -298,14 +299,34 @@ def classifier(ctx: StageContext) -> dict[str, Any]:
     if p.train_encoder and not sampled:
         raise XCConfigError(f"classifier.train_encoder: end-to-end training needs sampled negatives "
                             f"(classifier.negatives = {' | '.join(SAMPLERS)}), got {p.negatives!r}")
-    key = fingerprint({**dataclasses.asdict(p), "warm": fingerprint_files(d / "encoder") if p.train_encoder else ""},
-                      point_emb, W0, sl, rows)
-    ckpt = Checkpointer(ctx.checkpoint_dir("classifier"), key)
+    if p.train_residual and sampled:
+        raise XCConfigError("classifier.train_residual: the residual block is fine-tuned by the hardest-negative "
+                            "trainer (negatives = shortlist | in-batch | both); with sampled negatives use "
+                            "classifier.train_encoder to fine-tune the whole encoder")
     encoder = tokenizer = None
+    pooling = load_json(d / "summary.json")["pooling"] if (p.train_encoder or p.train_residual) else None
+    residual_note = "off"
+    if p.train_residual:
+        encoder = load_encoder(str(d / "encoder"), pooling).to(ctx.device)
+        if isinstance(encoder, BagOfEmbeddingsEncoder):
+            tokenizer = load_tokenizer(str(d / "encoder"))
+            residual_note = "trained"
+        else:  # a transformer has no residual block: it stays frozen, as with train_residual off
+            encoder, residual_note = None, "n/a: the encoder has no residual block"
+            ctx.info("classifier.train_residual: the encoder has no residual block (tokenize.encoder=bag has "
+                     "one); it stays frozen")
+    inter = label_inter = None
+    if isinstance(encoder, BagOfEmbeddingsEncoder):  # Module IV: train R on the frozen intermediate embeddings
+        inter, label_inter = (encode_tokens(encoder, *_tokens(ctx, split), ctx.device, None,
+                                            ctx.cfg.pretrain.encode_batch_size, forward=encoder.intermediate)
+                              for split in ("train", "label"))
+    warm = fingerprint_files(d / "encoder") if (p.train_encoder or encoder is not None) else ""
+    key = fingerprint({**dataclasses.asdict(p), "warm": warm}, point_emb, W0, sl, rows)
+    ckpt = Checkpointer(ctx.checkpoint_dir("classifier"), key)
+    res = None
     if sampled:
         kw: dict[str, Any] = {}
         if p.train_encoder:
-            pooling = load_json(d / "summary.json")["pooling"]
             encoder = load_encoder(str(d / "encoder"), pooling).to(ctx.device)
             tokenizer = load_tokenizer(str(d / "encoder"))
             kw = {"encoder": encoder, "point_tokens": _tokens(ctx, "train"), "label_tokens": _tokens(ctx, "label"),
@@ -314,13 +335,19 @@ def classifier(ctx: StageContext) -> dict[str, Any]:
                                shortlist=sl, log_metrics=ctx.log_metrics, checkpoint=ckpt, **kw)
         W, summary = res.W, res.summary
     else:
-        W, summary = train_classifiers(point_emb, W0, ds.Y_train, sl, rows, p, ctx.device, ctx.log_metrics, ckpt)
+        W, summary = train_classifiers(point_emb if inter is None else inter, W0, ds.Y_train, sl, rows, p,
+                                       ctx.device, ctx.log_metrics, ckpt, encoder=encoder)
+        summary["residual"] = residual_note
     with ctx.store.writing(ctx.name, "classifier") as out:
         np.save(out / "W.npy", W)
         if encoder is not None:  # the fine-tuned encoder replaces the pretrained one downstream
             save_encoder(encoder, tokenizer, out / "encoder")
-            np.save(out / "train_emb.npy", res.point_emb)
-            np.save(out / "label_emb.npy", res.label_emb)
+            if res is not None:
+                emb = res.point_emb, res.label_emb
+            else:
+                emb = tuple(embed_from_intermediate(encoder, h, ctx.device) for h in (inter, label_inter))
+            np.save(out / "train_emb.npy", emb[0])
+            np.save(out / "label_emb.npy", emb[1])
             summary.update({"pooling": pooling, "encoder_type": type(encoder).__name__})
         save_json(out / "summary.json", summary)
     ckpt.clear()
@@ -330,7 +357,7 @@ def classifier(ctx: StageContext) -> dict[str, Any]:
 
 def model_dir(ctx: StageContext) -> Path:
     """Where the deployed encoder and its embeddings live: the classifier stage's when it fine-tuned the encoder
-    end to end (ASTRA, MIPS-s), else the pretrain stage's."""
+    (end to end: ASTRA, MIPS-s; its residual block: SiameseXML Module IV), else the pretrain stage's."""
     c = ctx.store.stage_dir(ctx.name, "classifier")
     return c if (c / "encoder").is_dir() else ctx.dir("pretrain")
 
