@@ -305,3 +305,48 @@ def test_objective_sums_metrics_joined_by_plus():
     assert FusionParams().objective == "precision_at_1+psprecision_at_1"
     with pytest.raises(XCConfigError, match="'psprecision_at_0'"):
         _objective(ids, scores, Y, "precision_at_1+psprecision_at_0", inv, None, 3)
+
+
+def test_alpha_fits_a_propensity_weight_that_trades_head_for_tail():
+    """Each row has one relevant tail label ranked just below a head decoy by both scores: only + b log(1/p)
+    puts it first. With the default grid (0,) there is no propensity term; with (0, 0.05, 0.1) the fit picks
+    b > 0, raises the P@1 + PSP@1 objective, scores as a c + b log(1/p) by hand, and round-trips."""
+    rng = np.random.default_rng(7)
+    n, C, L = 300, 10, 200
+    inv = np.where(np.arange(L) < 100, 1.0, 3.0)  # labels 0..99 head (1/p = 1), 100..199 tail (1/p = 3)
+    ids = np.stack([rng.permutation(L)[:C] for _ in range(n)]).astype(np.int64)
+    base = rng.uniform(0.0, 0.5, (n, C)).astype(np.float32)
+    head_col = np.argmax(np.where(inv[ids] == 1.0, 1, 0) + rng.random((n, C)), axis=1)  # a head label per row
+    tail_col = np.argmax(np.where(inv[ids] == 3.0, 1, 0) + rng.random((n, C)), axis=1)
+    ok = (inv[ids[np.arange(n), head_col]] == 1.0) & (inv[ids[np.arange(n), tail_col]] == 3.0)
+    r = np.arange(n)[ok]
+    base[r, head_col[ok]] = 0.9  # the decoy
+    base[r, tail_col[ok]] = 0.85  # the relevant label: 0.05 below, log(3) * b above when b > 0.046
+    Y = sp.csr_matrix((np.ones(len(r)), (r, ids[r, tail_col[ok]])), shape=(n, L))
+    sl = Shortlist(ids, base.copy(), base.copy())
+    p = FusionParams(grid_step=0.5, objective="precision_at_1+psprecision_at_1")
+    off = fit_alpha(sl, Y, p, inv, None)
+    assert off.propensity_weight == 0.0 and off.propensity_grid == []
+    fit = fit_alpha(sl, Y, replace(p, propensity_grid=(0.0, 0.05, 0.1)), inv, None)
+    assert fit.propensity_weight == 0.05  # ties: the smaller weight
+    grid = dict(fit.propensity_grid)
+    assert grid[0.0] == pytest.approx(max(o for _, o in off.grid)) and grid[0.05] > grid[0.0] + 1.0
+    want = np.where(ids < 0, -np.inf, fit.alpha * base + (1 - fit.alpha) * base + 0.05 * np.log(inv[ids]))
+    np.testing.assert_allclose(fit.score(sl, inv), want, rtol=1e-6)
+    top, _ = topk_from_scores(ids, fit.score(sl, inv), 1)
+    assert np.array_equal(top[r, 0], ids[r, tail_col[ok]])
+    back = _roundtrip(fit)
+    assert back.propensity_weight == 0.05 and back.summary()["propensity_weight"] == 0.05
+    np.testing.assert_array_equal(back.score(sl, inv), fit.score(sl, inv))
+    with pytest.raises(XCConfigError, match="propensit"):
+        fit.score(sl)  # the propensity term needs inv_prop
+    with pytest.raises(XCConfigError, match="fusion.propensity_grid"):
+        fit_alpha(sl, Y, replace(p, propensity_grid=(0.0, -0.1)), inv, None)
+    # gaps spread over (0, 0.1): a grid that stops at 0.01 has its best on its edge, so the weight keeps
+    # doubling while validation improves
+    spread = base.copy()
+    spread[r, tail_col[ok]] = 0.9 - rng.uniform(0.001, 0.1, len(r))
+    edge = fit_alpha(Shortlist(ids, spread, spread), Y, replace(p, propensity_grid=(0.0, 0.01)), inv, None)
+    tried = [b for b, _ in edge.propensity_grid]
+    assert tried[:3] == [0.0, 0.01, 0.02] and all(y == 2 * x for x, y in zip(tried[1:], tried[2:]))
+    assert edge.propensity_weight >= 0.04

@@ -179,6 +179,11 @@ class FusionParams:
     knn_grid: tuple[float, ...] = (0.0, 0.125, 0.25, 0.5, 1.0)
     # when the best kNN weight is the grid's largest, double it up to this many times while validation improves
     knn_grid_extend: int = 6
+    # alpha only: weights b tried (at the chosen c, jointly with alpha) for + b * log(1 / p_l), the labels'
+    # inverse propensity (NGAME's tree fusion has it as a feature). Ranking by P(y_l) / p_l is what maximises
+    # PSP; with exp(s / T) standing for P(y_l), that is s + T log(1 / p_l). 0 = no propensity term
+    propensity_grid: tuple[float, ...] = (0.0,)
+    propensity_grid_extend: int = 6  # as knn_grid_extend, for the propensity weight
     tree_depth: int = 7  # NGAME: a depth-7 tree
     tree_min_samples_leaf: int = 1  # sklearn's default (the paper: "a standard regression tree")
     tree_max_samples: int = 500_000  # candidates subsampled (seeded) to fit the tree; 0 = all

@@ -80,65 +80,109 @@ def _objective(ids: np.ndarray, scores: np.ndarray, Y: sp.csr_matrix, objective:
 
 # ------------------------------------------------------------------------------------------------ alpha
 
+def propensity_boost(ids: np.ndarray, inv_prop: np.ndarray | None) -> np.ndarray:
+    """log(1 / p_l) of each shortlisted label (0 on padding): the alpha fusion's propensity feature."""
+    if inv_prop is None:
+        raise XCConfigError("the fusion weighs inverse propensities (fusion.propensity_grid) but none were given")
+    return np.where(ids < 0, 0.0, np.log(np.asarray(inv_prop, dtype=np.float64))[np.maximum(ids, 0)]).astype(
+        np.float32)
+
+
 @dataclass
 class AlphaFusion:
     alpha: float
-    grid: list[tuple[float, float]] = field(default_factory=list)  # (alpha, objective) tried at knn_weight
+    grid: list[tuple[float, float]] = field(default_factory=list)  # (alpha, objective) tried at the chosen c, b
     knn_weight: float = 0.0  # c: weight of the kNN score (0: the two-score blend)
     knn_grid: list[tuple[float, float]] = field(default_factory=list)  # (c, best objective over alpha) tried
+    propensity_weight: float = 0.0  # b: weight of log(1 / p_l) (0: no propensity term)
+    propensity_grid: list[tuple[float, float]] = field(default_factory=list)  # (b, best objective over alpha)
     method: str = field(default="alpha", init=False)
 
     def score(self, sl: Shortlist, inv_prop: np.ndarray | None = None) -> np.ndarray:
-        """a * classifier + (1 - a) * embedding (+ c * kNN); ``inv_prop`` is unused (the tree's signature)."""
+        """a * classifier + (1 - a) * embedding (+ c * kNN) (+ b * log(1 / p_l): ``inv_prop`` needed when b > 0)."""
         if self.knn_weight and sl.knn is None:
             raise XCConfigError(f"the fusion weighs kNN scores (c = {self.knn_weight}) but the shortlist has none: "
                                 "its sources lack knn (index.sources)")
-        return fuse(sl, self.alpha, self.knn_weight)
+        s = fuse(sl, self.alpha, self.knn_weight)
+        if self.propensity_weight:
+            s = s + np.float32(self.propensity_weight) * propensity_boost(sl.ids, inv_prop)
+        return s
 
     def to_dict(self) -> dict:
         return {"method": "alpha", "alpha": self.alpha, "grid": self.grid, "knn_weight": self.knn_weight,
-                "knn_grid": self.knn_grid}
+                "knn_grid": self.knn_grid, "propensity_weight": self.propensity_weight,
+                "propensity_grid": self.propensity_grid}
 
     def summary(self) -> dict:
         best = max((o for _, o in self.grid), default=None)
-        return {"method": "alpha", "alpha": self.alpha, "knn_weight": self.knn_weight, "objective_value": best}
+        return {"method": "alpha", "alpha": self.alpha, "knn_weight": self.knn_weight,
+                "propensity_weight": self.propensity_weight, "objective_value": best}
+
+
+def _check_weights(name: str, weights: tuple[float, ...]) -> tuple[float, ...]:
+    w = tuple(float(x) for x in weights)
+    if not w or any(not (math.isfinite(x) and x >= 0) for x in w):
+        raise XCConfigError(f"fusion.{name}: expected weights >= 0, got {list(weights)}")
+    return w
+
+
+def _scan_weights(weights: tuple[float, ...], extend: int, attempt, chosen) -> list[tuple[float, float]]:
+    """``attempt(w) -> (value, improved)`` for each weight ascending; when the best (``chosen()``) is the grid's
+    largest, the grid was too small: keep doubling it, ``extend`` times at most, while validation improves.
+    Returns (weight, best objective over alpha) per weight tried."""
+    tried = [(w, attempt(w)[0]) for w in sorted(set(weights))]
+    top = max(weights)
+    if top > 0 and chosen() == top:
+        for _ in range(extend):
+            top *= 2.0
+            value, improved = attempt(top)
+            tried.append((top, value))
+            if not improved:
+                break
+    return tried
 
 
 def fit_alpha(sl: Shortlist, Y_valid: sp.csr_matrix, params: FusionParams, inv_prop: np.ndarray | None,
               filter_pairs: np.ndarray | None, top_k: int = 10) -> AlphaFusion:
-    """Grid-search ``alpha`` in [0, 1] maximising ``params.objective`` on the validation shortlists."""
+    """Grid-search ``alpha`` in [0, 1] maximising ``params.objective`` on the validation shortlists: jointly
+    with the kNN weight c (``fusion.knn_grid``, shortlists with kNN scores), then, at the chosen c, jointly with
+    the propensity weight b (``fusion.propensity_grid``). Ties prefer the smaller weight, then more classifier
+    weight; a weight of 0 is always tried, so each added term can only match or beat validation without it."""
     if not 0 < params.grid_step <= 1:
         raise XCConfigError(f"fusion.grid_step: expected a value in (0, 1], got {params.grid_step}")
     grid = np.round(np.arange(0.0, 1.0 + 1e-9, params.grid_step), 6)
-    knn_grid = (0.0,) if sl.knn is None else tuple(float(c) for c in params.knn_grid)
-    if not knn_grid or any(not (math.isfinite(c) and c >= 0) for c in knn_grid):
-        raise XCConfigError(f"fusion.knn_grid: expected weights >= 0, got {list(params.knn_grid)}")
-    if params.knn_grid_extend < 0:
-        raise XCConfigError(f"fusion.knn_grid_extend: expected an int >= 0, got {params.knn_grid_extend}")
-    best_fit, best_value, by_c = None, -math.inf, []
+    knn_grid = (0.0,) if sl.knn is None else _check_weights("knn_grid", params.knn_grid)
+    prop_grid = _check_weights("propensity_grid", params.propensity_grid)
+    for name in ("knn_grid_extend", "propensity_grid_extend"):
+        if getattr(params, name) < 0:
+            raise XCConfigError(f"fusion.{name}: expected an int >= 0, got {getattr(params, name)}")
+    boost = propensity_boost(sl.ids, inv_prop) if max(prop_grid) > 0 else None
+    best_fit, best_value = None, -math.inf
 
-    def try_c(c: float) -> bool:
-        """Best alpha at kNN weight ``c``; True when it beats every weight tried so far."""
+    def attempt(c: float, b: float) -> tuple[float, bool]:
+        """Best alpha at kNN weight ``c`` and propensity weight ``b``; (its value, whether it beats all so far)."""
         nonlocal best_fit, best_value
-        tried = [(float(a), _objective(sl.ids, fuse(sl, float(a), c), Y_valid, params.objective, inv_prop,
-                                       filter_pairs, top_k)) for a in grid]
+        tried = []
+        for a in grid:
+            s = fuse(sl, float(a), c)
+            if b:
+                s = s + np.float32(b) * boost
+            tried.append((float(a), _objective(sl.ids, s, Y_valid, params.objective, inv_prop, filter_pairs, top_k)))
         a, value = max(tried, key=lambda t: (t[1], t[0]))
-        by_c.append((c, value))
         if best_fit is None or value > best_value:
-            best_fit, best_value = AlphaFusion(a, tried, c), value
-            return True
-        return False
+            best_fit, best_value = AlphaFusion(a, tried, c, propensity_weight=b), value
+            return value, True
+        return value, False
 
-    for c in sorted(set(knn_grid)):  # ties: prefer the smaller kNN weight, then more classifier weight
-        try_c(c)
-    # the optimum on the grid's edge: the grid was too small, keep doubling the weight while it improves
-    top = max(knn_grid)
-    if sl.knn is not None and top > 0 and best_fit.knn_weight == top:
-        for _ in range(params.knn_grid_extend):
-            top *= 2.0
-            if not try_c(top):
-                break
+    by_c = _scan_weights(knn_grid, params.knn_grid_extend if sl.knn is not None else 0,
+                         lambda c: attempt(c, 0.0), lambda: best_fit.knn_weight)
+    by_b = [(0.0, best_value)]
+    if boost is not None:
+        c = best_fit.knn_weight
+        by_b += _scan_weights(tuple(b for b in prop_grid if b > 0), params.propensity_grid_extend,
+                              lambda b: attempt(c, b), lambda: best_fit.propensity_weight)
     best_fit.knn_grid = by_c if sl.knn is not None else []
+    best_fit.propensity_grid = by_b if boost is not None else []
     return best_fit
 
 
@@ -398,7 +442,8 @@ def load_fusion(d: dict) -> AlphaFusion | TreeFusion:
     method = d.get("method")
     if method == "alpha":
         return AlphaFusion(float(d["alpha"]), [tuple(x) for x in d.get("grid", [])], float(d.get("knn_weight", 0.0)),
-                           [tuple(x) for x in d.get("knn_grid", [])])
+                           [tuple(x) for x in d.get("knn_grid", [])], float(d.get("propensity_weight", 0.0)),
+                           [tuple(x) for x in d.get("propensity_grid", [])])
     if method == "tree":
         return TreeFusion.from_dict(d)
     raise XCConfigError(f"fusion file: unknown method {method!r}; expected one of {', '.join(METHODS)}")
