@@ -29,6 +29,9 @@ def test_config_layers_last_wins_and_coerces():
     assert cfg.classifier.loss == "triplet"
     assert cfg.evaluate.ks == (1, 3)
     assert cfg.flat()["pretrain.epochs"] == 3.0
+    # a scalar for a grid (YAML `propensity_grid: 0`, `--set fusion.knn_grid=0.5`) is the one-value grid
+    one = resolve_config("quick", "ngame", ("catalog", {"fusion.propensity_grid": 0, "fusion.knn_grid": "0.5"}))
+    assert one.fusion.propensity_grid == (0.0,) and one.fusion.knn_grid == (0.5,)
 
 
 def test_paper_preset_changes_values():

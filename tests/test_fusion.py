@@ -108,7 +108,8 @@ def test_tree_beats_alpha_where_relevance_depends_on_propensity():
     sl, Y, inv = _synthetic(800, seed=0)
     params = FusionParams(method="tree", grid_step=0.05, tree_min_samples_leaf=5)
     tree = fit_fusion(sl, Y, params, inv, None)
-    alpha = fit_fusion(sl, Y, replace(params, method="alpha"), inv, None)
+    # against the two-score blend (no propensity term: the tree must find the dependence on 1/p itself)
+    alpha = fit_fusion(sl, Y, replace(params, method="alpha", propensity_grid=(0.0,)), inv, None)
     assert isinstance(tree, TreeFusion) and isinstance(alpha, AlphaFusion)
     best_alpha = max(o for _, o in alpha.grid)
     # cross-fitted (out-of-sample) tree objective vs the alpha grid's best, on the validation points
@@ -162,7 +163,7 @@ def test_round_trip_gives_identical_scores():
     np.testing.assert_array_equal(loaded.score(sl, inv), tree.score(sl, inv))
     assert loaded.info["objective_value"] == tree.info["objective_value"]
     alpha = fit_alpha(sl, Y, FusionParams(grid_step=0.25), inv, None)
-    np.testing.assert_array_equal(_roundtrip(alpha).score(sl), alpha.score(sl))
+    np.testing.assert_array_equal(_roundtrip(alpha).score(sl, inv), alpha.score(sl, inv))
     assert _roundtrip(alpha).alpha == alpha.alpha and len(alpha.grid) == 5
 
 
@@ -309,7 +310,7 @@ def test_objective_sums_metrics_joined_by_plus():
 
 def test_alpha_fits_a_propensity_weight_that_trades_head_for_tail():
     """Each row has one relevant tail label ranked just below a head decoy by both scores: only + b log(1/p)
-    puts it first. With the default grid (0,) there is no propensity term; with (0, 0.05, 0.1) the fit picks
+    puts it first. With the grid (0,) there is no propensity term; with (0, 0.05, 0.1) the fit picks
     b > 0, raises the P@1 + PSP@1 objective, scores as a c + b log(1/p) by hand, and round-trips."""
     rng = np.random.default_rng(7)
     n, C, L = 300, 10, 200
@@ -325,7 +326,7 @@ def test_alpha_fits_a_propensity_weight_that_trades_head_for_tail():
     Y = sp.csr_matrix((np.ones(len(r)), (r, ids[r, tail_col[ok]])), shape=(n, L))
     sl = Shortlist(ids, base.copy(), base.copy())
     p = FusionParams(grid_step=0.5, objective="precision_at_1+psprecision_at_1")
-    off = fit_alpha(sl, Y, p, inv, None)
+    off = fit_alpha(sl, Y, replace(p, propensity_grid=(0.0,)), inv, None)
     assert off.propensity_weight == 0.0 and off.propensity_grid == []
     fit = fit_alpha(sl, Y, replace(p, propensity_grid=(0.0, 0.05, 0.1)), inv, None)
     assert fit.propensity_weight == 0.05  # ties: the smaller weight
@@ -342,6 +343,10 @@ def test_alpha_fits_a_propensity_weight_that_trades_head_for_tail():
         fit.score(sl)  # the propensity term needs inv_prop
     with pytest.raises(XCConfigError, match="fusion.propensity_grid"):
         fit_alpha(sl, Y, replace(p, propensity_grid=(0.0, -0.1)), inv, None)
+    # without propensities (a P@1 objective needs none) the term is not fitted, as c without kNN scores
+    blind = fit_alpha(sl, Y, replace(p, objective="precision_at_1"), None, None)
+    assert blind.propensity_weight == 0.0 and blind.propensity_grid == []
+    assert FusionParams().propensity_grid[0] == 0.0 and max(FusionParams().propensity_grid) > 0  # on by default
     # gaps spread over (0, 0.1): a grid that stops at 0.01 has its best on its edge, so the weight keeps
     # doubling while validation improves
     spread = base.copy()

@@ -181,8 +181,10 @@ class FusionParams:
     knn_grid_extend: int = 6
     # alpha only: weights b tried (at the chosen c, jointly with alpha) for + b * log(1 / p_l), the labels'
     # inverse propensity (NGAME's tree fusion has it as a feature). Ranking by P(y_l) / p_l is what maximises
-    # PSP; with exp(s / T) standing for P(y_l), that is s + T log(1 / p_l). 0 = no propensity term
-    propensity_grid: tuple[float, ...] = (0.0,)
+    # PSP; with exp(s / T) standing for P(y_l), that is s + T log(1 / p_l). (0,) = no propensity term. On by
+    # default: b = 0 is always tried, so validation keeps it off where it does not pay (bench/RESULTS.md: Bibtex
+    # picks 0 / 0.01, LF-WordNetNouns Titles 0.02, full text 0.08)
+    propensity_grid: tuple[float, ...] = (0.0, 0.01, 0.02, 0.04, 0.08)
     propensity_grid_extend: int = 6  # as knn_grid_extend, for the propensity weight
     tree_depth: int = 7  # NGAME: a depth-7 tree
     tree_min_samples_leaf: int = 1  # sklearn's default (the paper: "a standard regression tree")
@@ -296,7 +298,12 @@ def _coerce(value: Any, typ: Any, where: str) -> Any:
             return str(value)
         if origin is tuple:
             (inner, *_rest) = typing.get_args(typ)
-            items = value.replace(",", " ").split() if isinstance(value, str) else list(value)
+            if isinstance(value, str):
+                items = value.replace(",", " ").split()
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                items = [value]  # YAML `knn_grid: 0` means the one-value grid
+            else:
+                items = list(value)
             return tuple(_coerce(v, inner, where) for v in items)
     except (TypeError, ValueError):
         raise XCConfigError(f"config field {where!r}: expected {getattr(typ, '__name__', typ)}, got {value!r}")

@@ -147,7 +147,8 @@ def fit_alpha(sl: Shortlist, Y_valid: sp.csr_matrix, params: FusionParams, inv_p
     """Grid-search ``alpha`` in [0, 1] maximising ``params.objective`` on the validation shortlists: jointly
     with the kNN weight c (``fusion.knn_grid``, shortlists with kNN scores), then, at the chosen c, jointly with
     the propensity weight b (``fusion.propensity_grid``). Ties prefer the smaller weight, then more classifier
-    weight; a weight of 0 is always tried, so each added term can only match or beat validation without it."""
+    weight; a weight of 0 is always tried, so each added term can only match or beat validation without it.
+    As the kNN grid needs kNN scores, the propensity grid needs ``inv_prop``: without it b stays 0."""
     if not 0 < params.grid_step <= 1:
         raise XCConfigError(f"fusion.grid_step: expected a value in (0, 1], got {params.grid_step}")
     grid = np.round(np.arange(0.0, 1.0 + 1e-9, params.grid_step), 6)
@@ -156,7 +157,7 @@ def fit_alpha(sl: Shortlist, Y_valid: sp.csr_matrix, params: FusionParams, inv_p
     for name in ("knn_grid_extend", "propensity_grid_extend"):
         if getattr(params, name) < 0:
             raise XCConfigError(f"fusion.{name}: expected an int >= 0, got {getattr(params, name)}")
-    boost = propensity_boost(sl.ids, inv_prop) if max(prop_grid) > 0 else None
+    boost = propensity_boost(sl.ids, inv_prop) if max(prop_grid) > 0 and inv_prop is not None else None
     best_fit, best_value = None, -math.inf
 
     def attempt(c: float, b: float) -> tuple[float, bool]:
