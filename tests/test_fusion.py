@@ -210,6 +210,34 @@ def test_pipeline_stage_rejects_bad_method_before_work():
         fusion(ctx)
 
 
+def test_validation_targets_leave_out_labels_the_models_never_saw():
+    """Label 2's only point (row 1) is a validation row: its pair leaves the truth and joins the filter pairs;
+    label 1 (also on training row 3) stays; the dataset's own filter pairs are kept first."""
+    from xc_dagster.sampling import validation_targets
+
+    # rows 0..4; labels 0..3; validation rows 1 and 4
+    Y = sp.csr_matrix(np.array([[1, 0, 0, 0],
+                                [0, 1, 1, 0],
+                                [1, 0, 0, 0],
+                                [0, 1, 0, 0],
+                                [1, 0, 0, 1]], dtype=np.float32))
+    valid, train = np.array([1, 4]), np.array([0, 2, 3])
+    Yv, pairs, dropped = validation_targets(Y, valid, train, np.array([[0, 0]]))
+    assert dropped == 2  # (valid row 0, label 2) and (valid row 1, label 3)
+    np.testing.assert_array_equal(Yv.toarray(), [[0, 1, 0, 0], [1, 0, 0, 0]])
+    np.testing.assert_array_equal(pairs, [[0, 0], [0, 2], [1, 3]])
+    # nothing to drop: the same matrix and filter pairs back
+    Yv, pairs, dropped = validation_targets(Y, np.array([2]), np.array([0, 1, 3, 4]), np.zeros((0, 2), np.int64))
+    assert dropped == 0 and pairs.shape == (0, 2) and (Yv != Y[[2]]).nnz == 0
+    # the objective no longer counts a prediction of the unseen label as right or wrong: ranking label 2 first
+    # on validation row 0 scores like ranking nothing there, and label 1 first scores P@1 = 1
+    ids = np.array([[2, 1], [0, 3]])
+    Yv, pairs, _ = validation_targets(Y, valid, train, np.zeros((0, 2), np.int64))
+    first = evaluate(ids[:, :1], Yv, ks=(1,), filter_pairs=pairs)["precision_at_1"]
+    assert first == pytest.approx(0.5)  # row 0: label 2 filtered, nothing left at rank 1; row 1: label 0 right
+    assert evaluate(ids, Yv, ks=(1,), filter_pairs=pairs)["precision_at_1"] == pytest.approx(1.0)
+
+
 # ------------------------------------------------------------------------------------ pipeline stages
 
 def test_pipeline_fits_saves_and_evaluates_tree_fusion(tmp_path):
@@ -231,6 +259,14 @@ def test_pipeline_fits_saves_and_evaluates_tree_fusion(tmp_path):
     out = run_all(ctx)
     s = out["fusion"]
     assert s["method"] == "tree" and s["n_candidates"] >= s["n_train"] > 0 and 0 <= s["objective_value"] <= 2
+    # validation pairs of labels without a non-validation training point are counted out of the fit
+    from xc_dagster.pipeline import _labels, _train_rows
+
+    ds = _labels(ctx)
+    valid = np.load(store.stage_dir("TinyTitles", "ingest") / "valid_rows.npy")
+    seen = np.zeros(ds.Y_train.shape[1], bool)
+    seen[ds.Y_train[_train_rows(ctx, ds.num_train)].indices] = True
+    assert s["valid_pairs_unseen_dropped"] == int((~seen[ds.Y_train[valid].indices]).sum())
     text = (store.stage_dir("TinyTitles", "fusion") / "fusion.json").read_text()
     fz = load_fusion(json.loads(text))
     assert isinstance(fz, TreeFusion) and fz.num_labels == 20 and fz.info["params"]["tree_add_positives"]

@@ -36,7 +36,7 @@ from xc_dagster.predict import (CENTROID_FILE, ShortlistSources, build_sources, 
                                 label_centroids, load_sources, retrieve, save_sources, topk_from_scores)
 from xc_dagster.provenance import record_params, with_upstream_params
 from xc_dagster.reports import decile_contributions, decile_plot, pk_plot, recall_by_frequency, recall_plot
-from xc_dagster.sampling import validation_split
+from xc_dagster.sampling import validation_split, validation_targets
 from xc_dagster.siamese import train_siamese
 from xc_dagster.storage import ArtifactStore, load_json, save_json
 from xc_dagster.tokenization import load_tokens, save_pretokenized, tokenize_to_npy
@@ -423,11 +423,15 @@ def fusion(ctx: StageContext) -> dict[str, Any]:
         m = load_model(ctx)
         q = np.load(model_dir(ctx) / "train_emb.npy", mmap_mode="r")[valid]
         sl = retrieve(q, m, ctx.cfg.index.shortlist_size)
-        inv, Yv = _inv_prop(ctx, ds.Y_train), ds.Y_train[valid]
+        inv = _inv_prop(ctx, ds.Y_train)
+        # pairs of labels whose only training points are validation points are left out (unseen by the models)
+        Yv, pairs, unseen = validation_targets(ds.Y_train, valid, _train_rows(ctx, ds.num_train),
+                                               _filter_rows(ds.filter_train, valid))
         extra = (missed_positive_features(sl, Yv, q, m.W, m.label_repr, inv)
                  if p.method == "tree" and p.tree_add_positives else None)
-        f = fit_fusion(sl, Yv, p, inv, _filter_rows(ds.filter_train, valid), extra=extra)
+        f = fit_fusion(sl, Yv, p, inv, pairs, extra=extra)
         fit, fit_summary = f.to_dict(), f.summary()
+        fit_summary["valid_pairs_unseen_dropped"] = unseen
     summary = {**fit_summary, "objective": p.objective, "n_valid": int(len(valid)),
                "seconds": time.perf_counter() - t0}
     with ctx.store.writing(ctx.name, "fusion") as out:
