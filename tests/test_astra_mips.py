@@ -14,10 +14,10 @@ from tests.test_pipeline import TINY, tiny_encoder, tiny_home  # noqa: F401  (fi
 from xc_dagster.ann import LabelIndex, exact_topk
 from xc_dagster.catalog import Catalog
 from xc_dagster.config import ClassifierParams
-from xc_dagster.end_to_end import cosine_with_warmup, examples, train_end_to_end
+from xc_dagster.end_to_end import cosine_with_warmup, examples, sampled_bce, train_end_to_end
 from xc_dagster.errors import XCConfigError
 from xc_dagster.negatives import (AstraNegatives, IndexSettings, MipsNegatives, build_indexes, drop_members,
-                                  first_valid, hard_negatives, uniform_negatives)
+                                  NegativeSample, first_valid, hard_negatives, uniform_negatives)
 from xc_dagster.data import load_dataset
 from xc_dagster.pipeline import STAGE_ORDER, StageContext, model_dir, run_all
 from xc_dagster.predict import CENTROID_FILE, label_centroids
@@ -188,6 +188,41 @@ def test_sharded_classifier_scores_and_sparse_sgd_match_dense(shards):
     ids2 = torch.from_numpy(rng.integers(0, 3, size=(B, K)))
     now = torch.from_numpy(clf.full())
     assert torch.allclose(clf.scores(x.detach(), ids2), (x.detach().unsqueeze(1) * now[ids2]).sum(-1), atol=1e-5)
+
+
+def test_uniform_negatives_can_train_w_without_moving_the_encoder():
+    """encoder_negatives="hard": the query gradient comes from positives and index negatives only, W's from all."""
+    rng = np.random.default_rng(1)
+    L, D, B = 30, 5, 3
+    W0 = rng.normal(size=(L, D)).astype(np.float32)
+    pos = np.array([[0, 1], [2, -1], [3, 4]])
+    neg = NegativeSample(np.array([[5, 6, 7, 8], [9, 10, -1, 11], [12, 13, 14, 15]]),
+                         np.array([[1, 1, 9, 9], [1, 1, 0, 9], [1, 1, 9, 9]], np.float32), hard=2)
+    x0 = rng.normal(size=(B, D)).astype(np.float32)
+    grads = {}
+    for mode in ("all", "hard"):
+        clf = ShardedClassifier(W0, [torch.device("cpu")])
+        x = torch.from_numpy(x0.copy()).requires_grad_(True)
+        p = ClassifierParams(encoder_negatives=mode, normalize=False, scale=1.0)
+        loss = sampled_bce(clf, x, pos, neg, p)
+        loss.backward()
+        ShardedOptimizer(clf, "sgd", lr=1.0).step()
+        grads[mode] = (x.grad.numpy().copy(), clf.full(), loss.item())
+    assert grads["all"][2] == pytest.approx(grads["hard"][2])  # same loss value
+    assert np.allclose(grads["all"][1], grads["hard"][1], atol=1e-6)  # same update of W
+    # by hand: d/dx of sum_pos softplus(-s) + sum_hard softplus(s)
+    W = torch.from_numpy(W0)
+    x = torch.from_numpy(x0.copy()).requires_grad_(True)
+    s_pos = (x.unsqueeze(1) * W[torch.from_numpy(pos).clamp_min(0)]).sum(-1)
+    s_hard = (x.unsqueeze(1) * W[torch.from_numpy(neg.ids[:, :2])]).sum(-1)
+    part = (torch.nn.functional.softplus(-s_pos) * torch.from_numpy(pos >= 0)).sum() + \
+        torch.nn.functional.softplus(s_hard).sum()
+    (part / B).backward()  # the loss is summed per row, averaged over rows
+    assert np.allclose(grads["hard"][0], x.grad.numpy(), atol=1e-6)
+    assert not np.allclose(grads["all"][0], grads["hard"][0], atol=1e-4)  # the uniform terms did move x before
+    with pytest.raises(XCConfigError, match="encoder_negatives"):
+        train_end_to_end(x0, W0, W0, sp.csr_matrix((B, L), dtype=np.float32), np.arange(B),
+                         ClassifierParams(negatives="mips", encoder_negatives="uniform"), torch.device("cpu"))
 
 
 def test_examples_add_label_texts_as_points():

@@ -141,6 +141,10 @@ class ClassifierParams:
     w_optimizer: str = "sparse-adam"  # "sgd" (ASTRA: SGD for the classifiers) | "sparse-adam"; lr = classifier.lr
     weight_decay: float = 0.0  # classifiers, on the rows a step touches (ASTRA: 1e-4)
     dropout: float = 0.0  # on the query embedding before the classifiers (ASTRA tunes 0.5-0.9)
+    # which negatives send gradient to the encoder: "all" (the papers) | "hard" (the uniform draws train W only;
+    # the encoder learns from positives and the index's hard negatives, so the many uniform terms -- weighted
+    # L / k_r in ASTRA -- cannot push every query away from every classifier)
+    encoder_negatives: str = "all"
     warmup_steps: int = 0  # cosine schedule with linear warm-up, for encoder and classifiers
     label_points: bool = False  # add every label's text as a training point with that label (ASTRA)
     num_hard: int = 50  # astra: k_h stale hard negatives; mips: k negatives from the MIPS

@@ -38,6 +38,9 @@ from xc_dagster.siamese import embed_rows
 MetricsFn = Callable[[int, dict[str, float]], None]
 
 
+ENCODER_NEGATIVES = ("all", "hard")
+
+
 def cosine_with_warmup(warmup: int, total: int) -> Callable[[int], float]:
     """Linear warm-up to 1 over ``warmup`` steps, then cosine decay to 0 at ``total``."""
     def f(step: int) -> float:
@@ -94,7 +97,10 @@ def sampled_bce(clf: ShardedClassifier, x: torch.Tensor, pos: np.ndarray, neg: N
     is_pos = torch.zeros_like(valid)
     is_pos[:, :pos.shape[1]] = True
     xd = F.dropout(x.float(), params.dropout, training=True) if params.dropout > 0 else x.float()
-    scores = clf.scores(xd, ids, normalize=params.normalize)
+    query_grad = None
+    if params.encoder_negatives == "hard":
+        query_grad = (torch.arange(ids.shape[1], device=x.device) < pos.shape[1] + neg.hard).expand_as(ids)
+    scores = clf.scores(xd, ids, normalize=params.normalize, query_grad=query_grad)
     return masked_bce_loss(params.scale * scores + bias, is_pos, valid & (weights > 0), weights)
 
 
@@ -146,6 +152,9 @@ def train_end_to_end(point_emb: np.ndarray, label_emb: np.ndarray, W0: np.ndarra
         raise XCConfigError(f"classifier.negatives: the BCE trainer takes {SAMPLERS}, got {params.negatives!r}")
     if params.train_encoder and (encoder is None or point_tokens is None or label_tokens is None):
         raise XCConfigError("classifier.train_encoder needs the encoder and the tokens")
+    if params.encoder_negatives not in ENCODER_NEGATIVES:
+        raise XCConfigError(f"classifier.encoder_negatives: expected one of {ENCODER_NEGATIVES}, "
+                            f"got {params.encoder_negatives!r}")
     if not 0.0 <= params.dropout < 1.0:
         raise XCConfigError(f"classifier.dropout: expected in [0, 1), got {params.dropout}")
     src, Yex = examples(Y, train_rows, params.label_points)

@@ -43,6 +43,7 @@ SAMPLERS = ("uniform", "astra", "mips")
 class NegativeSample:
     ids: np.ndarray  # (B, K) int64, -1 = no candidate
     weights: np.ndarray  # (B, K) float32, 0 where ids < 0
+    hard: int = 0  # the first ``hard`` columns come from the index over W, the rest are uniform draws
 
 
 def drop_members(ids: np.ndarray, other: np.ndarray, num_labels: int) -> np.ndarray:
@@ -268,7 +269,7 @@ class AstraNegatives:
         hard = self.table[rows]
         rand = uniform_negatives(self.Y, rows, self.num_random, rng, exclude=hard)
         w = np.concatenate([(hard >= 0).astype(np.float32), rand.weights], 1)
-        return NegativeSample(np.concatenate([hard, rand.ids], 1), w)
+        return NegativeSample(np.concatenate([hard, rand.ids], 1), w, hard.shape[1])
 
     def state(self) -> dict[str, Any]:
         """Everything a resumed run needs (waits for a build in flight)."""
@@ -321,7 +322,7 @@ class MipsNegatives:
         rand = np.where(positive_mask(self.Y, rows, rand), -1, rand)
         rand = dedupe_rows(drop_members(rand, hard, L))
         ids = np.concatenate([hard, rand], 1)
-        return NegativeSample(ids, (ids >= 0).astype(np.float32))
+        return NegativeSample(ids, (ids >= 0).astype(np.float32), hard.shape[1])
 
     def state(self) -> dict[str, Any]:
         """The stale indexes in use, serialised (no extra copy of W is kept while training)."""

@@ -51,9 +51,11 @@ class ShardedClassifier:
     def num_labels(self) -> int:
         return int(self.offsets[-1])
 
-    def scores(self, x: torch.Tensor, ids: torch.Tensor, normalize: bool = False) -> torch.Tensor:
+    def scores(self, x: torch.Tensor, ids: torch.Tensor, normalize: bool = False,
+               query_grad: torch.Tensor | None = None) -> torch.Tensor:
         """``(B, K)`` scores w_ids[b, j] . x[b] (0 where ``ids`` < 0), with gradients to x and to the rows used
-        (kept for ``ShardedOptimizer.step``); ``normalize``: cosine scores (each w_l scaled to unit norm)."""
+        (kept for ``ShardedOptimizer.step``); ``normalize``: cosine scores (each w_l scaled to unit norm);
+        ``query_grad`` (B, K) bool: where False the score's gradient reaches the row of W but not x."""
         self._leaves = []
         out = torch.zeros(ids.shape, dtype=x.dtype, device=x.device)
         for k, dev in enumerate(self.devices):
@@ -72,13 +74,20 @@ class ShardedClassifier:
             if normalize:
                 w = F.normalize(w, dim=-1)
             xd = x.to(dev)
-            if len(w) * 2 <= inv.numel():  # few distinct rows (L small or shared negatives): one (B, U) matmul
-                s = torch.gather(xd @ w.T, 1, inv)
-            else:  # gather each candidate's row: O(B K D), whatever L is
-                s = torch.bmm(w.index_select(0, inv.reshape(-1)).view(*inv.shape, -1), xd.unsqueeze(2)).squeeze(2)
+            s = self._pair_scores(xd, w, inv)
+            if query_grad is not None:
+                s = torch.where(query_grad.to(dev), s, self._pair_scores(xd.detach(), w, inv))
             out = out + torch.where(inside, s.to(x.device), torch.zeros((), dtype=x.dtype, device=x.device))
             self._leaves.append((k, rows, leaf))
         return out
+
+    @staticmethod
+    def _pair_scores(x: torch.Tensor, w: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+        """(B, K) scores w[inv[b, j]] . x[b]."""
+        if len(w) * 2 <= inv.numel():  # few distinct rows (L small or shared negatives): one (B, U) matmul
+            return torch.gather(x @ w.T, 1, inv)
+        # gather each candidate's row: O(B K D), whatever L is
+        return torch.bmm(w.index_select(0, inv.reshape(-1)).view(*inv.shape, -1), x.unsqueeze(2)).squeeze(2)
 
     def full_scores(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, L)`` scores against every label (the O(L) full-softmax step ASTRA avoids; for baselines)."""
