@@ -134,6 +134,13 @@ STRATEGIES: dict[str, Strategy] = {
             "classifier.negatives": "mips", "classifier.label_points": False, "classifier.num_hard": 5,
             "classifier.num_random": 95, "classifier.refresh_every": 0.125, "classifier.sampler_index": "ivf",
             "classifier.mips_probe": 64, "classifier.epochs": 1,
+            # logit scale 7 and W lr 3 (SGD; the scale multiplies W's effective step by 49): at scale 1 the
+            # classifiers start with logits within +-1 of the bias, the unweighted uniform negatives push every
+            # row the same way, and after one pass the frequent labels win every query (frozen ngame encoder,
+            # validation classifier-only P@1 13.1 at the start -> 5.7 after one epoch, PSP@1 1.4). Scale 5-7
+            # with lr 3-10 gave 29.3-31.9 (ngame's triplet-trained W: 26.4); end to end from the ngame encoder
+            # P@1 37.55 vs 33.80 at scale 1 (bench/RESULTS.md, tenth session).
+            "classifier.scale": 7.0, "classifier.lr": 3.0,
         },
     ),
 }
