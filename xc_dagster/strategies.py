@@ -27,9 +27,17 @@ class Strategy:
 # (BCE needs free logit scale), no dropout (too few epochs for it to pay).
 E2E_CPU = {"pretrain.epochs": 0, "classifier.train_encoder": True, "classifier.loss": "bce",
            "classifier.num_positives": 7, "classifier.w_optimizer": "sgd", "classifier.weight_decay": 1e-4,
-           "fusion.method": "alpha", "classifier.batch_size": 128, "classifier.lr": 1.0, "classifier.normalize": False,
-           "classifier.scale": 1.0, "classifier.encoder_lr": 2e-4, "classifier.warmup_steps": 20,
+           "fusion.method": "alpha", "classifier.batch_size": 128, "classifier.normalize": False,
+           "classifier.encoder_lr": 2e-4, "classifier.warmup_steps": 20,
            "classifier.dropout": 0.0, "classifier.logit_bias": True,
+           # logit scale 7 and W lr 3 (SGD; the scale multiplies W's effective step by 49): at scale 1 the
+           # classifiers start with logits within +-1 of the bias, the uniform negatives push every row the same
+           # way, and after one pass the frequent labels win every query (frozen ngame encoder, mips sampler,
+           # validation classifier-only P@1 13.1 at the start -> 5.7 after one epoch, PSP@1 1.4; astra's sampler
+           # 6.4). Scale 5-7 with lr 3-10 gave 29.3-31.9 (ngame's triplet-trained W: 26.4). End to end on
+           # LF-WordNetNounsTitles from MiniLM: mips 37.07 / 20.74 (scale 1: 33.66 / 17.77), astra 35.12 / 18.41
+           # (scale 1: 34.35 / 20.14, an earlier session's fusion); bench/RESULTS.md, tenth session.
+           "classifier.scale": 7.0, "classifier.lr": 3.0,
            # fusion fitted for P@1 as the ASTRA / MIPS-s papers tune: after one CPU pass their classifiers are
            # weak, and the default P@1 + PSP@1 objective drops them (a = 0). mips from the ngame encoder on
            # LF-WordNetNounsTitles: P@1 34.10 / PSP@1 18.25 fitted for P@1, 33.30 / 18.74 for the sum.
@@ -134,13 +142,6 @@ STRATEGIES: dict[str, Strategy] = {
             "classifier.negatives": "mips", "classifier.label_points": False, "classifier.num_hard": 5,
             "classifier.num_random": 95, "classifier.refresh_every": 0.125, "classifier.sampler_index": "ivf",
             "classifier.mips_probe": 64, "classifier.epochs": 1,
-            # logit scale 7 and W lr 3 (SGD; the scale multiplies W's effective step by 49): at scale 1 the
-            # classifiers start with logits within +-1 of the bias, the unweighted uniform negatives push every
-            # row the same way, and after one pass the frequent labels win every query (frozen ngame encoder,
-            # validation classifier-only P@1 13.1 at the start -> 5.7 after one epoch, PSP@1 1.4). Scale 5-7
-            # with lr 3-10 gave 29.3-31.9 (ngame's triplet-trained W: 26.4); end to end from the ngame encoder
-            # P@1 37.55 vs 33.80 at scale 1 (bench/RESULTS.md, tenth session).
-            "classifier.scale": 7.0, "classifier.lr": 3.0,
         },
     ),
 }
