@@ -15,7 +15,6 @@ def validation_split(n: int, fraction: float, max_rows: int, seed: int) -> np.nd
     return np.sort(rng.choice(n, size=size, replace=False)).astype(np.int64)
 
 
-
 def validation_targets(Y_train: sp.csr_matrix, valid: np.ndarray, train_rows: np.ndarray,
                        filter_pairs: np.ndarray) -> tuple[sp.csr_matrix, np.ndarray, int]:
     """The validation labels a fusion is fitted against: ``Y_train[valid]`` without the pairs whose label has no
@@ -39,6 +38,7 @@ def validation_targets(Y_train: sp.csr_matrix, valid: np.ndarray, train_rows: np
     Yv.eliminate_zeros()
     pairs = np.concatenate([np.asarray(filter_pairs, dtype=np.int64).reshape(-1, 2), dropped])
     return Yv, pairs, int(unseen.sum())
+
 
 def sample_positives(Y: sp.csr_matrix, rows: np.ndarray, per_row: int, rng: np.random.Generator) -> np.ndarray:
     """Up to ``per_row`` distinct random positives of each row: (len(rows), per_row) int64, -1 padded."""
