@@ -187,7 +187,29 @@ def test_siamesexml_strategy_three_index_shortlist_through_the_pipeline_and_bund
     assert out["mining"]["sources"] == ["label", "centroid", "knn"]
     # Module IV's residual fine-tuning needs the bag encoder: the transformer stays frozen and deployed as is
     assert out["classifier"]["residual"].startswith("n/a") and not (ctx.dir("classifier") / "encoder").exists()
-    assert out["index"]["sources"] == ["label", "centroid", "knn"] and out["index"]["knn_points"] == 108
+    # deployed: kNN index and centroids over all 120 training points; the fusion was fitted on the 12 validation
+    # points with the held-out parts (108 points), i.e. exactly as when the validation points are deployed nowhere
+    assert out["index"]["sources"] == ["label", "centroid", "knn"]
+    assert out["index"]["knn_points"] == 120 and out["index"]["heldout_knn_points"] == 108
+    from xc_dagster.pipeline import _train_rows, load_model
+    from xc_dagster.predict import label_centroids, label_representation
+
+    ds0 = load_dataset(ctx.dir("ingest") / "dataset", features=False)
+    rows, emb0 = _train_rows(ctx, 120), np.load(ctx.dir("pretrain") / "train_emb.npy")
+    lab0 = np.load(ctx.dir("pretrain") / "label_emb.npy")
+    for heldout, r in ((False, np.arange(120)), (True, rows)):
+        m = load_model(ctx, heldout=heldout)
+        assert m.indexes["knn"].size == len(r) and m.knn_labels.shape == (len(r), 20)
+        assert m.indexes["centroid"].size == 20
+        want = label_representation(lab0, label_centroids(emb0, ds0.Y_train, r), "text+centroid")
+        np.testing.assert_allclose(m.label_repr, want, atol=1e-5)
+    fitted = (ctx.dir("fusion") / "fusion.json").read_text()
+    off = StageContext(ctx.store, spec, spec.config({"index.include_validation": False}), home.cache)
+    again = run_all(off, ("index", "fusion"))
+    assert again["index"]["knn_points"] == 108 and "heldout_knn_points" not in again["index"]
+    assert not (off.dir("index") / "heldout").exists()
+    assert (off.dir("fusion") / "fusion.json").read_text() == fitted
+    run_all(ctx, ("index", "fusion"))  # back to the deployed default for the bundle check below
     ds = load_dataset(ctx.dir("ingest") / "dataset", features=False)
     sl = np.load(ctx.dir("mining") / "shortlist.npy")
     assert sl.shape == (120, 8) and sl.max() < 20

@@ -60,6 +60,9 @@ class PretrainParams:
     num_negatives: int = 10  # top-k hardest in-batch negatives per point (siamesexml: kappa per label)
     temperature: float = 0.1  # softmax weighting of violators (NGAME code's OHNM)
     pooling: str = "mean"  # "mean" | "cls"
+    # transformer encoders: keep the input embeddings and the lowest N layers as pretrained (backward stops
+    # at layer N: faster steps on CPU, more of the data in the same budget); 0 trains every layer
+    freeze_layers: int = 0
     chunk_size: int = 128  # texts per forward chunk, sorted by length (per-chunk padding)
     amp: str = "auto"  # "auto" (bf16 on CPUs with bf16 units, fp16 on CUDA) | "bf16" | "fp16" | "off"
     encode_batch_size: int = 256
@@ -212,6 +215,10 @@ class IndexParams:
     # knn source: its score (a fusion input) is the mean over the K nearest training points of their
     # similarity where they carry the label; candidates still come from all shortlist_size neighbours
     knn_neighbours: int = 10
+    # the deployed kNN index and label centroids hold every training point, the validation ones too (the
+    # fusion is still fitted on validation with the indexes built without them, index/heldout/); W and the
+    # encoder never see validation points. False: deploy the held-out indexes as fitted
+    include_validation: bool = True
 
 
 @dataclass

@@ -32,8 +32,9 @@ from xc_dagster.device import amp_dtype, resolve_device, seed_everything
 from xc_dagster.encoder import encode_tokens, load_encoder, load_tokenizer, save_encoder
 from xc_dagster.fusion import check_method, fit_fusion, load_fusion, missed_positive_features
 from xc_dagster.metrics import evaluate, inverse_propensity, recall_at, remove_filtered
-from xc_dagster.predict import (CENTROID_FILE, ShortlistSources, build_sources, check_label_repr, check_sources,
-                                label_centroids, load_sources, retrieve, save_sources, topk_from_scores)
+from xc_dagster.predict import (CENTROID_FILE, POINT_SOURCES, ShortlistSources, build_sources, check_label_repr,
+                                check_sources, label_centroids, load_sources, retrieve, save_parts, save_sources,
+                                topk_from_scores, with_point_parts)
 from xc_dagster.provenance import record_params, with_upstream_params
 from xc_dagster.reports import decile_contributions, decile_plot, pk_plot, recall_by_frequency, recall_plot
 from xc_dagster.sampling import validation_split, validation_targets
@@ -370,20 +371,25 @@ def index(ctx: StageContext) -> dict[str, Any]:
     check_label_repr(p.label_repr, "index.label_repr")
     if not (isinstance(p.knn_neighbours, int) and p.knn_neighbours >= 0):
         raise XCConfigError(f"index.knn_neighbours: expected an int >= 0, got {p.knn_neighbours!r}")
+    if not isinstance(p.include_validation, bool):
+        raise XCConfigError(f"index.include_validation: expected true or false, got {p.include_validation!r}")
     t0 = time.perf_counter()
     W = np.load(ctx.dir("classifier") / "W.npy")
     label_emb = np.load(model_dir(ctx) / "label_emb.npy")
     need_centroids = "centroid" in p.sources or p.label_repr == "text+centroid"
-    centroids = point_emb = knn_labels = None
+    parts: dict[str, tuple] = {}  # "deployed" / "heldout" -> (centroids, kNN points, their labels)
     if need_centroids or "knn" in p.sources:
         ds = _labels(ctx)
         rows = _train_rows(ctx, ds.num_train)
-        train_emb = np.load(model_dir(ctx) / "train_emb.npy", mmap_mode="r")
         # from the deployed encoder's embeddings: mining's centroids are stale once ASTRA/MIPS-s fine-tuned it
-        centroids = label_centroids(train_emb, ds.Y_train, rows) if need_centroids else None
-        if "knn" in p.sources:
-            point_emb = train_emb[rows]
-            knn_labels = ds.Y_train[rows]
+        train_emb = np.load(model_dir(ctx) / "train_emb.npy", mmap_mode="r")
+        sets = {"deployed": rows}
+        if p.include_validation and len(rows) < ds.num_train:
+            sets = {"deployed": np.arange(ds.num_train), "heldout": rows}
+        for name, r in sets.items():
+            parts[name] = (label_centroids(train_emb, ds.Y_train, r) if need_centroids else None,
+                           *((np.asarray(train_emb[r]), ds.Y_train[r]) if "knn" in p.sources else (None, None)))
+    centroids, point_emb, knn_labels = parts.get("deployed", (None, None, None))
     src = build_sources(p.sources, W, label_emb, centroids, point_emb, knn_labels, p.label_repr, p.kind,
                         p.hnsw_m, p.hnsw_ef_construction, p.hnsw_ef_search)
     with ctx.store.writing(ctx.name, "index") as out:
@@ -391,19 +397,36 @@ def index(ctx: StageContext) -> dict[str, Any]:
         summary = {"kind": p.kind, "sources": list(p.sources), "label_repr": p.label_repr,
                    "labels": int(len(W)), "dim": int(W.shape[1]),
                    "knn_points": int(point_emb.shape[0]) if point_emb is not None else 0,
-                   "knn_neighbours": int(p.knn_neighbours) if "knn" in p.sources else 0,
-                   "seconds": time.perf_counter() - t0}
+                   "knn_neighbours": int(p.knn_neighbours) if "knn" in p.sources else 0}
+        if "heldout" in parts:  # what the fusion is fitted with: the same parts without the validation points
+            h_centroids, h_points, h_labels = parts["heldout"]
+            save_parts(out / HELDOUT_DIR, {name: LabelIndex(p.kind, h_centroids if name == "centroid" else h_points,
+                                                            m=p.hnsw_m, ef_construction=p.hnsw_ef_construction,
+                                                            ef_search=p.hnsw_ef_search)
+                                           for name in POINT_SOURCES if name in p.sources}, h_labels, h_centroids)
+            summary["heldout_knn_points"] = int(h_points.shape[0]) if h_points is not None else 0
+        summary["seconds"] = time.perf_counter() - t0
         save_json(out / "summary.json", summary)
     return summary
 
 
-def load_model(ctx: StageContext) -> ShortlistSources:
-    """W, the label representation and the indexes, as the index stage recorded them (kind, sources)."""
+HELDOUT_DIR = "heldout"  # index/heldout/: the training-point parts without the validation points
+
+
+def load_model(ctx: StageContext, heldout: bool = False) -> ShortlistSources:
+    """W, the label representation and the indexes, as the index stage recorded them (kind, sources).
+
+    ``heldout``: the training-point parts (kNN index, label centroids) without the validation points, for
+    fitting on them; the deployed model when the index stage built none (validation included nowhere)."""
     d = ctx.dir("index")
     info = load_json(d / "summary.json")
-    return load_sources(d, tuple(info.get("sources", ("W", "label"))), info.get("label_repr", "text"),
-                        info["kind"], ctx.cfg.index.hnsw_ef_search, np.load(ctx.dir("classifier") / "W.npy"),
-                        np.load(model_dir(ctx) / "label_emb.npy"), int(info.get("knn_neighbours", 0)))
+    label_emb = np.load(model_dir(ctx) / "label_emb.npy")
+    repr_, kind, ef = info.get("label_repr", "text"), info["kind"], ctx.cfg.index.hnsw_ef_search
+    m = load_sources(d, tuple(info.get("sources", ("W", "label"))), repr_, kind, ef,
+                     np.load(ctx.dir("classifier") / "W.npy"), label_emb, int(info.get("knn_neighbours", 0)))
+    if heldout and (d / HELDOUT_DIR).is_dir():
+        m = with_point_parts(m, d / HELDOUT_DIR, label_emb, repr_, kind, ef)
+    return m
 
 
 def fusion(ctx: StageContext) -> dict[str, Any]:
@@ -420,7 +443,7 @@ def fusion(ctx: StageContext) -> dict[str, Any]:
         fit = {"method": "alpha", "alpha": 0.5, "grid": [], "note": "no validation rows; alpha defaulted"}
         fit_summary = {"method": "alpha", "alpha": 0.5, "note": fit["note"]}
     else:
-        m = load_model(ctx)
+        m = load_model(ctx, heldout=True)
         q = np.load(model_dir(ctx) / "train_emb.npy", mmap_mode="r")[valid]
         sl = retrieve(q, m, ctx.cfg.index.shortlist_size)
         inv = _inv_prop(ctx, ds.Y_train)

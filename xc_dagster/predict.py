@@ -17,7 +17,7 @@ so memory stays bounded; every step is O(k) per query per source, independent of
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import scipy.sparse as sp
@@ -28,6 +28,7 @@ from xc_dagster.errors import XCConfigError
 from xc_dagster.sampling import dedupe_rows
 
 SOURCES = ("W", "label", "centroid", "knn")
+POINT_SOURCES = ("centroid", "knn")  # built from training points; "W" and "label" from the labels
 LABEL_REPRS = ("text", "text+centroid")
 
 
@@ -217,15 +218,40 @@ def build_sources(sources: tuple[str, ...], W: np.ndarray, label_emb: np.ndarray
 
 def save_sources(src: ShortlistSources, folder, centroids: np.ndarray | None) -> None:
     """Write every index as ``INDEX_FILES[name]``, the kNN label matrix and the centroids when used."""
+    save_parts(folder, src.indexes, src.knn_labels, centroids)
+
+
+def save_parts(folder, indexes: dict[str, LabelIndex], knn_labels: sp.csr_matrix | None,
+               centroids: np.ndarray | None) -> None:
+    """``save_sources`` for any subset of the parts, e.g. only those built from the training points."""
     from pathlib import Path
 
     folder = Path(folder)
-    for name, index in src.indexes.items():
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, index in indexes.items():
         index.save(folder / INDEX_FILES[name])
-    if src.knn_labels is not None:
-        sp.save_npz(folder / KNN_LABELS_FILE, src.knn_labels.astype(np.float32))
+    if knn_labels is not None:
+        sp.save_npz(folder / KNN_LABELS_FILE, knn_labels.astype(np.float32))
     if centroids is not None:
         np.save(folder / CENTROID_FILE, centroids)
+
+
+def with_point_parts(base: ShortlistSources, folder, label_emb: np.ndarray, label_repr: str, kind: str,
+                     ef_search: int) -> ShortlistSources:
+    """``base`` with the parts built from training points (``POINT_SOURCES`` indexes, the kNN label matrix, the
+    label centroids of the label representation) replaced by those ``save_parts`` wrote into ``folder``."""
+    from pathlib import Path
+
+    folder = Path(folder)
+    indexes = dict(base.indexes)
+    for name in POINT_SOURCES:
+        if name in indexes:
+            indexes[name] = LabelIndex.load(folder / INDEX_FILES[name], kind, ef_search)
+    knn = sp.load_npz(folder / KNN_LABELS_FILE).tocsr() if "knn" in indexes else None
+    path = folder / CENTROID_FILE
+    centroids = np.load(path, allow_pickle=False) if path.exists() else None
+    return replace(base, label_repr=label_representation(label_emb, centroids, label_repr), indexes=indexes,
+                   knn_labels=knn)
 
 
 def load_sources(folder, sources: tuple[str, ...], label_repr: str, kind: str, ef_search: int, W: np.ndarray,
