@@ -298,3 +298,34 @@ def test_topk_from_scores_ties_by_label_id_and_padding():
     out_ids, out_s = topk_from_scores(ids, scores, 6)
     assert out_ids.tolist() == [[5, 3, 7, -1, -1, -1]]
     assert out_s[0, :3].tolist() == pytest.approx([0.9, 0.5, 0.5])
+
+
+# ----------------------------------------------------------------------------------------- mixed precision
+
+@pytest.mark.parametrize("amx, fp32_s, bf16_s, want", [(True, 1.0, 9.0, torch.bfloat16),  # AMX: not measured
+                                                     (False, 1.0, 0.5, torch.bfloat16),  # 2x faster
+                                                     (False, 1.0, 0.9, None),  # 1.1x: not worth it
+                                                     (False, 1.0, 2.0, None)])  # slower (AVX-512-BF16 Xeon)
+def test_auto_amp_on_cpu_is_bf16_only_where_it_pays(monkeypatch, amx, fp32_s, bf16_s, want):
+    """On CPU ``auto`` autocasts to bf16 only with AMX or where bf16 products measure >= 1.2x faster; explicit
+    settings are taken as given, and a bad one names the accepted values."""
+    from xc_dagster import device
+
+    monkeypatch.setattr(device, "cpu_has_amx", lambda: amx)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True, raising=False)
+    monkeypatch.setattr(device, "_matmul_seconds", lambda dtype: fp32_s if dtype is None else bf16_s)
+    device.cpu_bf16_pays.cache_clear()
+    try:
+        cpu = torch.device("cpu")
+        assert device.amp_dtype(cpu, "auto") is want
+        assert device.amp_dtype(cpu, "bf16") is torch.bfloat16 and device.amp_dtype(cpu, "off") is None
+        with pytest.raises(XCConfigError, match="amp: expected auto|bf16|fp16|off"):
+            device.amp_dtype(cpu, "fp8")
+    finally:
+        device.cpu_bf16_pays.cache_clear()
+
+
+def test_matmul_probe_times_both_precisions():
+    from xc_dagster import device
+
+    assert device._matmul_seconds(None, reps=1) > 0 and device._matmul_seconds(torch.bfloat16, reps=1) > 0
