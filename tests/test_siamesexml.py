@@ -254,3 +254,30 @@ def test_train_siamese_label_batches_without_centroid_and_with_triplet(tiny, one
     assert res.steps == math.ceil(54 / 8) and res.points == 54
     res, _, _ = _run(tiny, epochs=1, sampler="random")
     assert res.steps == 7 and math.isfinite(res.final_loss)
+
+
+def test_freeze_layers_trains_only_the_layers_above(tiny, one_thread):
+    """pretrain.freeze_layers = 1 on the 2-layer BERT: embeddings and layer 0 end bit-identical, layer 1 moves,
+    and the encoder still learns; more layers than the model has, or a bag encoder, is a config error."""
+    path, pt, lt, Y = tiny
+    start = {k: v.clone() for k, v in load_encoder(str(path)).state_dict().items()}
+    seed_everything(0)
+    enc = load_encoder(str(path))
+    params = dataclasses.replace(PretrainParams(), sampler="random", batch_size=8, chunk_size=16, warmup_steps=2,
+                                 lr=2e-3, amp="off", epochs=5, freeze_layers=1)
+    before = _margin(enc, pt, lt, Y)
+    train_siamese(enc, pt, lt, Y, np.arange(54), params, torch.device("cpu"), None)
+    after = enc.state_dict()
+    frozen = [k for k in after if ".embeddings." in k or ".layer.0." in k]
+    trained = [k for k in after if ".layer.1." in k]
+    assert frozen and trained
+    assert all(torch.equal(after[k], start[k]) for k in frozen)
+    assert sum(not torch.equal(after[k], start[k]) for k in trained) == len(trained)
+    assert _margin(enc, pt, lt, Y) > before + 0.02
+    with pytest.raises(XCConfigError, match="pretrain.freeze_layers: expected at most the encoder's 2 layers"):
+        train_siamese(load_encoder(str(path)), pt, lt, Y, np.arange(54),
+                      dataclasses.replace(params, freeze_layers=3), torch.device("cpu"), None)
+    with pytest.raises(XCConfigError, match="pretrain.freeze_layers: expected an int >= 0"):
+        check_pretrain_params(dataclasses.replace(params, freeze_layers=-1))
+    with pytest.raises(XCConfigError, match="pretrain.freeze_layers: BagOfEmbeddingsEncoder"):
+        train_siamese(load_encoder("bag:16"), pt, lt, Y, np.arange(54), params, torch.device("cpu"), None)

@@ -63,6 +63,21 @@ class SiameseEncoder(torch.nn.Module):
     def dim(self) -> int:
         return int(self.transformer.config.hidden_size)
 
+    def freeze_bottom(self, n: int) -> int:
+        """Stop training the input embeddings and the lowest ``n`` transformer layers (``requires_grad`` off),
+        so backward stops below layer ``n``; returns the number of frozen parameters. 0 freezes nothing."""
+        if n <= 0:
+            return 0
+        layers = transformer_layers(self.transformer)
+        if n > len(layers):
+            raise XCConfigError(f"pretrain.freeze_layers: expected at most the encoder's {len(layers)} layers, "
+                                f"got {n}")
+        emb = getattr(self.transformer, "embeddings", None) or self.transformer.get_input_embeddings()
+        frozen = [p for m in (emb, *layers[:n]) for p in m.parameters()]
+        for p in frozen:
+            p.requires_grad_(False)
+        return sum(p.numel() for p in frozen)
+
     def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         hidden = self.transformer(input_ids=ids, attention_mask=mask).last_hidden_state
         if self.pooling == "cls":
@@ -71,6 +86,17 @@ class SiameseEncoder(torch.nn.Module):
             m = mask.unsqueeze(-1).to(hidden.dtype)
             pooled = (hidden * m).sum(1) / m.sum(1).clamp_min(1.0)
         return F.normalize(pooled.float(), dim=-1)
+
+
+def transformer_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The stack of transformer blocks of an HF encoder (BERT's ``encoder.layer``, DistilBERT's
+    ``transformer.layer``, ...): the ModuleList with ``config.num_hidden_layers`` entries."""
+    n = getattr(model.config, "num_hidden_layers", None)
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == n:
+            return module
+    raise XCConfigError(f"pretrain.freeze_layers: no stack of {n} transformer layers found in "
+                        f"{type(model).__name__}")
 
 
 TextEncoder = SiameseEncoder | BagOfEmbeddingsEncoder

@@ -148,6 +148,7 @@ def check_pretrain_params(params: PretrainParams) -> None:
         (params.label_power >= 0.0, "label_power", "a value >= 0"),
         (params.centroid_points >= 0, "centroid_points", "an int >= 0"),
         (0.0 <= params.centroid_weight <= 1.0, "centroid_weight", "a value in [0, 1]"),
+        (isinstance(params.freeze_layers, int) and params.freeze_layers >= 0, "freeze_layers", "an int >= 0"),
     ]
     for ok, name, expected in checks:
         if not ok:
@@ -275,7 +276,13 @@ def train_siamese(encoder: SiameseEncoder, point_tokens: tuple[np.ndarray, np.nd
         return PretrainResult(0, 0, 0.0, float("nan"))
     p_ids, p_lens = point_tokens
     l_ids, l_lens = label_tokens
-    opt = torch.optim.AdamW(encoder.parameters(), lr=params.lr, weight_decay=params.weight_decay)
+    if params.freeze_layers:
+        if not isinstance(encoder, SiameseEncoder):
+            raise XCConfigError(f"pretrain.freeze_layers: {type(encoder).__name__} has no transformer layers "
+                                f"to freeze; set it to 0")
+        encoder.freeze_bottom(params.freeze_layers)
+    trainable = [p for p in encoder.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=params.lr, weight_decay=params.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(params.warmup_steps, total_steps))
     encoder.train()
     step, points, t0, loss_val = 0, 0, time.perf_counter(), float("nan")
@@ -332,7 +339,7 @@ def train_siamese(encoder: SiameseEncoder, point_tokens: tuple[np.ndarray, np.nd
                 loss, n_points = point_batch_loss(p.float() @ z.float().T, mask.to(device), params), len(batch)
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(encoder.parameters(), 1.0)
+            torch.nn.utils.clip_grad_norm_(trainable, 1.0)
             opt.step()
             sched.step()
             step += 1
