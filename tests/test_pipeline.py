@@ -331,7 +331,10 @@ def test_siamesexml_module_iv_fine_tunes_the_bag_residual_and_deploys_it(tiny_ho
     lab = np.load(ctx.dir("classifier") / "label_emb.npy")
     np.testing.assert_allclose(lab, encode_tokens(tuned, *_tokens(ctx, "label"), torch.device("cpu"), None),
                                atol=1e-5)
+    # deployed centroids over every training point; the fusion's held-out copy without the validation points
     np.testing.assert_allclose(np.load(ctx.dir("index") / "label_centroid.npy"),
+                               label_centroids(emb, _labels(ctx).Y_train), atol=1e-5)
+    np.testing.assert_allclose(np.load(ctx.dir("index") / "heldout" / "label_centroid.npy"),
                                label_centroids(emb, _labels(ctx).Y_train, _train_rows(ctx, len(emb))), atol=1e-5)
     # sampled negatives fine-tune the whole encoder instead: asking for the residual there is a config error
     bad = dataclasses.replace(cfg, classifier=dataclasses.replace(cfg.classifier, negatives="uniform"))
