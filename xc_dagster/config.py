@@ -65,7 +65,8 @@ class PretrainParams:
     # N = 3 with 1.4 epochs 35.67 / 25.83 vs all layers, 1 epoch 36.67 / 26.67 (bench/RESULTS.md), so off
     freeze_layers: int = 0
     chunk_size: int = 128  # texts per forward chunk, sorted by length (per-chunk padding)
-    amp: str = "auto"  # "auto" (bf16 on CPUs with bf16 units, fp16 on CUDA) | "bf16" | "fp16" | "off"
+    # "auto" (CUDA: bf16, else fp16; CPU: bf16 only where it pays, see device.amp_dtype) | "bf16" | "fp16" | "off"
+    amp: str = "auto"
     encode_batch_size: int = 256
     sampler: str = "random"  # "random" batches | "ngame": unions of clusters of the memory-bank embeddings
     max_cluster_size: int = 64  # ngame: C doubles from 1 at each curriculum epoch, up to this

@@ -63,20 +63,18 @@ class SiameseEncoder(torch.nn.Module):
     def dim(self) -> int:
         return int(self.transformer.config.hidden_size)
 
-    def freeze_bottom(self, n: int) -> int:
+    def freeze_bottom(self, n: int) -> None:
         """Stop training the input embeddings and the lowest ``n`` transformer layers (``requires_grad`` off),
-        so backward stops below layer ``n``; returns the number of frozen parameters. 0 freezes nothing."""
+        so backward stops below layer ``n``. 0 freezes nothing."""
         if n <= 0:
-            return 0
+            return
         layers = transformer_layers(self.transformer)
         if n > len(layers):
             raise XCConfigError(f"pretrain.freeze_layers: expected at most the encoder's {len(layers)} layers, "
                                 f"got {n}")
         emb = getattr(self.transformer, "embeddings", None) or self.transformer.get_input_embeddings()
-        frozen = [p for m in (emb, *layers[:n]) for p in m.parameters()]
-        for p in frozen:
-            p.requires_grad_(False)
-        return sum(p.numel() for p in frozen)
+        for module in (emb, *layers[:n]):
+            module.requires_grad_(False)
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         hidden = self.transformer(input_ids=ids, attention_mask=mask).last_hidden_state

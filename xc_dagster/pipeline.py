@@ -34,7 +34,7 @@ from xc_dagster.fusion import check_method, fit_fusion, load_fusion, missed_posi
 from xc_dagster.metrics import evaluate, inverse_propensity, recall_at, remove_filtered
 from xc_dagster.predict import (CENTROID_FILE, POINT_SOURCES, ShortlistSources, build_sources, check_label_repr,
                                 check_sources, label_centroids, load_sources, retrieve, save_parts, save_sources,
-                                topk_from_scores, with_point_parts)
+                                topk_from_scores)
 from xc_dagster.provenance import record_params, with_upstream_params
 from xc_dagster.reports import decile_contributions, decile_plot, pk_plot, recall_by_frequency, recall_plot
 from xc_dagster.sampling import validation_split, validation_targets
@@ -400,9 +400,9 @@ def index(ctx: StageContext) -> dict[str, Any]:
                    "knn_neighbours": int(p.knn_neighbours) if "knn" in p.sources else 0}
         if "heldout" in parts:  # what the fusion is fitted with: the same parts without the validation points
             h_centroids, h_points, h_labels = parts["heldout"]
-            save_parts(out / HELDOUT_DIR, {name: LabelIndex(p.kind, h_centroids if name == "centroid" else h_points,
-                                                            m=p.hnsw_m, ef_construction=p.hnsw_ef_construction,
-                                                            ef_search=p.hnsw_ef_search)
+            vectors = {"centroid": h_centroids, "knn": h_points}
+            save_parts(out / HELDOUT_DIR, {name: _label_index(vectors[name], p.kind, p.hnsw_m, p.hnsw_ef_construction,
+                                                              p.hnsw_ef_search)
                                            for name in POINT_SOURCES if name in p.sources}, h_labels, h_centroids)
             summary["heldout_knn_points"] = int(h_points.shape[0]) if h_points is not None else 0
         summary["seconds"] = time.perf_counter() - t0
@@ -420,13 +420,10 @@ def load_model(ctx: StageContext, heldout: bool = False) -> ShortlistSources:
     fitting on them; the deployed model when the index stage built none (validation included nowhere)."""
     d = ctx.dir("index")
     info = load_json(d / "summary.json")
-    label_emb = np.load(model_dir(ctx) / "label_emb.npy")
-    repr_, kind, ef = info.get("label_repr", "text"), info["kind"], ctx.cfg.index.hnsw_ef_search
-    m = load_sources(d, tuple(info.get("sources", ("W", "label"))), repr_, kind, ef,
-                     np.load(ctx.dir("classifier") / "W.npy"), label_emb, int(info.get("knn_neighbours", 0)))
-    if heldout and (d / HELDOUT_DIR).is_dir():
-        m = with_point_parts(m, d / HELDOUT_DIR, label_emb, repr_, kind, ef)
-    return m
+    points = d / HELDOUT_DIR if heldout and (d / HELDOUT_DIR).is_dir() else None
+    return load_sources(d, tuple(info.get("sources", ("W", "label"))), info.get("label_repr", "text"),
+                        info["kind"], ctx.cfg.index.hnsw_ef_search, np.load(ctx.dir("classifier") / "W.npy"),
+                        np.load(model_dir(ctx) / "label_emb.npy"), int(info.get("knn_neighbours", 0)), points)
 
 
 def fusion(ctx: StageContext) -> dict[str, Any]:

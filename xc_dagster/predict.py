@@ -17,7 +17,7 @@ so memory stays bounded; every step is O(k) per query per source, independent of
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import scipy.sparse as sp
@@ -236,34 +236,20 @@ def save_parts(folder, indexes: dict[str, LabelIndex], knn_labels: sp.csr_matrix
         np.save(folder / CENTROID_FILE, centroids)
 
 
-def with_point_parts(base: ShortlistSources, folder, label_emb: np.ndarray, label_repr: str, kind: str,
-                     ef_search: int) -> ShortlistSources:
-    """``base`` with the parts built from training points (``POINT_SOURCES`` indexes, the kNN label matrix, the
-    label centroids of the label representation) replaced by those ``save_parts`` wrote into ``folder``."""
-    from pathlib import Path
-
-    folder = Path(folder)
-    indexes = dict(base.indexes)
-    for name in POINT_SOURCES:
-        if name in indexes:
-            indexes[name] = LabelIndex.load(folder / INDEX_FILES[name], kind, ef_search)
-    knn = sp.load_npz(folder / KNN_LABELS_FILE).tocsr() if "knn" in indexes else None
-    path = folder / CENTROID_FILE
-    centroids = np.load(path, allow_pickle=False) if path.exists() else None
-    return replace(base, label_repr=label_representation(label_emb, centroids, label_repr), indexes=indexes,
-                   knn_labels=knn)
-
-
 def load_sources(folder, sources: tuple[str, ...], label_repr: str, kind: str, ef_search: int, W: np.ndarray,
-                 label_emb: np.ndarray, knn_neighbours: int = 0) -> ShortlistSources:
-    """The sources ``save_sources`` wrote into ``folder`` (faiss files, .npy, .npz; no pickle)."""
+                 label_emb: np.ndarray, knn_neighbours: int = 0, point_folder=None) -> ShortlistSources:
+    """The sources ``save_sources`` wrote into ``folder`` (faiss files, .npy, .npz; no pickle); with
+    ``point_folder``, the parts built from training points (``POINT_SOURCES`` indexes, the kNN label matrix, the
+    label centroids) are read from there instead (what ``save_parts`` wrote, e.g. a held-out copy)."""
     from pathlib import Path
 
     folder = Path(folder)
+    points = folder if point_folder is None else Path(point_folder)
     check_sources(tuple(sources), f"{folder}: sources")
-    indexes = {name: LabelIndex.load(folder / INDEX_FILES[name], kind, ef_search) for name in sources}
-    knn = sp.load_npz(folder / KNN_LABELS_FILE).tocsr() if "knn" in sources else None
-    path = folder / CENTROID_FILE
+    indexes = {name: LabelIndex.load((points if name in POINT_SOURCES else folder) / INDEX_FILES[name], kind,
+                                     ef_search) for name in sources}
+    knn = sp.load_npz(points / KNN_LABELS_FILE).tocsr() if "knn" in sources else None
+    path = points / CENTROID_FILE
     centroids = np.load(path, allow_pickle=False) if path.exists() else None
     return ShortlistSources(W, label_representation(label_emb, centroids, label_repr), indexes, knn, knn_neighbours)
 
