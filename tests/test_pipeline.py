@@ -249,6 +249,26 @@ def test_ngame_sampler_through_the_pretrain_stage(tiny_home):
     assert out["pretrain"]["points"] == 3 * 108  # every non-validation point once per epoch
 
 
+def test_classifier_init_from_text_or_text_plus_centroid(tiny_home):
+    """classifier.init=text+centroid starts w_l at normalise(E(z_l) + v_l) with mining's label centroids (with 0
+    epochs W is that start); the default starts at E(z_l); an unknown value names the field."""
+    spec = Catalog(tiny_home.catalog).get("TinyTitles")
+    store = ArtifactStore(tiny_home.artifacts)
+    run_all(StageContext(store, spec, spec.config({"pretrain.epochs": 0}), tiny_home.cache),
+            ("ingest", "tokenize", "pretrain", "mining"))
+    E = np.load(store.stage_dir("TinyTitles", "pretrain") / "label_emb.npy")
+    v = np.load(store.stage_dir("TinyTitles", "mining") / "label_centroid.npy")
+    for init, want in (("text", E), ("text+centroid", (E + v) / np.linalg.norm(E + v, axis=1, keepdims=True))):
+        ctx = StageContext(store, spec, spec.config({"pretrain.epochs": 0, "classifier.epochs": 0,
+                                                     "classifier.init": init}), tiny_home.cache)
+        run_all(ctx, ("classifier",))
+        np.testing.assert_allclose(np.load(ctx.dir("classifier") / "W.npy"), want, atol=1e-5)
+    assert np.abs(v).sum() > 0 and not np.allclose(E, want)
+    bad = StageContext(store, spec, spec.config({"classifier.init": "centroid"}), tiny_home.cache)
+    with pytest.raises(XCConfigError, match="classifier.init: expected one of"):
+        run_all(bad, ("classifier",))
+
+
 def test_pretokenized_layout_uses_the_shipped_token_ids(tmp_path, monkeypatch, tiny_encoder):
     """The `tokenized` layout ({trn_doc,tst_doc,lbl}_{input_ids,attention_mask}.npy + label files): the
     tokenize stage writes the shipped ids (cut to max_len, lengths from the mask) and training runs."""

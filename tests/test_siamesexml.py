@@ -160,17 +160,19 @@ def test_siamesexml_loss_only_hardest_kappa_and_finite_above_one():
 def test_siamesexml_strategy_resolves_the_sampler_and_loss():
     cfg = resolve_config("quick", "siamesexml", ("strategy", STRATEGIES["siamesexml"].overrides))
     p = cfg.pretrain
-    assert p.sampler == "siamesexml" and p.loss == "siamesexml" and p.num_negatives == 1
+    assert p.sampler == "siamesexml" and p.loss == "triplet" and p.num_negatives == 5 and p.epochs == 3
     assert (p.contrastive_c, p.contrastive_d, p.label_power) == (0.9, 1.5, 0.45)
     assert p.centroid_points == 2 and p.centroid_weight == pytest.approx(0.3)
     assert cfg.fusion.method == "alpha"
     assert cfg.flat()["pretrain.sampler"] == "siamesexml"
     spec = DatasetSpec("X-Titles", "/x", strategy="siamesexml").validate()
     assert spec.config({"pretrain.centroid_points": "0"}).pretrain.centroid_points == 0
-    ngame = DatasetSpec("X-Titles", "/x").config().pretrain  # ngame unchanged
+    ngame_cfg = DatasetSpec("X-Titles", "/x").config()
+    ngame = ngame_cfg.pretrain  # ngame unchanged
     assert ngame.sampler == "random" and ngame.loss == "triplet" and ngame.num_negatives == 10
     assert cfg.mining.sources == cfg.index.sources == ("label", "centroid", "knn")  # Module II
     assert cfg.index.label_repr == "text+centroid" and cfg.classifier.loss == "triplet"  # measured better
+    assert cfg.classifier.init == "text+centroid" and ngame_cfg.classifier.init == "text"
     assert (cfg.classifier.contrastive_c, cfg.classifier.contrastive_d) == (0.75, 3.0)  # classifier.loss=siamesexml
     for name in ("Module I", "Module II", "Module III", "Module IV", "residual", "classifier.loss=siamesexml"):
         assert name.lower() in STRATEGIES["siamesexml"].description.lower()

@@ -103,6 +103,7 @@ def _train_rows(ctx: StageContext, num_train: int) -> np.ndarray:
 
 
 CLASSIFIER_INIT = "classifier_init.npy"
+CLASSIFIER_INITS = ("text", "text+centroid")
 
 
 def _inv_prop(ctx: StageContext, Y_train) -> np.ndarray:
@@ -292,7 +293,15 @@ def classifier(ctx: StageContext) -> dict[str, Any]:
     point_emb = np.load(d / "train_emb.npy")
     init = d / CLASSIFIER_INIT  # a warm start's W, else W starts from the label embeddings
     label_emb = np.load(d / "label_emb.npy")
-    W0 = np.load(init) if init.exists() else label_emb
+    if p.init not in CLASSIFIER_INITS:
+        raise XCConfigError(f"classifier.init: expected one of {CLASSIFIER_INITS}, got {p.init!r}")
+    if init.exists():
+        W0 = np.load(init)
+    elif p.init == "text+centroid":
+        W0 = label_emb + np.load(ctx.dir("mining") / CENTROID_FILE)
+        W0 /= np.maximum(np.linalg.norm(W0, axis=1, keepdims=True), 1e-12)
+    else:
+        W0 = label_emb
     sl = np.load(ctx.dir("mining") / "shortlist.npy")
     ds = _labels(ctx)
     rows = _train_rows(ctx, ds.num_train)
