@@ -118,8 +118,9 @@ class ClassifierParams:
     epochs: float = 5  # fractions only with sampled negatives (uniform/astra/mips): a CPU budget
     batch_size: int = 1024
     lr: float = 1e-3  # SparseAdam (NGAME code: 1e-3)
-    # w_l starts from "text": E(z_l) (NGAME M2, SiameseXML Module III) | "text+centroid": normalise(E(z_l) + v_l)
-    # with the label centroid v_l of Module II (a label's training points; unseen labels keep E(z_l))
+    # w_l starts from the label representation (index.label_repr's values) at unit norm: "text": E(z_l) (NGAME
+    # M2, SiameseXML Module III) | "text+centroid": normalise(E(z_l) + v_l) with Module II's centroid v_l (a
+    # label's training points; unseen labels keep E(z_l))
     init: str = "text"
     loss: str = "triplet"  # "triplet" (NGAME M2: multi-positive hinge) | "bce" | "siamesexml" (Module IV); the
     # sampled negatives (uniform/astra/mips) always train with BCE

@@ -33,8 +33,8 @@ from xc_dagster.encoder import encode_tokens, load_encoder, load_tokenizer, save
 from xc_dagster.fusion import check_method, fit_fusion, load_fusion, missed_positive_features
 from xc_dagster.metrics import evaluate, inverse_propensity, recall_at, remove_filtered
 from xc_dagster.predict import (CENTROID_FILE, POINT_SOURCES, ShortlistSources, build_sources, check_label_repr,
-                                check_sources, label_centroids, load_sources, retrieve, save_parts, save_sources,
-                                topk_from_scores)
+                                check_sources, label_centroids, label_representation, load_sources, retrieve,
+                                save_parts, save_sources, topk_from_scores)
 from xc_dagster.provenance import record_params, with_upstream_params
 from xc_dagster.reports import decile_contributions, decile_plot, pk_plot, recall_by_frequency, recall_plot
 from xc_dagster.sampling import validation_split, validation_targets
@@ -103,7 +103,6 @@ def _train_rows(ctx: StageContext, num_train: int) -> np.ndarray:
 
 
 CLASSIFIER_INIT = "classifier_init.npy"
-CLASSIFIER_INITS = ("text", "text+centroid")
 
 
 def _inv_prop(ctx: StageContext, Y_train) -> np.ndarray:
@@ -293,15 +292,14 @@ def classifier(ctx: StageContext) -> dict[str, Any]:
     point_emb = np.load(d / "train_emb.npy")
     init = d / CLASSIFIER_INIT  # a warm start's W, else W starts from the label embeddings
     label_emb = np.load(d / "label_emb.npy")
-    if p.init not in CLASSIFIER_INITS:
-        raise XCConfigError(f"classifier.init: expected one of {CLASSIFIER_INITS}, got {p.init!r}")
+    check_label_repr(p.init, "classifier.init")
     if init.exists():
         W0 = np.load(init)
-    elif p.init == "text+centroid":
-        W0 = label_emb + np.load(ctx.dir("mining") / CENTROID_FILE)
-        W0 /= np.maximum(np.linalg.norm(W0, axis=1, keepdims=True), 1e-12)
-    else:
+    elif p.init == "text":
         W0 = label_emb
+    else:  # the embedding score's label representation, at unit norm
+        W0 = label_representation(label_emb, np.load(ctx.dir("mining") / CENTROID_FILE), p.init)
+        W0 /= np.maximum(np.linalg.norm(W0, axis=1, keepdims=True), 1e-12)
     sl = np.load(ctx.dir("mining") / "shortlist.npy")
     ds = _labels(ctx)
     rows = _train_rows(ctx, ds.num_train)
