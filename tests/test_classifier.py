@@ -8,7 +8,7 @@ import scipy.sparse as sp
 import torch
 import torch.nn.functional as F
 
-from xc_dagster.classifier import hardest_negatives, train_classifiers
+from xc_dagster.classifier import hardest_negatives, propensity_label_weights, train_classifiers
 from xc_dagster.config import ClassifierParams
 from xc_dagster.errors import XCConfigError
 
@@ -95,6 +95,52 @@ def test_bad_negatives_value_names_the_field():
     X, E, Y, sl = _planted(n=20)
     with pytest.raises(XCConfigError, match="classifier.negatives"):
         train_classifiers(X, E, Y, sl, np.arange(20), ClassifierParams(negatives="random"), torch.device("cpu"))
+
+
+def test_sgd_step_by_hand_and_adam_differs():
+    """classifier.w_optimizer=sgd: one step of the hinge [s_1 - s_0 + 0.2]_+ through the unit-norm w."""
+    X = np.array([[1.0, 0.0]], dtype=np.float32)
+    E = np.array([[0.6, 0.8], [1.0, 0.0], [0.0, 1.0]], dtype=np.float32)  # label 2 is never scored
+    Y = csr([[0]], 3)
+    sl = np.array([[0, 1]])
+    params = ClassifierParams(epochs=1, batch_size=8, lr=0.5, num_positives=1, num_negatives=1,
+                              w_optimizer="sgd")
+    W, summary = train_classifiers(X, E, Y, sl, np.arange(1), params, torch.device("cpu"))
+    assert summary["steps"] == 1
+    # d loss / d w_0 = -(I - w_0 w_0^T) x = -[0.64, -0.48]; w_1 = x gets no gradient (x - (w_1.x) w_1 = 0)
+    w0 = np.array([0.6 + 0.5 * 0.64, 0.8 - 0.5 * 0.48])
+    assert np.allclose(W[0], w0 / np.linalg.norm(w0), atol=1e-6)
+    assert np.array_equal(W[1], E[1]) and np.array_equal(W[2], E[2])
+    Wa, _ = train_classifiers(X, E, Y, sl, np.arange(1), ClassifierParams(
+        epochs=1, batch_size=8, lr=0.5, num_positives=1, num_negatives=1), torch.device("cpu"))
+    assert not np.allclose(Wa[0], W[0], atol=1e-3)  # SparseAdam's first step is lr * sign(g) per coordinate
+    with pytest.raises(XCConfigError, match="classifier.w_optimizer"):
+        train_classifiers(X, E, Y, sl, np.arange(1), ClassifierParams(w_optimizer="adagrad"),
+                          torch.device("cpu"))
+    with pytest.raises(XCConfigError, match="classifier.weight_decay"):
+        train_classifiers(X, E, Y, sl, np.arange(1), ClassifierParams(w_optimizer="sgd", weight_decay=1e-4),
+                          torch.device("cpu"))
+
+
+def test_propensity_weights_by_hand_and_in_the_step():
+    """classifier.propensity_weight: (1/p_l)^gamma at mean 1 over the training positives, scaling their terms."""
+    inv = np.array([1.0, 2.0, 4.0])
+    Y = csr([[0], [0, 1], [2], [1]], 3)  # rows 0-2 train: label counts 2, 1, 1
+    rows = np.array([0, 1, 2])
+    # gamma 1: [1, 2, 4] * 4 / (2*1 + 1*2 + 1*4) = [0.5, 1, 2]; gamma 0.5: [1, 1.414, 2] * 4 / 5.414
+    assert np.allclose(propensity_label_weights(inv, Y, rows, 1.0), [0.5, 1.0, 2.0])
+    assert np.allclose(propensity_label_weights(inv, Y, rows, 0.5), np.sqrt(inv) * 4 / (2 + np.sqrt(2) + 2))
+    assert propensity_label_weights(inv, Y, rows, 0) is None
+    with pytest.raises(XCConfigError, match="classifier.propensity_weight"):
+        propensity_label_weights(inv, Y, rows, -1.0)
+    # one SGD step through the hinge: label 0's weight 3 triples its gradient (the SGD test's setup)
+    X = np.array([[1.0, 0.0]], dtype=np.float32)
+    E = np.array([[0.6, 0.8], [1.0, 0.0], [0.0, 1.0]], dtype=np.float32)
+    params = ClassifierParams(epochs=1, batch_size=8, lr=0.5, num_positives=1, num_negatives=1, w_optimizer="sgd")
+    W, _ = train_classifiers(X, E, csr([[0]], 3), np.array([[0, 1]]), np.arange(1), params, torch.device("cpu"),
+                             label_weight=np.array([3.0, 1.0, 1.0], dtype=np.float32))
+    w0 = np.array([0.6 + 1.5 * 0.64, 0.8 - 1.5 * 0.48])
+    assert np.allclose(W[0], w0 / np.linalg.norm(w0), atol=1e-6)
 
 
 class Killed(Exception):

@@ -262,6 +262,9 @@ def test_multi_positive_triplet_and_bce_hand_computed():
     valid = torch.tensor([[True, True, True, False]])
     # pairs: (0.8 vs 0.75): 0.75-0.8+0.2=0.15 ; (0.7 vs 0.75): 0.25 -> mean 0.2
     assert multi_positive_triplet_loss(scores, is_pos, valid, 0.2).item() == pytest.approx(0.2)
+    # positive weights 2 and 0.5: (2 * 0.15 + 0.5 * 0.25) / 2 pairs
+    pw = torch.tensor([[2.0, 0.5, 1.0, 1.0]])
+    assert multi_positive_triplet_loss(scores, is_pos, valid, 0.2, pw).item() == pytest.approx(0.2125)
     logits = torch.tensor([[0.0, 2.0, -1.0]])
     bce = masked_bce_loss(logits, torch.tensor([[True, False, False]]), torch.tensor([[True, True, False]]))
     assert bce.item() == pytest.approx(math.log(2) + math.log(1 + math.exp(2)), rel=1e-6)

@@ -251,7 +251,8 @@ def test_ngame_sampler_through_the_pretrain_stage(tiny_home):
 
 def test_classifier_init_from_text_or_text_plus_centroid(tiny_home):
     """classifier.init=text+centroid starts w_l at normalise(E(z_l) + v_l) with mining's label centroids (with 0
-    epochs W is that start); the default starts at E(z_l); an unknown value names the field."""
+    epochs W is that start); the default starts at E(z_l); an unknown value names the field; the propensity
+    weight of the loss changes what one epoch trains."""
     spec = Catalog(tiny_home.catalog).get("TinyTitles")
     store = ArtifactStore(tiny_home.artifacts)
     run_all(StageContext(store, spec, spec.config({"pretrain.epochs": 0}), tiny_home.cache),
@@ -267,6 +268,14 @@ def test_classifier_init_from_text_or_text_plus_centroid(tiny_home):
     bad = StageContext(store, spec, spec.config({"classifier.init": "centroid"}), tiny_home.cache)
     with pytest.raises(XCConfigError, match="classifier.init: expected one of"):
         run_all(bad, ("classifier",))
+    # classifier.propensity_weight reaches the trainer: one epoch with and without it trains different W
+    trained = {}
+    for gamma in (0.0, 1.0):
+        ctx = StageContext(store, spec, spec.config({"pretrain.epochs": 0, "classifier.epochs": 1,
+                                                     "classifier.propensity_weight": gamma}), tiny_home.cache)
+        run_all(ctx, ("classifier",))
+        trained[gamma] = np.load(ctx.dir("classifier") / "W.npy")
+    assert not np.allclose(trained[0.0], E, atol=1e-4) and not np.allclose(trained[0.0], trained[1.0], atol=1e-5)
 
 
 def test_pretokenized_layout_uses_the_shipped_token_ids(tmp_path, monkeypatch, tiny_encoder):
@@ -359,6 +368,10 @@ def test_siamesexml_module_iv_fine_tunes_the_bag_residual_and_deploys_it(tiny_ho
     # sampled negatives fine-tune the whole encoder instead: asking for the residual there is a config error
     bad = dataclasses.replace(cfg, classifier=dataclasses.replace(cfg.classifier, negatives="uniform"))
     with pytest.raises(XCConfigError, match="classifier.train_residual"):
+        run_all(StageContext(ctx.store, spec, bad, tiny_home.cache), ("classifier",))
+    bad = dataclasses.replace(cfg, classifier=dataclasses.replace(cfg.classifier, negatives="uniform",
+                                                                  train_residual=False, propensity_weight=1.0))
+    with pytest.raises(XCConfigError, match="classifier.propensity_weight"):
         run_all(StageContext(ctx.store, spec, bad, tiny_home.cache), ("classifier",))
 
 

@@ -1,11 +1,13 @@
 """One-vs-all classifiers W (NGAME M2/M4, SiameseXML Module IV) on a frozen encoder.
 
-w_l starts from the label embedding E(z_l) (Module III transfer) and is trained on each point's positives
+w_l starts from the label representation the caller passes (Module III transfer: E(z_l), or
+normalise(E(z_l) + v_l) with ``classifier.init``) and is trained on each point's positives
 plus the hardest negatives under the current W, re-ranked every step, from one of two candidate pools:
 the point's mined ANNS shortlist (SiameseXML Module IV), or NGAME M2's in-batch negatives -- the positives
 of the other points of the batch, where a batch is a union of clusters of the (frozen) point embeddings so
-those are hard negatives -- or both. W is an ``nn.Embedding(sparse=True)`` updated with SparseAdam: a step
-touches only the rows it scored, so memory and time per step do not grow with L.
+those are hard negatives -- or both. W is an ``nn.Embedding(sparse=True)`` updated with SparseAdam (or SGD,
+``classifier.w_optimizer``): a step touches only the rows it scored, so memory and time per step do not grow
+with L.
 
 SiameseXML Module IV also fine-tunes the bag encoder's residual block with W (``classifier.train_residual``):
 the points' intermediate embeddings f_E(x) stay frozen and x = N(R(f_E(x))) is recomputed every step.
@@ -29,6 +31,7 @@ from xc_dagster.config import ClassifierParams
 from xc_dagster.errors import XCConfigError
 from xc_dagster.losses import masked_bce_loss, multi_positive_triplet_loss, siamesexml_classifier_loss
 from xc_dagster.sampling import positive_mask, sample_positives
+from xc_dagster.sharded import OPTIMIZERS
 
 MetricsFn = Callable[[int, dict[str, float]], None]
 LOSSES = ("bce", "triplet", "siamesexml")
@@ -81,23 +84,58 @@ def hardest_negatives(x: torch.Tensor, W: torch.Tensor, batch: np.ndarray, pos: 
 
 
 def classifier_loss(scores: torch.Tensor, is_pos: torch.Tensor, valid: torch.Tensor,
-                    params: ClassifierParams) -> torch.Tensor:
+                    params: ClassifierParams, pos_weight: torch.Tensor | None = None) -> torch.Tensor:
     """``classifier.loss`` on a batch's (B, C) candidate scores: bce (on scale * score), the SiameseXML Module IV
-    contrastive loss, or NGAME M2's multi-positive triplet."""
+    contrastive loss, or NGAME M2's multi-positive triplet; ``pos_weight`` (B, C) weights the positives' terms."""
     if params.loss == "bce":
-        return masked_bce_loss(params.scale * scores, is_pos, valid)
+        w = None if pos_weight is None else torch.where(is_pos, pos_weight, torch.ones_like(pos_weight))
+        return masked_bce_loss(params.scale * scores, is_pos, valid, w)
     if params.loss == "siamesexml":
         return siamesexml_classifier_loss(scores, is_pos, valid, params.contrastive_c, params.contrastive_d,
-                                          params.neg_threshold)
-    return multi_positive_triplet_loss(scores, is_pos, valid, params.margin)
+                                          params.neg_threshold, pos_weight=pos_weight)
+    return multi_positive_triplet_loss(scores, is_pos, valid, params.margin, pos_weight)
+
+
+def propensity_label_weights(inv_prop: np.ndarray, Y: sp.csr_matrix, rows: np.ndarray,
+                             gamma: float) -> np.ndarray | None:
+    """``classifier.propensity_weight``: label l's positives weigh (1/p_l)^gamma, scaled so that their mean over
+    the training positives (``Y[rows]``) is 1 -- the propensity-scored loss of Jain et al. (2016), which
+    estimates the propensity-scored metrics (PSP@k) without bias; gamma 0 is the unweighted loss (None)."""
+    if not (isinstance(gamma, (int, float)) and gamma >= 0):
+        raise XCConfigError(f"classifier.propensity_weight: expected a number >= 0, got {gamma!r}")
+    if gamma == 0:
+        return None
+    w = np.power(np.asarray(inv_prop, dtype=np.float64), gamma)
+    counts = np.bincount(Y[rows].indices, minlength=len(w))
+    total = counts.sum()
+    if total == 0:
+        return None
+    return (w * total / float(counts @ w)).astype(np.float32)
+
+
+def _w_optimizer(W: torch.nn.Embedding, params: ClassifierParams) -> torch.optim.Optimizer:
+    """``classifier.w_optimizer`` over W's sparse rows: SparseAdam (NGAME code) or plain SGD, whose step is
+    proportional to the gradient, so rows touched rarely move little (LF-WordNetNounsTitles: no better fused,
+    bench/RESULTS.md thirteenth session)."""
+    if params.w_optimizer == "sparse-adam":
+        return torch.optim.SparseAdam(W.parameters(), lr=params.lr)
+    if params.w_optimizer == "sgd":
+        if params.weight_decay:
+            raise XCConfigError("classifier.weight_decay: the hardest-negative trainer takes no weight decay "
+                                f"(got {params.weight_decay}); it applies to negatives=uniform|astra|mips")
+        return torch.optim.SGD(W.parameters(), lr=params.lr)
+    raise XCConfigError(f"classifier.w_optimizer: expected one of {OPTIMIZERS}, got {params.w_optimizer!r}")
 
 
 def train_classifiers(point_emb: np.ndarray, label_emb: np.ndarray, Y: sp.csr_matrix, shortlist: np.ndarray,
                       train_rows: np.ndarray, params: ClassifierParams, device: torch.device,
                       log_metrics: MetricsFn | None = None,
                       checkpoint: Checkpointer | None = None,
-                      encoder: BagOfEmbeddingsEncoder | None = None) -> tuple[np.ndarray, dict[str, float]]:
+                      encoder: BagOfEmbeddingsEncoder | None = None,
+                      label_weight: np.ndarray | None = None) -> tuple[np.ndarray, dict[str, float]]:
     """Return W (L x D float32) and a summary; ``shortlist[i]`` are point i's mined candidate labels (-1 pad).
+
+    ``label_weight`` (L,): a weight on each label's positive terms in the loss (``propensity_label_weights``).
 
     With ``encoder`` (SiameseXML Module IV), ``point_emb`` are its intermediate embeddings f_E(x) and its
     residual block is trained with W (Adam, ``classifier.residual_lr``; the token table stays frozen): a point
@@ -122,12 +160,13 @@ def train_classifiers(point_emb: np.ndarray, label_emb: np.ndarray, Y: sp.csr_ma
     W = torch.nn.Embedding(label_emb.shape[0], label_emb.shape[1], sparse=True).to(device)
     with torch.no_grad():
         W.weight.copy_(torch.from_numpy(np.ascontiguousarray(label_emb, dtype=np.float32)))
-    opt = torch.optim.SparseAdam(W.parameters(), lr=params.lr)
+    opt = _w_optimizer(W, params)
     residual_opt = None
     if encoder is not None:
         encoder.to(device).train()  # dropout of the residual block, as in the pretraining
         residual_opt = torch.optim.Adam(encoder.residual.parameters(), lr=params.residual_lr)
     X = torch.from_numpy(np.ascontiguousarray(point_emb, dtype=np.float32))
+    lw = None if label_weight is None else torch.from_numpy(np.asarray(label_weight, dtype=np.float32)).to(device)
     steps, t0, last = 0, time.perf_counter(), float("nan")
     steps_per_epoch = math.ceil(len(rows) / params.batch_size)
     # the encoder is frozen, so the point embeddings and hence their clusters are fixed: cluster once
@@ -162,7 +201,8 @@ def train_classifiers(point_emb: np.ndarray, label_emb: np.ndarray, Y: sp.csr_ma
             if params.normalize:
                 w = F.normalize(w, dim=-1)
             scores = torch.einsum("bd,bkd->bk", x, w)
-            loss = classifier_loss(scores, is_pos, valid, params)
+            pw = None if lw is None else torch.where(is_pos & valid, lw[ids.clamp_min(0)], torch.ones_like(scores))
+            loss = classifier_loss(scores, is_pos, valid, params, pw)
             opt.zero_grad(set_to_none=True)
             if residual_opt is not None:
                 residual_opt.zero_grad(set_to_none=True)

@@ -125,6 +125,9 @@ class ClassifierParams:
     loss: str = "triplet"  # "triplet" (NGAME M2: multi-positive hinge) | "bce" | "siamesexml" (Module IV); the
     # sampled negatives (uniform/astra/mips) always train with BCE
     num_positives: int = 3  # positives sampled per point per step
+    # gamma >= 0: a positive of label l weighs (1/p_l)^gamma in the loss (mean 1 over the training positives;
+    # propensity-scored loss, Jain et al. 2016: trades P@k for PSP@k); hardest-negative trainer only
+    propensity_weight: float = 0.0
     num_negatives: int = 50  # hardest negatives (under the current W) per point per step
     negatives: str = "shortlist"  # hardest of: "shortlist" (mined ANNS) | "in-batch" (NGAME M2) | "both"; or sampled
     # over all labels, BCE: "uniform" | "astra" (stale W index + uniform) | "mips" (MIPS-s)
@@ -147,7 +150,8 @@ class ClassifierParams:
     # rankings, indexes and serving are unchanged)
     logit_bias: bool = True
     encoder_lr: float = 1e-5  # AdamW, encoder (ASTRA: 1e-5)
-    w_optimizer: str = "sparse-adam"  # "sgd" (ASTRA: SGD for the classifiers) | "sparse-adam"; lr = classifier.lr
+    # W's optimizer, both trainers: "sgd" (ASTRA: SGD for the classifiers) | "sparse-adam" (NGAME); lr = classifier.lr
+    w_optimizer: str = "sparse-adam"
     weight_decay: float = 0.0  # classifiers, on the rows a step touches (ASTRA: 1e-4)
     dropout: float = 0.0  # on the query embedding before the classifiers (ASTRA tunes 0.5-0.9)
     # which negatives send gradient to the encoder: "all" (the papers) | "hard" (the uniform draws train W only;

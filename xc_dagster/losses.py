@@ -74,18 +74,22 @@ def siamesexml_loss(sim: torch.Tensor, pos_mask: torch.Tensor, c: float = 0.9, d
 
 
 def siamesexml_classifier_loss(scores: torch.Tensor, is_pos: torch.Tensor, valid: torch.Tensor, c: float = 0.75,
-                               d: float = 3.0, neg_threshold: float = 0.05, eps: float = 1e-6) -> torch.Tensor:
+                               d: float = 3.0, neg_threshold: float = 0.05, eps: float = 1e-6,
+                               pos_weight: torch.Tensor | None = None) -> torch.Tensor:
     """SiameseXML Module IV: the probabilistic contrastive loss over each point's positives + shortlist negatives.
 
     Positive term ``-ln c + d(1 - v)``, negative term ``-ln(1 - c * exp(d (v - 1)))`` (reference code: c = 0.75,
     d = 3.0). Negative terms below ``neg_threshold`` (easy negatives, v below about 0.1 at the defaults) are
     dropped, as the reference code ignores them. Per row the kept terms are averaged; mean over rows that keep
-    any term. ``scores``/``is_pos``/``valid``: (B, C); padding is not valid.
+    any term. ``scores``/``is_pos``/``valid``: (B, C); padding is not valid. ``pos_weight`` (B, C) scales the
+    positive terms (the count is not weighted).
     """
     if not 0.0 < c < 1.0 or d <= 0.0:
         raise ValueError(f"siamesexml_classifier_loss: need 0 < c < 1 and d > 0, got c={c}, d={d}")
     v = torch.where(valid, scores, torch.zeros_like(scores))
     pos_term = -math.log(c) + d * (1.0 - v)
+    if pos_weight is not None:
+        pos_term = pos_term * pos_weight
     neg_term = -torch.log((1.0 - c * torch.exp(d * (v - 1.0))).clamp_min(eps))
     pos = is_pos & valid
     neg = (~is_pos) & valid & (neg_term.detach() >= neg_threshold)
@@ -98,16 +102,20 @@ def siamesexml_classifier_loss(scores: torch.Tensor, is_pos: torch.Tensor, valid
 
 
 def multi_positive_triplet_loss(scores: torch.Tensor, is_pos: torch.Tensor, valid: torch.Tensor,
-                                margin: float = 0.2) -> torch.Tensor:
+                                margin: float = 0.2, pos_weight: torch.Tensor | None = None) -> torch.Tensor:
     """NGAME M2: every (positive, negative) pair of a row gets ``[s_neg - s_pos + margin]_+``; mean over pairs.
 
     ``scores``: (B, C) candidate scores; ``is_pos``/``valid``: (B, C) bool masks (padding is not valid).
+    ``pos_weight`` (B, C): a weight on each positive's pairs (e.g. its label's inverse propensity); the sum is
+    still divided by the number of pairs.
     """
     p = is_pos & valid
     n = (~is_pos) & valid
     diff = scores.unsqueeze(1) - scores.unsqueeze(2) + margin  # [b, pos j, neg k] = s_k - s_j + m
     pair = p.unsqueeze(2) & n.unsqueeze(1)
     hinge = F.relu(diff).masked_fill(~pair, 0.0)
+    if pos_weight is not None:
+        hinge = hinge * pos_weight.unsqueeze(2)
     return hinge.sum() / pair.sum().clamp_min(1)
 
 

@@ -21,7 +21,7 @@ from xc_dagster.ann import LabelIndex
 from xc_dagster.bag_encoder import BagOfEmbeddingsEncoder, embed_from_intermediate, parse_bag_name
 from xc_dagster.catalog import BUILTIN_PREFIX, DatasetSpec, builtin_path
 from xc_dagster.checkpoint import Checkpointer, fingerprint, fingerprint_files
-from xc_dagster.classifier import train_classifiers
+from xc_dagster.classifier import propensity_label_weights, train_classifiers
 from xc_dagster.end_to_end import train_end_to_end
 from xc_dagster.config import PipelineConfig
 from xc_dagster.data import (XCDataset, load_dataset, load_label_texts, read_dataset, resolve_source,
@@ -307,6 +307,10 @@ def classifier(ctx: StageContext) -> dict[str, Any]:
     if p.train_encoder and not sampled:
         raise XCConfigError(f"classifier.train_encoder: end-to-end training needs sampled negatives "
                             f"(classifier.negatives = {' | '.join(SAMPLERS)}), got {p.negatives!r}")
+    if p.propensity_weight and sampled:
+        raise XCConfigError(f"classifier.propensity_weight: weights the hardest-negative trainer's loss "
+                            f"(classifier.negatives = shortlist | in-batch | both), got negatives={p.negatives!r}; "
+                            "set it to 0 with sampled negatives")
     if p.train_residual and sampled:
         raise XCConfigError("classifier.train_residual: the residual block is fine-tuned by the hardest-negative "
                             "trainer (negatives = shortlist | in-batch | both); with sampled negatives use "
@@ -329,7 +333,10 @@ def classifier(ctx: StageContext) -> dict[str, Any]:
                                             ctx.cfg.pretrain.encode_batch_size, forward=encoder.intermediate)
                               for split in ("train", "label"))
     warm = fingerprint_files(d / "encoder") if (p.train_encoder or encoder is not None) else ""
-    key = fingerprint({**dataclasses.asdict(p), "warm": warm}, point_emb, W0, sl, rows)
+    lw = None if sampled else propensity_label_weights(_inv_prop(ctx, ds.Y_train), ds.Y_train, rows,
+                                                       p.propensity_weight)
+    key = fingerprint({**dataclasses.asdict(p), "warm": warm}, point_emb, W0, sl, rows,
+                      *([] if lw is None else [lw]))
     ckpt = Checkpointer(ctx.checkpoint_dir("classifier"), key)
     res = None
     if sampled:
@@ -344,7 +351,7 @@ def classifier(ctx: StageContext) -> dict[str, Any]:
         W, summary = res.W, res.summary
     else:
         W, summary = train_classifiers(point_emb if inter is None else inter, W0, ds.Y_train, sl, rows, p,
-                                       ctx.device, ctx.log_metrics, ckpt, encoder=encoder)
+                                       ctx.device, ctx.log_metrics, ckpt, encoder=encoder, label_weight=lw)
         summary["residual"] = residual_note
     with ctx.store.writing(ctx.name, "classifier") as out:
         np.save(out / "W.npy", W)
