@@ -31,7 +31,7 @@ from xc_dagster.config import ClassifierParams
 from xc_dagster.errors import XCConfigError
 from xc_dagster.losses import masked_bce_loss, multi_positive_triplet_loss, siamesexml_classifier_loss
 from xc_dagster.sampling import positive_mask, sample_positives
-from xc_dagster.sharded import OPTIMIZERS
+from xc_dagster.sharded import check_optimizer
 
 MetricsFn = Callable[[int, dict[str, float]], None]
 LOSSES = ("bce", "triplet", "siamesexml")
@@ -86,7 +86,8 @@ def hardest_negatives(x: torch.Tensor, W: torch.Tensor, batch: np.ndarray, pos: 
 def classifier_loss(scores: torch.Tensor, is_pos: torch.Tensor, valid: torch.Tensor,
                     params: ClassifierParams, pos_weight: torch.Tensor | None = None) -> torch.Tensor:
     """``classifier.loss`` on a batch's (B, C) candidate scores: bce (on scale * score), the SiameseXML Module IV
-    contrastive loss, or NGAME M2's multi-positive triplet; ``pos_weight`` (B, C) weights the positives' terms."""
+    contrastive loss, or NGAME M2's multi-positive triplet; ``pos_weight`` (B, C) weights the positives' terms
+    (its other entries are ignored)."""
     if params.loss == "bce":
         w = None if pos_weight is None else torch.where(is_pos, pos_weight, torch.ones_like(pos_weight))
         return masked_bce_loss(params.scale * scores, is_pos, valid, w)
@@ -117,14 +118,12 @@ def _w_optimizer(W: torch.nn.Embedding, params: ClassifierParams) -> torch.optim
     """``classifier.w_optimizer`` over W's sparse rows: SparseAdam (NGAME code) or plain SGD, whose step is
     proportional to the gradient, so rows touched rarely move little (LF-WordNetNounsTitles: no better fused,
     bench/RESULTS.md thirteenth session)."""
-    if params.w_optimizer == "sparse-adam":
+    if check_optimizer(params.w_optimizer) == "sparse-adam":
         return torch.optim.SparseAdam(W.parameters(), lr=params.lr)
-    if params.w_optimizer == "sgd":
-        if params.weight_decay:
-            raise XCConfigError("classifier.weight_decay: the hardest-negative trainer takes no weight decay "
-                                f"(got {params.weight_decay}); it applies to negatives=uniform|astra|mips")
-        return torch.optim.SGD(W.parameters(), lr=params.lr)
-    raise XCConfigError(f"classifier.w_optimizer: expected one of {OPTIMIZERS}, got {params.w_optimizer!r}")
+    if params.weight_decay:
+        raise XCConfigError("classifier.weight_decay: the hardest-negative trainer takes no weight decay "
+                            f"(got {params.weight_decay}); it applies to negatives=uniform|astra|mips")
+    return torch.optim.SGD(W.parameters(), lr=params.lr)
 
 
 def train_classifiers(point_emb: np.ndarray, label_emb: np.ndarray, Y: sp.csr_matrix, shortlist: np.ndarray,
@@ -201,8 +200,7 @@ def train_classifiers(point_emb: np.ndarray, label_emb: np.ndarray, Y: sp.csr_ma
             if params.normalize:
                 w = F.normalize(w, dim=-1)
             scores = torch.einsum("bd,bkd->bk", x, w)
-            pw = None if lw is None else torch.where(is_pos & valid, lw[ids.clamp_min(0)], torch.ones_like(scores))
-            loss = classifier_loss(scores, is_pos, valid, params, pw)
+            loss = classifier_loss(scores, is_pos, valid, params, None if lw is None else lw[ids.clamp_min(0)])
             opt.zero_grad(set_to_none=True)
             if residual_opt is not None:
                 residual_opt.zero_grad(set_to_none=True)

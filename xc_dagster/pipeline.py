@@ -333,8 +333,9 @@ def classifier(ctx: StageContext) -> dict[str, Any]:
                                             ctx.cfg.pretrain.encode_batch_size, forward=encoder.intermediate)
                               for split in ("train", "label"))
     warm = fingerprint_files(d / "encoder") if (p.train_encoder or encoder is not None) else ""
-    lw = None if sampled else propensity_label_weights(_inv_prop(ctx, ds.Y_train), ds.Y_train, rows,
-                                                       p.propensity_weight)
+    # (sampled negatives with a weight were refused above)
+    lw = (propensity_label_weights(_inv_prop(ctx, ds.Y_train), ds.Y_train, rows, p.propensity_weight)
+          if p.propensity_weight else None)
     key = fingerprint({**dataclasses.asdict(p), "warm": warm}, point_emb, W0, sl, rows,
                       *([] if lw is None else [lw]))
     ckpt = Checkpointer(ctx.checkpoint_dir("classifier"), key)

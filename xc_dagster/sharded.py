@@ -19,6 +19,13 @@ from xc_dagster.errors import XCConfigError
 OPTIMIZERS = ("sgd", "sparse-adam")
 
 
+def check_optimizer(kind: str) -> str:
+    """``classifier.w_optimizer`` is one of ``OPTIMIZERS``, or a config error naming the field."""
+    if kind not in OPTIMIZERS:
+        raise XCConfigError(f"classifier.w_optimizer: expected one of {OPTIMIZERS}, got {kind!r}")
+    return kind
+
+
 def shard_devices(shards: int, device: torch.device) -> list[torch.device]:
     """``shards`` devices for W: 0 = one shard per visible CUDA device (one on CPU); n = n shards, round-robin
     over the CUDA devices when there are any, else all on ``device``."""
@@ -113,8 +120,7 @@ class ShardedOptimizer:
     ``sparse-adam`` (lazy Adam). ``lr`` is scaled by the schedule factor passed to ``step``."""
 
     def __init__(self, clf: ShardedClassifier, kind: str, lr: float, weight_decay: float = 0.0):
-        if kind not in OPTIMIZERS:
-            raise XCConfigError(f"classifier.w_optimizer: expected one of {OPTIMIZERS}, got {kind!r}")
+        check_optimizer(kind)
         self.clf, self.kind, self.lr, self.weight_decay = clf, kind, lr, weight_decay
         self._adam = ([torch.optim.SparseAdam([w], lr=lr) for w in clf.weights] if kind == "sparse-adam" else [])
 
