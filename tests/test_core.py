@@ -283,6 +283,34 @@ def test_hnsw_recall_against_exact_search():
     assert recall >= 0.95
 
 
+@pytest.mark.parametrize("kind", ["exact", "hnsw", "ivf"])
+def test_search_without_excluded_ids_matches_exact_search_over_the_rest(kind):
+    """``exclude`` (the held-out kNN's validation points) gives the neighbours among the remaining keys, with
+    the ids of the full index; the excluded keys are queried too and never come back, not even themselves."""
+    rng = np.random.default_rng(1)
+    keys = rng.standard_normal((2000, 16)).astype(np.float32)
+    keys /= np.linalg.norm(keys, axis=1, keepdims=True)
+    excluded = np.sort(rng.choice(2000, 500, replace=False))
+    rest = np.setdiff1d(np.arange(2000), excluded)
+    q = keys[excluded[:100]]
+    want_s, want = exact_topk(q, keys[rest], 10)
+    idx = LabelIndex(kind, keys, m=16, ef_construction=100, ef_search=100, nlist=20, nprobe=20)
+    s, got = idx.search(q, 10, exclude=excluded)
+    assert not np.isin(got, excluded).any()
+    recall = np.mean([len(set(a) & set(rest[e])) / 10 for a, e in zip(got, want)])
+    assert recall >= (1.0 if kind != "hnsw" else 0.95)
+    if kind != "hnsw":
+        np.testing.assert_allclose(s, want_s, atol=1e-5)
+    # without exclusion each excluded query finds itself first
+    assert (idx.search(q, 1)[1][:, 0] == excluded[:100]).all()
+
+
+def test_exact_search_pads_when_exclusion_leaves_fewer_than_k():
+    keys = np.eye(3, dtype=np.float32)
+    s, i = LabelIndex("exact", keys).search(keys[:1], 3, exclude=np.array([0, 2]))
+    assert i.tolist() == [[1, -1, -1]] and np.isneginf(s[0, 1:]).all()
+
+
 def test_exact_topk_ties_and_padding_and_save_load(tmp_path):
     keys = np.array([[1.0, 0], [1.0, 0], [0, 1.0]], dtype=np.float32)
     s, i = exact_topk(np.array([[1.0, 0]], dtype=np.float32), keys, 5)

@@ -191,6 +191,7 @@ def test_siamesexml_strategy_three_index_shortlist_through_the_pipeline_and_bund
     # points with the held-out parts (108 points), i.e. exactly as when the validation points are deployed nowhere
     assert out["index"]["sources"] == ["label", "centroid", "knn"]
     assert out["index"]["knn_points"] == 120 and out["index"]["heldout_knn_points"] == 108
+    from xc_dagster.ann import exact_topk
     from xc_dagster.pipeline import _train_rows, load_model
     from xc_dagster.predict import label_centroids, label_representation
 
@@ -199,7 +200,16 @@ def test_siamesexml_strategy_three_index_shortlist_through_the_pipeline_and_bund
     lab0 = np.load(ctx.dir("pretrain") / "label_emb.npy")
     for heldout, r in ((False, np.arange(120)), (True, rows)):
         m = load_model(ctx, heldout=heldout)
-        assert m.indexes["knn"].size == len(r) and m.knn_labels.shape == (len(r), 20)
+        # one kNN index over all 120 points; the held-out model searches it without the validation points
+        assert m.indexes["knn"].size == 120 and m.knn_labels.shape == (120, 20)
+        if heldout:
+            np.testing.assert_array_equal(m.knn_excluded, np.setdiff1d(np.arange(120), rows))
+        else:
+            assert m.knn_excluded is None
+        _, nbrs = m.indexes["knn"].search(emb0, 10, exclude=m.knn_excluded)
+        assert (nbrs >= 0).all() and np.isin(nbrs, r).all()
+        _, want_nbrs = exact_topk(emb0, emb0[r], 10)
+        np.testing.assert_array_equal(np.sort(nbrs, axis=1), np.sort(r[want_nbrs], axis=1))
         assert m.indexes["centroid"].size == 20
         want = label_representation(lab0, label_centroids(emb0, ds0.Y_train, r), "text+centroid")
         np.testing.assert_allclose(m.label_repr, want, atol=1e-5)

@@ -21,19 +21,25 @@ KINDS = ("hnsw", "ivf", "exact")
 
 
 def exact_topk(queries: np.ndarray, keys: np.ndarray, k: int, block: int = 4096,
-               device: torch.device | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Exact top-k inner products, in blocks of queries so memory stays O(block * L)."""
+               device: torch.device | None = None,
+               exclude: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Exact top-k inner products, in blocks of queries so memory stays O(block * L); ``exclude``: key rows
+    never returned."""
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     n, L = len(queries), len(keys)
     kk = min(k, L)
     scores = np.full((n, k), -np.inf, dtype=np.float32)
     ids = np.full((n, k), -1, dtype=np.int64)
     K = torch.from_numpy(np.ascontiguousarray(keys, dtype=np.float32)).to(device)
+    drop = None if exclude is None else torch.from_numpy(np.asarray(exclude, dtype=np.int64)).to(device)
     for s in range(0, n, block):
         Q = torch.from_numpy(np.ascontiguousarray(queries[s:s + block], dtype=np.float32)).to(device)
         sim = Q @ K.T
+        if drop is not None:
+            sim[:, drop] = -torch.inf
         top_s, top_i = torch.topk(sim, kk, dim=1, sorted=True)
         ts, ti = top_s.cpu().numpy(), top_i.cpu().numpy()
+        ti = np.where(np.isneginf(ts), -1, ti)
         order = np.lexsort((ti, -ts), axis=1)  # deterministic ties: by (-score, id)
         ts, ti = np.take_along_axis(ts, order, 1), np.take_along_axis(ti, order, 1)
         scores[s:s + len(Q), :kk] = ts
@@ -77,16 +83,26 @@ class LabelIndex:
     def size(self) -> int:
         return int(self._index.ntotal) if self._index is not None else len(self._vectors)
 
-    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Top-k (scores float32, ids int64) per query row."""
+    def search(self, queries: np.ndarray, k: int,
+               exclude: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k (scores float32, ids int64) per query row; ``exclude``: ids never returned (the graph or the
+        partitions are still walked through them), e.g. the validation points when fitting on them."""
         q = np.ascontiguousarray(queries, dtype=np.float32)
         if self.kind == "exact":
-            return exact_topk(q, self._vectors, k)
+            return exact_topk(q, self._vectors, k, exclude=exclude)
         if self.kind == "ivf":
             self._index.nprobe = min(self.nprobe, self._index.nlist)
         else:
             self._index.hnsw.efSearch = max(self.ef_search, k)
-        scores, ids = self._index.search(q, k)
+        if exclude is None or not len(exclude):
+            scores, ids = self._index.search(q, k)
+        else:
+            import faiss
+
+            sel = faiss.IDSelectorNot(faiss.IDSelectorBatch(np.ascontiguousarray(exclude, dtype=np.int64)))
+            params = (faiss.SearchParametersIVF(sel=sel, nprobe=self._index.nprobe) if self.kind == "ivf" else
+                      faiss.SearchParametersHNSW(sel=sel, efSearch=self._index.hnsw.efSearch))
+            scores, ids = self._index.search(q, k, params=params)
         scores = np.where(ids < 0, -np.inf, scores).astype(np.float32)
         return scores, ids.astype(np.int64)
 

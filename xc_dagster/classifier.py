@@ -5,7 +5,7 @@ normalise(E(z_l) + v_l) with ``classifier.init``) and is trained on each point's
 plus the hardest negatives under the current W, re-ranked every step, from one of two candidate pools:
 the point's mined ANNS shortlist (SiameseXML Module IV), or NGAME M2's in-batch negatives -- the positives
 of the other points of the batch, where a batch is a union of clusters of the (frozen) point embeddings so
-those are hard negatives -- or both. W is an ``nn.Embedding(sparse=True)`` updated with SparseAdam (or SGD,
+those are hard negatives -- or both. W is a ``ShardedClassifier`` (one shard) updated with SparseAdam (or SGD,
 ``classifier.w_optimizer``): a step touches only the rows it scored, so memory and time per step do not grow
 with L.
 
@@ -31,7 +31,7 @@ from xc_dagster.config import ClassifierParams
 from xc_dagster.errors import XCConfigError
 from xc_dagster.losses import masked_bce_loss, multi_positive_triplet_loss, siamesexml_classifier_loss
 from xc_dagster.sampling import positive_mask, sample_positives
-from xc_dagster.sharded import check_optimizer
+from xc_dagster.sharded import ShardedClassifier, ShardedOptimizer, check_optimizer
 
 MetricsFn = Callable[[int, dict[str, float]], None]
 LOSSES = ("bce", "triplet", "siamesexml")
@@ -114,16 +114,14 @@ def propensity_label_weights(inv_prop: np.ndarray, Y: sp.csr_matrix, rows: np.nd
     return (w * total / float(counts @ w)).astype(np.float32)
 
 
-def _w_optimizer(W: torch.nn.Embedding, params: ClassifierParams) -> torch.optim.Optimizer:
-    """``classifier.w_optimizer`` over W's sparse rows: SparseAdam (NGAME code) or plain SGD, whose step is
-    proportional to the gradient, so rows touched rarely move little (LF-WordNetNounsTitles: no better fused,
-    bench/RESULTS.md thirteenth session)."""
-    if check_optimizer(params.w_optimizer) == "sparse-adam":
-        return torch.optim.SparseAdam(W.parameters(), lr=params.lr)
-    if params.weight_decay:
+def _w_optimizer(clf: ShardedClassifier, params: ClassifierParams) -> ShardedOptimizer:
+    """``classifier.w_optimizer`` over the rows of W a step scored: SparseAdam (NGAME code) or plain SGD, whose
+    step is proportional to the gradient, so rows touched rarely move little (LF-WordNetNounsTitles: no better
+    fused, bench/RESULTS.md thirteenth session)."""
+    if check_optimizer(params.w_optimizer) == "sgd" and params.weight_decay:
         raise XCConfigError("classifier.weight_decay: the hardest-negative trainer takes no weight decay "
                             f"(got {params.weight_decay}); it applies to negatives=uniform|astra|mips")
-    return torch.optim.SGD(W.parameters(), lr=params.lr)
+    return ShardedOptimizer(clf, params.w_optimizer, params.lr)
 
 
 def train_classifiers(point_emb: np.ndarray, label_emb: np.ndarray, Y: sp.csr_matrix, shortlist: np.ndarray,
@@ -156,10 +154,9 @@ def train_classifiers(point_emb: np.ndarray, label_emb: np.ndarray, Y: sp.csr_ma
     rows = rows[np.diff(Y.indptr)[rows] > 0]
     rng = np.random.default_rng(params.seed)
     torch.manual_seed(params.seed)
-    W = torch.nn.Embedding(label_emb.shape[0], label_emb.shape[1], sparse=True).to(device)
-    with torch.no_grad():
-        W.weight.copy_(torch.from_numpy(np.ascontiguousarray(label_emb, dtype=np.float32)))
-    opt = _w_optimizer(W, params)
+    clf = ShardedClassifier(np.asarray(label_emb, dtype=np.float32), [device])
+    W = clf.weights[0]
+    opt = _w_optimizer(clf, params)
     residual_opt = None
     if encoder is not None:
         encoder.to(device).train()  # dropout of the residual block, as in the pretraining
@@ -176,8 +173,7 @@ def train_classifiers(point_emb: np.ndarray, label_emb: np.ndarray, Y: sp.csr_ma
     start = 0
     resumed = checkpoint.load() if checkpoint is not None else None
     if resumed is not None:
-        with torch.no_grad():
-            W.weight.copy_(resumed.state["W"].to(device))
+        clf.load_full(resumed.state["W"])
         opt.load_state_dict(resumed.state["opt"])
         if encoder is not None:
             encoder.residual.load_state_dict(resumed.state["residual"])
@@ -191,17 +187,13 @@ def train_classifiers(point_emb: np.ndarray, label_emb: np.ndarray, Y: sp.csr_ma
             x = X[batch].to(device)
             if encoder is not None:
                 x = encoder.from_intermediate(x)
-            neg = hardest_negatives(x, W.weight, batch, pos, shortlist, Y, params.negatives, params.num_negatives)
+            neg = hardest_negatives(x, W, batch, pos, shortlist, Y, params.negatives, params.num_negatives)
             ids = torch.cat([torch.from_numpy(pos).to(device), neg], dim=1)
             valid = ids >= 0
             is_pos = torch.zeros_like(valid)
             is_pos[:, :pos.shape[1]] = True
-            w = W(ids.clamp_min(0))
-            if params.normalize:
-                w = F.normalize(w, dim=-1)
-            scores = torch.einsum("bd,bkd->bk", x, w)
+            scores = clf.scores(x, ids, normalize=params.normalize)  # gradients reach only the rows scored
             loss = classifier_loss(scores, is_pos, valid, params, None if lw is None else lw[ids.clamp_min(0)])
-            opt.zero_grad(set_to_none=True)
             if residual_opt is not None:
                 residual_opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -212,7 +204,7 @@ def train_classifiers(point_emb: np.ndarray, label_emb: np.ndarray, Y: sp.csr_ma
             ep_loss.append(float(loss.detach()))
         last = float(np.mean(ep_loss)) if ep_loss else float("nan")
         if checkpoint is not None:
-            state = {"W": W.weight.detach().cpu(), "opt": opt.state_dict(), "steps": steps, "last": last}
+            state = {"W": W.detach().cpu(), "opt": opt.state_dict(), "steps": steps, "last": last}
             if encoder is not None:
                 state.update(residual={k: v.detach().cpu() for k, v in encoder.residual.state_dict().items()},
                              residual_opt=residual_opt.state_dict())
@@ -221,7 +213,7 @@ def train_classifiers(point_emb: np.ndarray, label_emb: np.ndarray, Y: sp.csr_ma
             log_metrics(epoch + 1, {"classifier_loss": last})
     if encoder is not None:
         encoder.eval()
-    Wn = W.weight.detach()
+    Wn = W.detach()
     if params.normalize:
         Wn = F.normalize(Wn, dim=-1)
     return Wn.cpu().numpy().astype(np.float32), {"steps": steps, "seconds": time.perf_counter() - t0,

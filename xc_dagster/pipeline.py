@@ -32,8 +32,8 @@ from xc_dagster.device import amp_dtype, resolve_device, seed_everything
 from xc_dagster.encoder import encode_tokens, load_encoder, load_tokenizer, save_encoder
 from xc_dagster.fusion import check_method, fit_fusion, load_fusion, missed_positive_features
 from xc_dagster.metrics import evaluate, inverse_propensity, recall_at, remove_filtered
-from xc_dagster.predict import (CENTROID_FILE, POINT_SOURCES, ShortlistSources, build_sources, check_label_repr,
-                                check_sources, label_centroids, label_representation, load_sources, retrieve,
+from xc_dagster.predict import (CENTROID_FILE, KNN_EXCLUDED_FILE, ShortlistSources, build_sources,
+                                check_label_repr, check_sources, label_centroids, label_representation, load_sources, retrieve,
                                 save_parts, save_sources, topk_from_scores)
 from xc_dagster.provenance import record_params, with_upstream_params
 from xc_dagster.reports import decile_contributions, decile_plot, pk_plot, recall_by_frequency, recall_plot
@@ -403,7 +403,8 @@ def index(ctx: StageContext) -> dict[str, Any]:
             sets = {"deployed": np.arange(ds.num_train), "heldout": rows}
         for name, r in sets.items():
             parts[name] = (label_centroids(train_emb, ds.Y_train, r) if need_centroids else None,
-                           *((np.asarray(train_emb[r]), ds.Y_train[r]) if "knn" in p.sources else (None, None)))
+                           *((np.asarray(train_emb[r]), ds.Y_train[r]) if "knn" in p.sources and name == "deployed"
+                             else (None, None)))
     centroids, point_emb, knn_labels = parts.get("deployed", (None, None, None))
     src = build_sources(p.sources, W, label_emb, centroids, point_emb, knn_labels, p.label_repr, p.kind,
                         p.hnsw_m, p.hnsw_ef_construction, p.hnsw_ef_search)
@@ -414,12 +415,14 @@ def index(ctx: StageContext) -> dict[str, Any]:
                    "knn_points": int(point_emb.shape[0]) if point_emb is not None else 0,
                    "knn_neighbours": int(p.knn_neighbours) if "knn" in p.sources else 0}
         if "heldout" in parts:  # what the fusion is fitted with: the same parts without the validation points
-            h_centroids, h_points, h_labels = parts["heldout"]
-            vectors = {"centroid": h_centroids, "knn": h_points}
-            save_parts(out / HELDOUT_DIR, {name: _label_index(vectors[name], p.kind, p.hnsw_m, p.hnsw_ef_construction,
-                                                              p.hnsw_ef_search)
-                                           for name in POINT_SOURCES if name in p.sources}, h_labels, h_centroids)
-            summary["heldout_knn_points"] = int(h_points.shape[0]) if h_points is not None else 0
+            h_centroids = parts["heldout"][0]
+            held = out / HELDOUT_DIR
+            save_parts(held, {"centroid": _label_index(h_centroids, p.kind, p.hnsw_m, p.hnsw_ef_construction,
+                                                       p.hnsw_ef_search)} if "centroid" in p.sources else {},
+                       None, h_centroids)
+            if "knn" in p.sources:  # the deployed kNN index searched without the validation points: no second build
+                np.save(held / KNN_EXCLUDED_FILE, np.setdiff1d(np.arange(ds.num_train), rows))
+            summary["heldout_knn_points"] = int(len(rows)) if "knn" in p.sources else 0
         summary["seconds"] = time.perf_counter() - t0
         save_json(out / "summary.json", summary)
     return summary

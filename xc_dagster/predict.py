@@ -52,6 +52,9 @@ class ShortlistSources:
     # (SiameseXML's ANNS^x ranking); K > 0 = mean over the K nearest neighbours of (similarity if the neighbour
     # carries the label, else 0): a fusion input on the scale of the other scores. Candidates come from all k.
     knn_neighbours: int = 0
+    # rows of the knn index never returned as neighbours (the validation points, when the fusion is fitted on
+    # them with the deployed index: a held-out kNN without a second index)
+    knn_excluded: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         check_sources(tuple(self.indexes), "shortlist sources")
@@ -148,7 +151,7 @@ def retrieve(queries: np.ndarray, src: ShortlistSources, k: int, exclude_knn: np
         for name in names:
             if name == "knn":
                 extra = 0 if exclude_knn is None else 1
-                sims, nbrs = src.indexes[name].search(q, k + extra)
+                sims, nbrs = src.indexes[name].search(q, k + extra, exclude=src.knn_excluded)
                 if exclude_knn is not None:
                     nbrs = np.where(nbrs == exclude_knn[s:s + len(q), None], -1, nbrs)
                 knn_ids, knn_sc = knn_label_scores(nbrs, sims, src.knn_labels, k)
@@ -189,6 +192,7 @@ def _lookup(ids: np.ndarray, keys: np.ndarray, values: np.ndarray, num_labels: i
 
 INDEX_FILES = {"W": "W.index", "label": "label_emb.index", "centroid": "centroid.index", "knn": "knn.index"}
 KNN_LABELS_FILE = "knn_labels.npz"
+KNN_EXCLUDED_FILE = "knn_excluded.npy"  # a held-out copy's kNN: the deployed index without these rows
 CENTROID_FILE = "label_centroid.npy"
 
 
@@ -240,18 +244,28 @@ def load_sources(folder, sources: tuple[str, ...], label_repr: str, kind: str, e
                  label_emb: np.ndarray, knn_neighbours: int = 0, point_folder=None) -> ShortlistSources:
     """The sources ``save_sources`` wrote into ``folder`` (faiss files, .npy, .npz; no pickle); with
     ``point_folder``, the parts built from training points (``POINT_SOURCES`` indexes, the kNN label matrix, the
-    label centroids) are read from there instead (what ``save_parts`` wrote, e.g. a held-out copy)."""
+    label centroids) are read from there instead (what ``save_parts`` wrote, e.g. a held-out copy). A part the
+    copy lacks is the deployed one; its ``KNN_EXCLUDED_FILE`` names the deployed kNN rows it leaves out."""
     from pathlib import Path
 
     folder = Path(folder)
     points = folder if point_folder is None else Path(point_folder)
     check_sources(tuple(sources), f"{folder}: sources")
-    indexes = {name: LabelIndex.load((points if name in POINT_SOURCES else folder) / INDEX_FILES[name], kind,
-                                     ef_search) for name in sources}
-    knn = sp.load_npz(points / KNN_LABELS_FILE).tocsr() if "knn" in sources else None
+
+    def where(file: str, from_points: bool = True) -> Path:
+        return points / file if from_points and (points / file).exists() else folder / file
+
+    indexes = {name: LabelIndex.load(where(INDEX_FILES[name], name in POINT_SOURCES), kind, ef_search)
+               for name in sources}
+    knn = excluded = None
+    if "knn" in sources:
+        knn = sp.load_npz(where(KNN_LABELS_FILE)).tocsr()
+        if (points / KNN_EXCLUDED_FILE).exists() and not (points / INDEX_FILES["knn"]).exists():
+            excluded = np.load(points / KNN_EXCLUDED_FILE, allow_pickle=False)
     path = points / CENTROID_FILE
     centroids = np.load(path, allow_pickle=False) if path.exists() else None
-    return ShortlistSources(W, label_representation(label_emb, centroids, label_repr), indexes, knn, knn_neighbours)
+    return ShortlistSources(W, label_representation(label_emb, centroids, label_repr), indexes, knn, knn_neighbours,
+                            excluded)
 
 
 def shortlist(queries: np.ndarray, W: np.ndarray, label_emb: np.ndarray, w_index: LabelIndex,
