@@ -226,8 +226,8 @@ class IndexParams:
     # similarity where they carry the label; candidates still come from all shortlist_size neighbours
     knn_neighbours: int = 10
     # the deployed kNN index and label centroids hold every training point, the validation ones too (the
-    # fusion is still fitted on validation with the indexes built without them, index/heldout/); W and the
-    # encoder never see validation points. False: deploy the held-out indexes as fitted
+    # fusion is still fitted on validation without them: index/heldout/ holds the other points' centroids and
+    # the kNN rows to exclude); W and the encoder never see validation points. False: deploy what was fitted
     include_validation: bool = True
 
 

@@ -479,16 +479,21 @@ def fusion(ctx: StageContext) -> dict[str, Any]:
     return summary
 
 
+def encode_split(ctx: StageContext, split: str) -> np.ndarray:
+    """Embeddings of a tokenized split ("train", "test", "label") with the deployed encoder, as trained."""
+    md = model_dir(ctx)
+    pooling = load_json(md / "summary.json")["pooling"]  # as trained, whatever this run says
+    encoder = load_encoder(str(md / "encoder"), pooling).to(ctx.device)
+    dtype = amp_dtype(ctx.device, ctx.cfg.pretrain.amp)
+    return encode_tokens(encoder, *_tokens(ctx, split), ctx.device, dtype, ctx.cfg.pretrain.encode_batch_size)
+
+
 def evaluation(ctx: StageContext) -> dict[str, Any]:
     """Encode the test texts with the trained encoder, predict top-k, compute the XC metrics."""
     p = ctx.cfg.evaluate
     t0 = time.perf_counter()
     ds = _labels(ctx)
-    md = model_dir(ctx)
-    pooling = load_json(md / "summary.json")["pooling"]  # as trained, whatever this run says
-    encoder = load_encoder(str(md / "encoder"), pooling).to(ctx.device)
-    dtype = amp_dtype(ctx.device, ctx.cfg.pretrain.amp)
-    q = encode_tokens(encoder, *_tokens(ctx, "test"), ctx.device, dtype, ctx.cfg.pretrain.encode_batch_size)
+    q = encode_split(ctx, "test")
     t_enc = time.perf_counter() - t0
     m = load_model(ctx)
     fz = load_fusion(load_json(ctx.dir("fusion") / "fusion.json"))

@@ -1,0 +1,138 @@
+"""Oracle frontier of the alpha fusion on the TEST split: how far re-weighting a trained model's scores can go.
+
+  XC_HOME=<home> python bench/fusion_frontier.py --dataset LF-WordNetNounsTitles \
+      [--thresholds 38,37,36,35] [--out bench/results/frontier_<name>.json]
+
+Reads a materialized partition (its deployed encoder, W, indexes and fitted fusion), shortlists every test point
+as the evaluate stage does, and ranks the shortlist with every weighting of the alpha fusion's grid:
+a * classifier + (1 - a) * embedding + c * kNN + b * log(1 / p_l) for a in 0..1 (``--alpha-step``), c in
+``--knn-weights`` (0 only when the index has no kNN source) and b in ``--propensity-weights``. For each it computes
+test P@1 and PSP@1 (filter pairs removed, propensity A/B from the dataset's config) and prints:
+
+- the best PSP@1 among the weightings whose P@1 is at least each threshold (the P@1 / PSP@1 frontier),
+- the largest PSP@1 and the largest P@1 + PSP@1 of the grid,
+- where the deployed fusion (fitted on validation) sits, re-scored the same way.
+
+This is a diagnostic, never a fit: weights chosen on test overstate what a model delivers. It answers "is the
+fusion the bottleneck, or the scores it fuses?" (bench/RESULTS.md, ninth, eleventh and fourteenth sessions).
+A tree fusion in the partition is reported as deployed; the grid is the alpha fusion's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def frontier(results: np.ndarray, thresholds: list[float]) -> dict[str, dict | None]:
+    """Best PSP@1 row among the rows with P@1 >= each threshold (rows: P@1, PSP@1, a, c, b)."""
+    out: dict[str, dict | None] = {}
+    for thr in thresholds:
+        ok = results[results[:, 0] >= thr]
+        out[f"{thr:g}"] = None if not len(ok) else _row(ok[ok[:, 1].argmax()])
+    return out
+
+
+def _row(r: np.ndarray) -> dict:
+    return {"p1": round(float(r[0]), 2), "psp1": round(float(r[1]), 2), "alpha": round(float(r[2]), 4),
+            "knn_weight": float(r[3]), "propensity_weight": float(r[4])}
+
+
+def sweep(sl, Y_test, filter_test, inv_prop: np.ndarray, alphas: np.ndarray, knn_weights: list[float],
+          propensity_weights: list[float]) -> np.ndarray:
+    """(P@1, PSP@1, a, c, b) in percent for every weighting of the grid on the given shortlist."""
+    from xc_dagster.fusion import propensity_boost
+    from xc_dagster.metrics import evaluate, remove_filtered
+    from xc_dagster.predict import fuse, topk_from_scores
+
+    boost = propensity_boost(sl.ids, inv_prop)
+    rows = []
+    for c in knn_weights:
+        for a in alphas:
+            base = fuse(sl, float(a), c)
+            for b in propensity_weights:
+                ids, sc = topk_from_scores(sl.ids, base + np.float32(b) * boost, 5)
+                ids, sc = remove_filtered(ids, sc, filter_test)
+                m = evaluate(ids, Y_test, ks=(1,), inv_prop=inv_prop, filter_pairs=filter_test)
+                rows.append((100 * m["precision_at_1"], 100 * m["psprecision_at_1"], a, c, b))
+    return np.asarray(rows, dtype=np.float64)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dataset", required=True, help="a materialized partition of the catalog in $XC_HOME")
+    ap.add_argument("--alpha-step", type=float, default=0.05)
+    ap.add_argument("--knn-weights", default="0,0.25,0.5,1")
+    ap.add_argument("--propensity-weights", default="0,0.02,0.04,0.08,0.12,0.16")
+    ap.add_argument("--thresholds", default="38,37,36,35", help="P@1 floors (percent) of the frontier")
+    ap.add_argument("--out", type=Path, help="write the results as JSON here")
+    args = ap.parse_args(argv)
+
+    from xc_dagster.catalog import Catalog
+    from xc_dagster.data import load_dataset
+    from xc_dagster.fusion import load_fusion
+    from xc_dagster.home import Home
+    from xc_dagster.metrics import inverse_propensity
+    from xc_dagster.pipeline import StageContext, encode_split, load_model
+    from xc_dagster.predict import retrieve
+    from xc_dagster.storage import ArtifactStore, load_json
+
+    if not 0 < args.alpha_step <= 1:
+        raise SystemExit(f"--alpha-step: expected a number in (0, 1], got {args.alpha_step}")
+    home = Home.from_env()
+    spec = Catalog(home.catalog).get(args.dataset)
+    cfg = spec.config()
+    ctx = StageContext(ArtifactStore(home.artifacts), spec, cfg, home.cache)
+    t0 = time.perf_counter()
+    ds = load_dataset(ctx.dir("ingest") / "dataset", texts=False, features=False)
+    inv = inverse_propensity(ds.Y_train, cfg.evaluate.propensity_a, cfg.evaluate.propensity_b)
+    model = load_model(ctx)
+    sl = retrieve(encode_split(ctx, "test"), model, cfg.index.shortlist_size)
+    knn = _floats(args.knn_weights) if sl.knn is not None else [0.0]
+    alphas = np.round(np.arange(0.0, 1.0 + 1e-9, args.alpha_step), 6)
+    res = sweep(sl, ds.Y_test, ds.filter_test, inv, alphas, knn, _floats(args.propensity_weights))
+
+    deployed = load_fusion(load_json(ctx.dir("fusion") / "fusion.json"))
+    from xc_dagster.metrics import evaluate, remove_filtered
+    from xc_dagster.predict import topk_from_scores
+
+    ids, sc = topk_from_scores(sl.ids, deployed.score(sl, inv), 5)
+    ids, sc = remove_filtered(ids, sc, ds.filter_test)
+    m = evaluate(ids, ds.Y_test, ks=(1,), inv_prop=inv, filter_pairs=ds.filter_test)
+    best_psp, best_sum = res[res[:, 1].argmax()], res[(res[:, 0] + res[:, 1]).argmax()]
+    out = {"dataset": args.dataset, "strategy": cfg.strategy, "n_test": int(ds.Y_test.shape[0]),
+           "grid_size": int(len(res)), "frontier": frontier(res, _floats(args.thresholds)),
+           "max_psp1": _row(best_psp), "max_p1_plus_psp1": _row(best_sum),
+           "deployed": {"fusion": deployed.summary(), "p1": round(100 * m["precision_at_1"], 2),
+                        "psp1": round(100 * m["psprecision_at_1"], 2)},
+           "machine": f"{platform.processor() or platform.machine()}, {platform.system()}",
+           "seconds": round(time.perf_counter() - t0, 1)}
+    print(f"{args.dataset} ({cfg.strategy}), test, {len(res)} weightings of the alpha fusion:")
+    print(f"  deployed (fitted on validation): P@1 {out['deployed']['p1']:.2f}  PSP@1 {out['deployed']['psp1']:.2f}")
+    for thr, r in out["frontier"].items():
+        print(f"  P@1 >= {thr}: " + ("none" if r is None else
+                                     f"best PSP@1 {r['psp1']:.2f} (P@1 {r['p1']:.2f}; a {r['alpha']:g}, "
+                                     f"c {r['knn_weight']:g}, b {r['propensity_weight']:g})"))
+    print(f"  max PSP@1 {best_psp[1]:.2f} (P@1 {best_psp[0]:.2f}); "
+          f"max P@1 + PSP@1 {best_sum[0] + best_sum[1]:.2f} ({best_sum[0]:.2f} + {best_sum[1]:.2f})")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(out, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""bench/fusion_frontier.py: the oracle sweep of the alpha fusion, on a hand-computed shortlist."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from bench import fusion_frontier as ff
+from xc_dagster.predict import Shortlist
+
+
+def _case():
+    # three test points, labels 0 (head, 1/p 1), 1 (1/p 2), 2 (tail, 1/p 4); truths 2, 0, 1
+    ids = np.array([[0, 2], [0, 1], [1, 0]])
+    clf = np.array([[0.9, 0.1], [0.9, 0.1], [0.2, 0.8]], dtype=np.float32)
+    emb = np.array([[0.1, 0.9], [0.4, 0.6], [0.9, 0.1]], dtype=np.float32)
+    Y = sp.csr_matrix((np.ones(3), ([0, 1, 2], [2, 0, 1])), shape=(3, 3))
+    return Shortlist(ids, clf, emb), Y, np.array([1.0, 2.0, 4.0])
+
+
+def test_sweep_scores_every_weighting_by_hand():
+    sl, Y, inv = _case()
+    res = ff.sweep(sl, Y, np.zeros((0, 2), dtype=np.int64), inv, np.array([0.0, 0.5, 1.0]), [0.0], [0.0, 1.0])
+    got = {(a, b): (round(p, 2), round(s, 2)) for p, s, a, _, b in res}
+    # PSP@1 = (1/p of the correct top-1 labels) / (the best top-1's: 4 + 1 + 2 = 7)
+    assert got[(0.0, 0.0)] == (66.67, 85.71)  # embedding only: points 0 (4) and 2 (2) right
+    assert got[(0.5, 0.0)] == (66.67, 42.86)  # point 0 ties 0.5 / 0.5 -> smaller id 0 (wrong); points 1, 2 right
+    assert got[(1.0, 0.0)] == (33.33, 14.29)  # classifier only: point 1
+    assert got[(1.0, 1.0)] == (100.0, 100.0)  # + log(1/p): 0.1 + log 4 > 0.9, 0.9 > 0.1 + log 2, 0.2 + log 2 > 0.8
+
+
+def test_frontier_takes_the_best_psp_above_each_p1_floor():
+    res = np.array([[70.0, 20.0, 0.1, 0, 0], [60.0, 30.0, 0.2, 0.5, 0.04], [50.0, 40.0, 0.3, 0, 0.08]])
+    fr = ff.frontier(res, [80, 65, 55])
+    assert fr["80"] is None
+    assert fr["65"] == {"p1": 70.0, "psp1": 20.0, "alpha": 0.1, "knn_weight": 0.0, "propensity_weight": 0.0}
+    assert fr["55"]["psp1"] == 30.0 and fr["55"]["knn_weight"] == 0.5
+
+
+def test_bad_numbers_are_named():
+    with pytest.raises(SystemExit, match="comma-separated numbers, got 'a,b'"):
+        ff._floats("a,b")
