@@ -4,6 +4,7 @@ strategies through every stage with the encoder trained end to end."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -342,3 +343,16 @@ def test_killed_training_resumes_to_the_same_classifiers(tmp_path, negatives):
     again = train_end_to_end(X, labels, labels, Y, np.arange(120), p, torch.device("cpu"), checkpoint=ck)
     assert again.summary["resumed_from_epoch"] == 1 and again.summary["steps"] == full.summary["steps"] == 30
     assert np.array_equal(again.W, full.W)
+
+
+def test_sampled_bce_weighs_each_positive_by_its_label_weight():
+    """classifier.propensity_weight with sampled negatives: positives' BCE terms scaled by their label's
+    weight, negatives keep the sampler's weights (s = w.x: 1 for the positive, 0 and -1 for the negatives)."""
+    clf = ShardedClassifier(np.array([[1.0, 0], [0, 1.0], [-1.0, 0]], np.float32), [torch.device("cpu")])
+    x = torch.tensor([[1.0, 0]])
+    neg = NegativeSample(np.array([[1, 2]]), np.array([[1.0, 1.0]], np.float32))
+    p = ClassifierParams(scale=1.0, dropout=0.0, normalize=False)
+    soft = math.log(1 + math.exp(-1))
+    assert sampled_bce(clf, x, np.array([[0]]), neg, p).item() == pytest.approx(2 * soft + math.log(2), rel=1e-6)
+    weighted = sampled_bce(clf, x, np.array([[0, -1]]), neg, p, label_weight=np.array([3.0, 1.0, 1.0], np.float32))
+    assert weighted.item() == pytest.approx(3 * soft + math.log(2) + soft, rel=1e-6)

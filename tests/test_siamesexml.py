@@ -173,6 +173,11 @@ def test_siamesexml_strategy_resolves_the_sampler_and_loss():
     assert cfg.mining.sources == cfg.index.sources == ("label", "centroid", "knn")  # Module II
     assert cfg.index.label_repr == "text+centroid" and cfg.classifier.loss == "triplet"  # measured better
     assert cfg.classifier.init == "text+centroid" and ngame_cfg.classifier.init == "text"
+    # propensity-scored positives for both hardest-negative strategies; the sampled-negative ones take none
+    assert cfg.classifier.propensity_weight == ngame_cfg.classifier.propensity_weight == 1.0
+    for name in ("astra", "mips"):
+        assert DatasetSpec("X-Titles", "/x", strategy=name).config().classifier.propensity_weight == 0
+    assert spec.config({"classifier.propensity_weight": 0}).classifier.propensity_weight == 0
     assert (cfg.classifier.contrastive_c, cfg.classifier.contrastive_d) == (0.75, 3.0)  # classifier.loss=siamesexml
     for name in ("Module I", "Module II", "Module III", "Module IV", "residual", "classifier.loss=siamesexml"):
         assert name.lower() in STRATEGIES["siamesexml"].description.lower()

@@ -126,7 +126,7 @@ class ClassifierParams:
     # sampled negatives (uniform/astra/mips) always train with BCE
     num_positives: int = 3  # positives sampled per point per step
     # gamma >= 0: a positive of label l weighs (1/p_l)^gamma in the loss (mean 1 over the training positives;
-    # propensity-scored loss, Jain et al. 2016: trades P@k for PSP@k); hardest-negative trainer only
+    # propensity-scored loss, Jain et al. 2016); both trainers. ngame and siamesexml set 1 (strategies.py)
     propensity_weight: float = 0.0
     num_negatives: int = 50  # hardest negatives (under the current W) per point per step
     negatives: str = "shortlist"  # hardest of: "shortlist" (mined ANNS) | "in-batch" (NGAME M2) | "both"; or sampled

@@ -88,11 +88,15 @@ def make_sampler(params: ClassifierParams, Yex: sp.csr_matrix, bank: np.ndarray,
 
 
 def sampled_bce(clf: ShardedClassifier, x: torch.Tensor, pos: np.ndarray, neg: NegativeSample,
-                params: ClassifierParams, bias: torch.Tensor | float = 0.0) -> torch.Tensor:
-    """One step's loss: BCE of (dropout) query embeddings ``x`` against their positives (weight 1) and sampled
-    negatives (the sampler's weights); s = scale * w.x + bias; only the rows in ``pos``/``neg`` are read."""
+                params: ClassifierParams, bias: torch.Tensor | float = 0.0,
+                label_weight: np.ndarray | None = None) -> torch.Tensor:
+    """One step's loss: BCE of (dropout) query embeddings ``x`` against their positives (weight 1, or
+    ``label_weight`` of their label: ``classifier.propensity_weight``) and sampled negatives (the sampler's
+    weights); s = scale * w.x + bias; only the rows in ``pos``/``neg`` are read."""
     ids = torch.from_numpy(np.concatenate([pos, neg.ids], 1)).to(x.device)
-    weights = torch.from_numpy(np.concatenate([np.ones(pos.shape, np.float32), neg.weights], 1)).to(x.device)
+    pos_w = (np.ones(pos.shape, np.float32) if label_weight is None
+             else np.where(pos >= 0, label_weight[np.maximum(pos, 0)], 0.0).astype(np.float32))
+    weights = torch.from_numpy(np.concatenate([pos_w, neg.weights], 1)).to(x.device)
     valid = ids >= 0
     is_pos = torch.zeros_like(valid)
     is_pos[:, :pos.shape[1]] = True
@@ -140,13 +144,15 @@ def train_end_to_end(point_emb: np.ndarray, label_emb: np.ndarray, W0: np.ndarra
                      label_tokens: tuple[np.ndarray, np.ndarray] | None = None,
                      dtype: torch.dtype | None = None, shortlist: np.ndarray | None = None,
                      log_metrics: MetricsFn | None = None, checkpoint: Checkpointer | None = None,
-                     log_every: int = 10, reencode: bool = True) -> EndToEndResult:
+                     log_every: int = 10, reencode: bool = True,
+                     label_weight: np.ndarray | None = None) -> EndToEndResult:
     """Train W (and ``encoder`` in place when ``params.train_encoder``) with the ``params.negatives`` sampler.
 
     ``point_emb``/``label_emb``: the current encoder's embeddings (the stale queries ASTRA starts from, and the
     frozen inputs otherwise); ``W0``: initial classifiers; ``shortlist``: the mining stage's shortlist per
     training point (ASTRA's first hard-negative table when ``hard_start`` is 0). ``reencode``: embed every
     training point and label with the trained encoder afterwards (what the later stages need).
+    ``label_weight`` (L,): a weight on each label's positive terms (``propensity_label_weights``).
     """
     if params.negatives not in SAMPLERS:
         raise XCConfigError(f"classifier.negatives: the BCE trainer takes {SAMPLERS}, got {params.negatives!r}")
@@ -221,7 +227,7 @@ def train_end_to_end(point_emb: np.ndarray, label_emb: np.ndarray, W0: np.ndarra
                     x = torch.from_numpy(bank[batch]).to(device)
                 x_np = x.detach().float().cpu().numpy()
                 neg = sampler.sample(batch, x_np, step, rng)
-                loss = sampled_bce(clf, x, pos, neg, params, bias)
+                loss = sampled_bce(clf, x, pos, neg, params, bias, label_weight)
                 if train_enc:
                     enc_opt.zero_grad(set_to_none=True)
                 if bias_opt is not None:

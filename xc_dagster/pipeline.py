@@ -307,10 +307,6 @@ def classifier(ctx: StageContext) -> dict[str, Any]:
     if p.train_encoder and not sampled:
         raise XCConfigError(f"classifier.train_encoder: end-to-end training needs sampled negatives "
                             f"(classifier.negatives = {' | '.join(SAMPLERS)}), got {p.negatives!r}")
-    if p.propensity_weight and sampled:
-        raise XCConfigError(f"classifier.propensity_weight: weights the hardest-negative trainer's loss "
-                            f"(classifier.negatives = shortlist | in-batch | both), got negatives={p.negatives!r}; "
-                            "set it to 0 with sampled negatives")
     if p.train_residual and sampled:
         raise XCConfigError("classifier.train_residual: the residual block is fine-tuned by the hardest-negative "
                             "trainer (negatives = shortlist | in-batch | both); with sampled negatives use "
@@ -333,10 +329,11 @@ def classifier(ctx: StageContext) -> dict[str, Any]:
                                             ctx.cfg.pretrain.encode_batch_size, forward=encoder.intermediate)
                               for split in ("train", "label"))
     warm = fingerprint_files(d / "encoder") if (p.train_encoder or encoder is not None) else ""
-    # (sampled negatives with a weight were refused above)
     lw = (propensity_label_weights(_inv_prop(ctx, ds.Y_train), ds.Y_train, rows, p.propensity_weight)
           if p.propensity_weight else None)
-    key = fingerprint({**dataclasses.asdict(p), "warm": warm}, point_emb, W0, sl, rows,
+    # "w_state": the trainer's checkpoint layout (W and its optimizer as ShardedOptimizer state since the
+    # hardest-negative trainer scores through ShardedClassifier): an older layout is never resumed from
+    key = fingerprint({**dataclasses.asdict(p), "warm": warm, "w_state": "sharded"}, point_emb, W0, sl, rows,
                       *([] if lw is None else [lw]))
     ckpt = Checkpointer(ctx.checkpoint_dir("classifier"), key)
     res = None
@@ -348,7 +345,7 @@ def classifier(ctx: StageContext) -> dict[str, Any]:
             kw = {"encoder": encoder, "point_tokens": _tokens(ctx, "train"), "label_tokens": _tokens(ctx, "label"),
                   "dtype": amp_dtype(ctx.device, ctx.cfg.pretrain.amp)}
         res = train_end_to_end(point_emb, label_emb, W0, ds.Y_train, rows, p, ctx.device,
-                               shortlist=sl, log_metrics=ctx.log_metrics, checkpoint=ckpt, **kw)
+                               shortlist=sl, log_metrics=ctx.log_metrics, checkpoint=ckpt, label_weight=lw, **kw)
         W, summary = res.W, res.summary
     else:
         W, summary = train_classifiers(point_emb if inter is None else inter, W0, ds.Y_train, sl, rows, p,
