@@ -51,12 +51,22 @@ def _row(r: np.ndarray) -> dict:
             "knn_weight": float(r[3]), "propensity_weight": float(r[4])}
 
 
+def p1_psp1(ids: np.ndarray, scores: np.ndarray, Y_test, filter_test, inv_prop: np.ndarray) -> tuple[float, float]:
+    """Test P@1 and PSP@1 in percent of a shortlist ranked by ``scores``, as the evaluate stage ranks it (top 5,
+    filter pairs removed before the top 1 is read)."""
+    from xc_dagster.metrics import evaluate, remove_filtered
+    from xc_dagster.predict import topk_from_scores
+
+    top, sc = remove_filtered(*topk_from_scores(ids, scores, 5), filter_test)
+    m = evaluate(top, Y_test, ks=(1,), inv_prop=inv_prop, filter_pairs=filter_test)
+    return 100 * m["precision_at_1"], 100 * m["psprecision_at_1"]
+
+
 def sweep(sl, Y_test, filter_test, inv_prop: np.ndarray, alphas: np.ndarray, knn_weights: list[float],
           propensity_weights: list[float]) -> np.ndarray:
     """(P@1, PSP@1, a, c, b) in percent for every weighting of the grid on the given shortlist."""
     from xc_dagster.fusion import propensity_boost
-    from xc_dagster.metrics import evaluate, remove_filtered
-    from xc_dagster.predict import fuse, topk_from_scores
+    from xc_dagster.predict import fuse
 
     boost = propensity_boost(sl.ids, inv_prop)
     rows = []
@@ -64,10 +74,7 @@ def sweep(sl, Y_test, filter_test, inv_prop: np.ndarray, alphas: np.ndarray, knn
         for a in alphas:
             base = fuse(sl, float(a), c)
             for b in propensity_weights:
-                ids, sc = topk_from_scores(sl.ids, base + np.float32(b) * boost, 5)
-                ids, sc = remove_filtered(ids, sc, filter_test)
-                m = evaluate(ids, Y_test, ks=(1,), inv_prop=inv_prop, filter_pairs=filter_test)
-                rows.append((100 * m["precision_at_1"], 100 * m["psprecision_at_1"], a, c, b))
+                rows.append((*p1_psp1(sl.ids, base + np.float32(b) * boost, Y_test, filter_test, inv_prop), a, c, b))
     return np.asarray(rows, dtype=np.float64)
 
 
@@ -106,18 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     res = sweep(sl, ds.Y_test, ds.filter_test, inv, alphas, knn, _floats(args.propensity_weights))
 
     deployed = load_fusion(load_json(ctx.dir("fusion") / "fusion.json"))
-    from xc_dagster.metrics import evaluate, remove_filtered
-    from xc_dagster.predict import topk_from_scores
-
-    ids, sc = topk_from_scores(sl.ids, deployed.score(sl, inv), 5)
-    ids, sc = remove_filtered(ids, sc, ds.filter_test)
-    m = evaluate(ids, ds.Y_test, ks=(1,), inv_prop=inv, filter_pairs=ds.filter_test)
+    dep_p1, dep_psp1 = p1_psp1(sl.ids, deployed.score(sl, inv), ds.Y_test, ds.filter_test, inv)
     best_psp, best_sum = res[res[:, 1].argmax()], res[(res[:, 0] + res[:, 1]).argmax()]
     out = {"dataset": args.dataset, "strategy": cfg.strategy, "n_test": int(ds.Y_test.shape[0]),
            "grid_size": int(len(res)), "frontier": frontier(res, _floats(args.thresholds)),
            "max_psp1": _row(best_psp), "max_p1_plus_psp1": _row(best_sum),
-           "deployed": {"fusion": deployed.summary(), "p1": round(100 * m["precision_at_1"], 2),
-                        "psp1": round(100 * m["psprecision_at_1"], 2)},
+           "deployed": {"fusion": deployed.summary(), "p1": round(dep_p1, 2), "psp1": round(dep_psp1, 2)},
            "machine": f"{platform.processor() or platform.machine()}, {platform.system()}",
            "seconds": round(time.perf_counter() - t0, 1)}
     print(f"{args.dataset} ({cfg.strategy}), test, {len(res)} weightings of the alpha fusion:")

@@ -31,7 +31,7 @@ from xc_dagster.config import ClassifierParams
 from xc_dagster.errors import XCConfigError
 from xc_dagster.losses import masked_bce_loss, multi_positive_triplet_loss, siamesexml_classifier_loss
 from xc_dagster.sampling import positive_mask, sample_positives
-from xc_dagster.sharded import ShardedClassifier, ShardedOptimizer, check_optimizer
+from xc_dagster.sharded import ShardedClassifier, ShardedOptimizer
 
 MetricsFn = Callable[[int, dict[str, float]], None]
 LOSSES = ("bce", "triplet", "siamesexml")
@@ -118,7 +118,7 @@ def _w_optimizer(clf: ShardedClassifier, params: ClassifierParams) -> ShardedOpt
     """``classifier.w_optimizer`` over the rows of W a step scored: SparseAdam (NGAME code) or plain SGD, whose
     step is proportional to the gradient, so rows touched rarely move little (LF-WordNetNounsTitles: no better
     fused, bench/RESULTS.md thirteenth session)."""
-    if check_optimizer(params.w_optimizer) == "sgd" and params.weight_decay:
+    if params.w_optimizer == "sgd" and params.weight_decay:  # ShardedOptimizer checks the name itself
         raise XCConfigError("classifier.weight_decay: the hardest-negative trainer takes no weight decay "
                             f"(got {params.weight_decay}); it applies to negatives=uniform|astra|mips")
     return ShardedOptimizer(clf, params.w_optimizer, params.lr)

@@ -33,8 +33,8 @@ from xc_dagster.encoder import encode_tokens, load_encoder, load_tokenizer, save
 from xc_dagster.fusion import check_method, fit_fusion, load_fusion, missed_positive_features
 from xc_dagster.metrics import evaluate, inverse_propensity, recall_at, remove_filtered
 from xc_dagster.predict import (CENTROID_FILE, KNN_EXCLUDED_FILE, ShortlistSources, build_sources,
-                                check_label_repr, check_sources, label_centroids, label_representation, load_sources, retrieve,
-                                save_parts, save_sources, topk_from_scores)
+                                check_label_repr, check_sources, label_centroids, label_representation,
+                                load_sources, retrieve, save_parts, save_sources, topk_from_scores)
 from xc_dagster.provenance import record_params, with_upstream_params
 from xc_dagster.reports import decile_contributions, decile_plot, pk_plot, recall_by_frequency, recall_plot
 from xc_dagster.sampling import validation_split, validation_targets
@@ -389,20 +389,20 @@ def index(ctx: StageContext) -> dict[str, Any]:
     W = np.load(ctx.dir("classifier") / "W.npy")
     label_emb = np.load(model_dir(ctx) / "label_emb.npy")
     need_centroids = "centroid" in p.sources or p.label_repr == "text+centroid"
-    parts: dict[str, tuple] = {}  # "deployed" / "heldout" -> (centroids, kNN points, their labels)
+    centroids = point_emb = knn_labels = h_centroids = None
+    heldout = False  # the fusion is fitted without the validation points (index/heldout/)
     if need_centroids or "knn" in p.sources:
         ds = _labels(ctx)
         rows = _train_rows(ctx, ds.num_train)
         # from the deployed encoder's embeddings: mining's centroids are stale once ASTRA/MIPS-s fine-tuned it
         train_emb = np.load(model_dir(ctx) / "train_emb.npy", mmap_mode="r")
-        sets = {"deployed": rows}
-        if p.include_validation and len(rows) < ds.num_train:
-            sets = {"deployed": np.arange(ds.num_train), "heldout": rows}
-        for name, r in sets.items():
-            parts[name] = (label_centroids(train_emb, ds.Y_train, r) if need_centroids else None,
-                           *((np.asarray(train_emb[r]), ds.Y_train[r]) if "knn" in p.sources and name == "deployed"
-                             else (None, None)))
-    centroids, point_emb, knn_labels = parts.get("deployed", (None, None, None))
+        heldout = p.include_validation and len(rows) < ds.num_train
+        deployed = np.arange(ds.num_train) if heldout else rows
+        if need_centroids:
+            centroids = label_centroids(train_emb, ds.Y_train, deployed)
+            h_centroids = label_centroids(train_emb, ds.Y_train, rows) if heldout else None
+        if "knn" in p.sources:
+            point_emb, knn_labels = np.asarray(train_emb[deployed]), ds.Y_train[deployed]
     src = build_sources(p.sources, W, label_emb, centroids, point_emb, knn_labels, p.label_repr, p.kind,
                         p.hnsw_m, p.hnsw_ef_construction, p.hnsw_ef_search)
     with ctx.store.writing(ctx.name, "index") as out:
@@ -411,8 +411,7 @@ def index(ctx: StageContext) -> dict[str, Any]:
                    "labels": int(len(W)), "dim": int(W.shape[1]),
                    "knn_points": int(point_emb.shape[0]) if point_emb is not None else 0,
                    "knn_neighbours": int(p.knn_neighbours) if "knn" in p.sources else 0}
-        if "heldout" in parts:  # what the fusion is fitted with: the same parts without the validation points
-            h_centroids = parts["heldout"][0]
+        if heldout:  # what the fusion is fitted with: the same parts without the validation points
             held = out / HELDOUT_DIR
             save_parts(held, {"centroid": _label_index(h_centroids, p.kind, p.hnsw_m, p.hnsw_ef_construction,
                                                        p.hnsw_ef_search)} if "centroid" in p.sources else {},
