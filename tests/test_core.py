@@ -360,3 +360,42 @@ def test_matmul_probe_times_both_precisions():
     from xc_dagster import device
 
     assert device._matmul_seconds(None, reps=1) > 0 and device._matmul_seconds(torch.bfloat16, reps=1) > 0
+
+
+def test_adamw_uses_the_fused_kernel_and_matches_the_default_update(monkeypatch):
+    """``device.adamw``: the fused kernel on CPU (torch >= 2.4), the same weights as the default AdamW to float
+    rounding, and the default implementation where torch refuses ``fused``."""
+    from xc_dagster import device
+
+    torch.manual_seed(0)
+    start = [torch.randn(50, 8), torch.randn(8)]
+    grads = [[torch.randn_like(p) for p in start] for _ in range(4)]
+
+    def train(make):
+        ps = [torch.nn.Parameter(p.clone()) for p in start]
+        opt = make(ps)
+        for g in grads:
+            for p, gp in zip(ps, g):
+                p.grad = gp.clone()
+            opt.step()
+        return opt, ps
+
+    fused, w_fused = train(lambda ps: device.adamw(ps, 1e-2, 0.01))
+    assert fused.param_groups[0]["fused"] is True
+    _, w_ref = train(lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01))
+    for a, b in zip(w_fused, w_ref):
+        assert torch.allclose(a, b, atol=1e-6)
+        assert not torch.equal(a, b.new_tensor(start[0] if a.dim() == 2 else start[1]))  # it did move
+
+    real = torch.optim.AdamW
+
+    def no_fused(params, **kw):
+        if kw.get("fused"):
+            raise RuntimeError("`fused=True` requires all the params to be on a supported device")
+        return real(params, **kw)
+
+    monkeypatch.setattr(torch.optim, "AdamW", no_fused)
+    fallback, w_fb = train(lambda ps: device.adamw(ps, 1e-2, 0.01))
+    assert not fallback.param_groups[0].get("fused")
+    for a, b in zip(w_fb, w_ref):
+        assert torch.equal(a, b)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from xc_dagster.checkpoint import Checkpointer, restore_rng
 from xc_dagster.config import ClassifierParams
-from xc_dagster.device import autocast
+from xc_dagster.device import adamw, autocast
 from xc_dagster.encoder import encode_tokens
 from xc_dagster.errors import XCConfigError
 from xc_dagster.losses import masked_bce_loss
@@ -184,7 +184,7 @@ def train_end_to_end(point_emb: np.ndarray, label_emb: np.ndarray, W0: np.ndarra
     enc_opt = enc_sched = None
     train_enc = params.train_encoder
     if train_enc:
-        enc_opt = torch.optim.AdamW(encoder.parameters(), lr=params.encoder_lr, weight_decay=0.01)
+        enc_opt = adamw(encoder.parameters(), params.encoder_lr, 0.01)
         enc_sched = torch.optim.lr_scheduler.LambdaLR(enc_opt, sched_f)
         encoder.train()
     prior = min(max(Yex.nnz / max(n, 1) / max(Yex.shape[1], 1), 1e-9), 0.5)

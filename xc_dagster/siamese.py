@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from xc_dagster.checkpoint import Checkpointer, restore_rng
 from xc_dagster.clustering import balanced_clusters, cluster_batches
 from xc_dagster.config import PretrainParams
-from xc_dagster.device import autocast
+from xc_dagster.device import adamw, autocast
 from xc_dagster.encoder import SiameseEncoder, chunk_tensors, encode_tokens, length_sorted_chunks
 from xc_dagster.errors import XCConfigError
 from xc_dagster.losses import infonce_loss, ohnm_triplet_loss, siamesexml_loss
@@ -282,7 +282,7 @@ def train_siamese(encoder: SiameseEncoder, point_tokens: tuple[np.ndarray, np.nd
                                 f"to freeze; set it to 0")
         encoder.freeze_bottom(params.freeze_layers)
     trainable = [p for p in encoder.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trainable, lr=params.lr, weight_decay=params.weight_decay)
+    opt = adamw(trainable, params.lr, params.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(params.warmup_steps, total_steps))
     encoder.train()
     step, points, t0, loss_val = 0, 0, time.perf_counter(), float("nan")
