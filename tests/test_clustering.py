@@ -90,22 +90,13 @@ def test_ngame_sampler_uses_memory_bank_clusters_and_reclusters_every_tau():
     assert ep1
 
 
-def test_seed_bank_clusters_the_starting_encoders_embeddings_from_epoch_0(monkeypatch, tmp_path):
-    """pretrain.seed_bank: the first clustering (curriculum at epoch 0) is of the starting encoder's embeddings
-    of the training points; without it a curriculum at epoch 0 is a config error (the bank is empty)."""
-    import dataclasses
-
-    import pytest
+def _tiny_pretrain_data(tmp_path):
+    """A tiny random transformer and 32 two-word points, each labelled with one of 12 one-word labels."""
     import scipy.sparse as sp
-    import torch
 
     from tests.tinydata import WORDS, write_tiny_encoder
-    from xc_dagster import siamese
-    from xc_dagster.config import PretrainParams
-    from xc_dagster.encoder import encode_tokens, load_encoder, load_tokenizer
-    from xc_dagster.errors import XCConfigError
+    from xc_dagster.encoder import load_tokenizer
 
-    torch.manual_seed(0)
     path = write_tiny_encoder(tmp_path / "enc")
     tok = load_tokenizer(str(path))
     texts = [f"{WORDS[i % 12]} {WORDS[(3 * i + 1) % 12]}" for i in range(32)]
@@ -114,8 +105,25 @@ def test_seed_bank_clusters_the_starting_encoders_embeddings_from_epoch_0(monkey
         enc = tok(t, max_length=8, truncation=True, padding="max_length", return_tensors="np")
         return enc["input_ids"].astype(np.int32), enc["attention_mask"].sum(1).astype(np.int32)
 
-    pt, lt = tokens(texts), tokens(WORDS[:12])
     Y = sp.csr_matrix((np.ones(32, dtype=np.float32), (np.arange(32), np.arange(32) % 12)), shape=(32, 12))
+    return path, tokens(texts), tokens(WORDS[:12]), Y
+
+
+def test_seed_bank_clusters_the_starting_encoders_embeddings_from_epoch_0(monkeypatch, tmp_path):
+    """pretrain.seed_bank: the first clustering (curriculum at epoch 0) is of the starting encoder's embeddings
+    of the training points; without it a curriculum at epoch 0 is a config error (the bank is empty)."""
+    import dataclasses
+
+    import pytest
+    import torch
+
+    from xc_dagster import siamese
+    from xc_dagster.config import PretrainParams
+    from xc_dagster.encoder import encode_tokens, load_encoder
+    from xc_dagster.errors import XCConfigError
+
+    torch.manual_seed(0)
+    path, pt, lt, Y = _tiny_pretrain_data(tmp_path)
     rows = np.arange(2, 32)  # rows 0, 1 held out: their bank rows stay zero
     params = PretrainParams(sampler="ngame", curriculum=(0,), max_cluster_size=4, cluster_every=5, epochs=1,
                             batch_size=8, chunk_size=16, amp="off", warmup_steps=1)
@@ -130,6 +138,43 @@ def test_seed_bank_clusters_the_starting_encoders_embeddings_from_epoch_0(monkey
                                 torch.device("cpu"), None)
     assert res.reclusterings == 1 and res.steps >= 30 // 8
     assert len(seen) == 1 and np.allclose(seen[0], start, atol=1e-5)  # epoch 0's clusters: starting embeddings
+
+
+def test_quick_curriculum_epoch_0_is_the_random_sampler_then_clusters_of_8(tmp_path):
+    """The quick preset's curriculum (1, 1, 1): the ngame sampler's first epoch is exactly the random sampler's
+    (same batches, same weights), and from epoch 1 batches are unions of clusters of C = 8 from the memory bank;
+    the paper preset keeps the paper's schedule. Both resolve the ngame strategy to the ngame sampler."""
+    import dataclasses
+
+    import torch
+
+    from xc_dagster import siamese
+    from xc_dagster.catalog import DatasetSpec
+    from xc_dagster.encoder import load_encoder
+
+    quick = DatasetSpec("X-Titles", "/x").config().pretrain
+    paper = DatasetSpec("X-Titles", "/x", preset="paper").config().pretrain
+    assert quick.sampler == paper.sampler == "ngame"
+    assert quick.curriculum == (1, 1, 1) and paper.curriculum == (10, 20, 25, 50, 75, 100, 125, 150, 200)
+    assert [siamese.curriculum_cluster_size(e, quick.curriculum, quick.max_cluster_size) for e in (0, 1, 5)] == [1, 8, 8]
+
+    path, pt, lt, Y = _tiny_pretrain_data(tmp_path)
+    rows = np.arange(32)
+    base = dataclasses.replace(quick, epochs=1, batch_size=8, chunk_size=16, amp="off", warmup_steps=1)
+
+    def train(**kw):
+        torch.manual_seed(0)
+        enc = load_encoder(str(path))
+        res = siamese.train_siamese(enc, pt, lt, Y, rows, dataclasses.replace(base, **kw), torch.device("cpu"), None)
+        return res, torch.cat([p.detach().flatten() for p in enc.parameters()])
+
+    (r_ngame, w_ngame), (r_random, w_random) = train(), train(sampler="random")
+    assert r_ngame.steps == r_random.steps == 4 and r_ngame.reclusterings == 0
+    assert torch.equal(w_ngame, w_random)
+    r2, w2 = train(epochs=2)
+    _, w2_random = train(epochs=2, sampler="random")
+    assert r2.reclusterings == 1 and r2.steps == 8  # epoch 1: 4 batches of 8 = one cluster of 8 each
+    assert not torch.equal(w2, w2_random)
 
 
 def test_point_batch_loss_symmetric_on_a_hand_case():

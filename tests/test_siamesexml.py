@@ -168,8 +168,9 @@ def test_siamesexml_strategy_resolves_the_sampler_and_loss():
     spec = DatasetSpec("X-Titles", "/x", strategy="siamesexml").validate()
     assert spec.config({"pretrain.centroid_points": "0"}).pretrain.centroid_points == 0
     ngame_cfg = DatasetSpec("X-Titles", "/x").config()
-    ngame = ngame_cfg.pretrain  # ngame unchanged
-    assert ngame.sampler == "random" and ngame.loss == "triplet" and ngame.num_negatives == 10
+    ngame = ngame_cfg.pretrain  # ngame: point batches
+    assert ngame.sampler == "ngame" and ngame.loss == "triplet" and ngame.num_negatives == 30
+    assert DatasetSpec("X-Titles", "/x", preset="paper").config().pretrain.num_negatives == 10  # NGAME code
     assert cfg.mining.sources == cfg.index.sources == ("label", "centroid", "knn")  # Module II
     assert cfg.index.label_repr == "text+centroid" and cfg.classifier.loss == "triplet"  # measured better
     assert cfg.classifier.init == "text+centroid" and ngame_cfg.classifier.init == "text"

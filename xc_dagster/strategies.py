@@ -68,10 +68,12 @@ STRATEGIES: dict[str, Strategy] = {
         "classifiers initialised from label embeddings and trained with the multi-positive triplet loss on "
         "the hardest negatives, dual-MIPS shortlist (ANNS over W and over label embeddings) with score "
         "fusion. The paper's components are all selectable: pretrain.sampler=ngame (Algorithm 1: cluster "
-        "batches from the memory bank, curriculum doubling C, re-clustering every tau epochs), "
+        "batches from the memory bank, curriculum doubling C, re-clustering every tau epochs; the default), "
         "classifier.negatives=in-batch|both with classifier.cluster_size (M2's cluster-batched in-batch "
-        "negatives), fusion.method=tree (the depth-7 decision tree). The quick preset keeps random batches "
-        "(its one epoch ends before the curriculum's first clustering epoch). Inference adds SiameseXML's kNN index over "
+        "negatives), fusion.method=tree (the depth-7 decision tree). Pretraining batches come from "
+        "Algorithm 1's sampler; in the quick preset its curriculum clusters from epoch 1 (C = 8), so the default "
+        "single epoch is random batches that fill the memory bank and pretrain.epochs >= 2 adds cluster "
+        "batches. Inference adds SiameseXML's kNN index over "
         "the training points as a third fusion input (index.sources=W,label for the paper's dual MIPS only), and "
         "the embedding score adds SiameseXML's label centroid (index.label_repr=text for the paper's E(z_l) alone). "
         "The classifiers' positives weigh (1/p_l) (propensity-scored loss; classifier.propensity_weight=0 for the "
@@ -79,7 +81,7 @@ STRATEGIES: dict[str, Strategy] = {
         # index.label_repr text+centroid: the embedding score is (E(z_l) + v_l).e with SiameseXML's label
         # centroid v_l, which carries a tail label's few training points (LF-WordNetNounsTitles, same artifacts,
         # balanced fusion objective: PSP@1 25.1 with E(z_l) alone, 25.9 with the centroid; bench/RESULTS.md)
-        {"pretrain.sampler": "random", "fusion.method": "alpha", "index.label_repr": "text+centroid",
+        {"pretrain.sampler": "ngame", "fusion.method": "alpha", "index.label_repr": "text+centroid",
          **KNN_INFERENCE, **PROPENSITY_SCORED},
     ),
     "siamesexml": Strategy(
