@@ -140,7 +140,7 @@ def test_seed_bank_clusters_the_starting_encoders_embeddings_from_epoch_0(monkey
     assert len(seen) == 1 and np.allclose(seen[0], start, atol=1e-5)  # epoch 0's clusters: starting embeddings
 
 
-def test_quick_curriculum_epoch_0_is_the_random_sampler_then_clusters_of_8(tmp_path):
+def test_quick_curriculum_epoch_0_is_the_random_sampler_then_clusters_of_8(tmp_path, monkeypatch):
     """The quick preset's curriculum (1, 1, 1): the ngame sampler's first epoch is exactly the random sampler's
     (same batches, same weights), and from epoch 1 batches are unions of clusters of C = 8 from the memory bank;
     the paper preset keeps the paper's schedule. Both resolve the ngame strategy to the ngame sampler."""
@@ -162,6 +162,10 @@ def test_quick_curriculum_epoch_0_is_the_random_sampler_then_clusters_of_8(tmp_p
     rows = np.arange(32)
     base = dataclasses.replace(quick, epochs=1, batch_size=8, chunk_size=16, amp="off", warmup_steps=1)
 
+    banks = []  # the memory bank is allocated only when some epoch of the run clusters
+    real = siamese.NGAMESampler
+    monkeypatch.setattr(siamese, "NGAMESampler", lambda *a, **k: banks.append(1) or real(*a, **k))
+
     def train(**kw):
         torch.manual_seed(0)
         enc = load_encoder(str(path))
@@ -170,10 +174,10 @@ def test_quick_curriculum_epoch_0_is_the_random_sampler_then_clusters_of_8(tmp_p
 
     (r_ngame, w_ngame), (r_random, w_random) = train(), train(sampler="random")
     assert r_ngame.steps == r_random.steps == 4 and r_ngame.reclusterings == 0
-    assert torch.equal(w_ngame, w_random)
+    assert torch.equal(w_ngame, w_random) and not banks
     r2, w2 = train(epochs=2)
     _, w2_random = train(epochs=2, sampler="random")
-    assert r2.reclusterings == 1 and r2.steps == 8  # epoch 1: 4 batches of 8 = one cluster of 8 each
+    assert r2.reclusterings == 1 and r2.steps == 8 and banks == [1]  # epoch 1: 4 batches of one cluster of 8
     assert not torch.equal(w2, w2_random)
 
 

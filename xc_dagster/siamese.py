@@ -297,8 +297,12 @@ def train_siamese(encoder: SiameseEncoder, point_tokens: tuple[np.ndarray, np.nd
                            "pretrain_lr": float(sched.get_last_lr()[0])})
         window_t, window_pts, window_loss = now, 0, []
 
-    ngame = NGAMESampler(Y.shape[0], encoder.dim, params) if params.sampler == "ngame" else None
     n_epochs = math.ceil(params.epochs)
+    # the memory bank (N x D) only where some epoch of this run clusters: before the curriculum's first
+    # clustering epoch the ngame sampler's batches are the random sampler's (same generator draws)
+    clusters = any(curriculum_cluster_size(e, params.curriculum, params.max_cluster_size) > 1
+                   for e in range(n_epochs))
+    ngame = NGAMESampler(Y.shape[0], encoder.dim, params) if params.sampler == "ngame" and clusters else None
     start = 0
     resumed = checkpoint.load() if checkpoint is not None else None
     if resumed is not None:
