@@ -34,13 +34,13 @@ import numpy as np
 import torch
 
 from xc_dagster.ann import exact_topk
+from xc_dagster.bag_encoder import parse_bag_name
 from xc_dagster.catalog import DatasetSpec
 from xc_dagster.config import parse_set_options
-from xc_dagster.data import load_dataset
 from xc_dagster.device import amp_dtype, resolve_device, seed_everything
 from xc_dagster.encoder import encode_tokens, load_encoder
-from xc_dagster.metrics import evaluate, inverse_propensity, remove_filtered
-from xc_dagster.pipeline import StageContext, _filter_rows, _tokens, run_all
+from xc_dagster.metrics import evaluate, remove_filtered
+from xc_dagster.pipeline import StageContext, _filter_rows, _inv_prop, _labels, _tokens, _train_rows, run_all
 from xc_dagster.predict import label_centroids, label_representation
 from xc_dagster.sampling import validation_targets
 from xc_dagster.siamese import train_siamese
@@ -77,19 +77,19 @@ def main() -> None:
     cfg = spec.config()
     ctx = StageContext(ArtifactStore(args.work / "artifacts"), spec, cfg, args.work / "cache",
                        info=lambda m: print(m, flush=True))
-    prep = [s for s in ("ingest", "tokenize") if not (args.work / "artifacts" / args.name / s).is_dir()]
+    prep = [s for s in ("ingest", "tokenize") if not ctx.store.stage_dir(args.name, s).is_dir()]
     if prep:
         run_all(ctx, tuple(prep))
     p = cfg.pretrain
     seed_everything(p.seed)
-    ds = load_dataset(ctx.dir("ingest") / "dataset", texts=False, features=False)
+    ds = _labels(ctx)
     valid = np.load(ctx.dir("ingest") / "valid_rows.npy")
-    rows = np.setdiff1d(np.arange(ds.num_train), valid)
+    rows = _train_rows(ctx, ds.num_train)
     device = resolve_device("auto")
     dtype = amp_dtype(device, p.amp)
     encoder = load_encoder(cfg.tokenize.encoder, p.pooling).to(device)
     pt, lt = _tokens(ctx, "train"), _tokens(ctx, "label")
-    if hasattr(encoder, "fit_idf"):
+    if parse_bag_name(cfg.tokenize.encoder) is not None:  # a fresh bag encoder: IDF of the texts, as pretrain
         encoder.fit_idf(pt, lt)
     losses: list[float] = []
     res = train_siamese(encoder, pt, lt, ds.Y_train, rows, p, device, dtype,
@@ -99,7 +99,7 @@ def main() -> None:
     t_enc = time.perf_counter()
     point_emb = encode_tokens(encoder, *pt, device, dtype, p.encode_batch_size)
     label_emb = encode_tokens(encoder, *lt, device, dtype, p.encode_batch_size)
-    inv = inverse_propensity(ds.Y_train, cfg.evaluate.propensity_a, cfg.evaluate.propensity_b)
+    inv = _inv_prop(ctx, ds.Y_train)
     Yv, pairs, _ = validation_targets(ds.Y_train, valid, rows, _filter_rows(ds.filter_train, valid))
     cent_v = label_centroids(point_emb, ds.Y_train, rows)
     results = {"valid": {"text": ranking_metrics(point_emb[valid], label_emb, Yv, pairs, inv),

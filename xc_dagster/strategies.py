@@ -68,7 +68,7 @@ STRATEGIES: dict[str, Strategy] = {
         "classifiers initialised from label embeddings and trained with the multi-positive triplet loss on "
         "the hardest negatives, dual-MIPS shortlist (ANNS over W and over label embeddings) with score "
         "fusion. The paper's components are all selectable: pretrain.sampler=ngame (Algorithm 1: cluster "
-        "batches from the memory bank, curriculum doubling C, re-clustering every tau epochs; the default), "
+        "batches from the memory bank, curriculum doubling C, re-clustering every tau epochs), "
         "classifier.negatives=in-batch|both with classifier.cluster_size (M2's cluster-batched in-batch "
         "negatives), fusion.method=tree (the depth-7 decision tree). Pretraining batches come from "
         "Algorithm 1's sampler; in the quick preset its curriculum clusters from epoch 1 (C = 8), so the default "
