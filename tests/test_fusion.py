@@ -14,7 +14,7 @@ from sklearn.tree import DecisionTreeClassifier
 from xc_dagster.config import FusionParams
 from xc_dagster.errors import XCConfigError
 from xc_dagster.fusion import (AlphaFusion, TreeFusion, _objective, _tree_from_sklearn, check_method, fit_alpha,
-                               fit_fusion, fit_tree, load_fusion, missed_positive_features)
+                               fit_fusion, fit_tree, load_fusion, missed_positive_features, smooth_grid)
 from xc_dagster.metrics import evaluate
 from xc_dagster.predict import Shortlist, topk_from_scores
 
@@ -361,11 +361,14 @@ def test_alpha_fits_a_propensity_weight_that_trades_head_for_tail():
     base[r, tail_col[ok]] = 0.85  # the relevant label: 0.05 below, log(3) * b above when b > 0.046
     Y = sp.csr_matrix((np.ones(len(r)), (r, ids[r, tail_col[ok]])), shape=(n, L))
     sl = Shortlist(ids, base.copy(), base.copy())
-    p = FusionParams(grid_step=0.5, objective="precision_at_1+psprecision_at_1")
+    p = FusionParams(grid_step=0.5, objective="precision_at_1+psprecision_at_1", smoothing=1)  # the raw argmax
     off = fit_alpha(sl, Y, replace(p, propensity_grid=(0.0,)), inv, None)
     assert off.propensity_weight == 0.0 and off.propensity_grid == []
     fit = fit_alpha(sl, Y, replace(p, propensity_grid=(0.0, 0.05, 0.1)), inv, None)
     assert fit.propensity_weight == 0.05  # ties: the smaller weight
+    # smoothed over 3 grid points, b = 0.05 sits next to the cliff at b = 0 (mean 4/3) and 0.1 inside the plateau
+    # (mean 2, as is its doubled neighbour 0.2 tried on the edge: ties take the smaller)
+    assert fit_alpha(sl, Y, replace(p, propensity_grid=(0.0, 0.05, 0.1), smoothing=3), inv, None).propensity_weight == 0.1
     grid = dict(fit.propensity_grid)
     assert grid[0.0] == pytest.approx(max(o for _, o in off.grid)) and grid[0.05] > grid[0.0] + 1.0
     want = np.where(ids < 0, -np.inf, fit.alpha * base + (1 - fit.alpha) * base + 0.05 * np.log(inv[ids]))
@@ -391,3 +394,39 @@ def test_alpha_fits_a_propensity_weight_that_trades_head_for_tail():
     tried = [b for b, _ in edge.propensity_grid]
     assert tried[:3] == [0.0, 0.01, 0.02] and all(y == 2 * x for x, y in zip(tried[1:], tried[2:]))
     assert edge.propensity_weight >= 0.04
+
+
+def test_smooth_grid_averages_neighbours_along_each_axis_with_repeated_edges():
+    v = np.array([0.0, 3.0, 0.0, 2.0, 2.0, 2.0])
+    np.testing.assert_allclose(smooth_grid(v, 3), [1.0, 1.0, 5 / 3, 4 / 3, 2.0, 2.0])
+    np.testing.assert_array_equal(smooth_grid(v, 1), v)
+    # (c, a, b) with one c and one b: only the alpha axis is averaged (a length-1 axis is left alone)
+    np.testing.assert_allclose(smooth_grid(v[None, :, None], 3)[0, :, 0], smooth_grid(v, 3))
+    g = np.zeros((3, 3))
+    g[1, 1] = 9.0
+    np.testing.assert_allclose(smooth_grid(g, 3), np.ones((3, 3)))  # 3 x 3 box: 9 / 9 everywhere
+
+
+def test_alpha_fit_takes_the_middle_of_a_plateau_over_a_lone_spike(monkeypatch):
+    """The objective over alpha (read back from the fused scores: clf = 1, emb = 0 gives s = a) has a spike of
+    1.0 at a = 0.2 between 0.5s and a plateau of 0.9 over a = 0.6..0.8: the raw argmax (smoothing 1) takes the
+    spike, the 3-point average the plateau's middle; smoothing must be an odd int >= 1."""
+    table = {0.2: 1.0, 0.6: 0.9, 0.7: 0.9, 0.8: 0.9}
+    monkeypatch.setattr("xc_dagster.fusion._objective",
+                        lambda ids, s, *a: table.get(round(float(s[0, 0]), 2), 0.5))
+    n, C = 4, 3
+    sl = Shortlist(np.arange(n * C, dtype=np.int64).reshape(n, C), np.ones((n, C), np.float32),
+                   np.zeros((n, C), np.float32))
+    Y = sp.csr_matrix((n, n * C))
+    p = FusionParams(grid_step=0.1, propensity_grid=(0.0,))
+    raw = fit_alpha(sl, Y, replace(p, smoothing=1), None, None)
+    assert raw.alpha == 0.2 and raw.objective_value == 1.0 and raw.objective_smoothed == 1.0
+    fit = fit_alpha(sl, Y, p, None, None)
+    assert p.smoothing == 3 and fit.alpha == 0.7
+    assert fit.objective_value == 0.9 and fit.objective_smoothed == pytest.approx(0.9)
+    assert [a for a, _ in fit.grid] == pytest.approx(np.arange(11) / 10) and dict(fit.grid)[0.2] == 1.0
+    back = _roundtrip(fit)
+    assert back.summary()["objective_value"] == 0.9 and back.summary()["objective_smoothed"] == pytest.approx(0.9)
+    for bad in (0, 2, 1.0):
+        with pytest.raises(XCConfigError, match="fusion.smoothing"):
+            fit_alpha(sl, Y, replace(p, smoothing=bad), None, None)

@@ -8,7 +8,10 @@ on a metric (default P@1). Adding the embedding score keeps tail labels, whose c
 positives, in the ranking (PSP). When the shortlist has kNN scores (``index.sources`` with ``knn``:
 SiameseXML's ANNS^x over the training points, the mean similarity of the ``index.knn_neighbours`` nearest
 training points carrying the label), s = a * w_l.e + (1 - a) * z_l.e + c * kNN with (a, c) on a joint grid
-(``fusion.knn_grid``; c = 0 is the two-score blend, so the grid can only match or beat it on validation).
+(``fusion.knn_grid``; c = 0 is the two-score blend, so the grid can only match or beat it on validation), plus
+b * log(1 / p_l) (``fusion.propensity_grid``). The (c, a, b) grid's objective is smoothed over neighbouring
+weights (``fusion.smoothing``) before its argmax, so sampling noise on the validation points does not pick a
+lone spike.
 
 ``tree`` (NGAME, Appendix C): every candidate (point i, label l) gets the descriptor
 d_il = (z_l.e_i, w_l.e_i, f_l) and a target t_il = 1 if l is relevant to i. A depth-7 tree T is fitted to
@@ -32,6 +35,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import scipy.sparse as sp
+from scipy.ndimage import uniform_filter1d
 
 from xc_dagster.config import FusionParams
 from xc_dagster.errors import XCConfigError
@@ -96,6 +100,8 @@ class AlphaFusion:
     knn_grid: list[tuple[float, float]] = field(default_factory=list)  # (c, best objective over alpha) tried
     propensity_weight: float = 0.0  # b: weight of log(1 / p_l) (0: no propensity term)
     propensity_grid: list[tuple[float, float]] = field(default_factory=list)  # (b, best objective over alpha)
+    objective_value: float | None = None  # validation objective at the chosen (a, c, b)
+    objective_smoothed: float | None = None  # ... averaged over its grid neighbours (fusion.smoothing), as chosen
     method: str = field(default="alpha", init=False)
 
     def score(self, sl: Shortlist, inv_prop: np.ndarray | None = None) -> np.ndarray:
@@ -111,12 +117,15 @@ class AlphaFusion:
     def to_dict(self) -> dict:
         return {"method": "alpha", "alpha": self.alpha, "grid": self.grid, "knn_weight": self.knn_weight,
                 "knn_grid": self.knn_grid, "propensity_weight": self.propensity_weight,
-                "propensity_grid": self.propensity_grid}
+                "propensity_grid": self.propensity_grid, "objective_value": self.objective_value,
+                "objective_smoothed": self.objective_smoothed}
 
     def summary(self) -> dict:
-        best = max((o for _, o in self.grid), default=None)
+        value = self.objective_value if self.objective_value is not None else max(
+            (o for _, o in self.grid), default=None)  # fits saved before the smoothed grid recorded their value
         return {"method": "alpha", "alpha": self.alpha, "knn_weight": self.knn_weight,
-                "propensity_weight": self.propensity_weight, "objective_value": best}
+                "propensity_weight": self.propensity_weight, "objective_value": value,
+                "objective_smoothed": self.objective_smoothed}
 
 
 def _check_weights(name: str, weights: tuple[float, ...]) -> tuple[float, ...]:
@@ -126,65 +135,75 @@ def _check_weights(name: str, weights: tuple[float, ...]) -> tuple[float, ...]:
     return w
 
 
-def _scan_weights(weights: tuple[float, ...], extend: int, attempt, chosen) -> list[tuple[float, float]]:
-    """``attempt(w) -> (value, improved)`` for each weight ascending; when the best (``chosen()``) is the grid's
-    largest, the grid was too small: keep doubling it, ``extend`` times at most, while validation improves.
-    Returns (weight, best objective over alpha) per weight tried."""
-    tried = [(w, attempt(w)[0]) for w in sorted(set(weights))]
-    top = max(weights)
-    if top > 0 and chosen() == top:
-        for _ in range(extend):
-            top *= 2.0
-            value, improved = attempt(top)
-            tried.append((top, value))
-            if not improved:
-                break
-    return tried
+def smooth_grid(values: np.ndarray, width: int) -> np.ndarray:
+    """Mean of each grid point's ``width`` neighbours along every axis of length > 1 (a box filter in index
+    space; the edges repeat their value). The validation objective measured on a few thousand points jumps by
+    several tenths between neighbouring weights while its expectation is smooth in them, so the argmax of the
+    smoothed grid picks the middle of a high plateau rather than a lone spike."""
+    out = np.asarray(values, dtype=np.float64)
+    if width <= 1:
+        return out
+    for axis in range(out.ndim):
+        if out.shape[axis] > 1:
+            out = uniform_filter1d(out, width, axis=axis, mode="nearest")
+    return out
 
 
 def fit_alpha(sl: Shortlist, Y_valid: sp.csr_matrix, params: FusionParams, inv_prop: np.ndarray | None,
               filter_pairs: np.ndarray | None, top_k: int = 10) -> AlphaFusion:
-    """Grid-search ``alpha`` in [0, 1] maximising ``params.objective`` on the validation shortlists: jointly
-    with the kNN weight c (``fusion.knn_grid``, shortlists with kNN scores), then, at the chosen c, jointly with
-    the propensity weight b (``fusion.propensity_grid``). Ties prefer the smaller weight, then more classifier
-    weight; a weight of 0 is always tried, so each added term can only match or beat validation without it.
-    As the kNN grid needs kNN scores, the propensity grid needs ``inv_prop``: without it b stays 0."""
+    """Grid-search ``alpha`` in [0, 1] jointly with the kNN weight c (``fusion.knn_grid``, shortlists with kNN
+    scores) and the propensity weight b (``fusion.propensity_grid``) maximising ``params.objective`` on the
+    validation shortlists, after smoothing the objective over neighbouring grid points (``fusion.smoothing``
+    points per axis; 1 = the raw argmax). Ties prefer the smaller c, then the smaller b, then more classifier
+    weight; b = 0 is always tried (and c = 0 where ``knn_grid`` has it, as by default), so each added term can
+    only match or beat validation without it.
+    When the chosen c (or b) is its grid's largest, the grid was too small: it keeps doubling, ``*_extend``
+    times at most, while the doubled weight is chosen. As the kNN grid needs kNN scores, the propensity grid
+    needs ``inv_prop``: without them c, b stay 0."""
     if not 0 < params.grid_step <= 1:
         raise XCConfigError(f"fusion.grid_step: expected a value in (0, 1], got {params.grid_step}")
-    grid = np.round(np.arange(0.0, 1.0 + 1e-9, params.grid_step), 6)
-    knn_grid = (0.0,) if sl.knn is None else _check_weights("knn_grid", params.knn_grid)
+    if not (isinstance(params.smoothing, int) and params.smoothing >= 1 and params.smoothing % 2 == 1):
+        raise XCConfigError(f"fusion.smoothing: expected an odd int >= 1 (grid points averaged per axis; 1 = none), "
+                            f"got {params.smoothing!r}")
+    alphas = np.round(np.arange(0.0, 1.0 + 1e-9, params.grid_step), 6)
+    cs = [0.0] if sl.knn is None else sorted(set(_check_weights("knn_grid", params.knn_grid)))
     prop_grid = _check_weights("propensity_grid", params.propensity_grid)
     for name in ("knn_grid_extend", "propensity_grid_extend"):
         if getattr(params, name) < 0:
             raise XCConfigError(f"fusion.{name}: expected an int >= 0, got {getattr(params, name)}")
     boost = propensity_boost(sl.ids, inv_prop) if max(prop_grid) > 0 and inv_prop is not None else None
-    best_fit, best_value = None, -math.inf
+    bs = [0.0] if boost is None else sorted(set(prop_grid) | {0.0})
 
-    def attempt(c: float, b: float) -> tuple[float, bool]:
-        """Best alpha at kNN weight ``c`` and propensity weight ``b``; (its value, whether it beats all so far)."""
-        nonlocal best_fit, best_value
-        tried = []
-        for a in grid:
+    def layer(c: float, b: float) -> np.ndarray:
+        """The objective at every alpha for kNN weight ``c`` and propensity weight ``b``."""
+        out = np.empty(len(alphas))
+        for j, a in enumerate(alphas):
             s = fuse(sl, float(a), c)
             if b:
                 s = s + np.float32(b) * boost
-            tried.append((float(a), _objective(sl.ids, s, Y_valid, params.objective, inv_prop, filter_pairs, top_k)))
-        a, value = max(tried, key=lambda t: (t[1], t[0]))
-        if best_fit is None or value > best_value:
-            best_fit, best_value = AlphaFusion(a, tried, c, propensity_weight=b), value
-            return value, True
-        return value, False
+            out[j] = _objective(sl.ids, s, Y_valid, params.objective, inv_prop, filter_pairs, top_k)
+        return out
 
-    by_c = _scan_weights(knn_grid, params.knn_grid_extend if sl.knn is not None else 0,
-                         lambda c: attempt(c, 0.0), lambda: best_fit.knn_weight)
-    by_b = [(0.0, best_value)]
-    if boost is not None:
-        c = best_fit.knn_weight
-        by_b += _scan_weights(tuple(b for b in prop_grid if b > 0), params.propensity_grid_extend,
-                              lambda b: attempt(c, b), lambda: best_fit.propensity_weight)
-    best_fit.knn_grid = by_c if sl.knn is not None else []
-    best_fit.propensity_grid = by_b if boost is not None else []
-    return best_fit
+    raw = np.stack([np.stack([layer(c, b) for b in bs], axis=-1) for c in cs])  # (c, alpha, b)
+    extends = {"c": params.knn_grid_extend if sl.knn is not None else 0,
+               "b": params.propensity_grid_extend if boost is not None else 0}
+    while True:
+        smooth = smooth_grid(raw, params.smoothing)
+        i, j, k = max(np.ndindex(*raw.shape), key=lambda t: (smooth[t], -t[0], -t[2], t[1]))
+        if i == len(cs) - 1 and cs[-1] > 0 and extends["c"] > 0:
+            extends["c"] -= 1
+            cs.append(2.0 * cs[-1])
+            raw = np.concatenate([raw, np.stack([layer(cs[-1], b) for b in bs], axis=-1)[None]], axis=0)
+        elif k == len(bs) - 1 and bs[-1] > 0 and extends["b"] > 0:
+            extends["b"] -= 1
+            bs.append(2.0 * bs[-1])
+            raw = np.concatenate([raw, np.stack([layer(c, bs[-1]) for c in cs])[:, :, None]], axis=2)
+        else:
+            break
+    return AlphaFusion(float(alphas[j]), [(float(a), float(v)) for a, v in zip(alphas, raw[i, :, k])], cs[i],
+                       [(c, float(raw[ci, :, k].max())) for ci, c in enumerate(cs)] if sl.knn is not None else [],
+                       bs[k], [(b, float(raw[i, :, bk].max())) for bk, b in enumerate(bs)] if boost is not None else [],
+                       objective_value=float(raw[i, j, k]), objective_smoothed=float(smooth[i, j, k]))
 
 
 # ------------------------------------------------------------------------------------------------- tree
@@ -444,7 +463,8 @@ def load_fusion(d: dict) -> AlphaFusion | TreeFusion:
     if method == "alpha":
         return AlphaFusion(float(d["alpha"]), [tuple(x) for x in d.get("grid", [])], float(d.get("knn_weight", 0.0)),
                            [tuple(x) for x in d.get("knn_grid", [])], float(d.get("propensity_weight", 0.0)),
-                           [tuple(x) for x in d.get("propensity_grid", [])])
+                           [tuple(x) for x in d.get("propensity_grid", [])], d.get("objective_value"),
+                           d.get("objective_smoothed"))
     if method == "tree":
         return TreeFusion.from_dict(d)
     raise XCConfigError(f"fusion file: unknown method {method!r}; expected one of {', '.join(METHODS)}")
