@@ -13,7 +13,11 @@ test P@1 and PSP@1 (filter pairs removed, propensity A/B from the dataset's conf
 - the largest PSP@1 and the largest P@1 + PSP@1 of the grid,
 - where the deployed fusion (fitted on validation) sits, re-scored the same way.
 
-This is a diagnostic, never a fit: weights chosen on test overstate what a model delivers. It answers "is the
+With ``--smoothing 1,3,5`` it also refits the alpha fusion on the validation shortlists (as the fusion stage does)
+with each ``fusion.smoothing`` width and scores each fit on test: how much the choice among near-equal validation
+optima moves the test numbers (bench/RESULTS.md, seventeenth session).
+
+The sweep is a diagnostic, never a fit: weights chosen on test overstate what a model delivers. It answers "is the
 fusion the bottleneck, or the scores it fuses?" (bench/RESULTS.md, ninth, eleventh and fourteenth sessions).
 A tree fusion in the partition is reported as deployed; the grid is the alpha fusion's.
 """
@@ -78,6 +82,25 @@ def sweep(sl, Y_test, filter_test, inv_prop: np.ndarray, alphas: np.ndarray, knn
     return np.asarray(rows, dtype=np.float64)
 
 
+def refit_by_smoothing(valid, params, widths: list[int], sl_test, Y_test, filter_test,
+                       inv_prop: np.ndarray) -> list[dict]:
+    """The alpha fusion refitted on ``valid`` (a ``pipeline.ValidationShortlists``) with each smoothing width,
+    and each fit's test P@1 / PSP@1."""
+    from dataclasses import replace
+
+    from xc_dagster.fusion import fit_alpha
+
+    out = []
+    for w in widths:
+        fit = fit_alpha(valid.shortlist, valid.Y, replace(params, smoothing=w), valid.inv_prop, valid.filter_pairs)
+        p1, psp1 = p1_psp1(sl_test.ids, fit.score(sl_test, inv_prop), Y_test, filter_test, inv_prop)
+        out.append({"smoothing": w, "alpha": fit.alpha, "knn_weight": fit.knn_weight,
+                    "propensity_weight": fit.propensity_weight, "validation": round(100 * fit.objective_value, 2),
+                    "validation_smoothed": round(100 * fit.objective_smoothed, 2),
+                    "p1": round(p1, 2), "psp1": round(psp1, 2)})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dataset", required=True, help="a materialized partition of the catalog in $XC_HOME")
@@ -85,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--knn-weights", default="0,0.25,0.5,1")
     ap.add_argument("--propensity-weights", default="0,0.02,0.04,0.08,0.12,0.16")
     ap.add_argument("--thresholds", default="38,37,36,35", help="P@1 floors (percent) of the frontier")
+    ap.add_argument("--smoothing", default="", help="fusion.smoothing widths to refit on validation, e.g. 1,3,5")
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     args = ap.parse_args(argv)
 
@@ -93,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     from xc_dagster.fusion import load_fusion
     from xc_dagster.home import Home
     from xc_dagster.metrics import inverse_propensity
-    from xc_dagster.pipeline import StageContext, encode_split, load_model
+    from xc_dagster.pipeline import StageContext, encode_split, load_model, validation_shortlists
     from xc_dagster.predict import retrieve
     from xc_dagster.storage import ArtifactStore, load_json
 
@@ -129,6 +153,14 @@ def main(argv: list[str] | None = None) -> int:
                                      f"c {r['knn_weight']:g}, b {r['propensity_weight']:g})"))
     print(f"  max PSP@1 {best_psp[1]:.2f} (P@1 {best_psp[0]:.2f}); "
           f"max P@1 + PSP@1 {best_sum[0] + best_sum[1]:.2f} ({best_sum[0]:.2f} + {best_sum[1]:.2f})")
+    if args.smoothing:
+        widths = [int(w) for w in _floats(args.smoothing)]
+        out["smoothing"] = refit_by_smoothing(validation_shortlists(ctx), cfg.fusion, widths, sl, ds.Y_test,
+                                              ds.filter_test, inv)
+        for r in out["smoothing"]:
+            print(f"  refit, smoothing {r['smoothing']}: a {r['alpha']:g}, c {r['knn_weight']:g}, "
+                  f"b {r['propensity_weight']:g}, validation {r['validation']:.2f} (smoothed "
+                  f"{r['validation_smoothed']:.2f}) -> test P@1 {r['p1']:.2f}  PSP@1 {r['psp1']:.2f}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(out, indent=2) + "\n")

@@ -41,3 +41,26 @@ def test_frontier_takes_the_best_psp_above_each_p1_floor():
 def test_bad_numbers_are_named():
     with pytest.raises(SystemExit, match="comma-separated numbers, got 'a,b'"):
         ff._floats("a,b")
+
+
+def test_refit_by_smoothing_fits_on_validation_and_scores_on_test():
+    """The hand case as both validation and test: the raw argmax (smoothing 1) finds a weighting that ranks every
+    point right (a 1, b 1 as in the sweep above); each row is fit_alpha's own choice, scored by p1_psp1."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from xc_dagster.config import FusionParams
+    from xc_dagster.fusion import fit_alpha
+
+    sl, Y, inv = _case()
+    none = np.zeros((0, 2), dtype=np.int64)
+    valid = SimpleNamespace(shortlist=sl, Y=Y, inv_prop=inv, filter_pairs=none)
+    params = FusionParams(grid_step=0.5, propensity_grid=(0.0, 1.0), propensity_grid_extend=0)
+    rows = ff.refit_by_smoothing(valid, params, [1, 3], sl, Y, none, inv)
+    assert [r["smoothing"] for r in rows] == [1, 3]
+    assert rows[0]["validation"] == 200.0 and (rows[0]["p1"], rows[0]["psp1"]) == (100.0, 100.0)
+    for r in rows:
+        fit = fit_alpha(sl, Y, replace(params, smoothing=r["smoothing"]), inv, none)
+        assert (r["alpha"], r["propensity_weight"]) == (fit.alpha, fit.propensity_weight)
+        want = ff.p1_psp1(sl.ids, fit.score(sl, inv), Y, none, inv)
+        assert (r["p1"], r["psp1"]) == (round(want[0], 2), round(want[1], 2))

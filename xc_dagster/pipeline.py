@@ -34,7 +34,7 @@ from xc_dagster.fusion import check_method, fit_fusion, load_fusion, missed_posi
 from xc_dagster.metrics import evaluate, inverse_propensity, recall_at, remove_filtered
 from xc_dagster.predict import (CENTROID_FILE, KNN_EXCLUDED_FILE, ShortlistSources, build_sources,
                                 check_label_repr, check_sources, label_centroids, label_representation,
-                                load_sources, retrieve, save_parts, save_sources, topk_from_scores)
+                                Shortlist, load_sources, retrieve, save_parts, save_sources, topk_from_scores)
 from xc_dagster.provenance import record_params, with_upstream_params
 from xc_dagster.reports import decile_contributions, decile_plot, pk_plot, recall_by_frequency, recall_plot
 from xc_dagster.sampling import validation_split, validation_targets
@@ -440,6 +440,33 @@ def load_model(ctx: StageContext, heldout: bool = False) -> ShortlistSources:
                         np.load(model_dir(ctx) / "label_emb.npy"), int(info.get("knn_neighbours", 0)), points)
 
 
+@dataclass
+class ValidationShortlists:
+    """What the fusion is fitted on: the validation points' shortlists from the held-out model (their own
+    points left out of the kNN index and centroids), their targets and filter pairs, the labels' propensities."""
+
+    shortlist: Shortlist
+    Y: Any  # csr (validation points x labels)
+    filter_pairs: np.ndarray
+    inv_prop: np.ndarray
+    queries: np.ndarray
+    model: ShortlistSources
+    unseen_dropped: int
+
+
+def validation_shortlists(ctx: StageContext) -> ValidationShortlists:
+    """Shortlist the validation points as the fusion stage fits on them (also for bench scripts)."""
+    ds = _labels(ctx)
+    valid = np.load(ctx.dir("ingest") / "valid_rows.npy")
+    m = load_model(ctx, heldout=True)
+    q = np.load(model_dir(ctx) / "train_emb.npy", mmap_mode="r")[valid]
+    sl = retrieve(q, m, ctx.cfg.index.shortlist_size)
+    # pairs of labels whose only training points are validation points are left out (unseen by the models)
+    Yv, pairs, unseen = validation_targets(ds.Y_train, valid, _train_rows(ctx, ds.num_train),
+                                           _filter_rows(ds.filter_train, valid))
+    return ValidationShortlists(sl, Yv, pairs, _inv_prop(ctx, ds.Y_train), q, m, unseen)
+
+
 def fusion(ctx: StageContext) -> dict[str, Any]:
     """Fit the score fusion ``fusion.method`` on the held-out validation points' shortlists (deployed indexes).
 
@@ -448,24 +475,18 @@ def fusion(ctx: StageContext) -> dict[str, Any]:
     t0 = time.perf_counter()
     p = ctx.cfg.fusion
     check_method(p.method)  # a bad method fails before any work
-    ds = _labels(ctx)
     valid = np.load(ctx.dir("ingest") / "valid_rows.npy")
     if len(valid) == 0:  # alpha 0.5 ranks as the tree's T-free score emb + clf
         fit = {"method": "alpha", "alpha": 0.5, "grid": [], "note": "no validation rows; alpha defaulted"}
         fit_summary = {"method": "alpha", "alpha": 0.5, "note": fit["note"]}
     else:
-        m = load_model(ctx, heldout=True)
-        q = np.load(model_dir(ctx) / "train_emb.npy", mmap_mode="r")[valid]
-        sl = retrieve(q, m, ctx.cfg.index.shortlist_size)
-        inv = _inv_prop(ctx, ds.Y_train)
-        # pairs of labels whose only training points are validation points are left out (unseen by the models)
-        Yv, pairs, unseen = validation_targets(ds.Y_train, valid, _train_rows(ctx, ds.num_train),
-                                               _filter_rows(ds.filter_train, valid))
-        extra = (missed_positive_features(sl, Yv, q, m.W, m.label_repr, inv)
+        vs = validation_shortlists(ctx)
+        extra = (missed_positive_features(vs.shortlist, vs.Y, vs.queries, vs.model.W, vs.model.label_repr,
+                                          vs.inv_prop)
                  if p.method == "tree" and p.tree_add_positives else None)
-        f = fit_fusion(sl, Yv, p, inv, pairs, extra=extra)
+        f = fit_fusion(vs.shortlist, vs.Y, p, vs.inv_prop, vs.filter_pairs, extra=extra)
         fit, fit_summary = f.to_dict(), f.summary()
-        fit_summary["valid_pairs_unseen_dropped"] = unseen
+        fit_summary["valid_pairs_unseen_dropped"] = vs.unseen_dropped
     summary = {**fit_summary, "objective": p.objective, "n_valid": int(len(valid)),
                "seconds": time.perf_counter() - t0}
     with ctx.store.writing(ctx.name, "fusion") as out:
