@@ -361,7 +361,7 @@ def test_alpha_fits_a_propensity_weight_that_trades_head_for_tail():
     base[r, tail_col[ok]] = 0.85  # the relevant label: 0.05 below, log(3) * b above when b > 0.046
     Y = sp.csr_matrix((np.ones(len(r)), (r, ids[r, tail_col[ok]])), shape=(n, L))
     sl = Shortlist(ids, base.copy(), base.copy())
-    p = FusionParams(grid_step=0.5, objective="precision_at_1+psprecision_at_1", smoothing=1)  # the raw argmax
+    p = FusionParams(grid_step=0.5, objective="precision_at_1+psprecision_at_1")
     off = fit_alpha(sl, Y, replace(p, propensity_grid=(0.0,)), inv, None)
     assert off.propensity_weight == 0.0 and off.propensity_grid == []
     fit = fit_alpha(sl, Y, replace(p, propensity_grid=(0.0, 0.05, 0.1)), inv, None)
@@ -418,11 +418,12 @@ def test_alpha_fit_takes_the_middle_of_a_plateau_over_a_lone_spike(monkeypatch):
     sl = Shortlist(np.arange(n * C, dtype=np.int64).reshape(n, C), np.ones((n, C), np.float32),
                    np.zeros((n, C), np.float32))
     Y = sp.csr_matrix((n, n * C))
-    p = FusionParams(grid_step=0.1, propensity_grid=(0.0,))
+    p = FusionParams(grid_step=0.1, propensity_grid=(0.0,), smoothing=3)
     raw = fit_alpha(sl, Y, replace(p, smoothing=1), None, None)
     assert raw.alpha == 0.2 and raw.objective_value == 1.0 and raw.objective_smoothed == 1.0
+    assert FusionParams().smoothing == 1  # the raw argmax by default
     fit = fit_alpha(sl, Y, p, None, None)
-    assert p.smoothing == 3 and fit.alpha == 0.7
+    assert fit.alpha == 0.7
     assert fit.objective_value == 0.9 and fit.objective_smoothed == pytest.approx(0.9)
     assert [a for a, _ in fit.grid] == pytest.approx(np.arange(11) / 10) and dict(fit.grid)[0.2] == 1.0
     back = _roundtrip(fit)

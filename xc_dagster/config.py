@@ -200,12 +200,12 @@ class FusionParams:
     # LF-WordNetNounsTitles (ngame) P@1 alone picked 37.5 / PSP@1 22.6, the sum 37.3 / 25.9 (bench/RESULTS.md)
     objective: str = "precision_at_1+psprecision_at_1"
     grid_step: float = 0.05  # alpha only
-    # alpha only: the validation objective is averaged over this many neighbouring grid points per axis (a, c, b)
-    # before its argmax (1 = the raw argmax). 2,874 validation points move it by several tenths between
-    # neighbouring weights; on six trained models (LF-WordNetNounsTitles ngame x3 and siamesexml, Bibtex x2) the
-    # 3-point box never chose worse on test P@1 + PSP@1 than the raw argmax and gained 0.3 on average
-    # (bench/RESULTS.md, seventeenth session)
-    smoothing: int = 3
+    # alpha only: average the validation objective over this many neighbouring grid points per axis (a, c, b)
+    # before the argmax; 1 = the raw argmax. Against the raw argmax, a 3-point box moved test P@1 + PSP@1 by
+    # +0.59 (siamesexml, a lone spike on validation), +0.32, +0.23, +0.04, +0.03, 0, -0.11 and -1.09 (siamesexml
+    # + bag on Bibtex, 244 validation points) on eight trained models: no gain on average, so the default is
+    # the raw argmax (bench/RESULTS.md, seventeenth session)
+    smoothing: int = 1
     # alpha only, when the shortlist has kNN scores (index.sources with knn): weights c tried jointly with alpha
     # for a * classifier + (1 - a) * embedding + c * kNN; 0 = the two-score blend
     knn_grid: tuple[float, ...] = (0.0, 0.125, 0.25, 0.5, 1.0)

@@ -9,9 +9,9 @@ positives, in the ranking (PSP). When the shortlist has kNN scores (``index.sour
 SiameseXML's ANNS^x over the training points, the mean similarity of the ``index.knn_neighbours`` nearest
 training points carrying the label), s = a * w_l.e + (1 - a) * z_l.e + c * kNN with (a, c) on a joint grid
 (``fusion.knn_grid``; c = 0 is the two-score blend, so the grid can only match or beat it on validation), plus
-b * log(1 / p_l) (``fusion.propensity_grid``). The (c, a, b) grid's objective is smoothed over neighbouring
-weights (``fusion.smoothing``) before its argmax, so sampling noise on the validation points does not pick a
-lone spike.
+b * log(1 / p_l) (``fusion.propensity_grid``), all three on one joint grid. ``fusion.smoothing`` > 1 averages
+the grid's objective over neighbouring weights before its argmax, so that sampling noise on the validation points
+does not pick a lone spike (off by default: measured no better on average).
 
 ``tree`` (NGAME, Appendix C): every candidate (point i, label l) gets the descriptor
 d_il = (z_l.e_i, w_l.e_i, f_l) and a target t_il = 1 if l is relevant to i. A depth-7 tree T is fitted to
