@@ -174,17 +174,18 @@ def fit_alpha(sl: Shortlist, Y_valid: sp.csr_matrix, params: FusionParams, inv_p
     boost = propensity_boost(sl.ids, inv_prop) if max(prop_grid) > 0 and inv_prop is not None else None
     bs = [0.0] if boost is None else sorted(set(prop_grid) | {0.0})
 
-    def layer(c: float, b: float) -> np.ndarray:
-        """The objective at every alpha for kNN weight ``c`` and propensity weight ``b``."""
-        out = np.empty(len(alphas))
+    def block(c: float, b_values: list[float]) -> np.ndarray:
+        """The objective at every (alpha, b) for kNN weight ``c``: (len(alphas), len(b_values)); each alpha's
+        fused scores are computed once and shared by the b values."""
+        out = np.empty((len(alphas), len(b_values)))
         for j, a in enumerate(alphas):
             s = fuse(sl, float(a), c)
-            if b:
-                s = s + np.float32(b) * boost
-            out[j] = _objective(sl.ids, s, Y_valid, params.objective, inv_prop, filter_pairs, top_k)
+            for k, b in enumerate(b_values):
+                out[j, k] = _objective(sl.ids, s + np.float32(b) * boost if b else s, Y_valid, params.objective,
+                                       inv_prop, filter_pairs, top_k)
         return out
 
-    raw = np.stack([np.stack([layer(c, b) for b in bs], axis=-1) for c in cs])  # (c, alpha, b)
+    raw = np.stack([block(c, bs) for c in cs])  # (c, alpha, b)
     extends = {"c": params.knn_grid_extend if sl.knn is not None else 0,
                "b": params.propensity_grid_extend if boost is not None else 0}
     while True:
@@ -193,11 +194,11 @@ def fit_alpha(sl: Shortlist, Y_valid: sp.csr_matrix, params: FusionParams, inv_p
         if i == len(cs) - 1 and cs[-1] > 0 and extends["c"] > 0:
             extends["c"] -= 1
             cs.append(2.0 * cs[-1])
-            raw = np.concatenate([raw, np.stack([layer(cs[-1], b) for b in bs], axis=-1)[None]], axis=0)
+            raw = np.concatenate([raw, block(cs[-1], bs)[None]], axis=0)
         elif k == len(bs) - 1 and bs[-1] > 0 and extends["b"] > 0:
             extends["b"] -= 1
             bs.append(2.0 * bs[-1])
-            raw = np.concatenate([raw, np.stack([layer(c, bs[-1]) for c in cs])[:, :, None]], axis=2)
+            raw = np.concatenate([raw, np.stack([block(c, bs[-1:]) for c in cs])], axis=2)
         else:
             break
     return AlphaFusion(float(alphas[j]), [(float(a), float(v)) for a, v in zip(alphas, raw[i, :, k])], cs[i],
