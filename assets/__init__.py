@@ -10,8 +10,17 @@ from __future__ import annotations
 
 import dagster as dg
 
-from assets import (classifier, evaluation, fusion, index, ingest, model_registry, negative_mining, pretraining,
-                    tokenization)
+from assets import (
+    classifier,
+    evaluation,
+    fusion,
+    index,
+    ingest,
+    model_registry,
+    negative_mining,
+    pretraining,
+    tokenization,
+)
 
 STAGE_MODULES = (ingest, tokenization, pretraining, negative_mining, classifier, index, fusion, evaluation)
 LIFECYCLE_MODULES = (model_registry,)  # after evaluation: the registered model and its promotion gate

@@ -12,7 +12,7 @@ import dagster as dg
 from assets.config import CONFIG_CLASSES, run_overrides
 from resources import ComputeResource, MLflowResource, XCHomeResource
 from xc_dagster.pipeline import STAGE_ORDER, STAGES, StageContext
-from xc_dagster.provenance import record_params, with_upstream_params
+from xc_dagster.pipeline.provenance import record_params, with_upstream_params
 
 
 def _flat_numbers(d: dict[str, Any], prefix: str = "") -> dict[str, float]:
@@ -36,7 +36,7 @@ def materialize_stage(context: dg.AssetExecutionContext, stage: str, config: dg.
     spec = home.catalog().get(dataset)
     store = home.store()
     # upstream sections as their artifacts were built (an upstream run's run config included), not as this
-    # run resolves them: what the stage uses and what MLflow logs (xc_dagster.provenance)
+    # run resolves them: what the stage uses and what MLflow logs (xc_dagster.pipeline.provenance)
     upstream = with_upstream_params(spec.config(run_overrides(stage, config)), store, dataset,
                                     STAGE_ORDER[:STAGE_ORDER.index(stage)])
     cfg = upstream.cfg

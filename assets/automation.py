@@ -12,7 +12,7 @@ fixed or removed.
 UTC) requests a pipeline run for every partition whose source changed since its last ingest.
 
 Both skip a partition while a run of it is queued or in progress. The library logic is
-``xc_dagster.retraining``.
+``xc_dagster.serving.retraining``.
 """
 
 from __future__ import annotations
@@ -24,8 +24,14 @@ import dagster as dg
 
 from resources import ClickLogFeedResource, XCHomeResource
 from xc_dagster.errors import XCError
-from xc_dagster.retraining import build_drop, changed_datasets, decode_cursor, encode_cursor, list_feeds, \
-    pending_drops
+from xc_dagster.serving.retraining import (
+    build_drop,
+    changed_datasets,
+    decode_cursor,
+    encode_cursor,
+    list_feeds,
+    pending_drops,
+)
 
 SENSOR = "click_log_sensor"
 SCHEDULE = "retrain_schedule"

@@ -11,8 +11,8 @@ from typing import Any
 import dagster as dg
 
 from assets._stage import stage_asset
+from xc_dagster.evaluation.reports import decile_table, metrics_table
 from xc_dagster.pipeline import REPORT_FILES, StageContext
-from xc_dagster.reports import decile_table, metrics_table
 from xc_dagster.storage import load_json
 
 STAGE = "evaluate"

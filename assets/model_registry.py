@@ -18,8 +18,8 @@ import pydantic
 
 from resources import ComputeResource, MLflowResource, XCHomeResource
 from xc_dagster.pipeline import STAGE_ORDER, StageContext
-from xc_dagster.provenance import with_upstream_params
-from xc_dagster.serving import champion_gate, register_model
+from xc_dagster.pipeline.provenance import with_upstream_params
+from xc_dagster.serving.registry import champion_gate, register_model
 
 ASSET = "registered_model"
 CHECK = "champion_gate"
@@ -97,7 +97,7 @@ def build(partitions: dg.PartitionsDefinition) -> dg.AssetsDefinition:
         h = home.home()
         spec = home.catalog().get(dataset)
         store = home.store()
-        # every stage's section as its artifacts were built (xc_dagster.provenance): the bundle and the params
+        # every stage's section as its artifacts were built (xc_dagster.pipeline.provenance): the bundle and the params
         cfg = with_upstream_params(spec.config(), store, dataset, STAGE_ORDER).cfg
         device = compute.torch_device()
         ctx = StageContext(store=store, spec=spec, cfg=cfg, cache_dir=h.cache, device=device,

@@ -12,7 +12,7 @@ labels, and against a full-softmax (all labels) step at the same sizes: ASTRA's 
 Generated data (seeded): W = L random unit rows of dimension D, a bank of ``--queries`` random unit query
 embeddings, each query with k_p = 7 random positive labels. The encoder is left out: its cost per step depends on
 the batch and the text length, not on L, and the issue is about the classifier. One step = what
-``xc_dagster.end_to_end.train_end_to_end`` does per batch with ``train_encoder`` off, calling the same library
+``xc_dagster.training.end_to_end.train_end_to_end`` does per batch with ``train_encoder`` off, calling the same library
 functions in the same order (``sampler.before_step``, ``sample_positives``, ``sampler.sample``,
 ``ShardedClassifier.scores``, ``masked_bce_loss``, backward, ``ShardedOptimizer.step``, ``float(loss)``):
 
@@ -63,11 +63,10 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from xc_dagster.config import ClassifierParams  # noqa: E402
-from xc_dagster.end_to_end import cosine_with_warmup, sampled_bce  # noqa: E402
-from xc_dagster.negatives import (AstraNegatives, IndexSettings, MipsNegatives, _extra,  # noqa: E402
-                                  hard_negatives)
-from xc_dagster.sampling import sample_positives  # noqa: E402
-from xc_dagster.sharded import ShardedClassifier, ShardedOptimizer  # noqa: E402
+from xc_dagster.sampling.labels import sample_positives  # noqa: E402
+from xc_dagster.sampling.negatives import AstraNegatives, IndexSettings, MipsNegatives, _extra, hard_negatives
+from xc_dagster.training.end_to_end import cosine_with_warmup, sampled_bce  # noqa: E402
+from xc_dagster.training.sharded import ShardedClassifier, ShardedOptimizer  # noqa: E402
 
 pc = time.perf_counter
 CPU = torch.device("cpu")

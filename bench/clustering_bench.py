@@ -11,7 +11,7 @@ import time
 import numpy as np
 import torch
 
-from xc_dagster.clustering import balanced_clusters
+from xc_dagster.sampling.clustering import balanced_clusters
 
 
 def main() -> None:

@@ -58,8 +58,8 @@ def _row(r: np.ndarray) -> dict:
 def p1_psp1(ids: np.ndarray, scores: np.ndarray, Y_test, filter_test, inv_prop: np.ndarray) -> tuple[float, float]:
     """Test P@1 and PSP@1 in percent of a shortlist ranked by ``scores``, as the evaluate stage ranks it (top 5,
     filter pairs removed before the top 1 is read)."""
-    from xc_dagster.metrics import evaluate, remove_filtered
-    from xc_dagster.predict import topk_from_scores
+    from xc_dagster.evaluation.metrics import evaluate, remove_filtered
+    from xc_dagster.retrieval.shortlist import topk_from_scores
 
     top, sc = remove_filtered(*topk_from_scores(ids, scores, 5), filter_test)
     m = evaluate(top, Y_test, ks=(1,), inv_prop=inv_prop, filter_pairs=filter_test)
@@ -69,8 +69,8 @@ def p1_psp1(ids: np.ndarray, scores: np.ndarray, Y_test, filter_test, inv_prop: 
 def sweep(sl, Y_test, filter_test, inv_prop: np.ndarray, alphas: np.ndarray, knn_weights: list[float],
           propensity_weights: list[float]) -> np.ndarray:
     """(P@1, PSP@1, a, c, b) in percent for every weighting of the grid on the given shortlist."""
-    from xc_dagster.fusion import propensity_boost
-    from xc_dagster.predict import fuse
+    from xc_dagster.retrieval.fusion import propensity_boost
+    from xc_dagster.retrieval.shortlist import fuse
 
     boost = propensity_boost(sl.ids, inv_prop)
     rows = []
@@ -88,7 +88,7 @@ def refit_by_smoothing(valid, params, widths: list[int], sl_test, Y_test, filter
     and each fit's test P@1 / PSP@1."""
     from dataclasses import replace
 
-    from xc_dagster.fusion import fit_alpha
+    from xc_dagster.retrieval.fusion import fit_alpha
 
     out = []
     for w in widths:
@@ -114,11 +114,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from xc_dagster.catalog import Catalog
     from xc_dagster.data import load_dataset
-    from xc_dagster.fusion import load_fusion
+    from xc_dagster.evaluation.metrics import inverse_propensity
     from xc_dagster.home import Home
-    from xc_dagster.metrics import inverse_propensity
     from xc_dagster.pipeline import StageContext, encode_split, load_model, validation_shortlists
-    from xc_dagster.predict import retrieve
+    from xc_dagster.retrieval.fusion import load_fusion
+    from xc_dagster.retrieval.shortlist import retrieve
     from xc_dagster.storage import ArtifactStore, load_json
 
     if not 0 < args.alpha_step <= 1:

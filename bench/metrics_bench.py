@@ -1,4 +1,4 @@
-"""Benchmark of :func:`xc_dagster.metrics.evaluate` against a straightforward scipy-sparse reference.
+"""Benchmark of :func:`xc_dagster.evaluation.metrics.evaluate` against a straightforward scipy-sparse reference.
 
 Generates a seeded extreme-classification test problem (power-law label frequencies, ~2.5 positives per
 row with some empty rows, K predictions per row with float32 scores that tie now and then, duplicate
@@ -28,8 +28,7 @@ import numpy as np
 import scipy.sparse as sp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from xc_dagster.metrics import evaluate  # noqa: E402
-
+from xc_dagster.evaluation.metrics import evaluate  # noqa: E402
 
 # ------------------------------------------------------------------------------------------ problem
 

@@ -22,7 +22,7 @@ Methods (optional dependencies: ``pip install -e '.[bench]'``):
 - ``zeroshot``: the packaged all-MiniLM-L6-v2 (mean pooling, unit vectors) with no training: test and label
   texts tokenized as the pipeline does (max_len 32 titles / 128 full text), exact inner-product top 100.
 
-Writes one JSON with every metric of ``xc_dagster.metrics.evaluate`` and the timings, and prints a table.
+Writes one JSON with every metric of ``xc_dagster.evaluation.metrics.evaluate`` and the timings, and prints a table.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ import scipy.sparse as sp
 
 from xc_dagster.catalog import builtin_path
 from xc_dagster.data import XCDataset, read_dataset
-from xc_dagster.metrics import evaluate, inverse_propensity, remove_filtered
+from xc_dagster.evaluation.metrics import evaluate, inverse_propensity, remove_filtered
 
 KS = (1, 3, 5)
 TOPK = 100  # predictions kept per test point (--topk); metrics need max(KS) + filter pairs per row
@@ -196,10 +196,11 @@ def run_zeroshot(ds: XCDataset, max_len: int, threads: int, tmp: Path,
                  topk: int = TOPK) -> tuple[np.ndarray, np.ndarray, dict]:
     import torch
 
-    from xc_dagster.ann import exact_topk
     from xc_dagster.device import amp_dtype
-    from xc_dagster.encoder import encode_tokens, load_encoder, load_tokenizer
-    from xc_dagster.tokenization import load_tokens, tokenize_to_npy
+    from xc_dagster.encoders.encode import encode_tokens
+    from xc_dagster.encoders.loading import load_encoder
+    from xc_dagster.encoders.tokenizer import load_tokenizer, load_tokens, tokenize_to_npy
+    from xc_dagster.retrieval.ann import exact_topk
 
     device = torch.device("cpu")
     dtype = amp_dtype(device, "auto")  # as the pipeline: bf16 on CPUs with bf16 units

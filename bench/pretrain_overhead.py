@@ -61,25 +61,34 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from xc_dagster.ann import exact_topk
-from xc_dagster.bag_encoder import parse_bag_name
 from xc_dagster.catalog import builtin_path
-from xc_dagster.classifier import classifier_batches, classifier_loss, hardest_negatives
-from xc_dagster.clustering import balanced_clusters
 from xc_dagster.config import ClassifierParams, PretrainParams
 from xc_dagster.data import read_dataset
+from xc_dagster.data.splits import validation_split
 from xc_dagster.device import amp_dtype, autocast
-from xc_dagster.encoder import chunk_tensors, encode_tokens, length_sorted_chunks, load_encoder, load_tokenizer
-from xc_dagster.sampling import positive_mask, sample_positives, validation_split
-from xc_dagster.siamese import (NGAMESampler, SiameseXMLSampler, embed_rows, label_batch_pair_loss, lr_lambda,
-                                pair_loss, random_batches, train_siamese)
-from xc_dagster.tokenization import load_tokens, tokenize_to_npy
+from xc_dagster.encoders.encode import chunk_tensors, embed_rows, encode_tokens, length_sorted_chunks
+from xc_dagster.encoders.loading import load_encoder
+from xc_dagster.encoders.names import parse_bag_name
+from xc_dagster.encoders.tokenizer import load_tokenizer, load_tokens, tokenize_to_npy
+from xc_dagster.retrieval.ann import exact_topk
+from xc_dagster.sampling.clustering import balanced_clusters
+from xc_dagster.sampling.labels import positive_mask, sample_positives
+from xc_dagster.training.classifier import classifier_batches, classifier_loss, hardest_negatives
+from xc_dagster.training.siamese import (
+    NGAMESampler,
+    SiameseXMLSampler,
+    label_batch_pair_loss,
+    lr_lambda,
+    pair_loss,
+    random_batches,
+    train_siamese,
+)
 
 pc = time.perf_counter
 DEVICE = torch.device("cpu")

@@ -6,7 +6,7 @@ strategy's settings plus overrides, then score the embedding ranking the strateg
       [--no-test] [--out bench/results/pretrain_probe.jsonl]
 
 Ingest and tokenize run once into ``--work`` (the pipeline's own stages, reused by later probes with the same
-name). Each probe then trains a fresh encoder with ``xc_dagster.siamese.train_siamese`` on the training rows
+name). Each probe then trains a fresh encoder with ``xc_dagster.training.siamese.train_siamese`` on the training rows
 (the validation split held out, as the pretrain stage does), encodes the training points, the labels and (unless
 ``--no-test``) the test points, and ranks every label by exact search with
 
@@ -33,18 +33,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from xc_dagster.ann import exact_topk
-from xc_dagster.bag_encoder import parse_bag_name
 from xc_dagster.catalog import DatasetSpec
 from xc_dagster.config import parse_set_options
+from xc_dagster.data.splits import validation_targets
 from xc_dagster.device import amp_dtype, resolve_device, seed_everything
-from xc_dagster.encoder import encode_tokens, load_encoder
-from xc_dagster.metrics import evaluate, remove_filtered
+from xc_dagster.encoders.encode import encode_tokens
+from xc_dagster.encoders.loading import load_encoder
+from xc_dagster.encoders.names import parse_bag_name
+from xc_dagster.evaluation.metrics import evaluate, remove_filtered
 from xc_dagster.pipeline import StageContext, _filter_rows, _inv_prop, _labels, _tokens, _train_rows, run_all
-from xc_dagster.predict import label_centroids, label_representation
-from xc_dagster.sampling import validation_targets
-from xc_dagster.siamese import train_siamese
+from xc_dagster.retrieval.ann import exact_topk
+from xc_dagster.retrieval.shortlist import label_centroids, label_representation
 from xc_dagster.storage import ArtifactStore
+from xc_dagster.training.siamese import train_siamese
 
 REPORTED = ("precision_at_1", "psprecision_at_1", "precision_at_5", "psprecision_at_5")
 

@@ -4,7 +4,7 @@ Two parts, timed separately, as ``predict_topk`` runs them:
 
 * encoder: tokenize + encode short texts with MiniLM-L6 (the packaged default; untrained weights are as
   fast as trained ones), single query and batches;
-* index + fusion (``serving.rank``): two faiss HNSW searches (over W and over the label embeddings), exact
+* index + fusion (``serving_bundle.rank``): two faiss HNSW searches (over W and over the label embeddings), exact
   re-scoring of the union, fusion (alpha and NGAME's depth-7 tree), top-k.
 
 Label sets:
@@ -45,10 +45,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from xc_dagster import serving
-from xc_dagster.ann import LabelIndex
-from xc_dagster.fusion import AlphaFusion, TreeFusion
-from xc_dagster.predict import ShortlistSources, topk_from_scores
+from xc_dagster.retrieval.ann import LabelIndex
+from xc_dagster.retrieval.fusion import AlphaFusion, TreeFusion
+from xc_dagster.retrieval.shortlist import ShortlistSources
+from xc_dagster.serving import bundle as serving_bundle
+from xc_dagster.serving import registry
 
 DATA = Path(__file__).resolve().parents[1] / "xc_dagster" / "builtin_data" / "LF-WordNetNouns"
 
@@ -262,7 +263,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from xc_dagster.device import amp_dtype
-    from xc_dagster.encoder import load_encoder, load_tokenizer
+    from xc_dagster.encoders.loading import load_encoder
+    from xc_dagster.encoders.tokenizer import load_tokenizer
 
     rng = np.random.default_rng(args.seed)
     dev = torch.device("cpu")
@@ -282,14 +284,14 @@ def main() -> None:
 
     cache = args.cache
     if args.model_uri:
-        bundle = serving.load_served_bundle(args.model_uri, args.tracking_uri, "cpu")
+        bundle = registry.load_served_bundle(args.model_uri, args.tracking_uri, "cpu")
         W, E = bundle.W, bundle.sources.label_repr
-        queries = serving.encode_texts(qtexts, bundle)
+        queries = serving_bundle.encode_texts(qtexts, bundle)
         report["labels"] = {"source": args.model_uri, "n": bundle.num_labels}
     else:
         if args.labels == "21k":
             label_texts = _titles("lbl.json.gz")
-            tmp = serving.ServingBundle(encoder=encoder, tokenizer=tokenizer, max_len=32,
+            tmp = serving_bundle.ServingBundle(encoder=encoder, tokenizer=tokenizer, max_len=32,
                                         sources=None,
                                         fusion=None, inv_prop=None, label_texts=None, shortlist_size=0, device=dev,
                                         dtype=dtype, batch_size=256, default_k=args.k)
@@ -298,12 +300,12 @@ def main() -> None:
                 E = np.load(path)
             else:
                 t0 = time.perf_counter()
-                E = serving.encode_texts(label_texts, tmp)
+                E = serving_bundle.encode_texts(label_texts, tmp)
                 report["label_encoding_s"] = time.perf_counter() - t0
                 if path is not None:
                     path.parent.mkdir(parents=True, exist_ok=True)
                     np.save(path, E)
-            queries = serving.encode_texts(qtexts, tmp)
+            queries = serving_bundle.encode_texts(qtexts, tmp)
             noise = 0.3
         else:
             n = int(float(args.labels))
@@ -360,7 +362,7 @@ def main() -> None:
                                  "loaded_from_cache": w_loaded and e_loaded, "threads": args.build_threads}
         print(f"index build (M={args.hnsw_m}, efC={args.efc}) over {L} x {E.shape[1]}: "
               f"W {w_s:.1f}s, label_emb {e_s:.1f}s" + (" (cached)" if w_loaded and e_loaded else ""), flush=True)
-        bundle = serving.ServingBundle(
+        bundle = serving_bundle.ServingBundle(
             encoder, tokenizer, 32, ShortlistSources(W, E, {"W": w_index, "label": e_index}), AlphaFusion(args.alpha),
             rng.uniform(1.0, 5.0, L), np.array(label_texts, dtype=object), 100, dev, dtype, 256, args.k)
 
@@ -378,12 +380,12 @@ def main() -> None:
         for name, fz in (("alpha", AlphaFusion(args.alpha)), ("tree", random_tree(len(W)))):
             bundle.fusion = fz
             set_threads(args.single_threads)
-            lat = single_latency(lambda q: serving.rank(q, bundle, args.k), single_q)
+            lat = single_latency(lambda q: serving_bundle.rank(q, bundle, args.k), single_q)
             set_threads(args.batch_threads)
-            thr = throughput(lambda q: serving.rank(q, bundle, args.k), batch_q)
+            thr = throughput(lambda q: serving_bundle.rank(q, bundle, args.k), batch_q)
             row = {"shortlist": sl_size, "ef_search": efs, "fusion": name, "single": lat, "batch": thr}
             if name == "alpha":
-                got, _ = serving.rank(queries[:n_rec], bundle, args.k)
+                got, _ = serving_bundle.rank(queries[:n_rec], bundle, args.k)
                 row["recall_at_k_vs_exhaustive"] = float(np.mean([len(set(a) & set(b)) / args.k
                                                                   for a, b in zip(got, exact)]))
             results.append(row)
@@ -396,17 +398,17 @@ def main() -> None:
     if encoder is not None and args.encoder != "none":
         bundle.encoder, bundle.tokenizer = encoder, tokenizer
         set_threads(args.single_threads)
-        enc_lat = single_latency(lambda t: serving.encode_texts([t], bundle), qtexts[:min(args.queries, 300)])
+        enc_lat = single_latency(lambda t: serving_bundle.encode_texts([t], bundle), qtexts[:min(args.queries, 300)])
         set_threads(args.batch_threads)
-        enc_thr = throughput(lambda ts: serving.encode_texts(ts, bundle), qtexts[:args.batch])
+        enc_thr = throughput(lambda ts: serving_bundle.encode_texts(ts, bundle), qtexts[:args.batch])
         bundle.shortlist_size = int(args.settings[0].split(":")[0])
         for idx in bundle.sources.indexes.values():
             idx.ef_search = int(args.settings[0].split(":")[1])
         bundle.fusion = AlphaFusion(args.alpha)
         set_threads(args.single_threads)
-        e2e_lat = single_latency(lambda t: serving.predict_topk([t], bundle, args.k), qtexts[:min(args.queries, 300)])
+        e2e_lat = single_latency(lambda t: serving_bundle.predict_topk([t], bundle, args.k), qtexts[:min(args.queries, 300)])
         set_threads(args.batch_threads)
-        e2e_thr = throughput(lambda ts: serving.predict_topk(ts, bundle, args.k), qtexts[:args.batch])
+        e2e_thr = throughput(lambda ts: serving_bundle.predict_topk(ts, bundle, args.k), qtexts[:args.batch])
         report["encoder"] = {"name": args.encoder, "autocast": str(dtype), "single": enc_lat, "batch": enc_thr,
                              "mean_tokens": float(np.mean([len(tokenizer(t)["input_ids"]) for t in qtexts[:500]]))}
         report["predict_topk"] = {"setting": args.settings[0], "single": e2e_lat, "batch": e2e_thr}

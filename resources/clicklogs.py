@@ -8,7 +8,7 @@ import dagster as dg
 import pydantic
 
 from xc_dagster.home import Home
-from xc_dagster.retraining import HISTORY, feed_names, feed_root
+from xc_dagster.serving.retraining import HISTORY, feed_names, feed_root
 
 log = logging.getLogger("xc_dagster")
 

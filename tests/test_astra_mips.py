@@ -12,19 +12,29 @@ import scipy.sparse as sp
 import torch
 
 from tests.test_pipeline import TINY, tiny_encoder, tiny_home  # noqa: F401  (fixtures)
-from xc_dagster.ann import LabelIndex, exact_topk
+from xc_dagster.artifacts import model_dir
 from xc_dagster.catalog import Catalog
 from xc_dagster.config import ClassifierParams
-from xc_dagster.end_to_end import cosine_with_warmup, examples, sampled_bce, train_end_to_end
-from xc_dagster.errors import XCConfigError
-from xc_dagster.negatives import (AstraNegatives, IndexSettings, MipsNegatives, build_indexes, drop_members,
-                                  NegativeSample, first_valid, hard_negatives, uniform_negatives)
 from xc_dagster.data import load_dataset
-from xc_dagster.pipeline import STAGE_ORDER, StageContext, model_dir, run_all
-from xc_dagster.predict import CENTROID_FILE, label_centroids
-from xc_dagster.sampling import positive_mask
-from xc_dagster.sharded import ShardedClassifier, ShardedOptimizer
+from xc_dagster.errors import XCConfigError
+from xc_dagster.pipeline import STAGE_ORDER, StageContext, run_all
+from xc_dagster.retrieval.ann import LabelIndex, exact_topk
+from xc_dagster.retrieval.shortlist import CENTROID_FILE, label_centroids
+from xc_dagster.sampling.labels import positive_mask
+from xc_dagster.sampling.negatives import (
+    AstraNegatives,
+    IndexSettings,
+    MipsNegatives,
+    NegativeSample,
+    build_indexes,
+    drop_members,
+    first_valid,
+    hard_negatives,
+    uniform_negatives,
+)
 from xc_dagster.storage import ArtifactStore
+from xc_dagster.training.end_to_end import cosine_with_warmup, examples, sampled_bce, train_end_to_end
+from xc_dagster.training.sharded import ShardedClassifier, ShardedOptimizer
 
 EXACT = IndexSettings("exact")
 
@@ -319,7 +329,7 @@ class _Killed(Exception):
 def test_killed_training_resumes_to_the_same_classifiers(tmp_path, negatives):
     """Killed after its first epoch checkpoint (mid-refresh-interval, a background build pending), the trainer
     resumes to exactly the W of an uninterrupted run: sampler table, bank, stale snapshot and RNGs restored."""
-    from xc_dagster.checkpoint import Checkpointer
+    from xc_dagster.training.checkpoint import Checkpointer
 
     Y, _, _ = _problem(n=120, L=40, d=16, seed=5)
     rng = np.random.default_rng(5)

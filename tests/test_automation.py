@@ -22,12 +22,12 @@ import pytest
 
 from resources import ClickLogFeedResource, XCHomeResource
 from tests.tinydata import stop_process_group, write_lf_dataset
-from xc_dagster import retraining
 from xc_dagster.catalog import Catalog, DatasetSpec
 from xc_dagster.cli import main as cli_main
 from xc_dagster.errors import XCError
 from xc_dagster.home import Home
 from xc_dagster.pipeline import StageContext, run_all
+from xc_dagster.serving import retraining
 from xc_dagster.storage import ArtifactStore
 
 REPO = Path(__file__).resolve().parent.parent

@@ -10,9 +10,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from xc_dagster.bag_encoder import (BAG_CONFIG_FILE, BAG_WEIGHTS_FILE, BagOfEmbeddingsEncoder, create_bag_encoder,
-                                    fit_idf, minilm_word_embeddings, parse_bag_name)
-from xc_dagster.encoder import SiameseEncoder, encode_tokens, load_encoder, load_tokenizer, save_encoder
+from xc_dagster.encoders.bag import (
+    BAG_CONFIG_FILE,
+    BAG_WEIGHTS_FILE,
+    BagOfEmbeddingsEncoder,
+    create_bag_encoder,
+    fit_idf,
+    minilm_word_embeddings,
+)
+from xc_dagster.encoders.encode import encode_tokens
+from xc_dagster.encoders.loading import load_encoder, save_encoder
+from xc_dagster.encoders.names import parse_bag_name
+from xc_dagster.encoders.tokenizer import load_tokenizer
+from xc_dagster.encoders.transformer import SiameseEncoder
 from xc_dagster.errors import XCConfigError
 
 V, D = 40, 16

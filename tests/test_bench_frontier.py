@@ -7,7 +7,7 @@ import pytest
 import scipy.sparse as sp
 
 from bench import fusion_frontier as ff
-from xc_dagster.predict import Shortlist
+from xc_dagster.retrieval.shortlist import Shortlist
 
 
 def _case():
@@ -50,7 +50,7 @@ def test_refit_by_smoothing_fits_on_validation_and_scores_on_test():
     from types import SimpleNamespace
 
     from xc_dagster.config import FusionParams
-    from xc_dagster.fusion import fit_alpha
+    from xc_dagster.retrieval.fusion import fit_alpha
 
     sl, Y, inv = _case()
     none = np.zeros((0, 2), dtype=np.int64)

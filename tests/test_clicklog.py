@@ -13,8 +13,7 @@ import pandas as pd
 import pytest
 
 from tests.tinydata import WORDS, write_tiny_encoder
-from xc_dagster.data import read_dataset
-from xc_dagster.data import clicklog
+from xc_dagster.data import clicklog, read_dataset
 from xc_dagster.data.clicklog import build_click_dataset, load_label_map, read_click_log, window_id
 from xc_dagster.errors import XCConfigError, XCError, XCFormatError
 

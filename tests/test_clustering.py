@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from xc_dagster.clustering import balanced_clusters, cluster_batches
+from xc_dagster.sampling.clustering import balanced_clusters, cluster_batches
 
 
 def _planted(n_clusters: int, per: int, dim: int = 16, noise: float = 0.05, seed: int = 0):
@@ -53,7 +53,7 @@ def test_cluster_batches_cover_rows_once_in_whole_clusters():
 
 
 def test_curriculum_doubles_cluster_size_on_schedule():
-    from xc_dagster.siamese import curriculum_cluster_size
+    from xc_dagster.training.siamese import curriculum_cluster_size
 
     sched = (10, 20, 25)
     assert [curriculum_cluster_size(e, sched, 64) for e in (0, 9, 10, 19, 20, 25, 300)] == [1, 1, 2, 2, 4, 8, 8]
@@ -64,7 +64,7 @@ def test_ngame_sampler_uses_memory_bank_clusters_and_reclusters_every_tau():
     import torch
 
     from xc_dagster.config import PretrainParams
-    from xc_dagster.siamese import NGAMESampler
+    from xc_dagster.training.siamese import NGAMESampler
 
     X, truth = _planted(n_clusters=8, per=8, dim=8)
     p = PretrainParams(sampler="ngame", curriculum=(1,), max_cluster_size=8, cluster_every=2)
@@ -95,7 +95,7 @@ def _tiny_pretrain_data(tmp_path):
     import scipy.sparse as sp
 
     from tests.tinydata import WORDS, write_tiny_encoder
-    from xc_dagster.encoder import load_tokenizer
+    from xc_dagster.encoders.tokenizer import load_tokenizer
 
     path = write_tiny_encoder(tmp_path / "enc")
     tok = load_tokenizer(str(path))
@@ -117,10 +117,11 @@ def test_seed_bank_clusters_the_starting_encoders_embeddings_from_epoch_0(monkey
     import pytest
     import torch
 
-    from xc_dagster import siamese
     from xc_dagster.config import PretrainParams
-    from xc_dagster.encoder import encode_tokens, load_encoder
+    from xc_dagster.encoders.encode import encode_tokens
+    from xc_dagster.encoders.loading import load_encoder
     from xc_dagster.errors import XCConfigError
+    from xc_dagster.training import siamese
 
     torch.manual_seed(0)
     path, pt, lt, Y = _tiny_pretrain_data(tmp_path)
@@ -148,9 +149,9 @@ def test_quick_curriculum_epoch_0_is_the_random_sampler_then_clusters_of_8(tmp_p
 
     import torch
 
-    from xc_dagster import siamese
     from xc_dagster.catalog import DatasetSpec
-    from xc_dagster.encoder import load_encoder
+    from xc_dagster.encoders.loading import load_encoder
+    from xc_dagster.training import siamese
 
     quick = DatasetSpec("X-Titles", "/x").config().pretrain
     paper = DatasetSpec("X-Titles", "/x", preset="paper").config().pretrain
@@ -186,7 +187,7 @@ def test_point_batch_loss_symmetric_on_a_hand_case():
     import torch
 
     from xc_dagster.config import PretrainParams
-    from xc_dagster.siamese import point_batch_loss
+    from xc_dagster.training.siamese import point_batch_loss
 
     sim = torch.tensor([[0.9, 0.7], [0.2, 0.5]])
     mask = torch.eye(2, dtype=torch.bool)

@@ -10,15 +10,15 @@ import pytest
 import scipy.sparse as sp
 import torch
 
-from xc_dagster.ann import LabelIndex, exact_topk
 from xc_dagster.catalog import Catalog, DatasetSpec, default_propensity, default_text
 from xc_dagster.config import parse_set_options, resolve_config
+from xc_dagster.data.splits import validation_split
 from xc_dagster.errors import XCConfigError, XCDatasetNotFound
-from xc_dagster.losses import infonce_loss, masked_bce_loss, multi_positive_triplet_loss, ohnm_triplet_loss
-from xc_dagster.predict import topk_from_scores
-from xc_dagster.sampling import dedupe_rows, positive_mask, sample_positives, validation_split
+from xc_dagster.retrieval.ann import LabelIndex, exact_topk
+from xc_dagster.retrieval.shortlist import topk_from_scores
+from xc_dagster.sampling.labels import dedupe_rows, positive_mask, sample_positives
 from xc_dagster.storage import atomic_dir
-
+from xc_dagster.training.losses import infonce_loss, masked_bce_loss, multi_positive_triplet_loss, ohnm_triplet_loss
 
 # ------------------------------------------------------------------------------------------- config
 
@@ -139,7 +139,7 @@ def test_catalog_gate_tolerance_validated_saved_and_resolved(tmp_path):
 def test_upstream_sections_come_from_the_stage_records(tmp_path):
     """with_upstream_params: each upstream stage's section as recorded next to its artifacts; the run's own
     section, downstream sections and stages without a record keep the run's resolution."""
-    from xc_dagster.provenance import record_params, recorded_params, with_upstream_params
+    from xc_dagster.pipeline.provenance import record_params, recorded_params, with_upstream_params
     from xc_dagster.storage import ArtifactStore
 
     store = ArtifactStore(tmp_path)

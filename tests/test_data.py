@@ -7,8 +7,6 @@ import gzip
 import http.server
 import io
 import json
-import shutil
-import socket
 import tarfile
 import tempfile
 import threading

@@ -14,9 +14,10 @@ import scipy.sparse as sp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.test_data import DATA, _corrupt
+from tests.test_data import assert_format_error as assert_error
 from xc_dagster.data import detect_layout, load_dataset, read_dataset, save_dataset, streaming
 from xc_dagster.data.layouts import read_lf_raw
-from tests.test_data import DATA, _corrupt, assert_format_error as assert_error
 from xc_dagster.errors import XCConfigError, XCFormatError
 
 BIBTEX = DATA / "Bibtex" / "xc_format"

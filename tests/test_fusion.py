@@ -13,10 +13,21 @@ from sklearn.tree import DecisionTreeClassifier
 
 from xc_dagster.config import FusionParams
 from xc_dagster.errors import XCConfigError
-from xc_dagster.fusion import (AlphaFusion, TreeFusion, _objective, _tree_from_sklearn, check_method, fit_alpha,
-                               fit_fusion, fit_tree, load_fusion, missed_positive_features, smooth_grid)
-from xc_dagster.metrics import evaluate
-from xc_dagster.predict import Shortlist, topk_from_scores
+from xc_dagster.evaluation.metrics import evaluate
+from xc_dagster.retrieval.fusion import (
+    AlphaFusion,
+    TreeFusion,
+    _objective,
+    _tree_from_sklearn,
+    check_method,
+    fit_alpha,
+    fit_fusion,
+    fit_tree,
+    load_fusion,
+    missed_positive_features,
+    smooth_grid,
+)
+from xc_dagster.retrieval.shortlist import Shortlist, topk_from_scores
 
 
 def _roundtrip(f):
@@ -213,7 +224,7 @@ def test_pipeline_stage_rejects_bad_method_before_work():
 def test_validation_targets_leave_out_labels_the_models_never_saw():
     """Label 2's only point (row 1) is a validation row: its pair leaves the truth and joins the filter pairs;
     label 1 (also on training row 3) stays; the dataset's own filter pairs are kept first."""
-    from xc_dagster.sampling import validation_targets
+    from xc_dagster.data.splits import validation_targets
 
     # rows 0..4; labels 0..3; validation rows 1 and 4
     Y = sp.csr_matrix(np.array([[1, 0, 0, 0],
@@ -412,7 +423,7 @@ def test_alpha_fit_takes_the_middle_of_a_plateau_over_a_lone_spike(monkeypatch):
     1.0 at a = 0.2 between 0.5s and a plateau of 0.9 over a = 0.6..0.8: the raw argmax (smoothing 1) takes the
     spike, the 3-point average the plateau's middle; smoothing must be an odd int >= 1."""
     table = {0.2: 1.0, 0.6: 0.9, 0.7: 0.9, 0.8: 0.9}
-    monkeypatch.setattr("xc_dagster.fusion._objective",
+    monkeypatch.setattr("xc_dagster.retrieval.fusion._objective",
                         lambda ids, s, *a: table.get(round(float(s[0, 0]), 2), 0.5))
     n, C = 4, 3
     sl = Shortlist(np.arange(n * C, dtype=np.int64).reshape(n, C), np.ones((n, C), np.float32),

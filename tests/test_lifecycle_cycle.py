@@ -23,9 +23,9 @@ import pytest
 from resources import ClickLogFeedResource, XCHomeResource
 from tests.test_pipeline import TINY
 from tests.tinydata import write_tiny_encoder
-from xc_dagster import retraining
 from xc_dagster.catalog import Catalog, DatasetSpec
 from xc_dagster.home import Home
+from xc_dagster.serving import retraining
 from xc_dagster.storage import load_json
 
 DATASET = "shop"

@@ -1,4 +1,4 @@
-"""Tests of xc_dagster.metrics against hand-computed numbers and properties of the XC metrics."""
+"""Tests of xc_dagster.evaluation.metrics against hand-computed numbers and properties of the XC metrics."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import scipy.sparse as sp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from xc_dagster.metrics import evaluate, inverse_propensity, recall_at, remove_filtered, topk_from_csr
+from xc_dagster.evaluation.metrics import evaluate, inverse_propensity, recall_at, remove_filtered, topk_from_csr
 
 
 def csr(rows: list[list[int]], L: int) -> sp.csr_matrix:

@@ -144,8 +144,8 @@ def test_upstream_run_config_is_what_downstream_runs_log(tiny_home):
 
     from assets import build_assets
     from resources import dataset_partitions
-    from xc_dagster.comparison import comparison_table, differing_params, evaluation_runs
     from xc_dagster.definitions import pipeline_resources
+    from xc_dagster.evaluation.comparison import comparison_table, differing_params, evaluation_runs
 
     assets = build_assets(dataset_partitions(tiny_home))
 
@@ -314,7 +314,7 @@ def test_pretokenized_layout_uses_the_shipped_token_ids(tmp_path, monkeypatch, t
 def test_bag_of_embeddings_encoder_through_every_stage(tiny_home):
     """tokenize.encoder=bag: IDF fitted on the training texts at pretrain, saved without pickle, reloaded by
     the evaluation stage from the artifact folder."""
-    from xc_dagster.bag_encoder import is_bag_folder
+    from xc_dagster.encoders.bag import is_bag_folder
 
     spec = Catalog(tiny_home.catalog).get("TinyTitles")
     cfg = spec.config({"tokenize.encoder": "bag", "pretrain.lr": 0.01})
@@ -323,7 +323,7 @@ def test_bag_of_embeddings_encoder_through_every_stage(tiny_home):
     assert out["pretrain"]["encoder_type"] == "BagOfEmbeddingsEncoder" and out["pretrain"]["dim"] == 384
     enc_dir = store.stage_dir("TinyTitles", "pretrain") / "encoder"
     assert is_bag_folder(str(enc_dir)) and not list(enc_dir.glob("*.pkl")) and not list(enc_dir.glob("*.bin"))
-    from xc_dagster.encoder import load_encoder
+    from xc_dagster.encoders.loading import load_encoder
 
     idf = load_encoder(str(enc_dir)).idf.numpy()
     assert idf.max() > idf[idf > 0].min()  # fitted: frequent and rare tokens weigh differently
@@ -336,9 +336,11 @@ def test_siamesexml_module_iv_fine_tunes_the_bag_residual_and_deploys_it(tiny_ho
     use it."""
     import torch
 
-    from xc_dagster.encoder import encode_tokens, load_encoder
-    from xc_dagster.pipeline import _labels, _tokens, _train_rows, model_dir
-    from xc_dagster.predict import label_centroids
+    from xc_dagster.artifacts import model_dir
+    from xc_dagster.encoders.encode import encode_tokens
+    from xc_dagster.encoders.loading import load_encoder
+    from xc_dagster.pipeline import _labels, _tokens, _train_rows
+    from xc_dagster.retrieval.shortlist import label_centroids
 
     spec = dataclasses.replace(Catalog(tiny_home.catalog).get("TinyTitles"), strategy="siamesexml")
     cfg = spec.config({"tokenize.encoder": "bag", "pretrain.lr": 0.01, "pretrain.epochs": 1,

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
+from tests.test_data import DATA
 from xc_dagster.catalog import Catalog, DatasetSpec
 from xc_dagster.cli import main as cli_main
 from xc_dagster.data.canonical import XCDataset
 from xc_dagster.data.checks import compute_checks, label_frequencies
 from xc_dagster.data.registry import KNOWN_DATASETS, XCCountMismatch, lookup
-from tests.test_data import DATA
 from xc_dagster.home import Home
 from xc_dagster.pipeline import StageContext, ingest
 from xc_dagster.storage import ArtifactStore

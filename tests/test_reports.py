@@ -7,11 +7,18 @@ import pytest
 import scipy.sparse as sp
 
 from xc_dagster.cli import main as cli_main
-from xc_dagster.comparison import comparison_table, evaluation_runs, rank_runs, reference_rows
+from xc_dagster.evaluation.comparison import comparison_table, evaluation_runs, rank_runs, reference_rows
+from xc_dagster.evaluation.metrics import evaluate
+from xc_dagster.evaluation.reports import (
+    decile_contributions,
+    decile_plot,
+    frequency_buckets,
+    frequency_deciles,
+    pk_plot,
+    recall_by_frequency,
+    recall_plot,
+)
 from xc_dagster.home import Home
-from xc_dagster.metrics import evaluate
-from xc_dagster.reports import (decile_contributions, decile_plot, frequency_buckets, frequency_deciles,
-                                pk_plot, recall_by_frequency, recall_plot)
 from xc_dagster.tracking import Tracker
 
 

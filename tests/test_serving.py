@@ -25,13 +25,15 @@ import pytest
 
 from tests.test_pipeline import TINY
 from tests.tinydata import stop_process_group, write_lf_dataset, write_tiny_encoder
-from xc_dagster import serving
+from xc_dagster import tracking
 from xc_dagster.catalog import Catalog, DatasetSpec
 from xc_dagster.data import load_dataset
 from xc_dagster.errors import XCConfigError
+from xc_dagster.evaluation.metrics import remove_filtered
 from xc_dagster.home import Home
-from xc_dagster.metrics import remove_filtered
 from xc_dagster.pipeline import StageContext, run_all
+from xc_dagster.serving import bundle as serving_bundle
+from xc_dagster.serving import registry
 from xc_dagster.storage import ArtifactStore, load_json, save_json
 from xc_dagster.tracking import Tracker, experiment_name
 
@@ -86,34 +88,34 @@ CHAMP = {"precision_at_1": 0.31, "psprecision_at_1": 0.20}
     ({"psprecision_at_1": 0.5}, 5.0, False, ["precision_at_1"]),                  # missing number
 ])
 def test_promotion_decision(challenger, tolerance, promote, worse):
-    d = serving.promotion_decision(challenger, CHAMP, tolerance)
+    d = registry.promotion_decision(challenger, CHAMP, tolerance)
     assert d["promote"] is promote and d["worse"] == worse and d["first"] is False
     assert d["champion"] == CHAMP and d["tolerance_pp"] == tolerance and len(d["reasons"]) == 2
-    assert set(d["challenger"]) == set(serving.GATE_METRICS)
+    assert set(d["challenger"]) == set(registry.GATE_METRICS)
 
 
 def test_promotion_decision_first_version_and_bad_tolerance():
-    d = serving.promotion_decision({"precision_at_1": 0.0, "psprecision_at_1": 0.0}, None)
+    d = registry.promotion_decision({"precision_at_1": 0.0, "psprecision_at_1": 0.0}, None)
     assert d["promote"] and d["first"] and d["champion"] is None
     for bad in (-0.1, float("nan"), float("inf")):
         with pytest.raises(XCConfigError, match="tolerance"):
-            serving.promotion_decision(CHAMP, CHAMP, bad)
+            registry.promotion_decision(CHAMP, CHAMP, bad)
 
 
 def test_model_name_is_sanitized():
-    assert serving.model_name("LF-AmazonTitles-131K") == "xc-LF-AmazonTitles-131K"
-    assert serving.model_name("a b/c@d") == "xc-a-b-c-d"
+    assert tracking.model_name("LF-AmazonTitles-131K") == "xc-LF-AmazonTitles-131K"
+    assert tracking.model_name("a b/c@d") == "xc-a-b-c-d"
 
 
 def test_use_tracking_uri_restores_the_environment(monkeypatch, tmp_path):
     """mlflow.set_tracking_uri exports MLFLOW_TRACKING_URI; the helper must not leak it to later trackers."""
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     uri = f"sqlite:///{tmp_path / 'x.db'}"
-    with serving.use_tracking_uri(uri):
+    with tracking.use_tracking_uri(uri):
         assert mlflow.get_tracking_uri() == uri
     assert "MLFLOW_TRACKING_URI" not in os.environ and mlflow.get_tracking_uri() != uri
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///elsewhere.db")
-    with serving.use_tracking_uri(uri):
+    with tracking.use_tracking_uri(uri):
         pass
     assert os.environ["MLFLOW_TRACKING_URI"] == "sqlite:///elsewhere.db"
 
@@ -123,30 +125,30 @@ def test_use_tracking_uri_restores_the_environment(monkeypatch, tmp_path):
 def test_bundle_reproduces_the_evaluation(built, tmp_path):
     """predict_topk on the raw test texts = the evaluation stage's predictions (pre-tokenized ids); the
     bundle loads from files only and re-evaluates to the same metrics."""
-    info = serving.write_bundle(built.ctx, tmp_path / "bundle", default_k=7)
+    info = serving_bundle.write_bundle(built.ctx, tmp_path / "bundle", default_k=7)
     assert info["max_len"] == 32 and info["index_kind"] == "hnsw" and info["default_k"] == 7
     files = {p.relative_to(tmp_path / "bundle").as_posix() for p in (tmp_path / "bundle").rglob("*") if p.is_file()}
     assert {"W.npy", "label_emb.npy", "W.index", "label_emb.index", "fusion.json", "inv_prop.npy", "labels.parquet",
             "serving.json", "encoder/config.json", "encoder/model.safetensors", "encoder/tokenizer.json"} <= files
     assert not any(f.endswith((".pkl", ".pickle", ".bin")) for f in files)
-    bundle = serving.load_bundle(tmp_path / "bundle", "cpu")
-    ids, scores = serving.predict_topk(built.ds.test_texts, bundle, 10)
+    bundle = serving_bundle.load_bundle(tmp_path / "bundle", "cpu")
+    ids, scores = serving_bundle.predict_topk(built.ds.test_texts, bundle, 10)
     assert ids.shape == (40, 10) and all(np.all(np.diff(s[i >= 0]) <= 0) for i, s in zip(ids, scores))
     filtered, _ = remove_filtered(ids, scores, built.ds.filter_test)
     np.testing.assert_array_equal(filtered, built.predictions)
-    ids3, scores3 = serving.predict_topk(built.ds.test_texts, bundle, 3)
+    ids3, scores3 = serving_bundle.predict_topk(built.ds.test_texts, bundle, 3)
     np.testing.assert_array_equal(ids3, ids[:, :3])
-    m = serving.evaluate_bundle(bundle, built.ctx)
-    for k in serving.GATE_METRICS:
+    m = registry.evaluate_bundle(bundle, built.ctx)
+    for k in registry.GATE_METRICS:
         assert m[k] == pytest.approx(built.metrics[k], abs=1e-12)
-    frame = serving.predictions_frame(ids3[:2], scores3[:2], bundle)
+    frame = serving_bundle.predictions_frame(ids3[:2], scores3[:2], bundle)
     assert list(frame.columns) == ["label_ids", "labels", "scores"]
     assert frame["labels"][0] == [built.ds.label_texts[i] for i in ids3[0]]
     # a faster serving setting than the evaluated one is recorded as such
-    fast = serving.write_bundle(built.ctx, tmp_path / "fast", shortlist_size=3, ef_search=16)
+    fast = serving_bundle.write_bundle(built.ctx, tmp_path / "fast", shortlist_size=3, ef_search=16)
     assert fast["shortlist_size"] == 3 and fast["ef_search"] == 16 and fast["as_evaluated"] is False
     assert info["as_evaluated"] is True
-    ids_fast, _ = serving.predict_topk(built.ds.test_texts, serving.load_bundle(tmp_path / "fast", "cpu"), 10)
+    ids_fast, _ = serving_bundle.predict_topk(built.ds.test_texts, serving_bundle.load_bundle(tmp_path / "fast", "cpu"), 10)
     width = 3 * len(fast["sources"])  # at most 3 candidates from each source (ngame: W, label, knn)
     assert ((ids_fast >= 0).sum(1) <= width).all() and ((ids_fast >= 0).sum(1) >= 3).all()
 
@@ -159,9 +161,9 @@ def test_register_pyfunc_and_champion_challenger(built, tmp_path):
     client = tracker.client
 
     # first version: champion, the gate passes as "first"
-    r1 = serving.register_model(ctx, tracker, {"dagster_run_id": "test"}, default_k=10)
+    r1 = registry.register_model(ctx, tracker, {"dagster_run_id": "test"}, default_k=10)
     assert (r1["name"], r1["version"], r1["alias"]) == (NAME, "1", "champion")
-    d1 = serving.champion_gate(ctx, tracker, r1, tolerance=0.0)
+    d1 = registry.champion_gate(ctx, tracker, r1, tolerance=0.0)
     assert d1["promote"] and d1["first"] and d1["aliases"] == {"champion": "1"}
     run = client.get_run(r1["run_id"])
     assert run.data.tags["asset"] == "registered_model" and run.data.tags["dataset"] == DATASET
@@ -172,7 +174,7 @@ def test_register_pyfunc_and_champion_challenger(built, tmp_path):
     assert float(mv.tags["psprecision_at_1"]) == built.metrics["psprecision_at_1"]
 
     # the pyfunc, loaded by alias: same top-k as the evaluation's predictions; k honoured
-    with serving.use_tracking_uri(tracker.tracking_uri):
+    with tracking.use_tracking_uri(tracker.tracking_uri):
         model = mlflow.pyfunc.load_model(f"models:/{NAME}@champion")
     sig = model.metadata.signature
     assert sig.inputs.input_names() == ["text"]
@@ -191,12 +193,12 @@ def test_register_pyfunc_and_champion_challenger(built, tmp_path):
 
     # a later, worse version: challenger, refused (P@1 2 pp lower, tolerance 1 pp); champion stays
     worse = _with_metrics(ctx, tmp_path / "worse", precision_at_1=built.metrics["precision_at_1"] - 0.02)
-    r2 = serving.register_model(worse, tracker)
+    r2 = registry.register_model(worse, tracker)
     assert (r2["version"], r2["alias"]) == ("2", "challenger")
-    d2 = serving.champion_gate(worse, tracker, r2, tolerance=1.0)
+    d2 = registry.champion_gate(worse, tracker, r2, tolerance=1.0)
     assert not d2["promote"] and d2["worse"] == ["precision_at_1"]
     assert d2["champion_metrics_source"].startswith("version tags")
-    assert d2["champion"] == pytest.approx({m: built.metrics[m] for m in serving.GATE_METRICS})
+    assert d2["champion"] == pytest.approx({m: built.metrics[m] for m in registry.GATE_METRICS})
     assert d2["delta_pp"]["precision_at_1"] == pytest.approx(-2.0)
     assert d2["aliases"] == {"champion": "1", "challenger": "2"}
     assert client.get_model_version(NAME, "2").tags["promotion"] == "refused"
@@ -204,11 +206,11 @@ def test_register_pyfunc_and_champion_challenger(built, tmp_path):
     # equal numbers, champion measured on "another split": it is re-evaluated on this one (same model,
     # so the same numbers through the serving path), and the challenger is promoted; the alias moves
     client.set_model_version_tag(NAME, "1", "test_split", "another-split")
-    r3 = serving.register_model(ctx, tracker)
+    r3 = registry.register_model(ctx, tracker)
     assert (r3["version"], r3["alias"]) == ("3", "challenger")
-    d3 = serving.champion_gate(ctx, tracker, r3, tolerance=0.0)
+    d3 = registry.champion_gate(ctx, tracker, r3, tolerance=0.0)
     assert d3["champion_metrics_source"].startswith("re-evaluated")
-    assert d3["champion"] == pytest.approx({m: built.metrics[m] for m in serving.GATE_METRICS}, abs=1e-12)
+    assert d3["champion"] == pytest.approx({m: built.metrics[m] for m in registry.GATE_METRICS}, abs=1e-12)
     assert d3["promote"] and d3["aliases"] == {"champion": "3"}
     assert client.get_model_version(NAME, "1").tags["superseded_by"] == "3"
     assert str(client.get_model_version_by_alias(NAME, "champion").version) == "3"
@@ -347,12 +349,12 @@ def test_mlflow_models_serve_answers_scoring_requests(built, tmp_path):
     if exe is None:
         pytest.skip("the mlflow command is not installed")
     tracker = Tracker(home.mlflow_uri, home.mlflow_artifacts)
-    if not (_registered(tracker) and serving.CHAMPION in serving._aliases(tracker.client, NAME)):
-        serving.champion_gate(ctx, tracker, serving.register_model(ctx, tracker))
+    if not (_registered(tracker) and registry.CHAMPION in registry._aliases(tracker.client, NAME)):
+        registry.champion_gate(ctx, tracker, registry.register_model(ctx, tracker))
     champion = tracker.client.get_model_version_by_alias(NAME, "champion").version
-    bundle = serving.load_served_bundle(f"models:/{NAME}/{champion}", home.mlflow_uri, "cpu")
+    bundle = registry.load_served_bundle(f"models:/{NAME}/{champion}", home.mlflow_uri, "cpu")
     texts = built.ds.test_texts[:2]
-    expected, _ = serving.predict_topk(texts, bundle, 3)
+    expected, _ = serving_bundle.predict_topk(texts, bundle, 3)
 
     port = _free_port()
     env = {**os.environ, "MLFLOW_TRACKING_URI": home.mlflow_uri, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}

@@ -10,11 +10,19 @@ import pytest
 import scipy.sparse as sp
 import torch
 
-from xc_dagster.ann import LabelIndex
 from xc_dagster.errors import XCConfigError
-from xc_dagster.losses import siamesexml_classifier_loss
-from xc_dagster.predict import (ShortlistSources, build_sources, check_sources, knn_label_scores, label_centroids,
-                                load_sources, retrieve, save_sources)
+from xc_dagster.retrieval.ann import LabelIndex
+from xc_dagster.retrieval.shortlist import (
+    ShortlistSources,
+    build_sources,
+    check_sources,
+    knn_label_scores,
+    label_centroids,
+    load_sources,
+    retrieve,
+    save_sources,
+)
+from xc_dagster.training.losses import siamesexml_classifier_loss
 
 
 def _unit(x: np.ndarray) -> np.ndarray:
@@ -163,12 +171,12 @@ def test_siamesexml_classifier_loss_gradients_pull_positives_push_negatives():
 def test_siamesexml_strategy_three_index_shortlist_through_the_pipeline_and_bundle(tmp_path, monkeypatch):
     from tests.test_pipeline import TINY
     from tests.tinydata import write_lf_dataset, write_tiny_encoder
-    from xc_dagster import serving
     from xc_dagster.catalog import Catalog, DatasetSpec
     from xc_dagster.data import load_dataset
+    from xc_dagster.evaluation.metrics import recall_at, remove_filtered
     from xc_dagster.home import Home
-    from xc_dagster.metrics import recall_at, remove_filtered
     from xc_dagster.pipeline import StageContext, run_all
+    from xc_dagster.serving import bundle as serving_bundle
     from xc_dagster.storage import ArtifactStore, load_json
 
     monkeypatch.setenv("XC_HOME", str(tmp_path / "home"))
@@ -191,9 +199,9 @@ def test_siamesexml_strategy_three_index_shortlist_through_the_pipeline_and_bund
     # points with the held-out parts (108 points), i.e. exactly as when the validation points are deployed nowhere
     assert out["index"]["sources"] == ["label", "centroid", "knn"]
     assert out["index"]["knn_points"] == 120 and out["index"]["heldout_knn_points"] == 108
-    from xc_dagster.ann import exact_topk
     from xc_dagster.pipeline import _train_rows, load_model
-    from xc_dagster.predict import label_centroids, label_representation
+    from xc_dagster.retrieval.ann import exact_topk
+    from xc_dagster.retrieval.shortlist import label_centroids, label_representation
 
     ds0 = load_dataset(ctx.dir("ingest") / "dataset", features=False)
     rows, emb0 = _train_rows(ctx, 120), np.load(ctx.dir("pretrain") / "train_emb.npy")
@@ -231,10 +239,10 @@ def test_siamesexml_strategy_three_index_shortlist_through_the_pipeline_and_bund
     assert {"label_emb.index", "centroid.index", "knn.index", "knn_labels.npz", "label_centroid.npy"} <= files
     assert "W.index" not in files
     # the serving bundle carries the three indexes and reproduces the evaluation's predictions
-    serving.write_bundle(ctx, tmp_path / "bundle")
-    bundle = serving.load_bundle(tmp_path / "bundle", "cpu")
+    serving_bundle.write_bundle(ctx, tmp_path / "bundle")
+    bundle = serving_bundle.load_bundle(tmp_path / "bundle", "cpu")
     assert set(bundle.sources.indexes) == {"label", "centroid", "knn"}
-    ids, scores = serving.predict_topk(ds.test_texts, bundle, 10)
+    ids, scores = serving_bundle.predict_topk(ds.test_texts, bundle, 10)
     filtered, _ = remove_filtered(ids, scores, ds.filter_test)
     np.testing.assert_array_equal(filtered, np.load(ctx.dir("evaluate") / "predictions.npz")["ids"])
     assert 0.0 <= load_json(ctx.dir("evaluate") / "metrics.json")["precision_at_1"] <= 1.0

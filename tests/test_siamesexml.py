@@ -17,12 +17,14 @@ from tests.tinydata import WORDS, write_tiny_encoder
 from xc_dagster.catalog import DatasetSpec
 from xc_dagster.config import PretrainParams, resolve_config
 from xc_dagster.device import seed_everything
-from xc_dagster.encoder import encode_tokens, load_encoder, load_tokenizer
+from xc_dagster.encoders.encode import encode_tokens
+from xc_dagster.encoders.loading import load_encoder
+from xc_dagster.encoders.tokenizer import load_tokenizer
 from xc_dagster.errors import XCConfigError
-from xc_dagster.losses import siamesexml_loss
-from xc_dagster.sampling import label_sampling_probs, sample_label_batch, sample_label_points
-from xc_dagster.siamese import SiameseXMLSampler, check_pretrain_params, train_siamese
+from xc_dagster.sampling.labels import label_sampling_probs, sample_label_batch, sample_label_points
 from xc_dagster.strategies import STRATEGIES
+from xc_dagster.training.losses import siamesexml_loss
+from xc_dagster.training.siamese import SiameseXMLSampler, check_pretrain_params, train_siamese
 
 
 def _freq_Y() -> tuple[sp.csr_matrix, np.ndarray, np.ndarray]:

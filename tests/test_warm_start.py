@@ -10,13 +10,13 @@ import pytest
 
 from tests.test_pipeline import TINY
 from tests.tinydata import write_lf_dataset, write_tiny_encoder
-from xc_dagster import serving
 from xc_dagster.catalog import Catalog, DatasetSpec
 from xc_dagster.errors import XCConfigError
 from xc_dagster.home import Home
 from xc_dagster.pipeline import StageContext, run_all
+from xc_dagster.serving import bundle as serving_bundle
+from xc_dagster.serving.warm_start import classifier_init, resolve_warm_start
 from xc_dagster.storage import ArtifactStore, load_json
-from xc_dagster.warm_start import classifier_init, resolve_warm_start
 
 
 def _fake_bundle(folder, W, texts):
@@ -61,7 +61,7 @@ def test_pretrain_and_classifiers_start_from_a_bundle(tmp_path, monkeypatch):
     spec = cat.get("TinyTitles")
     first = StageContext(ArtifactStore(home.artifacts), spec, spec.config(), home.cache)
     run_all(first)
-    serving.write_bundle(first, tmp_path / "bundle")
+    serving_bundle.write_bundle(first, tmp_path / "bundle")
     W_prev = np.load(tmp_path / "bundle" / "W.npy")
     # retrain on the same data in another partition, warm, without further pretraining steps
     cat.add(DatasetSpec("TinyTitles2", str(src), overrides={**TINY, "tokenize.encoder": str(enc),

@@ -46,7 +46,7 @@ def write_tiny_encoder(folder: Path, seed: int = 0) -> Path:
     import torch
     from transformers import AutoTokenizer, BertConfig, BertModel
 
-    from xc_dagster.encoder import resolve_encoder_path
+    from xc_dagster.encoders.names import resolve_encoder_path
 
     if (folder / "config.json").exists():
         return folder

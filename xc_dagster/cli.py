@@ -23,6 +23,7 @@ The library stays importable without Dagster: Dagster runs in a subprocess with 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -31,8 +32,17 @@ from pathlib import Path
 
 from xc_dagster.catalog import BUILTIN_PREFIX, LAYOUTS, NAME_RE, TEXT_CHOICES, Catalog, DatasetSpec
 from xc_dagster.config import PRESETS, parse_set_options
+from xc_dagster.data.clicklog import build_click_dataset, parse_time, window_id
 from xc_dagster.errors import XCConfigError, XCError
+from xc_dagster.evaluation.comparison import (
+    COMPARE_METRICS,
+    comparison_table,
+    evaluation_runs,
+    rank_runs,
+    reference_rows,
+)
 from xc_dagster.home import Home
+from xc_dagster.serving.retraining import changed_datasets, feed_root, list_feeds, register_click_dataset
 from xc_dagster.strategies import STRATEGIES
 
 DEFAULT_DATASET = "LF-WordNetNounsTitles"
@@ -104,8 +114,6 @@ def materialize(home: Home, name: str, select: str = "*") -> int:
 
 
 def print_metrics(home: Home, name: str) -> int:
-    import json
-
     path = home.artifacts / name / "evaluate" / "metrics.json"
     if not path.exists():
         print(f"no evaluation for {name!r} yet ({path} missing)", file=sys.stderr)
@@ -120,8 +128,6 @@ def print_metrics(home: Home, name: str) -> int:
 
 def cmd_compare(args: argparse.Namespace, home: Home) -> int:
     """Print the evaluation runs of a dataset, best first, with reference rows from the registry."""
-    from xc_dagster.comparison import COMPARE_METRICS, comparison_table, evaluation_runs, rank_runs, reference_rows
-
     if args.sort not in COMPARE_METRICS:
         raise XCConfigError(f"compare --sort {args.sort!r}: one of {', '.join(COMPARE_METRICS)}")
     runs = rank_runs(evaluation_runs(home.mlflow_uri, args.name), args.sort)[:args.limit]
@@ -162,8 +168,6 @@ def cmd_quickstart(args: argparse.Namespace, home: Home) -> int:
 def cmd_clicks_build(args: argparse.Namespace, home: Home) -> int:
     """Click logs over a window -> ``$XC_HOME/clicklogs/NAME/<window-id>/`` (LF raw text); ``--register``
     points catalog entry NAME at it (other options of an existing entry are kept)."""
-    from xc_dagster.data.clicklog import build_click_dataset, parse_time, window_id  # pandas: only here
-
     if not NAME_RE.match(args.name):
         raise XCConfigError(f"clicks build: dataset name {args.name!r} must match {NAME_RE.pattern}")
     start = parse_time(args.start) if args.start else None
@@ -176,8 +180,6 @@ def cmd_clicks_build(args: argparse.Namespace, home: Home) -> int:
           f"({s['n_new_labels']} new) -> {out}")
     print(f"next window's --previous: {out / 'label_map.json'}")
     if args.register:
-        from xc_dagster.retraining import register_click_dataset
-
         _, existed = register_click_dataset(Catalog(home.catalog), args.name, out)
         print(f"{'updated' if existed else 'registered'} dataset {args.name!r} in {home.catalog}; "
               f"materialize it with: xc-dagster materialize {args.name}")
@@ -187,8 +189,6 @@ def cmd_clicks_build(args: argparse.Namespace, home: Home) -> int:
 def cmd_retrain_check(args: argparse.Namespace, home: Home) -> int:
     """What the retraining automation would do now: changed catalog sources (retrain_schedule) and
     click-log files not yet consumed (click_log_sensor, from a fresh cursor: every file counts as new)."""
-    from xc_dagster.retraining import changed_datasets, feed_root, list_feeds
-
     changes = changed_datasets(home)
     if not changes:
         print(f"no datasets in {home.catalog}")

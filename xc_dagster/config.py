@@ -100,7 +100,7 @@ class PretrainParams:
     infonce_temperature: float = 0.05  # loss "infonce": in-batch softmax at this temperature (MiniLM's: 0.05)
     # retrain from a previous model: "" = cold start from tokenize.encoder; "champion" = the dataset's
     # registered champion (cold when there is none yet); or a serving bundle folder. Encoder and classifiers
-    # start from it; labels new to the data start from their text embeddings (xc_dagster.warm_start).
+    # start from it; labels new to the data start from their text embeddings (xc_dagster.serving.warm_start).
     warm_start: str = ""
     seed: int = 0
 
@@ -110,7 +110,7 @@ class MiningParams:
     """Negative mining: a shortlist of candidate labels per training point from ANNS over label embeddings."""
 
     shortlist_size: int = 100
-    # where candidates come from (xc_dagster.predict.SOURCES): "label" (label text embeddings), "centroid"
+    # where candidates come from (xc_dagster.retrieval.shortlist.SOURCES): "label" (label text embeddings), "centroid"
     # (label centroids), "knn" (labels of the nearest training points); SiameseXML Module II uses all three
     sources: tuple[str, ...] = ("label",)
     knn_weight: float = 0.025  # g: candidates ranked by (1 - g)(s_label + s_centroid) + g * s_knn (SiameseXML)
@@ -121,54 +121,55 @@ class MiningParams:
 
 
 @dataclass
-class ClassifierParams:
-    """One-vs-all classifiers W (M2/M4), initialised from label embeddings, trained on positives + mined negatives."""
+class ClassifierCommonParams:
+    """What both classifier trainers read: the schedule, W's start and optimizer, the positives, the loss scale."""
 
     epochs: float = 5  # fractions only with sampled negatives (uniform/astra/mips): a CPU budget
     batch_size: int = 1024
-    lr: float = 1e-3  # SparseAdam (NGAME code: 1e-3)
+    lr: float = 1e-3  # W's learning rate (SparseAdam, NGAME code: 1e-3)
     # w_l starts from the label representation (index.label_repr's values) at unit norm: "text": E(z_l) (NGAME
     # M2, SiameseXML Module III) | "text+centroid": normalise(E(z_l) + v_l) with Module II's centroid v_l (a
     # label's training points; unseen labels keep E(z_l))
     init: str = "text"
-    loss: str = "triplet"  # "triplet" (NGAME M2: multi-positive hinge) | "bce" | "siamesexml" (Module IV); the
-    # sampled negatives (uniform/astra/mips) always train with BCE
+    # which negatives, and so which trainer: the hardest of "shortlist" (mined ANNS) | "in-batch" (NGAME M2) |
+    # "both" (xc_dagster.training.classifier); or sampled over all labels with BCE: "uniform" | "astra" (stale W
+    # index + uniform) | "mips" (MIPS-s) (xc_dagster.training.end_to_end)
+    negatives: str = "shortlist"
     num_positives: int = 3  # positives sampled per point per step
     # gamma >= 0: a positive of label l weighs (1/p_l)^gamma in the loss (mean 1 over the training positives;
-    # propensity-scored loss, Jain et al. 2016); both trainers. ngame and siamesexml set 1 (strategies.py)
+    # propensity-scored loss, Jain et al. 2016). ngame and siamesexml set 1 (strategies.py)
     propensity_weight: float = 0.0
+    scale: float = 10.0  # bce only: logit = scale * w.x
+    normalize: bool = True  # keep every w_l at unit norm (NGAME M2), same scale as embedding scores
+    # W's optimizer: "sgd" (ASTRA: SGD for the classifiers) | "sparse-adam" (NGAME); lr = classifier.lr
+    w_optimizer: str = "sparse-adam"
+    weight_decay: float = 0.0  # classifiers, on the rows a step touches (ASTRA: 1e-4; sampled negatives only)
+    seed: int = 0
+
+
+@dataclass
+class HardNegativeParams:
+    """The hardest-negative trainer (NGAME M2/M4, SiameseXML Module IV; ``xc_dagster.training.classifier``)."""
+
+    loss: str = "triplet"  # "triplet" (NGAME M2: multi-positive hinge) | "bce" | "siamesexml" (Module IV); the
+    # sampled negatives (uniform/astra/mips) always train with BCE
     num_negatives: int = 50  # hardest negatives (under the current W) per point per step
-    negatives: str = "shortlist"  # hardest of: "shortlist" (mined ANNS) | "in-batch" (NGAME M2) | "both"; or sampled
-    # over all labels, BCE: "uniform" | "astra" (stale W index + uniform) | "mips" (MIPS-s)
     cluster_size: int = 0  # >1: batches are unions of clusters of this many points (NGAME); 0/1: random
     margin: float = 0.2  # triplet loss only
-    scale: float = 10.0  # bce only: logit = scale * w.x
     contrastive_c: float = 0.75  # siamesexml loss only (SiameseXML Module IV, reference code: c 0.75, d 3.0)
     contrastive_d: float = 3.0
     neg_threshold: float = 0.05  # siamesexml loss only: negative terms below this are ignored (easy negatives)
-    normalize: bool = True  # keep every w_l at unit norm (NGAME M2), same scale as embedding scores
     # SiameseXML Module IV: also fine-tune the bag encoder's residual block (on its frozen intermediate
     # embeddings) with the classifiers; the updated encoder is deployed downstream. Applies to encoders with a
     # residual block (tokenize.encoder=bag); a transformer stays frozen (recorded in the stage summary).
     train_residual: bool = False
     residual_lr: float = 2e-4  # Adam, the residual block (SiameseXML code, Module IV: 2e-4)
-    # --- BCE over sampled negatives (ASTRA / MIPS-s; negatives = uniform | astra | mips), xc_dagster.end_to_end
-    train_encoder: bool = False  # fine-tune the encoder end to end with the classifiers (ASTRA, MIPS-s)
-    # one learned logit bias shared by all labels, initialised at the log prior odds of a positive: it absorbs
-    # "almost every label is negative" at once, so that neither the encoder nor W has to (a shared constant:
-    # rankings, indexes and serving are unchanged)
-    logit_bias: bool = True
-    encoder_lr: float = 1e-5  # AdamW, encoder (ASTRA: 1e-5)
-    # W's optimizer, both trainers: "sgd" (ASTRA: SGD for the classifiers) | "sparse-adam" (NGAME); lr = classifier.lr
-    w_optimizer: str = "sparse-adam"
-    weight_decay: float = 0.0  # classifiers, on the rows a step touches (ASTRA: 1e-4)
-    dropout: float = 0.0  # on the query embedding before the classifiers (ASTRA tunes 0.5-0.9)
-    # which negatives send gradient to the encoder: "all" (the papers) | "hard" (the uniform draws train W only;
-    # the encoder learns from positives and the index's hard negatives, so the many uniform terms -- weighted
-    # L / k_r in ASTRA -- cannot push every query away from every classifier)
-    encoder_negatives: str = "all"
-    warmup_steps: int = 0  # cosine schedule with linear warm-up, for encoder and classifiers
-    label_points: bool = False  # add every label's text as a training point with that label (ASTRA)
+
+
+@dataclass
+class SampledNegativeParams:
+    """Negatives sampled over all labels (``xc_dagster.sampling.negatives``: uniform, ASTRA, MIPS-s)."""
+
     num_hard: int = 50  # astra: k_h stale hard negatives; mips: k negatives from the MIPS
     num_random: int = 400  # astra: k_r uniform negatives (weight L / k_r); mips: R - k uniform negatives
     hard_start: float = 5.0  # astra: tau_s, epochs of uniform-only warm-up (fractions allowed)
@@ -180,22 +181,59 @@ class ClassifierParams:
     sampler_hnsw_ef_construction: int = 100
     mips_partitions: int = 0  # ivf partitions K; 0 = round(sqrt(L)) (MIPS-s)
     mips_probe: int = 64  # ivf partitions probed per query (MIPS-s: tau = 64)
+
+
+@dataclass
+class EndToEndParams:
+    """The BCE trainer over sampled negatives, the encoder optionally trained with W (ASTRA, MIPS-s;
+    ``xc_dagster.training.end_to_end``)."""
+
+    train_encoder: bool = False  # fine-tune the encoder end to end with the classifiers (ASTRA, MIPS-s)
+    # one learned logit bias shared by all labels, initialised at the log prior odds of a positive: it absorbs
+    # "almost every label is negative" at once, so that neither the encoder nor W has to (a shared constant:
+    # rankings, indexes and serving are unchanged)
+    logit_bias: bool = True
+    encoder_lr: float = 1e-5  # AdamW, encoder (ASTRA: 1e-5)
+    dropout: float = 0.0  # on the query embedding before the classifiers (ASTRA tunes 0.5-0.9)
+    # which negatives send gradient to the encoder: "all" (the papers) | "hard" (the uniform draws train W only;
+    # the encoder learns from positives and the index's hard negatives, so the many uniform terms -- weighted
+    # L / k_r in ASTRA -- cannot push every query away from every classifier)
+    encoder_negatives: str = "all"
+    warmup_steps: int = 0  # cosine schedule with linear warm-up, for encoder and classifiers
+    label_points: bool = False  # add every label's text as a training point with that label (ASTRA)
     shards: int = 0  # W sharded by label: 0 = one shard per visible GPU (1 on CPU), n = n shards
     chunk_size: int = 128  # texts per encoder forward chunk (train_encoder)
     encode_batch_size: int = 256  # re-encoding after training (train_encoder)
-    seed: int = 0
+
+
+@dataclass
+class HardNegativeTrainerParams(HardNegativeParams, ClassifierCommonParams):
+    """Everything ``xc_dagster.training.classifier.train_classifiers`` reads."""
+
+
+@dataclass
+class EndToEndTrainerParams(EndToEndParams, SampledNegativeParams, ClassifierCommonParams):
+    """Everything ``xc_dagster.training.end_to_end.train_end_to_end`` reads."""
+
+
+@dataclass
+class ClassifierParams(EndToEndParams, SampledNegativeParams, HardNegativeParams, ClassifierCommonParams):
+    """The classifier stage (M2/M4): one-vs-all W initialised from label representations, trained by the
+    hardest-negative trainer or the sampled-negative BCE trainer (``classifier.negatives`` chooses). Each
+    trainer reads its own part (``HardNegativeTrainerParams``, ``EndToEndTrainerParams``); the stage's
+    ``classifier.*`` names are all of them."""
 
 
 @dataclass
 class FusionParams:
-    """Score fusion fitted on the validation split's shortlists (see ``xc_dagster.fusion``).
+    """Score fusion fitted on the validation split's shortlists (see ``xc_dagster.retrieval.fusion``).
 
     ``alpha``: a * classifier + (1 - a) * embedding, a grid-searched. ``tree`` (NGAME): T(d) + embedding +
     classifier, T a depth-7 tree on d = (embedding score, classifier score, inverse propensity).
     """
 
     method: str = "alpha"  # "alpha" | "tree"
-    # alpha: grid-search target; tree: reported validation objective. A metric of xc_dagster.metrics.evaluate or
+    # alpha: grid-search target; tree: reported validation objective. A metric of xc_dagster.evaluation.metrics.evaluate or
     # several joined by "+" (summed). Default: head and tail weighed equally, as the registry's gate does; on
     # LF-WordNetNounsTitles (ngame) P@1 alone picked 37.5 / PSP@1 22.6, the sum 37.3 / 25.9 (bench/RESULTS.md)
     objective: str = "precision_at_1+psprecision_at_1"
@@ -231,7 +269,7 @@ class IndexParams:
 
     kind: str = "hnsw"  # "hnsw" | "exact"
     sources: tuple[str, ...] = ("W", "label")  # shortlist sources at inference (NGAME: dual MIPS over W and
-    # label embeddings; SiameseXML: label, centroid, knn); see xc_dagster.predict.SOURCES
+    # label embeddings; SiameseXML: label, centroid, knn); see xc_dagster.retrieval.shortlist.SOURCES
     label_repr: str = "text"  # embedding score r_l.e: "text" r_l = E(z_l) | "text+centroid" E(z_l) + v_l
     hnsw_m: int = 32
     hnsw_ef_construction: int = 200

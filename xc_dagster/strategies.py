@@ -3,7 +3,7 @@
 A strategy chooses components by configuration (batch sampler, losses, fusion), never by copying a stage.
 NGAME and SiameseXML train the encoder first (pretrain stage) and the classifiers on the frozen encoder; ASTRA
 and MIPS-s train both end to end in the classifier stage with BCE over negatives sampled from a stale index over
-W (``xc_dagster.negatives``), and the later stages use the encoder the classifier stage wrote.
+W (``xc_dagster.sampling.negatives``), and the later stages use the encoder the classifier stage wrote.
 """
 
 from __future__ import annotations

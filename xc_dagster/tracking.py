@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import re
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -15,6 +17,33 @@ from typing import Any, Iterator
 import mlflow
 from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
+from mlflow.tracking._tracking_service import utils as tracking_utils
+
+
+def model_name(dataset: str) -> str:
+    """The registered model name of a dataset: ``xc-<dataset>``, characters other than [A-Za-z0-9._-]
+    replaced by '-' (names go into ``models:/<name>@<alias>`` URIs)."""
+    return "xc-" + re.sub(r"[^A-Za-z0-9._-]+", "-", dataset).strip("-")
+
+
+@contextlib.contextmanager
+def use_tracking_uri(uri: str) -> Iterator[None]:
+    """Point MLflow's fluent API (start_run, log_model, load_model of ``models:/``) at ``uri`` for a while.
+
+    ``mlflow.set_tracking_uri`` also exports ``MLFLOW_TRACKING_URI`` (MLflow 3), which would outlive the
+    call and redirect every later tracker of the process (``Home.mlflow_uri`` reads it): both are restored.
+    """
+    old_uri = getattr(tracking_utils, "_tracking_uri", None)
+    old_env = os.environ.get("MLFLOW_TRACKING_URI")
+    mlflow.set_tracking_uri(uri)
+    try:
+        yield
+    finally:
+        tracking_utils.set_tracking_uri(old_uri)  # None unsets the fluent URI (and the variable)
+        if old_env is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = old_env
 
 
 def experiment_name(dataset: str) -> str:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import gzip
 import json
 import math
-import zlib
 from array import array
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -95,7 +94,7 @@ def _parse_header(path: Path, line: str | None, names: Sequence[str]) -> list[in
     except ValueError:
         raise XCFormatError(path, 1, expected, got=line) from None
     if any(not 0 <= v < _MAX_DIM for v in vals):
-        raise XCFormatError(path, 1, expected + f" below 2**40", got=line)
+        raise XCFormatError(path, 1, expected + " below 2**40", got=line)
     return vals
 
 

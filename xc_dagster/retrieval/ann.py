@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import faiss
 import numpy as np
 import torch
 
 from xc_dagster.errors import XCConfigError
-
 
 KINDS = ("hnsw", "ivf", "exact")
 
@@ -60,8 +60,6 @@ class LabelIndex:
         self._index = faiss_index
         self._vectors = None if vectors is None else np.ascontiguousarray(vectors, dtype=np.float32)
         if self._index is None and kind != "exact":
-            import faiss
-
             if self._vectors is None:
                 raise ValueError(f"{kind} index needs vectors")
             n, dim = self._vectors.shape
@@ -97,8 +95,6 @@ class LabelIndex:
         if exclude is None or not len(exclude):
             scores, ids = self._index.search(q, k)
         else:
-            import faiss
-
             sel = faiss.IDSelectorNot(faiss.IDSelectorBatch(np.ascontiguousarray(exclude, dtype=np.int64)))
             params = (faiss.SearchParametersIVF(sel=sel, nprobe=self._index.nprobe) if self.kind == "ivf" else
                       faiss.SearchParametersHNSW(sel=sel, efSearch=self._index.hnsw.efSearch))
@@ -109,8 +105,6 @@ class LabelIndex:
     def save(self, path: Path) -> None:
         """HNSW/IVF: a faiss file; exact: the vectors as .npy (loads without executing code)."""
         if self.kind != "exact":
-            import faiss
-
             faiss.write_index(self._index, str(path))
         else:
             with open(path, "wb") as fh:
@@ -119,8 +113,6 @@ class LabelIndex:
     @classmethod
     def load(cls, path: Path, kind: str, ef_search: int = 200, nprobe: int = 64) -> "LabelIndex":
         if kind != "exact":
-            import faiss
-
             return cls(kind, faiss_index=faiss.read_index(str(path)), ef_search=ef_search, nprobe=nprobe)
         with open(path, "rb") as fh:
             return cls("exact", np.load(fh, allow_pickle=False))

@@ -13,6 +13,8 @@ import datetime as dt
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mlflow.tracking import MlflowClient
+
 from xc_dagster.data.registry import reference_results
 from xc_dagster.tracking import experiment_name
 
@@ -39,8 +41,6 @@ class ComparisonRow:
 
 def evaluation_runs(tracking_uri: str, dataset: str) -> list[ComparisonRow]:
     """Finished evaluation runs of ``dataset`` (experiment ``xc-dagster/<dataset>``), newest first."""
-    from mlflow.tracking import MlflowClient
-
     client = MlflowClient(tracking_uri=tracking_uri)
     exp = client.get_experiment_by_name(experiment_name(dataset))
     if exp is None:

@@ -25,15 +25,21 @@ import scipy.sparse as sp
 import torch
 import torch.nn.functional as F
 
-from xc_dagster.checkpoint import Checkpointer, restore_rng
-from xc_dagster.clustering import balanced_clusters, cluster_batches
 from xc_dagster.config import PretrainParams
 from xc_dagster.device import adamw, autocast
-from xc_dagster.encoder import SiameseEncoder, chunk_tensors, encode_tokens, length_sorted_chunks
+from xc_dagster.encoders.encode import embed_rows, encode_tokens
+from xc_dagster.encoders.transformer import SiameseEncoder
 from xc_dagster.errors import XCConfigError
-from xc_dagster.losses import infonce_loss, ohnm_triplet_loss, siamesexml_loss
-from xc_dagster.sampling import (label_sampling_probs, positive_mask, sample_label_batch, sample_label_points,
-                                 sample_positives)
+from xc_dagster.sampling.clustering import balanced_clusters, cluster_batches
+from xc_dagster.sampling.labels import (
+    label_sampling_probs,
+    positive_mask,
+    sample_label_batch,
+    sample_label_points,
+    sample_positives,
+)
+from xc_dagster.training.checkpoint import Checkpointer, restore_rng
+from xc_dagster.training.losses import infonce_loss, ohnm_triplet_loss, siamesexml_loss
 
 MetricsFn = Callable[[int, dict[str, float]], None]
 
@@ -176,20 +182,6 @@ def point_batch_loss(sim: torch.Tensor, mask: torch.Tensor, params: PretrainPara
     if params.symmetric:
         loss = 0.5 * (loss + pair_loss(sim.T, mask.T, params))
     return loss
-
-
-def embed_rows(encoder: SiameseEncoder, ids: np.ndarray, lens: np.ndarray, rows: np.ndarray, chunk_size: int,
-               device: torch.device) -> torch.Tensor:
-    """Embeddings (with grad) of ``rows``, encoded in length-sorted chunks, returned in ``rows`` order."""
-    sub_lens = lens[rows]
-    pieces, where = [], []
-    for local in length_sorted_chunks(sub_lens, chunk_size):
-        t_ids, mask = chunk_tensors(ids, lens, rows[local], device)
-        pieces.append(encoder(t_ids, mask))
-        where.append(local)
-    emb = torch.cat(pieces)
-    order = torch.from_numpy(np.argsort(np.concatenate(where), kind="stable")).to(device)
-    return emb[order]
 
 
 def lr_lambda(warmup: int, total: int) -> Callable[[int], float]:

@@ -39,8 +39,8 @@ from scipy.ndimage import uniform_filter1d
 
 from xc_dagster.config import FusionParams
 from xc_dagster.errors import XCConfigError
-from xc_dagster.metrics import evaluate
-from xc_dagster.predict import Shortlist, fuse, topk_from_scores
+from xc_dagster.evaluation.metrics import evaluate
+from xc_dagster.retrieval.shortlist import Shortlist, fuse, topk_from_scores
 
 METHODS = ("alpha", "tree")
 TREE_FEATURES = ("embedding_score", "classifier_score", "inv_propensity")

@@ -3,7 +3,7 @@
 Training examples are the training points (validation rows held out) and, with ``label_points``, every label's
 text as a point whose one positive is that label (ASTRA, following Renee). Per step: embed the batch (the
 encoder in train mode when ``train_encoder``, else the frozen embeddings), take up to ``num_positives`` (k_p)
-positives, draw negatives from the sampler (``xc_dagster.negatives``), and minimise
+positives, draw negatives from the sampler (``xc_dagster.sampling.negatives``), and minimise
 ``sum_pos log(1 + e^-s) + sum_neg weight * log(1 + e^s)`` (mean over the batch), s = scale * w.x + b with b one
 learned bias shared by all labels (``logit_bias``). W lives in a
 ``ShardedClassifier`` (one shard per GPU) and only the scored rows are touched: SGD (ASTRA) or SparseAdam for W,
@@ -23,17 +23,22 @@ import scipy.sparse as sp
 import torch
 import torch.nn.functional as F
 
-from xc_dagster.checkpoint import Checkpointer, restore_rng
 from xc_dagster.config import ClassifierParams
 from xc_dagster.device import adamw, autocast
-from xc_dagster.encoder import encode_tokens
+from xc_dagster.encoders.encode import embed_rows, encode_tokens
 from xc_dagster.errors import XCConfigError
-from xc_dagster.losses import masked_bce_loss
-from xc_dagster.negatives import (SAMPLERS, AstraNegatives, IndexSettings, MipsNegatives, NegativeSample,
-                                  UniformNegatives)
-from xc_dagster.sampling import sample_positives
-from xc_dagster.sharded import ShardedClassifier, ShardedOptimizer, shard_devices
-from xc_dagster.siamese import embed_rows
+from xc_dagster.sampling.labels import sample_positives
+from xc_dagster.sampling.negatives import (
+    SAMPLERS,
+    AstraNegatives,
+    IndexSettings,
+    MipsNegatives,
+    NegativeSample,
+    UniformNegatives,
+)
+from xc_dagster.training.checkpoint import Checkpointer, restore_rng
+from xc_dagster.training.losses import masked_bce_loss
+from xc_dagster.training.sharded import ShardedClassifier, ShardedOptimizer, shard_devices
 
 MetricsFn = Callable[[int, dict[str, float]], None]
 

@@ -17,34 +17,49 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from xc_dagster.ann import LabelIndex
-from xc_dagster.bag_encoder import BagOfEmbeddingsEncoder, embed_from_intermediate, parse_bag_name
+from xc_dagster.artifacts import model_dir
 from xc_dagster.catalog import BUILTIN_PREFIX, DatasetSpec, builtin_path
-from xc_dagster.checkpoint import Checkpointer, fingerprint, fingerprint_files
-from xc_dagster.classifier import propensity_label_weights, train_classifiers
-from xc_dagster.end_to_end import train_end_to_end
 from xc_dagster.config import PipelineConfig
-from xc_dagster.data import (XCDataset, load_dataset, load_label_texts, read_dataset, resolve_source,
-                             save_dataset)
+from xc_dagster.data import XCDataset, load_dataset, load_label_texts, read_dataset, resolve_source, save_dataset
 from xc_dagster.data.checks import check_counts, compute_checks, label_frequencies, label_frequency_plot
 from xc_dagster.data.registry import verify_counts
+from xc_dagster.data.splits import validation_split, validation_targets
 from xc_dagster.device import amp_dtype, resolve_device, seed_everything
-from xc_dagster.encoder import encode_tokens, load_encoder, load_tokenizer, save_encoder
-from xc_dagster.fusion import check_method, fit_fusion, load_fusion, missed_positive_features
-from xc_dagster.metrics import evaluate, inverse_propensity, recall_at, remove_filtered
-from xc_dagster.predict import (CENTROID_FILE, KNN_EXCLUDED_FILE, ShortlistSources, build_sources,
-                                check_label_repr, check_sources, label_centroids, label_representation,
-                                Shortlist, load_sources, retrieve, save_parts, save_sources, topk_from_scores)
-from xc_dagster.provenance import record_params, with_upstream_params
-from xc_dagster.reports import decile_contributions, decile_plot, pk_plot, recall_by_frequency, recall_plot
-from xc_dagster.sampling import validation_split, validation_targets
-from xc_dagster.siamese import train_siamese
-from xc_dagster.storage import ArtifactStore, load_json, save_json
-from xc_dagster.tokenization import load_tokens, save_pretokenized, tokenize_to_npy
+from xc_dagster.encoders.bag import BagOfEmbeddingsEncoder, embed_from_intermediate
+from xc_dagster.encoders.encode import encode_tokens
+from xc_dagster.encoders.loading import load_encoder, save_encoder
+from xc_dagster.encoders.names import parse_bag_name
+from xc_dagster.encoders.tokenizer import load_tokenizer, load_tokens, save_pretokenized, tokenize_to_npy
 from xc_dagster.errors import XCConfigError, XCError
-from xc_dagster.negatives import SAMPLERS
-from xc_dagster.retraining import source_fingerprint
-from xc_dagster.warm_start import check_same_vocabulary, classifier_init, resolve_warm_start
+from xc_dagster.evaluation.metrics import evaluate, inverse_propensity, recall_at, remove_filtered
+from xc_dagster.evaluation.reports import decile_contributions, decile_plot, pk_plot, recall_by_frequency, recall_plot
+from xc_dagster.pipeline.provenance import record_params, with_upstream_params
+from xc_dagster.retrieval.ann import LabelIndex
+from xc_dagster.retrieval.fusion import check_method, fit_fusion, load_fusion, missed_positive_features
+from xc_dagster.retrieval.shortlist import (
+    CENTROID_FILE,
+    KNN_EXCLUDED_FILE,
+    Shortlist,
+    ShortlistSources,
+    build_sources,
+    check_label_repr,
+    check_sources,
+    label_centroids,
+    label_representation,
+    load_sources,
+    retrieve,
+    save_parts,
+    save_sources,
+    topk_from_scores,
+)
+from xc_dagster.sampling.negatives import SAMPLERS
+from xc_dagster.serving.retraining import source_fingerprint
+from xc_dagster.serving.warm_start import check_same_vocabulary, classifier_init, resolve_warm_start
+from xc_dagster.storage import ArtifactStore, load_json, save_json
+from xc_dagster.training.checkpoint import Checkpointer, fingerprint, fingerprint_files
+from xc_dagster.training.classifier import propensity_label_weights, train_classifiers
+from xc_dagster.training.end_to_end import train_end_to_end
+from xc_dagster.training.siamese import train_siamese
 
 log = logging.getLogger("xc_dagster")
 
@@ -368,11 +383,6 @@ def classifier(ctx: StageContext) -> dict[str, Any]:
     return summary
 
 
-def model_dir(ctx: StageContext) -> Path:
-    """Where the deployed encoder and its embeddings live: the classifier stage's when it fine-tuned the encoder
-    (end to end: ASTRA, MIPS-s; its residual block: SiameseXML Module IV), else the pretrain stage's."""
-    c = ctx.store.stage_dir(ctx.name, "classifier")
-    return c if (c / "encoder").is_dir() else ctx.dir("pretrain")
 
 
 def index(ctx: StageContext) -> dict[str, Any]:
@@ -572,7 +582,7 @@ STAGES: dict[str, Callable[[StageContext], dict[str, Any]]] = {
 def run_all(ctx: StageContext, stages: tuple[str, ...] = STAGE_ORDER) -> dict[str, dict[str, Any]]:
     """Run the stages in order without Dagster (scripts, notebooks, the GPU box); returns every summary.
 
-    As the Dagster assets do (``xc_dagster.provenance``): the sections of the stages before the first one run
+    As the Dagster assets do (``xc_dagster.pipeline.provenance``): the sections of the stages before the first one run
     come from their artifacts' records, and each stage run records the config it ran with."""
     unknown = [s for s in stages if s not in STAGES]
     if unknown:

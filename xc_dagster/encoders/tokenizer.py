@@ -1,16 +1,33 @@
-"""Tokenization: texts -> fixed-width token-id arrays (memmap ``.npy``) plus true lengths.
+"""Tokenization: the encoder's fast tokenizer, texts -> fixed-width token-id arrays (memmap ``.npy``) plus
+true lengths.
 
 The arrays are padded to ``max_len`` on disk; the encoder pads each chunk only to its longest row, so the
-disk width does not cost compute.
+disk width does not cost compute. ``tokenize_texts`` does the same for a batch of request texts (serving).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 from numpy.lib.format import open_memmap
+from transformers import AutoTokenizer
+
+from xc_dagster.encoders.names import resolve_encoder_path
+from xc_dagster.errors import XCConfigError
+
+
+def load_tokenizer(name: str):
+    """The encoder's fast tokenizer (local files only for local paths)."""
+    path = resolve_encoder_path(name)
+    try:
+        return AutoTokenizer.from_pretrained(path, use_fast=True, local_files_only=os.path.isdir(path))
+    except (OSError, ValueError) as exc:
+        raise XCConfigError(f"tokenize.encoder={name!r}: cannot load a tokenizer from {path!r} ({exc})") from exc
+
+
 
 
 def tokenize_to_npy(tokenizer, texts: Sequence[str], max_len: int, ids_path: Path, lens_path: Path,
@@ -61,3 +78,16 @@ def save_pretokenized(input_ids: np.ndarray, attention_mask: np.ndarray, max_len
     np.save(lens_path, lens)
     return {"rows": float(n), "mean_len": float(lens.mean()) if n else 0.0,
             "max_len_seen": float(lens.max()) if n else 0.0, "pretokenized": 1.0}
+
+
+def tokenize_texts(tokenizer, texts: Sequence[str], max_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids (n, longest) int32 and lengths, as the tokenize stage writes them (empty text -> " ")."""
+    batch = [t if isinstance(t, str) and t else " " for t in texts]
+    if not batch:
+        return np.zeros((0, 1), dtype=np.int32), np.zeros(0, dtype=np.int32)
+    enc = tokenizer(batch, truncation=True, max_length=max_len, padding="longest", return_attention_mask=True,
+                    return_tensors="np")
+    ids = enc["input_ids"].astype(np.int32)
+    mask = enc["attention_mask"]
+    ids[mask == 0] = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return ids, mask.sum(1).astype(np.int32)

@@ -18,7 +18,7 @@ candidate; the loss is ``sum_pos BCE+ + sum_j weight_j * BCE-(s_j)``. No positiv
   best stale columns (positives removed) and R - k uniform labels are added (positives and repeats removed);
   plain, unweighted BCE.
 
-With W sharded (``xc_dagster.sharded``), each shard gets its own index and the per-shard top lists are merged
+With W sharded (``xc_dagster.training.sharded``), each shard gets its own index and the per-shard top lists are merged
 by score, as ASTRA does across GPUs.
 """
 
@@ -29,12 +29,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import faiss
 import numpy as np
 import scipy.sparse as sp
 
-from xc_dagster.ann import LabelIndex
 from xc_dagster.errors import XCConfigError
-from xc_dagster.sampling import dedupe_rows, positive_mask
+from xc_dagster.retrieval.ann import LabelIndex
+from xc_dagster.sampling.labels import dedupe_rows, positive_mask
 
 SAMPLERS = ("uniform", "astra", "mips")
 
@@ -140,16 +141,12 @@ def dump_index(index: LabelIndex) -> np.ndarray:
     """An index as one array (faiss's serialisation, or the exact index's vectors) for a checkpoint."""
     if index.kind == "exact":
         return index._vectors
-    import faiss
-
     return faiss.serialize_index(index._index)
 
 
 def load_index(array: np.ndarray, settings: IndexSettings) -> LabelIndex:
     if settings.kind == "exact":
         return LabelIndex("exact", np.asarray(array, dtype=np.float32))
-    import faiss
-
     return LabelIndex(settings.kind, faiss_index=faiss.deserialize_index(np.asarray(array, dtype=np.uint8)),
                       ef_search=settings.ef_search, nprobe=settings.nprobe)
 

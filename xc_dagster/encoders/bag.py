@@ -22,28 +22,17 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
+from xc_dagster.encoders.names import DEFAULT_BAG_DIM, resolve_encoder_path
 from xc_dagster.errors import XCConfigError
 
 BAG_TYPE = "bag-of-embeddings"
-BAG_NAMES = ("bag", "bag-of-embeddings")
 BAG_CONFIG_FILE = "bag_encoder.json"
 BAG_WEIGHTS_FILE = "bag_encoder.safetensors"
-DEFAULT_BAG_DIM = 384  # MiniLM's width, so the table can start from its word embeddings
 DEFAULT_BAG_DROPOUT = 0.5  # DeepXML/SiameseXML code default
 MINILM_EMBEDDING_KEY = "embeddings.word_embeddings.weight"
-
-
-def parse_bag_name(name: str) -> int | None:
-    """Embedding width for ``bag`` / ``bag-of-embeddings`` (optionally ``:<dim>``, e.g. ``bag:300``); else None."""
-    base, sep, dim = str(name).partition(":")
-    if base not in BAG_NAMES:
-        return None
-    if not sep:
-        return DEFAULT_BAG_DIM
-    if not dim.isdigit() or int(dim) <= 0:
-        raise XCConfigError(f"tokenize.encoder={name!r}: expected {base}:<positive int dim>, e.g. {base}:300")
-    return int(dim)
 
 
 def is_bag_folder(path: str | Path) -> bool:
@@ -199,8 +188,6 @@ class BagOfEmbeddingsEncoder(torch.nn.Module):
 
     def save(self, out_dir: str | Path) -> None:
         """Write ``bag_encoder.json`` + ``bag_encoder.safetensors`` (no pickle) into ``out_dir``."""
-        from safetensors.torch import save_file
-
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
@@ -225,11 +212,7 @@ def embed_from_intermediate(encoder: BagOfEmbeddingsEncoder, h: np.ndarray, devi
 
 def minilm_word_embeddings(path: str | Path | None = None) -> torch.Tensor:
     """MiniLM's (30522, 384) input word-embedding table, read from its safetensors file (no model built)."""
-    from safetensors import safe_open
-
     if path is None:
-        from xc_dagster.encoder import resolve_encoder_path
-
         path = Path(resolve_encoder_path("minilm")) / "model.safetensors"
     try:
         with safe_open(str(path), framework="pt") as fh:
@@ -273,8 +256,6 @@ def create_bag_encoder(vocab_size: int, dim: int = DEFAULT_BAG_DIM, idf: np.ndar
 
 def load_bag_encoder(folder: str | Path) -> BagOfEmbeddingsEncoder:
     """Rebuild a saved bag encoder from ``bag_encoder.json`` and load ``bag_encoder.safetensors`` (strict)."""
-    from safetensors.torch import load_file
-
     folder = Path(folder)
     try:
         cfg = json.loads((folder / BAG_CONFIG_FILE).read_text())

@@ -3,7 +3,7 @@
 ``pretrain.warm_start`` names where the previous model comes from: ``""`` (cold start from
 ``tokenize.encoder``), ``champion`` (the registered champion ``models:/xc-<dataset>@champion`` of the MLflow
 tracking store; a cold start when the dataset has none yet) or the path of a serving bundle folder (as
-:func:`xc_dagster.serving.write_bundle` writes it). Pretraining then starts from the bundle's encoder, and the
+:func:`xc_dagster.serving.bundle.write_bundle` writes it). Pretraining then starts from the bundle's encoder, and the
 classifiers from its W: a label is matched to the previous model's label by its text (click-log windows keep
 label texts and ids stable), and labels new to this window start from their text embeddings E(z_l), as in a
 cold start (Module III / NGAME M2 initialisation).
@@ -14,11 +14,17 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import mlflow
 import numpy as np
+import pyarrow.parquet as pq
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
 
+from xc_dagster.encoders.tokenizer import load_tokenizer
 from xc_dagster.errors import XCConfigError
-
-SERVING_FILE = "serving.json"
+from xc_dagster.home import Home
+from xc_dagster.serving.bundle import SERVING_FILE
+from xc_dagster.tracking import model_name, use_tracking_uri
 
 
 def is_bundle(folder: Path) -> bool:
@@ -27,12 +33,6 @@ def is_bundle(folder: Path) -> bool:
 
 def champion_bundle(dataset: str, tracking_uri: str, dest: Path) -> Path | None:
     """Download the dataset's champion model into ``dest`` and return its bundle folder; None if no champion."""
-    import mlflow
-    from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
-
-    from xc_dagster.serving import model_name, use_tracking_uri
-
     name = model_name(dataset)
     client = MlflowClient(tracking_uri=tracking_uri)
     try:
@@ -61,8 +61,6 @@ def resolve_warm_start(value: str, dataset: str, tracking_uri: str | None, dest:
         return None
     if value == "champion":
         if not tracking_uri:  # as the MLflow resource defaults: $MLFLOW_TRACKING_URI, else $XC_HOME/mlflow.db
-            from xc_dagster.home import Home
-
             tracking_uri = Home.from_env().mlflow_uri
         return champion_bundle(dataset, tracking_uri, dest)
     path = Path(value).expanduser()
@@ -74,8 +72,6 @@ def resolve_warm_start(value: str, dataset: str, tracking_uri: str | None, dest:
 
 def check_same_vocabulary(bundle: Path, tokenizer) -> None:
     """The previous encoder must read the token ids this dataset was tokenized with."""
-    from xc_dagster.encoder import load_tokenizer
-
     theirs = load_tokenizer(str(Path(bundle) / "encoder")).get_vocab()
     if theirs != tokenizer.get_vocab():
         raise XCConfigError(f"pretrain.warm_start: the encoder in {bundle} uses another vocabulary "
@@ -88,8 +84,6 @@ def classifier_init(bundle: Path, label_texts: list[str], label_emb: np.ndarray)
     Returns (W0 float32 (L, D), number of labels taken from the previous model). When a text occurs several
     times among the previous labels, the first one is used.
     """
-    import pyarrow.parquet as pq
-
     bundle = Path(bundle)
     W_prev = np.load(bundle / "W.npy", mmap_mode="r")
     if W_prev.shape[1] != label_emb.shape[1]:

@@ -24,14 +24,14 @@ import scipy.sparse as sp
 import torch
 import torch.nn.functional as F
 
-from xc_dagster.bag_encoder import BagOfEmbeddingsEncoder
-from xc_dagster.checkpoint import Checkpointer, restore_rng
-from xc_dagster.clustering import balanced_clusters, cluster_batches
 from xc_dagster.config import ClassifierParams
+from xc_dagster.encoders.bag import BagOfEmbeddingsEncoder
 from xc_dagster.errors import XCConfigError
-from xc_dagster.losses import masked_bce_loss, multi_positive_triplet_loss, siamesexml_classifier_loss
-from xc_dagster.sampling import positive_mask, sample_positives
-from xc_dagster.sharded import ShardedClassifier, ShardedOptimizer
+from xc_dagster.sampling.clustering import balanced_clusters, cluster_batches
+from xc_dagster.sampling.labels import positive_mask, sample_positives
+from xc_dagster.training.checkpoint import Checkpointer, restore_rng
+from xc_dagster.training.losses import masked_bce_loss, multi_positive_triplet_loss, siamesexml_classifier_loss
+from xc_dagster.training.sharded import ShardedClassifier, ShardedOptimizer
 
 MetricsFn = Callable[[int, dict[str, float]], None]
 LOSSES = ("bce", "triplet", "siamesexml")

@@ -32,6 +32,8 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 from urllib.request import url2pathname
 
+import fsspec
+
 from xc_dagster.catalog import BUILTIN_PREFIX, NAME_RE, Catalog, DatasetSpec
 from xc_dagster.data.clicklog import build_click_dataset, log_format
 from xc_dagster.errors import XCConfigError, XCError
@@ -115,8 +117,6 @@ def _remote_sig(info: dict[str, Any]) -> FileSig:
 
 
 def _fs(uri: str):
-    import fsspec
-
     try:
         return fsspec.core.url_to_fs(uri)
     except (ImportError, ValueError) as e:

@@ -21,7 +21,7 @@ import scipy.sparse as sp
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from xc_dagster.sampling import positive_mask  # noqa: E402
+from xc_dagster.sampling.labels import positive_mask  # noqa: E402
 
 MAIN_METRICS = ("precision", "ndcg", "psprecision", "psndcg", "recall", "psrecall", "coverage")
 _BLOCK = 65536

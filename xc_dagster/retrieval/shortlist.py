@@ -18,14 +18,15 @@ so memory stays bounded; every step is O(k) per query per source, independent of
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import scipy.sparse as sp
 import torch
 
-from xc_dagster.ann import LabelIndex
 from xc_dagster.errors import XCConfigError
-from xc_dagster.sampling import dedupe_rows
+from xc_dagster.retrieval.ann import LabelIndex
+from xc_dagster.sampling.labels import dedupe_rows
 
 SOURCES = ("W", "label", "centroid", "knn")
 POINT_SOURCES = ("centroid", "knn")  # built from training points; "W" and "label" from the labels
@@ -228,8 +229,6 @@ def save_sources(src: ShortlistSources, folder, centroids: np.ndarray | None) ->
 def save_parts(folder, indexes: dict[str, LabelIndex], knn_labels: sp.csr_matrix | None,
                centroids: np.ndarray | None) -> None:
     """``save_sources`` for any subset of the parts, e.g. only those built from the training points."""
-    from pathlib import Path
-
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     for name, index in indexes.items():
@@ -246,8 +245,6 @@ def load_sources(folder, sources: tuple[str, ...], label_repr: str, kind: str, e
     ``point_folder``, the parts built from training points (``POINT_SOURCES`` indexes, the kNN label matrix, the
     label centroids) are read from there instead (what ``save_parts`` wrote, e.g. a held-out copy). A part the
     copy lacks is the deployed one; its ``KNN_EXCLUDED_FILE`` names the deployed kNN rows it leaves out."""
-    from pathlib import Path
-
     folder = Path(folder)
     points = folder if point_folder is None else Path(point_folder)
     check_sources(tuple(sources), f"{folder}: sources")

@@ -1,0 +1,59 @@
+"""Running an encoder over token-id arrays: length-sorted chunks padded to their longest row, inference
+(``encode_tokens``, under autocast) and training (``embed_rows``, with gradients) alike."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+
+from xc_dagster.device import autocast
+
+
+def length_sorted_chunks(lengths: np.ndarray, chunk_size: int) -> list[np.ndarray]:
+    """Row indices grouped into chunks of similar length (longest first), so each chunk pads little."""
+    order = np.argsort(-lengths, kind="stable")
+    return [order[i:i + chunk_size] for i in range(0, len(order), chunk_size)]
+
+
+def chunk_tensors(ids: np.ndarray, lengths: np.ndarray, rows: np.ndarray,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and attention mask of ``rows``, padded only to the longest of them."""
+    width = max(int(lengths[rows].max()), 1)
+    t_ids = torch.from_numpy(np.ascontiguousarray(ids[rows, :width]).astype(np.int64)).to(device)
+    mask = (torch.arange(width).unsqueeze(0) < torch.from_numpy(lengths[rows].astype(np.int64)).unsqueeze(1))
+    return t_ids, mask.to(device=device, dtype=torch.long)
+
+
+def encode_tokens(encoder: torch.nn.Module, ids: np.ndarray, lengths: np.ndarray, device: torch.device,
+                  dtype: torch.dtype | None, batch_size: int = 256, progress=None,
+                  forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> np.ndarray:
+    """Embed every row of a token-id array (memmap ok): (N, D) float32, unit rows, input order kept.
+
+    ``forward`` replaces ``encoder(ids, mask)``, e.g. the bag encoder's ``intermediate`` embeddings."""
+    n = len(lengths)
+    out = np.zeros((n, encoder.dim), dtype=np.float32)
+    encoder.eval()
+    fn = encoder if forward is None else forward
+    with torch.inference_mode(), autocast(device, dtype):
+        for rows in length_sorted_chunks(np.asarray(lengths), batch_size):
+            t_ids, mask = chunk_tensors(ids, lengths, rows, device)
+            out[rows] = fn(t_ids, mask).float().cpu().numpy()
+            if progress is not None:
+                progress(len(rows))
+    return out
+
+
+def embed_rows(encoder: torch.nn.Module, ids: np.ndarray, lens: np.ndarray, rows: np.ndarray, chunk_size: int,
+               device: torch.device) -> torch.Tensor:
+    """Embeddings (with grad) of ``rows``, encoded in length-sorted chunks, returned in ``rows`` order."""
+    sub_lens = lens[rows]
+    pieces, where = [], []
+    for local in length_sorted_chunks(sub_lens, chunk_size):
+        t_ids, mask = chunk_tensors(ids, lens, rows[local], device)
+        pieces.append(encoder(t_ids, mask))
+        where.append(local)
+    emb = torch.cat(pieces)
+    order = torch.from_numpy(np.argsort(np.concatenate(where), kind="stable")).to(device)
+    return emb[order]

@@ -1,0 +1,292 @@
+"""The serving bundle and its inference path: text in, top-k labels out.
+
+A *bundle* is a folder that loads from plain files only (no pickle); the registered MLflow model
+(``xc_dagster.serving.registry``) carries one as its artifact:
+
+=====================  ==================================================================================
+``encoder/``           the trained encoder and its tokenizer (safetensors + HF JSON files, or the bag encoder)
+``W.npy``              classifier matrix (L, D)
+``label_emb.npy``      label embeddings (L, D)
+``*.index``            the ANNS indexes of the shortlist sources the model was evaluated with (faiss HNSW
+                       files, or ``.npy`` vectors for ``exact``): ``W.index``, ``label_emb.index`` and, for
+                       SiameseXML's Module II, ``centroid.index``, ``knn.index`` (+ ``knn_labels.npz``)
+``label_centroid.npy`` label centroids, when the sources or the label representation use them
+``fusion.json``        the fitted fusion (alpha or tree), as the fusion stage wrote it
+``inv_prop.npy``       inverse propensities of the labels (the tree fusion's third feature)
+``labels.parquet``     label texts (column ``text``, row = label id)
+``serving.json``       how to use them: max_len, pooling, index kind and efSearch, shortlist size, amp, k
+=====================  ==================================================================================
+
+``predict_topk(texts, bundle, k)`` is the whole inference path (tokenize with the training max_len, encode,
+shortlist from the indexes, fuse, top-k): the pyfunc :class:`XCModel` and ``bench/serving_bench.py`` both call
+it, and it gives the evaluation stage's predictions for the same texts (same tokenizer, chunking and autocast).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+import faiss
+import mlflow
+import numpy as np
+import pandas as pd
+import pyarrow.parquet as pq
+import torch
+
+from xc_dagster.artifacts import model_dir
+from xc_dagster.data import load_dataset
+from xc_dagster.device import amp_dtype, resolve_device
+from xc_dagster.encoders.encode import encode_tokens
+from xc_dagster.encoders.loading import load_encoder
+from xc_dagster.encoders.tokenizer import load_tokenizer, tokenize_texts
+from xc_dagster.errors import XCConfigError, XCError
+from xc_dagster.evaluation.metrics import inverse_propensity
+from xc_dagster.retrieval.fusion import load_fusion
+from xc_dagster.retrieval.shortlist import (
+    CENTROID_FILE,
+    INDEX_FILES,
+    KNN_LABELS_FILE,
+    ShortlistSources,
+    load_sources,
+    retrieve,
+    topk_from_scores,
+)
+from xc_dagster.storage import load_json, save_json
+
+if TYPE_CHECKING:  # pragma: no cover
+    from xc_dagster.pipeline import StageContext
+
+BUNDLE_FORMAT = 1
+SERVING_FILE = "serving.json"
+DEVICE_ENV = "XC_SERVING_DEVICE"  # device of a served model: auto (default) | cpu | cuda
+THREADS_ENV = "XC_SERVING_THREADS"  # torch + faiss CPU threads of a served model (unset: their defaults)
+
+
+# ------------------------------------------------------------------------------------------------ bundle
+
+@dataclass
+class ServingBundle:
+    """Everything ``predict_topk`` needs, loaded from a bundle folder."""
+
+    encoder: torch.nn.Module
+    tokenizer: Any
+    max_len: int
+    sources: ShortlistSources  # W, label representation and the shortlist's indexes
+    fusion: Any  # load_fusion(...): .score(shortlist, inv_prop)
+    inv_prop: np.ndarray
+    label_texts: np.ndarray  # object array, row = label id
+    shortlist_size: int
+    device: torch.device
+    dtype: torch.dtype | None
+    batch_size: int
+    default_k: int
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def W(self) -> np.ndarray:
+        return self.sources.W
+
+    @property
+    def num_labels(self) -> int:
+        return int(len(self.W))
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    """Hard-link ``src`` to ``dst`` (no second copy of a GB-sized index), copying across file systems."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    for f in sorted(src.rglob("*")):
+        if f.is_file():
+            _link_or_copy(f, dst / f.relative_to(src))
+
+
+def write_bundle(ctx: "StageContext", out: Path, default_k: int = 10, shortlist_size: int = 0,
+                 ef_search: int = 0) -> dict[str, Any]:
+    """Assemble the serving bundle of ``ctx``'s dataset from the stages' artifacts into ``out``.
+
+    Reads the deployed encoder and label_emb.npy (pretrain's, or classifier's when trained end to end), classifier/W.npy, the index stage's files,
+    fusion/fusion.json and the ingested label texts; computes the inverse propensities as evaluation does.
+    ``shortlist_size`` / ``ef_search`` > 0 override the evaluated ``index.shortlist_size`` /
+    ``index.hnsw_ef_search`` (a faster, slightly less exact serving setting). Returns ``serving.json``.
+    """
+    if default_k < 1:
+        raise XCConfigError(f"serving default_k: expected >= 1, got {default_k}")
+    if shortlist_size < 0 or ef_search < 0:
+        raise XCConfigError(f"serving shortlist_size / ef_search: expected >= 0 (0 = as evaluated), got "
+                            f"{shortlist_size} / {ef_search}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    pre, idx = model_dir(ctx), ctx.dir("index")  # the deployed encoder: pretrain's, or the end-to-end one
+    _link_tree(pre / "encoder", out / "encoder")
+    _link_or_copy(pre / "label_emb.npy", out / "label_emb.npy")
+    _link_or_copy(ctx.dir("classifier") / "W.npy", out / "W.npy")
+    idx_summary = load_json(idx / "summary.json")
+    sources = idx_summary.get("sources", ["W", "label"])
+    for name in [INDEX_FILES[n] for n in sources] + [KNN_LABELS_FILE, CENTROID_FILE]:
+        if (idx / name).exists():
+            _link_or_copy(idx / name, out / name)
+    _link_or_copy(ctx.dir("fusion") / "fusion.json", out / "fusion.json")
+    ds_dir = ctx.dir("ingest") / "dataset"
+    _link_or_copy(ds_dir / "label_texts.parquet", out / "labels.parquet")
+    ds = load_dataset(ds_dir, texts=False, features=False)
+    inv = inverse_propensity(ds.Y_train, ctx.cfg.evaluate.propensity_a, ctx.cfg.evaluate.propensity_b)
+    np.save(out / "inv_prop.npy", np.asarray(inv, dtype=np.float64), allow_pickle=False)
+    pre_summary = load_json(pre / "summary.json")
+    tok_summary = load_json(ctx.dir("tokenize") / "summary.json")
+    fusion_method = load_json(out / "fusion.json").get("method")
+    info = {
+        "format": BUNDLE_FORMAT, "dataset": ctx.name, "strategy": ctx.cfg.strategy, "preset": ctx.cfg.preset,
+        "encoder_source": ctx.cfg.tokenize.encoder, "encoder_type": pre_summary.get("encoder_type"),
+        "pooling": pre_summary.get("pooling", ctx.cfg.pretrain.pooling),
+        "max_len": int(tok_summary.get("max_len", ctx.cfg.tokenize.max_len)),
+        "amp": ctx.cfg.pretrain.amp, "encode_batch_size": int(ctx.cfg.pretrain.encode_batch_size),
+        "index_kind": idx_summary["kind"], "sources": list(sources),
+        "label_repr": idx_summary.get("label_repr", "text"),
+        "knn_neighbours": int(idx_summary.get("knn_neighbours", 0)), "ef_search": int(ef_search or ctx.cfg.index.hnsw_ef_search),
+        "shortlist_size": int(shortlist_size or ctx.cfg.index.shortlist_size), "fusion": fusion_method,
+        "as_evaluated": (not shortlist_size or shortlist_size == ctx.cfg.index.shortlist_size)
+                        and (not ef_search or ef_search == ctx.cfg.index.hnsw_ef_search),
+        "num_labels": int(idx_summary["labels"]), "dim": int(idx_summary["dim"]), "default_k": int(default_k),
+        "propensity_a": ctx.cfg.evaluate.propensity_a, "propensity_b": ctx.cfg.evaluate.propensity_b,
+    }
+    save_json(out / SERVING_FILE, info)
+    return info
+
+
+def load_bundle(folder: str | Path, device: str | torch.device | None = None) -> ServingBundle:
+    """Load a bundle folder (no pickle: safetensors, .npy, faiss files, JSON, Parquet).
+
+    ``device``: ``auto`` (CUDA when present), ``cpu`` or ``cuda``; default ``$XC_SERVING_DEVICE`` or auto.
+    Autocast follows the ``pretrain.amp`` value the model was evaluated with, on this device.
+    """
+    folder = Path(folder)
+    path = folder / SERVING_FILE
+    if not path.is_file():
+        raise XCError(f"serving bundle {folder}: no {SERVING_FILE}; not a bundle written by write_bundle")
+    info = load_json(path)
+    if info.get("format") != BUNDLE_FORMAT:
+        raise XCError(f"serving bundle {path}: format {info.get('format')!r}, this code reads {BUNDLE_FORMAT}")
+    dev = device if isinstance(device, torch.device) else resolve_device(device or os.environ.get(DEVICE_ENV)
+                                                                          or "auto")
+    encoder = load_encoder(str(folder / "encoder"), info["pooling"]).to(dev).eval()
+    tokenizer = load_tokenizer(str(folder / "encoder"))
+    kind, efs = info["index_kind"], int(info["ef_search"])
+    labels = pq.read_table(folder / "labels.parquet", columns=["text"]).column("text").to_pylist()
+    label_texts = np.array(["" if t is None else t for t in labels], dtype=object)
+    W = np.load(folder / "W.npy", allow_pickle=False)
+    if len(label_texts) != len(W):
+        raise XCError(f"serving bundle {folder}: {len(label_texts)} label texts for {len(W)} classifiers")
+    return ServingBundle(
+        encoder=encoder, tokenizer=tokenizer, max_len=int(info["max_len"]),
+        sources=load_sources(folder, tuple(info.get("sources", ("W", "label"))), info.get("label_repr", "text"),
+                             kind, efs, W, np.load(folder / "label_emb.npy", allow_pickle=False),
+                             int(info.get("knn_neighbours", 0))),
+        fusion=load_fusion(load_json(folder / "fusion.json")),
+        inv_prop=np.load(folder / "inv_prop.npy", allow_pickle=False), label_texts=label_texts,
+        shortlist_size=int(info["shortlist_size"]), device=dev, dtype=amp_dtype(dev, info.get("amp", "auto")),
+        batch_size=int(info.get("encode_batch_size", 256)), default_k=int(info.get("default_k", 10)), info=info)
+
+
+# --------------------------------------------------------------------------------------------- inference
+
+def encode_texts(texts: Sequence[str], bundle: ServingBundle) -> np.ndarray:
+    """Unit embeddings (n, D) float32 of ``texts`` with the bundled tokenizer and encoder."""
+    ids, lens = tokenize_texts(bundle.tokenizer, texts, bundle.max_len)
+    if len(lens) == 0:
+        return np.zeros((0, bundle.W.shape[1]), dtype=np.float32)
+    return encode_tokens(bundle.encoder, ids, lens, bundle.device, bundle.dtype, bundle.batch_size)
+
+
+def rank(queries: np.ndarray, bundle: ServingBundle, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The index + fusion part: shortlist from the indexes, fused scores, top-k (ids -1 padded)."""
+    if k < 1:
+        raise XCConfigError(f"k: expected >= 1, got {k}")
+    if len(queries) == 0:
+        return np.zeros((0, k), dtype=np.int64), np.zeros((0, k), dtype=np.float32)
+    sl = retrieve(queries, bundle.sources, bundle.shortlist_size)
+    return topk_from_scores(sl.ids, bundle.fusion.score(sl, bundle.inv_prop), k)
+
+
+def predict_topk(texts: Sequence[str], bundle: ServingBundle, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Top-k (label ids int64, scores float32) per text, ids -1 (score -inf) past the shortlist's end."""
+    return rank(encode_texts(texts, bundle), bundle, k)
+
+
+def predictions_frame(ids: np.ndarray, scores: np.ndarray, bundle: ServingBundle) -> pd.DataFrame:
+    """One row per input: ``label_ids`` (list[int]), ``labels`` (list[str]), ``scores`` (list[float])."""
+    out_ids, out_labels, out_scores = [], [], []
+    for row_ids, row_s in zip(ids, scores):
+        keep = row_ids >= 0
+        r = row_ids[keep]
+        out_ids.append([int(i) for i in r])
+        out_labels.append([str(t) for t in bundle.label_texts[r]])
+        out_scores.append([float(s) for s in row_s[keep]])
+    return pd.DataFrame({"label_ids": out_ids, "labels": out_labels, "scores": out_scores})
+
+
+def _input_texts(model_input: Any) -> list[str]:
+    if isinstance(model_input, pd.DataFrame):
+        if "text" in model_input.columns:
+            col = model_input["text"]
+        elif model_input.shape[1] == 1:
+            col = model_input.iloc[:, 0]
+        else:
+            raise XCError(f"model input: expected a column 'text', got columns {list(model_input.columns)}")
+        return ["" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v) for v in col]
+    if isinstance(model_input, str):
+        return [model_input]
+    if isinstance(model_input, (list, tuple, pd.Series, np.ndarray)):
+        return [str(v) for v in model_input]
+    if isinstance(model_input, Mapping) and "text" in model_input:
+        return _input_texts(pd.DataFrame({"text": list(np.atleast_1d(model_input["text"]))}))
+    raise XCError(f"model input: expected a DataFrame with a 'text' column, got {type(model_input).__name__}")
+
+
+def _param_k(params: Mapping[str, Any] | None, default: int) -> int:
+    k = (params or {}).get("k", default)
+    try:
+        k = int(k)
+    except (TypeError, ValueError):
+        raise XCConfigError(f"param k: expected an integer, got {k!r}") from None
+    if k < 1:
+        raise XCConfigError(f"param k: expected >= 1, got {k}")
+    return k
+
+
+class XCModel(mlflow.pyfunc.PythonModel):
+    """MLflow pyfunc: ``predict(DataFrame({"text": [...]}), params={"k": 10})`` -> per row the top-k
+    ``label_ids``, ``labels`` (texts) and ``scores``; fewer than k when the shortlist is shorter."""
+
+    def __init__(self) -> None:
+        self.bundle: ServingBundle | None = None
+
+    def load_context(self, context) -> None:
+        threads = os.environ.get(THREADS_ENV)
+        if threads:  # e.g. 1 per worker: single queries are too small to split across cores
+            torch.set_num_threads(int(threads))
+            faiss.omp_set_num_threads(int(threads))
+        self.bundle = load_bundle(context.artifacts["bundle"])
+
+    def predict(self, context, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> pd.DataFrame:
+        if self.bundle is None:  # pragma: no cover - MLflow always calls load_context first
+            self.load_context(context)
+        k = _param_k(params, self.bundle.default_k)
+        ids, scores = predict_topk(_input_texts(model_input), self.bundle, k)
+        return predictions_frame(ids, scores, self.bundle)
+
+
+# ---------------------------------------------------------------------------------------------- logging
+
+# --------------------------------------------------------------------------------------------- registry
+
