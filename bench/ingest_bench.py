@@ -22,11 +22,20 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import scipy.sparse as sp
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from xc_dagster.data.layouts import read_dataset  # noqa: E402
+from xc_dagster.data.lf_raw import read_lf_points  # noqa: E402
+from xc_dagster.data.streaming import read_bow_file, read_sparse_file  # noqa: E402
+
 CHUNK = 200_000  # rows per generation chunk
 
 
@@ -41,9 +50,6 @@ def _label_rows(rng: np.random.Generator, n: int, L: int, avg: float) -> tuple[n
 
 def _joined(tokens, counts: np.ndarray, sep: str):
     """Arrow: per-row join of string tokens (``counts[r]`` tokens for row r)."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
     offsets = np.zeros(len(counts) + 1, dtype=np.int32)
     np.cumsum(counts, out=offsets[1:])
     return pc.binary_join(pa.ListArray.from_arrays(pa.array(offsets), tokens), sep)
@@ -51,9 +57,6 @@ def _joined(tokens, counts: np.ndarray, sep: str):
 
 def gen_split_sparse(path: Path, n: int, L: int, avg: float, seed: int) -> int:
     """``trn_X_Y.txt``: header ``n L`` then rows of ``id:1.0``; returns the nnz written."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
     rng = np.random.default_rng(seed)
     nnz = 0
     with open(path, "w", encoding="utf-8") as f:
@@ -69,9 +72,6 @@ def gen_split_sparse(path: Path, n: int, L: int, avg: float, seed: int) -> int:
 
 def gen_lf(folder: Path, n: int, n_test: int, L: int, avg: float, seed: int) -> None:
     """``trn.json.gz``, ``tst.json.gz``, ``lbl.json.gz`` (gzip level 1) with short random titles."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
     rng = np.random.default_rng(seed)
     folder.mkdir(parents=True, exist_ok=True)
 
@@ -102,9 +102,6 @@ def gen_lf(folder: Path, n: int, n_test: int, L: int, avg: float, seed: int) -> 
 
 def gen_bow(path: Path, n: int, D: int, nnz: int, L: int, seed: int) -> None:
     """Legacy BoW ``N D L`` file; every row has 1-5 labels and ``nnz`` distinct sorted features (as sklearn needs)."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
     rng = np.random.default_rng(seed)
     with open(path, "w", encoding="utf-8") as f:
         f.write(f"{n} {D} {L}\n")
@@ -124,9 +121,7 @@ def gen_bow(path: Path, n: int, D: int, nnz: int, L: int, seed: int) -> None:
 
 # ---------------------------------------------------------------------------------------- workers
 
-def _csr_from_lists(lists, L: int):
-    import scipy.sparse as sp
-
+def _csr_from_lists(lists, L: int) -> sp.csr_matrix:
     counts = np.fromiter((len(x) for x in lists), dtype=np.int64, count=len(lists))
     indptr = np.zeros(len(counts) + 1, dtype=np.int64)
     np.cumsum(counts, out=indptr[1:])
@@ -134,92 +129,123 @@ def _csr_from_lists(lists, L: int):
     return sp.csr_matrix((np.ones(len(ids), np.float32), ids, indptr), shape=(len(lists), L))
 
 
+# Each reader returns (rows, parse seconds): the clock starts after its imports and stops while its results are
+# still alive. The baselines import pandas / sklearn inside their function so that only their own child
+# process pays those imports' time and memory.
+
+def _ours_split_sparse(p: Path, extra: list[str]) -> tuple[int, float]:
+    t = time.perf_counter()
+    m = read_sparse_file(p)
+    return m.shape[0], time.perf_counter() - t
+
+
+def _pandas_split_sparse(p: Path, extra: list[str]) -> tuple[int, float]:
+    import pandas as pd
+
+    t = time.perf_counter()
+    with open(p, encoding="utf-8") as f:
+        n_rows, n_cols = map(int, f.readline().split())
+    df = pd.read_csv(p, skiprows=1, header=None, names=["row"], sep="\t", dtype=str, skip_blank_lines=False,
+                     keep_default_na=False)
+    toks = df["row"].str.split()
+    counts = toks.str.len().to_numpy()
+    pairs = toks.explode().dropna().str.split(":", expand=True)
+    ids = pairs[0].astype(np.int64).to_numpy()
+    vals = pairs[1].astype(np.float32).to_numpy()
+    indptr = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=indptr[1:])
+    m = sp.csr_matrix((vals, ids, indptr), shape=(n_rows, n_cols))
+    return m.shape[0], time.perf_counter() - t
+
+
+def _pandas_split_sparse_chunked(p: Path, extra: list[str]) -> tuple[int, float]:
+    import pandas as pd
+
+    t = time.perf_counter()
+    with open(p, encoding="utf-8") as f:
+        n_rows, n_cols = map(int, f.readline().split())
+    parts_c, parts_i, parts_v = [], [], []
+    for df in pd.read_csv(p, skiprows=1, header=None, names=["row"], sep="\t", dtype=str,
+                          skip_blank_lines=False, keep_default_na=False, chunksize=65_536):
+        toks = df["row"].str.split()
+        parts_c.append(toks.str.len().to_numpy())
+        pairs = toks.explode().dropna().str.split(":", expand=True)
+        parts_i.append(pairs[0].astype(np.int32).to_numpy())
+        parts_v.append(pairs[1].astype(np.float32).to_numpy())
+    counts = np.concatenate(parts_c)
+    indptr = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=indptr[1:])
+    m = sp.csr_matrix((np.concatenate(parts_v), np.concatenate(parts_i), indptr), shape=(n_rows, n_cols))
+    return m.shape[0], time.perf_counter() - t
+
+
+def _ours_lf(p: Path, extra: list[str]) -> tuple[int, float]:
+    L = int(extra[0])
+    t = time.perf_counter()
+    _texts, m = read_lf_points(p, L, ("title",))
+    return m.shape[0], time.perf_counter() - t
+
+
+def _ours_lf_linewise(p: Path, extra: list[str]) -> tuple[int, float]:
+    L = int(extra[0])
+    t = time.perf_counter()
+    _texts, m = read_lf_points(p, L, ("title",), fast=False)
+    return m.shape[0], time.perf_counter() - t
+
+
+def _pandas_lf(p: Path, extra: list[str]) -> tuple[int, float]:
+    import pandas as pd
+
+    L = int(extra[0])
+    t = time.perf_counter()
+    df = pd.read_json(p, lines=True, compression="gzip")
+    _texts = df["title"].tolist()
+    m = _csr_from_lists(df["target_ind"].tolist(), L)
+    return m.shape[0], time.perf_counter() - t
+
+
+def _ours_lf_dataset(p: Path, extra: list[str]) -> tuple[int, float]:
+    t = time.perf_counter()
+    ds = read_dataset(p)
+    return ds.num_train + ds.num_test + ds.num_labels, time.perf_counter() - t
+
+
+def _ours_bow(p: Path, extra: list[str]) -> tuple[int, float]:
+    t = time.perf_counter()
+    X, Y = read_bow_file(p)
+    return X.shape[0], time.perf_counter() - t
+
+
+def _sklearn_bow(p: Path, extra: list[str]) -> tuple[int, float]:
+    from sklearn.datasets import load_svmlight_file
+
+    D = int(extra[0])
+    t = time.perf_counter()
+    # offset=1: seek past byte 0, then skip to the next newline, i.e. past the 'N D L' header line
+    X, y = load_svmlight_file(str(p), n_features=D, multilabel=True, zero_based=True, offset=1,
+                              dtype=np.float32)
+    return X.shape[0], time.perf_counter() - t
+
+
+WORKERS: dict[str, Callable[[Path, list[str]], tuple[int, float]]] = {
+    "ours-split-sparse": _ours_split_sparse,
+    "pandas-split-sparse": _pandas_split_sparse,
+    "pandas-split-sparse-chunked": _pandas_split_sparse_chunked,
+    "ours-lf": _ours_lf,
+    "ours-lf-linewise": _ours_lf_linewise,
+    "pandas-lf": _pandas_lf,
+    "ours-lf-dataset": _ours_lf_dataset,
+    "ours-bow": _ours_bow,
+    "sklearn-bow": _sklearn_bow,
+}
+
+
 def worker(name: str, path: str, extra: list[str]) -> None:
     """Run one reader; print ``rows seconds`` (parse time only)."""
-    sys.path.insert(0, str(ROOT))
-    p = Path(path)
-    if name == "ours-split-sparse":
-        from xc_dagster.data.streaming import read_sparse_file
-        t = time.perf_counter()
-        m = read_sparse_file(p)
-        rows = m.shape[0]
-    elif name == "pandas-split-sparse":
-        import pandas as pd
-        import scipy.sparse as sp
-        t = time.perf_counter()
-        with open(p, encoding="utf-8") as f:
-            n_rows, n_cols = map(int, f.readline().split())
-        df = pd.read_csv(p, skiprows=1, header=None, names=["row"], sep="\t", dtype=str, skip_blank_lines=False,
-                         keep_default_na=False)
-        toks = df["row"].str.split()
-        counts = toks.str.len().to_numpy()
-        pairs = toks.explode().dropna().str.split(":", expand=True)
-        ids = pairs[0].astype(np.int64).to_numpy()
-        vals = pairs[1].astype(np.float32).to_numpy()
-        indptr = np.zeros(len(counts) + 1, dtype=np.int64)
-        np.cumsum(counts, out=indptr[1:])
-        m = sp.csr_matrix((vals, ids, indptr), shape=(n_rows, n_cols))
-        rows = m.shape[0]
-    elif name == "pandas-split-sparse-chunked":
-        import pandas as pd
-        import scipy.sparse as sp
-        t = time.perf_counter()
-        with open(p, encoding="utf-8") as f:
-            n_rows, n_cols = map(int, f.readline().split())
-        parts_c, parts_i, parts_v = [], [], []
-        for df in pd.read_csv(p, skiprows=1, header=None, names=["row"], sep="\t", dtype=str,
-                              skip_blank_lines=False, keep_default_na=False, chunksize=65_536):
-            toks = df["row"].str.split()
-            parts_c.append(toks.str.len().to_numpy())
-            pairs = toks.explode().dropna().str.split(":", expand=True)
-            parts_i.append(pairs[0].astype(np.int32).to_numpy())
-            parts_v.append(pairs[1].astype(np.float32).to_numpy())
-        counts = np.concatenate(parts_c)
-        indptr = np.zeros(len(counts) + 1, dtype=np.int64)
-        np.cumsum(counts, out=indptr[1:])
-        m = sp.csr_matrix((np.concatenate(parts_v), np.concatenate(parts_i), indptr), shape=(n_rows, n_cols))
-        rows = m.shape[0]
-    elif name == "ours-lf":
-        from xc_dagster.data.layouts import _read_lf_points
-        L = int(extra[0])
-        t = time.perf_counter()
-        texts, m = _read_lf_points(p, L, ("title",))
-        rows = m.shape[0]
-    elif name == "ours-lf-linewise":
-        from xc_dagster.data.layouts import _read_lf_points
-        L = int(extra[0])
-        t = time.perf_counter()
-        texts, m = _read_lf_points(p, L, ("title",), fast=False)
-        rows = m.shape[0]
-    elif name == "pandas-lf":
-        import pandas as pd
-        L = int(extra[0])
-        t = time.perf_counter()
-        df = pd.read_json(p, lines=True, compression="gzip")
-        texts = df["title"].tolist()
-        m = _csr_from_lists(df["target_ind"].tolist(), L)
-        rows = m.shape[0]
-    elif name == "ours-lf-dataset":
-        from xc_dagster.data import read_dataset
-        t = time.perf_counter()
-        ds = read_dataset(p)
-        rows = ds.num_train + ds.num_test + ds.num_labels
-    elif name == "ours-bow":
-        from xc_dagster.data.streaming import read_bow_file
-        t = time.perf_counter()
-        X, Y = read_bow_file(p)
-        rows = X.shape[0]
-    elif name == "sklearn-bow":
-        from sklearn.datasets import load_svmlight_file
-        D = int(extra[0])
-        t = time.perf_counter()
-        # offset=1: seek past byte 0, then skip to the next newline, i.e. past the 'N D L' header line
-        X, y = load_svmlight_file(str(p), n_features=D, multilabel=True, zero_based=True, offset=1,
-                                  dtype=np.float32)
-        rows = X.shape[0]
-    else:
+    if name not in WORKERS:
         raise SystemExit(f"unknown worker {name}")
-    print(rows, time.perf_counter() - t)
+    rows, seconds = WORKERS[name](Path(path), extra)
+    print(rows, seconds)
 
 
 def run_worker(name: str, path: Path, *extra: str, cap_gb: float | None = None) -> dict:

@@ -12,10 +12,17 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from tests.test_pipeline import TINY
 from tests.tinydata import WORDS, write_tiny_encoder
+from xc_dagster.catalog import Catalog
+from xc_dagster.cli import main as cli_main
 from xc_dagster.data import clicklog, read_dataset
-from xc_dagster.data.clicklog import build_click_dataset, load_label_map, read_click_log, window_id
+from xc_dagster.data.clicklog import build_click_dataset, load_label_map, window_id
+from xc_dagster.data.clicklog_reader import read_click_log
 from xc_dagster.errors import XCConfigError, XCError, XCFormatError
+from xc_dagster.home import Home
+from xc_dagster.pipeline import StageContext, run_all
+from xc_dagster.storage import ArtifactStore
 
 UTC = timezone.utc
 JAN, FEB = datetime(2024, 1, 1, tzinfo=UTC), datetime(2024, 2, 1, tzinfo=UTC)
@@ -371,12 +378,6 @@ def _generated_logs(folder: Path, n_queries: int = 150, n_labels: int = 20, seed
 
 
 def test_cli_build_register_then_pipeline_trains(tmp_path, monkeypatch):
-    from tests.test_pipeline import TINY
-    from xc_dagster.catalog import Catalog
-    from xc_dagster.cli import main as cli_main
-    from xc_dagster.home import Home
-    from xc_dagster.pipeline import StageContext, run_all
-    from xc_dagster.storage import ArtifactStore
 
     monkeypatch.setenv("XC_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)

@@ -13,6 +13,7 @@ import threading
 import zipfile
 from pathlib import Path
 
+import fsspec
 import numpy as np
 import pytest
 import scipy.sparse as sp
@@ -432,8 +433,6 @@ def test_resolve_local_and_file_uri(tmp_path):
 
 
 def test_resolve_memory_fsspec(tmp_path):
-    import fsspec
-
     src = make_split(tmp_path / "ss")
     fs = fsspec.filesystem("memory")
     root = f"/xc-test-{tmp_path.name}/ds"

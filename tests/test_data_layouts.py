@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import gzip
 import http.server
 import json
+import tarfile
 import tempfile
+import threading
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -14,10 +18,11 @@ import scipy.sparse as sp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import tests.test_data as td
 from tests.test_data import DATA, _corrupt
 from tests.test_data import assert_format_error as assert_error
-from xc_dagster.data import detect_layout, load_dataset, read_dataset, save_dataset, streaming
-from xc_dagster.data.layouts import read_lf_raw
+from xc_dagster.data import detect_layout, load_dataset, read_dataset, resolve_source, save_dataset, streaming
+from xc_dagster.data.lf_raw import read_lf_raw
 from xc_dagster.errors import XCConfigError, XCFormatError
 
 BIBTEX = DATA / "Bibtex" / "xc_format"
@@ -371,14 +376,6 @@ def test_fuzz_split_sparse(which, edits, lines):
 ])
 def test_every_layout_from_a_local_http_server(tmp_path, layout, make, archive):
     """Each layout, packed as an archive and served by http.server on 127.0.0.1, ingests like the folder."""
-    import functools
-    import tarfile
-    import threading
-    import zipfile
-
-    import tests.test_data as td
-    from xc_dagster.data import resolve_source
-
     maker = {"make_single": make_single, "make_tok": make_tok}.get(make) or getattr(td, make)
     src = maker(tmp_path / "src" / f"DS-{layout}")
     served = tmp_path / "served"
@@ -409,8 +406,6 @@ def test_every_layout_from_a_local_http_server(tmp_path, layout, make, archive):
 
 def test_load_dataset_labels_only(tmp_path):
     """Stages that need only the label matrices skip texts, tokens and features."""
-    import tests.test_data as td
-
     ds = read_dataset(td.make_bow(tmp_path / "bow"))
     save_dataset(ds, tmp_path / "saved")
     slim = load_dataset(tmp_path / "saved", texts=False, features=False)

@@ -3,20 +3,25 @@
 from __future__ import annotations
 
 import contextlib
+import gzip
 import hashlib
 import http.server
 import io
 import re
+import tarfile
 import threading
 import zipfile
 from pathlib import Path
 from typing import Iterator
 
+import fsspec
 import pytest
 
 from tests.tinydata import write_lf_dataset
 from xc_dagster.data import read_dataset
-from xc_dagster.data.sources import file_sha256, resolve_source
+from xc_dagster.data.archives import is_archive
+from xc_dagster.data.cache import cache_key, file_sha256
+from xc_dagster.data.sources import resolve_source
 from xc_dagster.errors import XCConfigError, XCError, XCFormatError
 
 
@@ -128,13 +133,11 @@ def test_resume_falls_back_to_full_download_when_range_is_ignored(tmp_path, payl
 
 def test_complete_part_file_is_finished_after_416(tmp_path, payload):
     """A download that finished but was never extracted (killed in between) is not fetched again."""
-    from xc_dagster.data.sources import _cache_key
-
     state = _State(payload)
     cache = tmp_path / "cache"
     with _serve(state) as url:
         cache.mkdir()
-        (cache / f".{_cache_key(url)}.part").write_bytes(payload)
+        (cache / f".{cache_key(url)}.part").write_bytes(payload)
         got = resolve_source(url, cache)
     assert state.ranges == [f"bytes={len(payload)}-"]
     assert read_dataset(got).num_labels == 20
@@ -177,8 +180,6 @@ def test_bad_checksum_values_and_folders(tmp_path, payload):
 
 
 def test_fsspec_memory_file_with_checksum(tmp_path, payload):
-    import fsspec
-
     fs = fsspec.filesystem("memory")
     fs.pipe("/xc-test-sources/ds.zip", payload)
     try:
@@ -195,12 +196,6 @@ def test_fsspec_memory_file_with_checksum(tmp_path, payload):
 def test_single_gz_sources_are_decompressed(tmp_path):
     """``X.gz`` of one plain file becomes ``X`` in the cache; a gzipped tar named ``.gz`` is extracted;
     the LF layout's own ``*.json.gz`` files are not archives."""
-    import gzip
-    import io
-    import tarfile
-
-    from xc_dagster.data.sources import is_archive
-
     assert is_archive("Y.txt.gz") and is_archive("ds.tar.gz") and not is_archive("trn.json.gz")
     single = tmp_path / "Y.txt.gz"
     single.write_bytes(gzip.compress(b"label a\nlabel b\n"))

@@ -9,12 +9,16 @@ split and one row per train (test) point, giving row indices into the data file.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
-from xc_dagster.data import streaming
 from xc_dagster.data.canonical import XCDataset
+from xc_dagster.data.companions import bow_texts, read_filters
+from xc_dagster.data.reader import ReadOptions
+from xc_dagster.data.streaming import read_bow_file, read_int_table
+from xc_dagster.data.textio import DEFAULT_CHUNK_LINES
 from xc_dagster.errors import XCConfigError, XCFormatError
 
 VOCAB_NAMES = ("X_vocab.txt", "vocab.txt")
@@ -49,10 +53,8 @@ def _rows(table: np.ndarray, path: Path, split: int, base: int, n: int) -> np.nd
 
 
 def read_bow_single(folder: Path, split: int = 0,
-                    chunk_lines: int = streaming.DEFAULT_CHUNK_LINES) -> XCDataset:
+                    chunk_lines: int = DEFAULT_CHUNK_LINES) -> XCDataset:
     """Read ``<Name>_data.txt`` and take the train/test rows of split column ``split``."""
-    from xc_dagster.data.layouts import bow_texts, read_filters
-
     folder = Path(folder)
     if isinstance(split, bool) or not isinstance(split, (int, np.integer)) or split < 0:
         raise XCConfigError(f"split must be a non-negative integer (a column of the split tables), got {split!r}")
@@ -62,9 +64,9 @@ def read_bow_single(folder: Path, split: int = 0,
                                           "<name>_tstSplit.txt (bow-single layout)",
                             got=", ".join(sorted(p.name for p in folder.iterdir()))[:200])
     data, trp, tsp = found
-    X, Y = streaming.read_bow_file(data, chunk_lines)
-    tr_tab = streaming.read_int_table(trp, chunk_lines)
-    ts_tab = streaming.read_int_table(tsp, chunk_lines)
+    X, Y = read_bow_file(data, chunk_lines)
+    tr_tab = read_int_table(trp, chunk_lines)
+    ts_tab = read_int_table(tsp, chunk_lines)
     base = 0 if (tr_tab == 0).any() or (ts_tab == 0).any() else 1
     n = X.shape[0]
     tr, ts = _rows(tr_tab, trp, int(split), base, n), _rows(ts_tab, tsp, int(split), base, n)
@@ -76,3 +78,13 @@ def read_bow_single(folder: Path, split: int = 0,
         train_texts=train_texts, test_texts=test_texts, label_texts=label_texts,
         Y_train=Y_train.tocsr(), Y_test=Y_test.tocsr(), filter_train=f_train, filter_test=f_test,
         X_train=X_train.tocsr(), X_test=X_test.tocsr(), layout="bow-single")
+
+
+class BowSingleLayout:
+    """``bow-single``: found when the folder holds one ``<Name>_data.txt``, ``_trSplit.txt`` and ``_tstSplit.txt``."""
+
+    def detect(self, folder: Path, names: Sequence[str]) -> bool:
+        return find_files(folder) is not None
+
+    def read(self, folder: Path, opts: ReadOptions) -> XCDataset:
+        return read_bow_single(folder, split=opts.split, chunk_lines=opts.chunk_lines)

@@ -26,6 +26,7 @@ from xc_dagster.errors import XCDatasetNotFound, XCFormatError
 
 FORMAT_VERSION = 1
 _TEXTS = ("train_texts", "test_texts", "label_texts")
+LABEL_TEXTS_FILE = "label_texts.parquet"  # the label texts, column ``text``, row = label id
 _REQUIRED_MATRICES = ("Y_train", "Y_test")
 _OPTIONAL_MATRICES = ("X_train", "X_test", "X_label")
 _FILTERS = ("filter_train", "filter_test")
@@ -174,7 +175,7 @@ def _read_matrix(path: Path) -> sp.csr_matrix:
 
 def load_label_texts(out_dir: Path) -> list[str]:
     """Only the label texts of a canonical dataset folder (row = label id)."""
-    return _read_texts(Path(out_dir) / "label_texts.parquet")
+    return _read_texts(Path(out_dir) / LABEL_TEXTS_FILE)
 
 
 def load_dataset(out_dir: Path, *, texts: bool = True, features: bool = True) -> XCDataset:

@@ -197,6 +197,7 @@ def check_counts(result: dict[str, Any]) -> dict[str, int]:
 
 def label_frequency_plot(freq: np.ndarray, path: Path, title: str = "") -> Path:
     """Log-log plot of label frequency (training points per label) against its rank, saved as PNG."""
+    # matplotlib is imported here, not at the top: it is heavy and only this plot needs it
     import matplotlib
 
     matplotlib.use("Agg")

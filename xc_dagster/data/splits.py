@@ -21,11 +21,9 @@ def validation_targets(Y_train: sp.csr_matrix, valid: np.ndarray, train_rows: np
     training point among ``train_rows``, and the filter pairs (re-indexed to validation rows) with those pairs
     added, so predicting such a label is neither rewarded nor penalised. Returns (Y, filter pairs, pairs dropped).
 
-    Carving the validation split out of train makes every label seen once in train *unseen* by the models when
-    its one point falls in validation; a test point's labels were all in the models' training data (at most
-    ~0.3% of test positives are unseen on LF-WordNetNouns vs 7.3% of validation positives before this). Left in,
-    those pairs reward scores that ignore training (label text alone) and the fit leans away from the trained
-    classifiers (bench/RESULTS.md, ninth session).
+    Carving the validation split out of train makes a label whose only training point falls in validation
+    *unseen* by the models, which almost no test positive is; left in, such pairs pull the fit towards scores
+    that ignore training (docs/decisions.md#validation-unseen-label-pairs).
     """
     Yv = Y_train[np.asarray(valid, dtype=np.int64)].tocsr()
     Yv.sum_duplicates()

@@ -8,12 +8,15 @@ split-sparse layout. ``trn_doc``/``tst_doc`` arrays are required, ``lbl`` ones o
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
-from xc_dagster.data import streaming
 from xc_dagster.data.canonical import XCDataset
+from xc_dagster.data.reader import ReadOptions
+from xc_dagster.data.split_sparse import REQUIRED, read_split_sparse
+from xc_dagster.data.textio import DEFAULT_CHUNK_LINES
 from xc_dagster.errors import XCFormatError
 
 PREFIXES = ("trn_doc", "tst_doc", "lbl")
@@ -54,12 +57,10 @@ def _pair(folder: Path, prefix: str, n_rows: int, rows_of: str,
     return ids, mask
 
 
-def read_tokenized(folder: Path, chunk_lines: int = streaming.DEFAULT_CHUNK_LINES) -> XCDataset:
+def read_tokenized(folder: Path, chunk_lines: int = DEFAULT_CHUNK_LINES) -> XCDataset:
     """Token arrays plus the split-sparse label files into one :class:`XCDataset` (layout ``tokenized``)."""
-    from xc_dagster.data.layouts import read_split_sparse
-
     folder = Path(folder)
-    missing = [n for n in ("trn_X_Y.txt", "tst_X_Y.txt") if not (folder / n).is_file()]
+    missing = [n for n in REQUIRED if not (folder / n).is_file()]
     if missing:
         raise XCFormatError(folder, None, "the label files trn_X_Y.txt and tst_X_Y.txt next to the token arrays "
                                           "(tokenized layout)", got="missing " + ", ".join(missing))
@@ -68,3 +69,13 @@ def read_tokenized(folder: Path, chunk_lines: int = streaming.DEFAULT_CHUNK_LINE
     ds.test_tokens = _pair(folder, "tst_doc", ds.num_test, "tst_X_Y.txt", True)
     ds.label_tokens = _pair(folder, "lbl", ds.num_labels, "the label columns of trn_X_Y.txt", False)
     return ds
+
+
+class TokenizedLayout:
+    """``tokenized``: found when any ``trn_doc``/``tst_doc`` token array is there (checked before split-sparse)."""
+
+    def detect(self, folder: Path, names: Sequence[str]) -> bool:
+        return is_tokenized(folder)
+
+    def read(self, folder: Path, opts: ReadOptions) -> XCDataset:
+        return read_tokenized(folder, chunk_lines=opts.chunk_lines)

@@ -1,0 +1,96 @@
+"""Sparse-row accumulators the readers append parsed rows to, with one CSR build at the end.
+
+:class:`Growing` takes whole chunks of rows as arrays (the chunked parsers of :mod:`xc_dagster.data.streaming`
+and the LF Arrow reader); :class:`SparseRows` takes one row at a time (the LF line-by-line reader).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import scipy.sparse as sp
+
+from xc_dagster.errors import XCFormatError
+
+
+class Growing:
+    """Rows appended chunk by chunk as int32 indices / float32 values; one CSR build at the end."""
+
+    def __init__(self, path: Path, n_cols: int, what: str):
+        self.path, self.n_cols, self.what = path, n_cols, what
+        self._counts: list[np.ndarray] = []
+        self._idx: list[np.ndarray] = []
+        self._val: list[np.ndarray] = []
+        self.n_rows = 0
+        self.nnz = 0
+
+    def append(self, counts: np.ndarray, idx: np.ndarray, val: np.ndarray) -> None:
+        """Append rows: ``counts[r]`` entries each, flattened in ``idx``/``val``."""
+        self._counts.append(np.asarray(counts, dtype=np.int64))
+        self._idx.append(np.asarray(idx, dtype=np.int32))
+        self._val.append(np.asarray(val, dtype=np.float32))
+        self.n_rows += len(counts)
+        self.nnz += len(idx)
+
+    def bad(self, lineno: int, got: str) -> XCFormatError:
+        """The error of a malformed ``idx:val`` token."""
+        return XCFormatError(self.path, lineno,
+                             f"{self.what} entries 'index:value' with an integer index in [0, {self.n_cols}) "
+                             "and a finite number value", got=got)
+
+    def to_csr(self) -> sp.csr_matrix:
+        """The rows as a canonical (sorted, duplicates summed) float32 CSR matrix."""
+        indptr = np.zeros(self.n_rows + 1, dtype=np.int64)
+        if self._counts:
+            np.cumsum(np.concatenate(self._counts), out=indptr[1:])
+        self._counts = []
+        idx = np.concatenate(self._idx) if self._idx else np.zeros(0, np.int32)
+        self._idx = []
+        val = np.concatenate(self._val) if self._val else np.zeros(0, np.float32)
+        self._val = []
+        if self.nnz >= 2**31:
+            idx = idx.astype(np.int64)
+        m = sp.csr_matrix((val, idx, indptr if self.nnz >= 2**31 else indptr.astype(np.int32)),
+                          shape=(self.n_rows, self.n_cols))
+        m.sum_duplicates()
+        return m
+
+
+class SparseRows:
+    """Rows of (index, value) entries appended one at a time into flat arrays, then one vectorised CSR build."""
+
+    def __init__(self, path: Path, n_cols: int, what: str):
+        self.path, self.n_cols, self.what = path, n_cols, what
+        self.indptr = array("q", [0])
+        self.indices = array("q")
+        self.data = array("d")
+
+    @property
+    def n_rows(self) -> int:
+        return len(self.indptr) - 1
+
+    def add_ids(self, ids: Sequence[int], vals: Sequence[float] | None, lineno: int) -> None:
+        """Append one row of already-parsed ids (values default to 1.0); checks the id range."""
+        n = self.n_cols
+        for i in ids:
+            if not 0 <= i < n:
+                raise XCFormatError(self.path, lineno, f"{self.what} ids in [0, {n})", got=str(i))
+        self.indices.extend(ids)
+        if vals is None:
+            self.data.extend([1.0] * len(ids))
+        else:
+            self.data.extend(vals)
+        self.indptr.append(len(self.indices))
+
+    def to_csr(self) -> sp.csr_matrix:
+        """The accumulated rows as a canonical (sorted, duplicates summed) float32 CSR matrix."""
+        m = sp.csr_matrix(
+            (np.frombuffer(self.data, dtype=np.float64).astype(np.float32),
+             np.frombuffer(self.indices, dtype=np.int64),
+             np.frombuffer(self.indptr, dtype=np.int64)),
+            shape=(self.n_rows, self.n_cols))
+        m.sum_duplicates()
+        return m

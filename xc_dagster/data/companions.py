@@ -1,0 +1,87 @@
+"""Files several XC layouts share, read the same way by every layout reader.
+
+- ``filter_labels_{train,test}.txt``: ``row label`` pairs (0-based) removed from evaluation; read for every
+  layout when present (:func:`read_filters`);
+- ``Y.txt``: one label name per line; ``X_vocab.txt`` / ``vocab.txt``: one feature word per line, from which
+  the BoW layouts rebuild point texts (:func:`bow_texts`);
+- the check that a layout's required files are present (:func:`require_files`).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import scipy.sparse as sp
+
+from xc_dagster.data.canonical import empty_pairs
+from xc_dagster.data.textio import iter_lines, read_text_lines
+from xc_dagster.errors import XCFormatError
+
+
+def require_files(folder: Path, names: Sequence[str], layout: str) -> None:
+    """Raise naming the missing ones unless every file of ``names`` is in ``folder``."""
+    missing = [n for n in names if not (folder / n).is_file()]
+    if missing:
+        raise XCFormatError(folder, None, f"the {layout} files {', '.join(names)}",
+                            got="missing " + ", ".join(missing))
+
+
+def read_filters(folder: Path, n_train: int, n_test: int, n_labels: int) -> tuple[np.ndarray, np.ndarray]:
+    """``filter_labels_train.txt`` / ``filter_labels_test.txt`` of a folder (empty when absent)."""
+    return (_read_filter(folder / "filter_labels_train.txt", n_train, n_labels),
+            _read_filter(folder / "filter_labels_test.txt", n_test, n_labels))
+
+
+def _read_filter(path: Path, n_rows: int, n_labels: int) -> np.ndarray:
+    """``row label`` pairs (0-based) of a filter file; an absent file gives an empty (0, 2) array."""
+    if not path.is_file():
+        return empty_pairs()
+    flat = array("q")
+    for lineno, s in iter_lines(path):
+        parts = s.split()
+        if not parts:
+            continue
+        try:
+            if len(parts) != 2:
+                raise ValueError
+            r, c = int(parts[0]), int(parts[1])
+        except ValueError:
+            raise XCFormatError(path, lineno, "two integers 'row label' per line", got=s) from None
+        if not 0 <= r < n_rows:
+            raise XCFormatError(path, lineno, f"a row id in [0, {n_rows})", got=s)
+        if not 0 <= c < n_labels:
+            raise XCFormatError(path, lineno, f"a label id in [0, {n_labels})", got=s)
+        flat.append(r)
+        flat.append(c)
+    return np.frombuffer(flat, dtype=np.int64).reshape(-1, 2).copy()
+
+
+def generic_labels(n: int) -> list[str]:
+    """Placeholder label names ``label 0`` ... when a layout has no ``Y.txt``."""
+    return [f"label {i}" for i in range(n)]
+
+
+def _texts_from_vocab(X: sp.csr_matrix, vocab: np.ndarray) -> list[str]:
+    """Each row's feature words, by descending feature value (ties by feature id), joined by spaces."""
+    rows = np.repeat(np.arange(X.shape[0]), np.diff(X.indptr))
+    order = np.lexsort((X.indices, -X.data, rows))
+    words = vocab[X.indices[order]]
+    bounds = X.indptr
+    return [" ".join(words[bounds[r]:bounds[r + 1]]) for r in range(X.shape[0])]
+
+
+def bow_texts(folder: Path, X_train: sp.csr_matrix, X_test: sp.csr_matrix,
+              L: int, vocab_names: Sequence[str] = ("X_vocab.txt",)) -> tuple[list[str], tuple[list[str], list[str]]]:
+    """Label names from ``Y.txt`` (else generic) and point texts rebuilt from the first vocabulary file found."""
+    y_txt = folder / "Y.txt"
+    label_texts = read_text_lines(y_txt, L, "label name") if y_txt.is_file() else generic_labels(L)
+    D = X_train.shape[1]
+    for name in vocab_names:
+        vocab_path = folder / name
+        if vocab_path.is_file():
+            vocab = np.array(read_text_lines(vocab_path, D, "feature word"), dtype=object)
+            return label_texts, (_texts_from_vocab(X_train, vocab), _texts_from_vocab(X_test, vocab))
+    return label_texts, ([""] * X_train.shape[0], [""] * X_test.shape[0])
