@@ -52,11 +52,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 for _v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
     os.environ.setdefault(_v, "1")
 
+import faiss  # noqa: E402
 import numpy as np  # noqa: E402
 import scipy.sparse as sp  # noqa: E402
 import torch  # noqa: E402
@@ -64,8 +65,10 @@ import torch.nn.functional as F  # noqa: E402
 
 from xc_dagster.config import ClassifierParams  # noqa: E402
 from xc_dagster.sampling.labels import sample_positives  # noqa: E402
-from xc_dagster.sampling.negatives import AstraNegatives, IndexSettings, MipsNegatives, _extra, hard_negatives
-from xc_dagster.training.end_to_end import cosine_with_warmup, sampled_bce  # noqa: E402
+from xc_dagster.sampling.negatives import AstraNegatives, MipsNegatives  # noqa: E402
+from xc_dagster.sampling.stale_index import IndexSettings, extra_neighbours, hard_negatives  # noqa: E402
+from xc_dagster.training.end_to_end import sampled_bce  # noqa: E402
+from xc_dagster.training.schedules import cosine_with_warmup  # noqa: E402
 from xc_dagster.training.sharded import ShardedClassifier, ShardedOptimizer  # noqa: E402
 
 pc = time.perf_counter
@@ -140,85 +143,121 @@ def random_positives(rng: np.random.Generator, n: int, L: int, k: int) -> sp.csr
 
 # ------------------------------------------------------------------------------------------- worker
 
-def run_worker(method: str, L: int, args: argparse.Namespace) -> dict[str, Any]:
-    torch.set_num_threads(1)
-    import faiss
+# a method's step on a batch at a step number: (sample, forward + loss, backward, update) seconds, rows of W
+# touched, loss value
+StepFn = Callable[[np.ndarray, int, np.random.Generator], tuple[tuple[float, float, float, float], int, float]]
+PARTS = ("sample", "forward_loss", "backward", "update")
 
-    faiss.omp_set_num_threads(1)
-    torch.manual_seed(args.seed)
-    rng = np.random.default_rng(args.seed)
-    n, D, B = args.queries, args.dim, args.batch_size
-    res: dict[str, Any] = {"method": method, "labels": L, "dim": D, "batch_size": B, "queries": n,
-                           "torch_threads": torch.get_num_threads(), "load_avg_start": list(os.getloadavg())}
-    t0 = pc()
-    W0 = unit_rows(rng, L, D)
-    bank = unit_rows(rng, n, D)
-    Y = random_positives(rng, n, L, K_P)
-    res["generate_s"] = pc() - t0
-    n_steps_max = args.warmup + args.steps
+
+def sampled_step(clf: ShardedClassifier, sampler: AstraNegatives | MipsNegatives, bank: np.ndarray,
+                 Y: sp.csr_matrix) -> StepFn:
+    """The step of train_end_to_end (train_encoder off): the same calls in the same order."""
+    w_opt = ShardedOptimizer(clf, "sgd", LR, WD)
     sched_f = cosine_with_warmup(0, NEVER)  # factor ~1 over the measured steps (a cosine schedule, as trained)
 
-    t0 = pc()
-    clf = w_opt = sampler = W = opt = None
-    if method in ("astra", "mips"):
-        clf = ShardedClassifier(W0, [CPU])
-        del W0
-        w_opt = ShardedOptimizer(clf, "sgd", LR, WD)
-        if method == "astra":
-            idx = IndexSettings("hnsw", m=32, ef_construction=args.hnsw_ef_construction, ef_search=100,
-                                seed=args.seed)
-            t1 = pc()
-            snap = clf.snapshot()  # what AstraNegatives._build gets from snapshot_fn()
-            t2 = pc()
-            indexes = idx.build(snap)
-            t3 = pc()
-            table = hard_negatives(indexes, bank, Y, np.arange(n), K_H, _extra(Y))
-            t4 = pc()
-            del indexes, snap
-            N = args.examples_per_label * L  # training examples of a real dataset of this L (points + label texts)
-            spe = N / B
-            build_s = (t2 - t1) + (t3 - t2)
-            search_q_ms = (t4 - t3) / n * 1e3
-            res["refresh"] = {
-                "index": f"faiss HNSW M 32 efConstruction {args.hnsw_ef_construction} efSearch 100",
-                "snapshot_s": t2 - t1, "build_s": t3 - t2, "search_s": t4 - t3, "search_queries": n,
-                "search_ms_per_query": search_q_ms, "k_searched": K_H + _extra(Y),
-                "table_filled_fraction": float((table >= 0).mean()),
-                "assumed_examples": N, "tau_r_epochs": TAU_R_EPOCHS,
-                "refresh_s_for_assumed_examples": build_s + search_q_ms * N / 1e3,
-                # per step: (snapshot + build + search of all N queries) / (tau_r * N / B steps)
-                "amortised_ms_per_step": (build_s * 1e3 + search_q_ms * N) / (TAU_R_EPOCHS * spe)}
-            sampler = AstraNegatives(Y, bank, K_H, K_R, start_step=0, refresh_steps=NEVER, lead_steps=0,
-                                     index=idx, asynchronous=False, initial_table=table, total_steps=n_steps_max)
-        else:
-            idx = IndexSettings("ivf", nlist=0, nprobe=64, seed=args.seed)
-            sampler = MipsNegatives(Y, MIPS_K, MIPS_R, NEVER, idx)
-            t1 = pc()
-            sampler.before_step(0, clf.snapshot)  # step 0: snapshot + IVF build (= one refresh)
-            build = pc() - t1
-            nlist = sampler.indexes[0][1]._index.nlist
-            spe = args.examples_per_label * L / B
-            res["refresh"] = {"index": f"faiss IVF-Flat IP nlist {nlist} nprobe 64", "build_s": build,
-                              "refreshes_per_epoch": MIPS_REFRESH_PER_EPOCH,
-                              "amortised_ms_per_step": build * 1e3 * MIPS_REFRESH_PER_EPOCH / spe}
-    else:
-        W = torch.nn.Parameter(torch.from_numpy(W0))  # shares W0's memory: one copy of W
-        opt = torch.optim.SGD([W], lr=LR, weight_decay=WD)
-    res["setup_s"] = pc() - t0
-    res["setup_peak_rss_mb"] = proc_status_kb("VmHWM") / 1024
-    res["W_mb"] = L * D * 4 / 2 ** 20
+    def step(batch: np.ndarray, step: int, rng: np.random.Generator):
+        ta = pc()
+        sampler.before_step(step, clf.snapshot)
+        pos = sample_positives(Y, batch, K_P, rng)
+        x = torch.from_numpy(bank[batch]).to(CPU)
+        x_np = x.detach().float().cpu().numpy()
+        neg = sampler.sample(batch, x_np, step, rng)
+        tb = pc()
+        loss = sampled_bce(clf, x, pos, neg, STEP_PARAMS)  # scale 1, no bias (ASTRA: plain w.x)
+        tc = pc()
+        loss.backward()
+        td = pc()
+        rows = sum(int(r.numel()) for _, r, _ in clf._leaves)
+        w_opt.step(sched_f(step))
+        last = float(loss.detach())
+        return (tb - ta, tc - tb, td - tc, pc() - td), rows, last
+    return step
 
+
+def setup_astra(data: dict[str, Any], args: argparse.Namespace, res: dict[str, Any]) -> tuple[StepFn, Any]:
+    """ASTRA's classifiers and sampler, its table from one refresh (timed: snapshot, HNSW build, search)."""
+    clf = ShardedClassifier(data.pop("W0"), [CPU])  # W0 is freed: one copy of W
+    bank, Y, n, L = data["bank"], data["Y"], len(data["bank"]), clf.num_labels
+    idx = IndexSettings("hnsw", m=32, ef_construction=args.hnsw_ef_construction, ef_search=100, seed=args.seed)
+    t1 = pc()
+    snap = clf.snapshot()  # what AstraNegatives._build gets from snapshot_fn()
+    t2 = pc()
+    indexes = idx.build(snap)
+    t3 = pc()
+    table = hard_negatives(indexes, bank, Y, np.arange(n), K_H, extra_neighbours(Y))
+    t4 = pc()
+    del indexes, snap
+    N = args.examples_per_label * L  # training examples of a real dataset of this L (points + label texts)
+    build_s, search_q_ms = (t2 - t1) + (t3 - t2), (t4 - t3) / n * 1e3
+    res["refresh"] = {
+        "index": f"faiss HNSW M 32 efConstruction {args.hnsw_ef_construction} efSearch 100",
+        "snapshot_s": t2 - t1, "build_s": t3 - t2, "search_s": t4 - t3, "search_queries": n,
+        "search_ms_per_query": search_q_ms, "k_searched": K_H + extra_neighbours(Y),
+        "table_filled_fraction": float((table >= 0).mean()),
+        "assumed_examples": N, "tau_r_epochs": TAU_R_EPOCHS,
+        "refresh_s_for_assumed_examples": build_s + search_q_ms * N / 1e3,
+        # per step: (snapshot + build + search of all N queries) / (tau_r * N / B steps)
+        "amortised_ms_per_step": (build_s * 1e3 + search_q_ms * N) / (TAU_R_EPOCHS * N / args.batch_size)}
+    sampler = AstraNegatives(Y, bank, K_H, K_R, start_step=0, refresh_steps=NEVER, lead_steps=0, index=idx,
+                             asynchronous=False, initial_table=table, total_steps=args.warmup + args.steps)
+    return sampled_step(clf, sampler, bank, Y), sampler
+
+
+def setup_mips(data: dict[str, Any], args: argparse.Namespace, res: dict[str, Any]) -> tuple[StepFn, Any]:
+    """MIPS-s's classifiers and sampler, its IVF index built at step 0 (= one refresh, timed)."""
+    clf = ShardedClassifier(data.pop("W0"), [CPU])  # W0 is freed: one copy of W
+    sampler = MipsNegatives(data["Y"], MIPS_K, MIPS_R, NEVER, IndexSettings("ivf", nlist=0, nprobe=64, seed=args.seed))
+    t1 = pc()
+    sampler.before_step(0, clf.snapshot)  # step 0: snapshot + IVF build (= one refresh)
+    build = pc() - t1
+    spe = args.examples_per_label * clf.num_labels / args.batch_size
+    res["refresh"] = {"index": f"faiss IVF-Flat IP nlist {sampler.indexes[0][1]._index.nlist} nprobe 64",
+                      "build_s": build, "refreshes_per_epoch": MIPS_REFRESH_PER_EPOCH,
+                      "amortised_ms_per_step": build * 1e3 * MIPS_REFRESH_PER_EPOCH / spe}
+    return sampled_step(clf, sampler, data["bank"], data["Y"]), sampler
+
+
+def setup_full(data: dict[str, Any], args: argparse.Namespace, res: dict[str, Any]) -> tuple[StepFn, Any]:
+    """The O(L) baseline: every label scored, dense gradient and update."""
+    W = torch.nn.Parameter(torch.from_numpy(data.pop("W0")))  # shares W0's memory: one copy of W
+    opt = torch.optim.SGD([W], lr=LR, weight_decay=WD)
+    bank, Y, L = data["bank"], data["Y"], W.shape[0]
+
+    def step(batch: np.ndarray, step: int, rng: np.random.Generator):
+        ta = pc()
+        pos = sample_positives(Y, batch, K_P, rng)
+        xd = F.dropout(torch.from_numpy(bank[batch]).float(), DROPOUT, training=True)
+        target = torch.zeros(len(batch), L)
+        p = torch.from_numpy(pos)
+        target.scatter_(1, p.clamp_min(0), (p >= 0).float())
+        tb = pc()
+        logits = xd @ W.T
+        loss = F.binary_cross_entropy_with_logits(logits, target, reduction="sum") / len(batch)
+        tc = pc()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        td = pc()
+        opt.step()
+        last = float(loss.detach())
+        del logits, target
+        return (tb - ta, tc - tb, td - tc, pc() - td), L, last
+    return step, None
+
+
+SETUPS = {"astra": setup_astra, "mips": setup_mips, "full": setup_full}
+
+
+def timed_steps(step_fn: StepFn, n: int, rng: np.random.Generator, args: argparse.Namespace,
+                res: dict[str, Any]) -> np.ndarray:
+    """The warm-up steps, then the timed ones (capped near --max-timed-seconds) with the peak counter reset in
+    between; times, memory and rows touched go to ``res``. Returns the last permutation of the queries."""
     reset_peak()
     rss_setup = proc_status_kb("VmRSS")
     res["setup_rss_mb"] = rss_setup / 1024
-    rss0 = -1
-
-    parts = {k: [] for k in ("sample", "forward_loss", "backward", "update")}
+    parts: dict[str, list[float]] = {k: [] for k in PARTS}
     totals, touched, losses = [], [], []
-    perm = rng.permutation(n)
-    n_timed = args.steps
-    step = 1  # mips built its index at step 0 in the setup
-    i = 0
+    perm, B, n_timed, rss0 = rng.permutation(n), args.batch_size, args.steps, -1
+    step, i = 1, 0  # mips built its index at step 0 in the setup
     while i < args.warmup + n_timed:
         batch = perm[(i * B) % n:(i * B) % n + B]
         if len(batch) < B:
@@ -229,74 +268,58 @@ def run_worker(method: str, L: int, args: argparse.Namespace) -> dict[str, Any]:
             res["peak_reset_ok"] = reset_peak()
             rss0 = proc_status_kb("VmRSS")
             res["rss_before_timed_mb"] = rss0 / 1024
-        ta = pc()
-        if method != "full":
-            # ---- the step of train_end_to_end (train_encoder off), same calls in the same order
-            sampler.before_step(step, clf.snapshot)
-            pos = sample_positives(Y, batch, K_P, rng)
-            x = torch.from_numpy(bank[batch]).to(CPU)
-            x_np = x.detach().float().cpu().numpy()
-            neg = sampler.sample(batch, x_np, step, rng)
-            tb = pc()
-            loss = sampled_bce(clf, x, pos, neg, STEP_PARAMS)  # scale 1, no bias (ASTRA: plain w.x)
-            tc = pc()
-            loss.backward()
-            td = pc()
-            rows = sum(int(r.numel()) for _, r, _ in clf._leaves)
-            w_opt.step(sched_f(step))
-            last = float(loss.detach())
-        else:
-            # ---- full softmax: every label scored, dense gradient and update
-            pos = sample_positives(Y, batch, K_P, rng)
-            x = torch.from_numpy(bank[batch])
-            xd = F.dropout(x.float(), DROPOUT, training=True)
-            target = torch.zeros(B, L)
-            p = torch.from_numpy(pos)
-            target.scatter_(1, p.clamp_min(0), (p >= 0).float())
-            tb = pc()
-            logits = xd @ W.T
-            loss = F.binary_cross_entropy_with_logits(logits, target, reduction="sum") / B
-            tc = pc()
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            td = pc()
-            rows = L
-            opt.step()
-            last = float(loss.detach())
-            del logits, target
-        te = pc()
+        times, rows, last = step_fn(batch, step, rng)
         if i == 0 and args.max_timed_seconds > 0:  # slow steps (full softmax at 1M): cap the timed steps
-            n_timed = max(min(args.steps, 5), min(args.steps, int(args.max_timed_seconds / (te - ta))))
+            n_timed = max(min(args.steps, 5), min(args.steps, int(args.max_timed_seconds / sum(times))))
         if i >= args.warmup:
-            totals.append(te - ta)
-            for k, v in zip(parts, (tb - ta, tc - tb, td - tc, te - td)):
+            totals.append(sum(times))
+            for k, v in zip(parts, times):
                 parts[k].append(v * 1e3)
             touched.append(rows)
             losses.append(last)
         step += 1
         i += 1
     hwm = proc_status_kb("VmHWM")
-    res["timed_steps"], res["warmup_steps"] = len(totals), args.warmup
     ms = np.array(totals) * 1e3
-    res["step_ms_median"] = float(np.median(ms))
-    res["step_ms_p90"] = float(np.percentile(ms, 90))
-    res["step_ms_all"] = [round(float(v), 3) for v in ms]
-    res["parts_ms_median"] = {k: float(np.median(v)) for k, v in parts.items()}
-    res["step_peak_extra_mb"] = (hwm - rss0) / 1024
-    res["step_peak_rss_mb"] = hwm / 1024
-    # peak of the timed steps over the setup state: counts buffers that live from step to step (the full softmax's
-    # dense L x D gradient, allocated in the first step and held until the next zero_grad), which the extra above,
-    # taken against the RSS after the warm-ups, does not
-    res["step_peak_over_setup_mb"] = (hwm - rss_setup) / 1024
-    res["rows_touched_mean"] = float(np.mean(touched))
+    res.update({"timed_steps": len(totals), "warmup_steps": args.warmup, "step_ms_median": float(np.median(ms)),
+                "step_ms_p90": float(np.percentile(ms, 90)), "step_ms_all": [round(float(v), 3) for v in ms],
+                "parts_ms_median": {k: float(np.median(v)) for k, v in parts.items()},
+                "step_peak_extra_mb": (hwm - rss0) / 1024, "step_peak_rss_mb": hwm / 1024,
+                # peak of the timed steps over the setup state: counts buffers that live from step to step (the
+                # full softmax's dense L x D gradient, allocated in the first step and held until the next
+                # zero_grad), which the extra above, taken against the RSS after the warm-ups, does not
+                "step_peak_over_setup_mb": (hwm - rss_setup) / 1024,
+                "rows_touched_mean": float(np.mean(touched)), "loss_last": losses[-1]})
+    return perm
+
+
+def run_worker(method: str, L: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One (method, L) measurement, in its own process: generate, set up (timed), step (timed)."""
+    torch.set_num_threads(1)
+    faiss.omp_set_num_threads(1)
+    torch.manual_seed(args.seed)
+    rng = np.random.default_rng(args.seed)
+    n, D, B = args.queries, args.dim, args.batch_size
+    res: dict[str, Any] = {"method": method, "labels": L, "dim": D, "batch_size": B, "queries": n,
+                           "torch_threads": torch.get_num_threads(), "load_avg_start": list(os.getloadavg())}
+    t0 = pc()
+    data = {"W0": unit_rows(rng, L, D), "bank": unit_rows(rng, n, D)}
+    data["Y"] = random_positives(rng, n, L, K_P)
+    res["generate_s"] = pc() - t0
+    t0 = pc()
+    step_fn, sampler = SETUPS[method](data, args, res)
+    res["setup_s"] = pc() - t0
+    res["setup_peak_rss_mb"] = proc_status_kb("VmHWM") / 1024
+    res["W_mb"] = L * D * 4 / 2 ** 20
+    perm = timed_steps(step_fn, n, rng, args, res)
     res["rows_scored_per_step"] = {"astra": B * (K_P + K_H + K_R), "mips": B * (K_P + MIPS_R), "full": B * L}[method]
-    res["loss_last"] = losses[-1]
     if method == "mips":  # the per-step IVF search alone (outside the measured steps), same call as sample()
         qs = []
         for j in range(10):
             b = perm[(j * B) % n:(j * B) % n + B]
             t = pc()
-            hard_negatives(sampler.indexes, np.ascontiguousarray(bank[b]), Y, b, MIPS_K, _extra(Y))
+            hard_negatives(sampler.indexes, np.ascontiguousarray(data["bank"][b]), data["Y"], b, MIPS_K,
+                           extra_neighbours(data["Y"]))
             qs.append((pc() - t) * 1e3)
         res["mips_search_ms_per_batch_median"] = float(np.median(qs))
     res["load_avg_end"] = list(os.getloadavg())
@@ -330,6 +353,7 @@ def main() -> None:
         return
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+    # here, not at the top: it imports the transformer stack, which the workers (whose memory is measured) skip
     from pretrain_overhead import machine_info  # one machine description for every bench
 
     torch.set_num_threads(1)

@@ -12,7 +12,6 @@ import scipy.sparse as sp
 import torch
 
 from tests.test_pipeline import TINY, tiny_encoder, tiny_home  # noqa: F401  (fixtures)
-from xc_dagster.artifacts import model_dir
 from xc_dagster.catalog import Catalog
 from xc_dagster.config import ClassifierParams
 from xc_dagster.data import load_dataset
@@ -23,17 +22,16 @@ from xc_dagster.retrieval.shortlist import CENTROID_FILE, label_centroids
 from xc_dagster.sampling.labels import positive_mask
 from xc_dagster.sampling.negatives import (
     AstraNegatives,
-    IndexSettings,
     MipsNegatives,
     NegativeSample,
-    build_indexes,
     drop_members,
-    first_valid,
-    hard_negatives,
     uniform_negatives,
 )
+from xc_dagster.sampling.stale_index import IndexSettings, build_indexes, first_valid, hard_negatives
 from xc_dagster.storage import ArtifactStore
-from xc_dagster.training.end_to_end import cosine_with_warmup, examples, sampled_bce, train_end_to_end
+from xc_dagster.training.checkpoint import Checkpointer
+from xc_dagster.training.end_to_end import examples, sampled_bce, train_end_to_end
+from xc_dagster.training.schedules import cosine_with_warmup
 from xc_dagster.training.sharded import ShardedClassifier, ShardedOptimizer
 
 EXACT = IndexSettings("exact")
@@ -276,7 +274,7 @@ E2E = {"classifier.epochs": 2, "classifier.batch_size": 16, "classifier.num_hard
 
 
 @pytest.mark.parametrize("strategy", ["astra", "mips"])
-def test_strategy_trains_the_encoder_end_to_end_through_every_stage(tiny_home, strategy):
+def test_strategy_trains_the_encoder_end_to_end_through_every_stage(tiny_home, strategy):  # noqa: F811
     spec = Catalog(tiny_home.catalog).get("TinyTitles")
     spec = dataclasses.replace(spec, strategy=strategy)
     cfg = spec.config({**E2E, "index.label_repr": "text+centroid"})
@@ -291,7 +289,7 @@ def test_strategy_trains_the_encoder_end_to_end_through_every_stage(tiny_home, s
     assert c["label_points"] == n_labels
     assert c["examples"] == n_labels + out["ingest"]["n_train"] - out["ingest"]["n_valid"]
     cdir, pdir = store.stage_dir("TinyTitles", "classifier"), store.stage_dir("TinyTitles", "pretrain")
-    assert model_dir(ctx) == cdir and (cdir / "encoder" / "model.safetensors").exists()
+    assert ctx.read.model_dir() == cdir and (cdir / "encoder" / "model.safetensors").exists()
     # the fine-tuned encoder's embeddings differ from pretraining's, and inference uses them
     assert not np.allclose(np.load(cdir / "label_emb.npy"), np.load(pdir / "label_emb.npy"))
     W = np.load(cdir / "W.npy")
@@ -311,7 +309,7 @@ def test_strategy_trains_the_encoder_end_to_end_through_every_stage(tiny_home, s
     assert list(out) == list(STAGE_ORDER)
 
 
-def test_train_encoder_needs_sampled_negatives(tiny_home):
+def test_train_encoder_needs_sampled_negatives(tiny_home):  # noqa: F811
     spec = Catalog(tiny_home.catalog).get("TinyTitles")
     cfg = spec.config({"classifier.train_encoder": True})
     ctx = StageContext(ArtifactStore(tiny_home.artifacts), spec, cfg, tiny_home.cache)
@@ -329,8 +327,6 @@ class _Killed(Exception):
 def test_killed_training_resumes_to_the_same_classifiers(tmp_path, negatives):
     """Killed after its first epoch checkpoint (mid-refresh-interval, a background build pending), the trainer
     resumes to exactly the W of an uninterrupted run: sampler table, bank, stale snapshot and RNGs restored."""
-    from xc_dagster.training.checkpoint import Checkpointer
-
     Y, _, _ = _problem(n=120, L=40, d=16, seed=5)
     rng = np.random.default_rng(5)
     X = rng.normal(size=(120, 16)).astype(np.float32)

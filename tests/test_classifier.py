@@ -9,8 +9,11 @@ import torch
 import torch.nn.functional as F
 
 from xc_dagster.config import ClassifierParams
+from xc_dagster.encoders.bag import create_bag_encoder, embed_from_intermediate
 from xc_dagster.errors import XCConfigError
-from xc_dagster.training.classifier import hardest_negatives, propensity_label_weights, train_classifiers
+from xc_dagster.sampling.hard_negatives import hardest_negatives
+from xc_dagster.training.checkpoint import Checkpointer, fingerprint
+from xc_dagster.training.classifier import propensity_label_weights, train_classifiers
 
 
 def csr(rows: list[list[int]], L: int) -> sp.csr_matrix:
@@ -148,8 +151,6 @@ class Killed(Exception):
 
 
 def test_killed_run_resumes_from_its_checkpoint_to_the_same_weights(tmp_path):
-    from xc_dagster.training.checkpoint import Checkpointer, fingerprint
-
     X, E, Y, sl = _planted(n=200)
     params = ClassifierParams(epochs=5, batch_size=32, lr=0.02, num_negatives=4, negatives="both",
                               cluster_size=8, num_positives=2)
@@ -176,16 +177,12 @@ def test_killed_run_resumes_from_its_checkpoint_to_the_same_weights(tmp_path):
 
 
 def _tiny_bag(D: int = 16, seed: int = 0):
-    from xc_dagster.encoders.bag import create_bag_encoder
-
     return create_bag_encoder(50, D, init="random", seed=seed)
 
 
 def test_module_iv_trains_the_residual_with_w_on_frozen_intermediate_embeddings():
     """SiameseXML Module IV: the residual block R and W learn together on x = N(R(h)), h frozen; the token
     table is untouched; the encoder is updated in place and reproducible with the seed."""
-    from xc_dagster.encoders.bag import embed_from_intermediate
-
     H, E, Y, sl = _planted(seed=1)  # H plays the intermediate embeddings f_E(x)
     enc = _tiny_bag()
     table = enc.embedding.weight.detach().clone()
@@ -210,8 +207,6 @@ def test_module_iv_trains_the_residual_with_w_on_frozen_intermediate_embeddings(
 
 
 def test_module_iv_killed_run_resumes_residual_and_w_to_the_same_state(tmp_path):
-    from xc_dagster.training.checkpoint import Checkpointer, fingerprint
-
     H, E, Y, sl = _planted(n=200, seed=2)
     params = ClassifierParams(epochs=4, batch_size=32, lr=0.02, num_negatives=4, num_positives=2, residual_lr=0.01)
     rows = np.arange(len(H))

@@ -21,10 +21,11 @@ from xc_dagster.encoders.encode import encode_tokens
 from xc_dagster.encoders.loading import load_encoder
 from xc_dagster.encoders.tokenizer import load_tokenizer
 from xc_dagster.errors import XCConfigError
+from xc_dagster.sampling.batches import SiameseXMLSampler
 from xc_dagster.sampling.labels import label_sampling_probs, sample_label_batch, sample_label_points
 from xc_dagster.strategies import STRATEGIES
 from xc_dagster.training.losses import siamesexml_loss
-from xc_dagster.training.siamese import SiameseXMLSampler, check_pretrain_params, train_siamese
+from xc_dagster.training.siamese import check_pretrain_params, train_siamese
 
 
 def _freq_Y() -> tuple[sp.csr_matrix, np.ndarray, np.ndarray]:

@@ -18,8 +18,8 @@ candidate; the loss is ``sum_pos BCE+ + sum_j weight_j * BCE-(s_j)``. No positiv
   best stale columns (positives removed) and R - k uniform labels are added (positives and repeats removed);
   plain, unweighted BCE.
 
-With W sharded (``xc_dagster.training.sharded``), each shard gets its own index and the per-shard top lists are merged
-by score, as ASTRA does across GPUs.
+With W sharded (``xc_dagster.training.sharded``), each shard gets its own index and the per-shard top lists are
+merged by score, as ASTRA does across GPUs (``xc_dagster.sampling.stale_index``).
 """
 
 from __future__ import annotations
@@ -27,17 +27,24 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Protocol
 
-import faiss
 import numpy as np
 import scipy.sparse as sp
 
+from xc_dagster.config import EndToEndTrainerParams
 from xc_dagster.errors import XCConfigError
 from xc_dagster.retrieval.ann import LabelIndex
 from xc_dagster.sampling.labels import dedupe_rows, positive_mask
-
-SAMPLERS = ("uniform", "astra", "mips")
+from xc_dagster.sampling.stale_index import (
+    IndexSettings,
+    Snapshot,
+    dump_index,
+    extra_neighbours,
+    first_valid,
+    hard_negatives,
+    load_index,
+)
 
 
 @dataclass
@@ -57,16 +64,6 @@ def drop_members(ids: np.ndarray, other: np.ndarray, num_labels: int) -> np.ndar
     return np.where((ids >= 0) & ~np.isin(keys, okeys), ids, -1)
 
 
-def first_valid(ids: np.ndarray, k: int, scores: np.ndarray | None = None) -> np.ndarray:
-    """The first ``k`` non-negative ids of each row (by descending ``scores`` when given), -1 padded."""
-    key = np.where(ids >= 0, 0.0, 1.0) if scores is None else np.where(ids >= 0, -scores, np.inf)
-    order = np.argsort(key, axis=1, kind="stable")[:, :k]
-    out = np.take_along_axis(ids, order, 1)
-    if out.shape[1] < k:
-        out = np.concatenate([out, np.full((len(ids), k - out.shape[1]), -1, dtype=ids.dtype)], 1)
-    return out
-
-
 def uniform_draws(num_labels: int, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
     return rng.integers(0, num_labels, size=(n, k), dtype=np.int64)
 
@@ -84,77 +81,43 @@ def uniform_negatives(Y: sp.csr_matrix, rows: np.ndarray, k: int, rng: np.random
     return NegativeSample(ids, w)
 
 
-def search_shards(indexes: list[tuple[int, LabelIndex]], queries: np.ndarray, k: int
-                  ) -> tuple[np.ndarray, np.ndarray]:
-    """Top-``k`` (scores, global ids) over all shards' indexes, merged by score."""
-    all_s, all_i = [], []
-    for offset, idx in indexes:
-        s, i = idx.search(queries, min(k, idx.size))
-        all_s.append(s)
-        all_i.append(np.where(i >= 0, i + offset, -1))
-    s, i = np.concatenate(all_s, 1), np.concatenate(all_i, 1)
-    if len(indexes) > 1:
-        order = np.argsort(-s, axis=1, kind="stable")[:, :k]
-        s, i = np.take_along_axis(s, order, 1), np.take_along_axis(i, order, 1)
-    return s, i
+def epochs_to_steps(epochs: float, field: str, steps_per_epoch: int) -> int:
+    """An interval of ``classifier.<field>`` epochs (>= 0) in steps."""
+    if epochs < 0:
+        raise XCConfigError(f"classifier.{field}: expected >= 0 epochs, got {epochs}")
+    return int(round(epochs * steps_per_epoch))
 
 
-def build_indexes(snapshot: list[tuple[int, np.ndarray]], kind: str, *, m: int = 32, ef_construction: int = 100,
-                  ef_search: int = 100, nlist: int = 0, nprobe: int = 64, seed: int = 0
-                  ) -> list[tuple[int, LabelIndex]]:
-    """One index per shard of a W snapshot."""
-    return [(off, LabelIndex(kind, W, m=m, ef_construction=ef_construction, ef_search=ef_search, nlist=nlist,
-                             nprobe=nprobe, seed=seed)) for off, W in snapshot if len(W)]
+class NegativeSampler(Protocol):
+    """What the BCE trainer calls on its negative sampler (a new sampler: one class and one
+    ``SAMPLED_NEGATIVES`` line)."""
 
+    refreshes: int  # stale indexes (or tables) put in use so far
+    build_seconds: list[float]  # the time of each index build
 
-def hard_negatives(indexes: list[tuple[int, LabelIndex]], queries: np.ndarray, Y: sp.csr_matrix,
-                   rows: np.ndarray, num: int, extra: int, block: int = 65536) -> np.ndarray:
-    """(len(rows), num) hardest non-positive labels of each query in ``indexes`` (-1 padded): searched for
-    ``num + extra`` neighbours (``extra`` covers positives ranked first), positives dropped, best ``num`` kept."""
-    out = np.full((len(rows), num), -1, dtype=np.int64)
-    for s in range(0, len(rows), block):
-        sc, ids = search_shards(indexes, queries[s:s + block], num + extra)
-        r = rows[s:s + block]
-        ids = np.where(positive_mask(Y, r, ids), -1, ids)
-        out[s:s + block] = first_valid(ids, num, np.where(ids >= 0, sc, -np.inf))
-    return out
+    @classmethod
+    def from_params(cls, params: EndToEndTrainerParams, Y: sp.csr_matrix, bank: np.ndarray, steps_per_epoch: int,
+                    initial_table: np.ndarray | None, total_steps: int) -> NegativeSampler:
+        """The sampler over the examples' labels ``Y``; ``bank``: each example's latest embedding;
+        ``initial_table``: a hard-negative table valid at step 0 (the mined shortlist), or None."""
 
+    def before_step(self, step: int, snapshot_fn: Callable[[], Snapshot]) -> None:
+        """Before step ``step``: refresh what is stale, from ``snapshot_fn()`` (a CPU copy of W)."""
 
-@dataclass
-class IndexSettings:
-    """ANNS settings of a sampler's stale index (``kind`` hnsw|ivf|exact)."""
+    def observe(self, rows: np.ndarray, emb: np.ndarray) -> None:
+        """The examples ``rows``' embeddings of this step (the encoder is trained)."""
 
-    kind: str = "hnsw"
-    m: int = 32
-    ef_construction: int = 100
-    ef_search: int = 100
-    nlist: int = 0  # ivf: 0 = round(sqrt(L_shard))
-    nprobe: int = 64
-    seed: int = 0
+    def sample(self, rows: np.ndarray, emb: np.ndarray, step: int, rng: np.random.Generator) -> NegativeSample:
+        """Negatives of the examples ``rows`` (query embeddings ``emb``), never one of their positives."""
 
-    def build(self, snapshot: list[tuple[int, np.ndarray]]) -> list[tuple[int, LabelIndex]]:
-        return build_indexes(snapshot, self.kind, m=self.m, ef_construction=self.ef_construction,
-                             ef_search=self.ef_search, nlist=self.nlist, nprobe=self.nprobe, seed=self.seed)
+    def state(self) -> dict[str, Any]:
+        """Everything a resumed run needs (numpy arrays, numbers)."""
 
+    def load_state(self, st: dict[str, Any]) -> None:
+        """Restore ``state()``."""
 
-def dump_index(index: LabelIndex) -> np.ndarray:
-    """An index as one array (faiss's serialisation, or the exact index's vectors) for a checkpoint."""
-    if index.kind == "exact":
-        return index._vectors
-    return faiss.serialize_index(index._index)
-
-
-def load_index(array: np.ndarray, settings: IndexSettings) -> LabelIndex:
-    if settings.kind == "exact":
-        return LabelIndex("exact", np.asarray(array, dtype=np.float32))
-    return LabelIndex(settings.kind, faiss_index=faiss.deserialize_index(np.asarray(array, dtype=np.uint8)),
-                      ef_search=settings.ef_search, nprobe=settings.nprobe)
-
-
-def _extra(Y: sp.csr_matrix) -> int:
-    """Extra neighbours to search so that positives ranked first still leave k negatives (capped)."""
-    nnz = np.diff(Y.indptr)
-    return int(min(nnz.max(initial=0), 64))
+    def close(self) -> None:
+        """Stop background work."""
 
 
 class UniformNegatives:
@@ -165,6 +128,13 @@ class UniformNegatives:
     def __init__(self, Y: sp.csr_matrix, num: int):
         self.Y, self.num = Y, num
         self.refreshes = 0
+        self.build_seconds: list[float] = []
+
+    @classmethod
+    def from_params(cls, params: EndToEndTrainerParams, Y: sp.csr_matrix, bank: np.ndarray, steps_per_epoch: int,
+                    initial_table: np.ndarray | None, total_steps: int) -> UniformNegatives:
+        """``num_hard + num_random`` uniform draws."""
+        return cls(Y, params.num_hard + params.num_random)
 
     def before_step(self, step: int, snapshot_fn) -> None:
         pass
@@ -206,7 +176,7 @@ class AstraNegatives:
         if refresh_steps < 1:
             raise XCConfigError(f"classifier.refresh_every: must come to at least one step, got {refresh_steps}")
         self.Y, self.bank = Y, bank
-        self.extra = _extra(Y)
+        self.extra = extra_neighbours(Y)
         self.num_hard, self.num_random = num_hard, num_random
         self.start, self.every = max(start_step, 0), refresh_steps
         self.lead = max(0, min(lead_steps, refresh_steps)) if asynchronous else 0
@@ -225,6 +195,17 @@ class AstraNegatives:
             t = np.asarray(initial_table, dtype=np.int64)
             t = np.where(positive_mask(Y, rows, t), -1, t)
             self.table, self.next_k = first_valid(t, num_hard), 1
+
+    @classmethod
+    def from_params(cls, params: EndToEndTrainerParams, Y: sp.csr_matrix, bank: np.ndarray, steps_per_epoch: int,
+                    initial_table: np.ndarray | None, total_steps: int) -> AstraNegatives:
+        """``hard_start`` and ``refresh_every`` in steps; the next table is built during the epoch (at most)
+        before it is due."""
+        every = max(1, epochs_to_steps(params.refresh_every, "refresh_every", steps_per_epoch))
+        return cls(Y, bank, params.num_hard, params.num_random,
+                   epochs_to_steps(params.hard_start, "hard_start", steps_per_epoch), every,
+                   min(steps_per_epoch, every), IndexSettings.from_params(params), params.refresh_async,
+                   initial_table, total_steps)
 
     def refresh_step(self, k: int) -> int:
         return self.start + k * self.every
@@ -296,10 +277,18 @@ class MipsNegatives:
         if refresh_steps < 1:
             raise XCConfigError(f"classifier.refresh_every: must come to at least one step, got {refresh_steps}")
         self.Y, self.k, self.R, self.every, self.index = Y, num_mips, num_total, refresh_steps, index
-        self.extra = _extra(Y)  # once: Y does not change, sample() runs every step
+        self.extra = extra_neighbours(Y)  # once: Y does not change, sample() runs every step
         self.indexes: list[tuple[int, LabelIndex]] | None = None
         self.refreshes = 0
         self.build_seconds: list[float] = []
+
+    @classmethod
+    def from_params(cls, params: EndToEndTrainerParams, Y: sp.csr_matrix, bank: np.ndarray, steps_per_epoch: int,
+                    initial_table: np.ndarray | None, total_steps: int) -> MipsNegatives:
+        """k = ``num_hard`` MIPS negatives of R = ``num_hard + num_random``, the index rebuilt every
+        ``refresh_every`` epochs."""
+        every = max(1, epochs_to_steps(params.refresh_every, "refresh_every", steps_per_epoch))
+        return cls(Y, params.num_hard, params.num_hard + params.num_random, every, IndexSettings.from_params(params))
 
     def before_step(self, step: int, snapshot_fn) -> None:
         if self.k > 0 and (self.indexes is None or step % self.every == 0):
@@ -333,3 +322,11 @@ class MipsNegatives:
 
     def close(self) -> None:
         pass
+
+
+SAMPLED_NEGATIVES: dict[str, type[NegativeSampler]] = {
+    "uniform": UniformNegatives,
+    "astra": AstraNegatives,
+    "mips": MipsNegatives,
+}
+SAMPLERS = tuple(SAMPLED_NEGATIVES)  # the classifier.negatives values the BCE trainer takes

@@ -86,9 +86,46 @@ class Checkpointer:
             shutil.rmtree(self.folder, ignore_errors=True)
 
 
+class Resumable:
+    """A trainer that restores a checkpoint with ``load_state(resumed)``."""
+
+    def load_state(self, resumed: Resumed) -> None:  # pragma: no cover - each trainer has its own
+        raise NotImplementedError
+
+    def start(self, checkpoint: Checkpointer | None = None) -> int:
+        """Resume from a matching checkpoint (returns its next epoch), else 0."""
+        resumed = checkpoint.load() if checkpoint is not None else None
+        if resumed is None:
+            return 0
+        self.load_state(resumed)
+        return resumed.epoch
+
+
 def restore_rng(rng: np.random.Generator, resumed: Resumed) -> None:
     """Put ``rng`` and torch's global generator back where the checkpoint left them."""
     rng.bit_generator.state = resumed.rng_state
     torch.set_rng_state(resumed.state["torch_rng"])
     if resumed.state.get("cuda_rng") and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(resumed.state["cuda_rng"])
+
+
+def to_tensors(x: Any) -> Any:
+    """numpy arrays inside a (nested) state -> tensors, so the checkpoint loads with ``weights_only=True``."""
+    if isinstance(x, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(x))
+    if isinstance(x, dict):
+        return {k: to_tensors(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [to_tensors(v) for v in x]
+    return x
+
+
+def to_arrays(x: Any) -> Any:
+    """The inverse of ``to_tensors``: tensors inside a (nested) state -> numpy arrays."""
+    if isinstance(x, torch.Tensor):
+        return x.numpy()
+    if isinstance(x, dict):
+        return {k: to_arrays(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [to_arrays(v) for v in x]
+    return x

@@ -1,13 +1,12 @@
 """One-vs-all classifiers W (NGAME M2/M4, SiameseXML Module IV) on a frozen encoder.
 
 w_l starts from the label representation the caller passes (Module III transfer: E(z_l), or
-normalise(E(z_l) + v_l) with ``classifier.init``) and is trained on each point's positives
-plus the hardest negatives under the current W, re-ranked every step, from one of two candidate pools:
-the point's mined ANNS shortlist (SiameseXML Module IV), or NGAME M2's in-batch negatives -- the positives
-of the other points of the batch, where a batch is a union of clusters of the (frozen) point embeddings so
-those are hard negatives -- or both. W is a ``ShardedClassifier`` (one shard) updated with SparseAdam (or SGD,
-``classifier.w_optimizer``): a step touches only the rows it scored, so memory and time per step do not grow
-with L.
+normalise(E(z_l) + v_l) with ``classifier.init``) and is trained on each point's positives plus the hardest
+negatives under the current W, re-ranked every step, from the ``classifier.negatives`` pool of
+``xc_dagster.sampling.hard_negatives.HARD_NEGATIVE_POOLS`` (the mined shortlist, NGAME M2's in-batch negatives
+over cluster batches, or both), with the ``classifier.loss`` of ``xc_dagster.training.losses.CLASSIFIER_LOSSES``.
+W is a ``ShardedClassifier`` (one shard) updated with SparseAdam (or SGD, ``classifier.w_optimizer``): a step
+touches only the rows it scored, so memory and time per step do not grow with L.
 
 SiameseXML Module IV also fine-tunes the bag encoder's residual block with W (``classifier.train_residual``):
 the points' intermediate embeddings f_E(x) stay frozen and x = N(R(f_E(x))) is recomputed every step.
@@ -17,84 +16,39 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import numpy as np
 import scipy.sparse as sp
 import torch
 import torch.nn.functional as F
 
-from xc_dagster.config import ClassifierParams
+from xc_dagster.config import HardNegativeTrainerParams
 from xc_dagster.encoders.bag import BagOfEmbeddingsEncoder
 from xc_dagster.errors import XCConfigError
-from xc_dagster.sampling.clustering import balanced_clusters, cluster_batches
-from xc_dagster.sampling.labels import positive_mask, sample_positives
-from xc_dagster.training.checkpoint import Checkpointer, restore_rng
-from xc_dagster.training.losses import masked_bce_loss, multi_positive_triplet_loss, siamesexml_classifier_loss
+from xc_dagster.sampling.batches import classifier_batches
+from xc_dagster.sampling.hard_negatives import HARD_NEGATIVE_POOLS, hardest
+from xc_dagster.sampling.labels import sample_positives
+from xc_dagster.sampling.negatives import SAMPLED_NEGATIVES
+from xc_dagster.training.checkpoint import Checkpointer, Resumable, Resumed, restore_rng
+from xc_dagster.training.losses import CLASSIFIER_LOSSES
 from xc_dagster.training.sharded import ShardedClassifier, ShardedOptimizer
 
 MetricsFn = Callable[[int, dict[str, float]], None]
-LOSSES = ("bce", "triplet", "siamesexml")
-NEGATIVES = ("shortlist", "in-batch", "both")
+SAMPLED = "|".join(SAMPLED_NEGATIVES)
 
 
-def classifier_batches(rows: np.ndarray, params: ClassifierParams,
-                       rng: np.random.Generator, clusters: np.ndarray | None) -> list[np.ndarray]:
-    """One epoch of batches: random, or unions of random clusters (``clusters``: cluster id per point)."""
-    if clusters is None:
-        perm = rng.permutation(rows)
-        return [perm[s:s + params.batch_size] for s in range(0, len(perm), params.batch_size)]
-    return cluster_batches(clusters, rows, params.batch_size, rng)
-
-
-def hardest_negatives(x: torch.Tensor, W: torch.Tensor, batch: np.ndarray, pos: np.ndarray,
-                      shortlist: np.ndarray, Y: sp.csr_matrix, mode: str, num: int) -> torch.Tensor:
-    """The ``num`` hardest negatives (highest w_l.x under the current W) per point of ``batch``, -1 padded.
-
-    Candidate pools: ``shortlist`` = the point's mined labels; ``in-batch`` = every label sampled as a positive
-    by a point of the batch (NGAME M2: with cluster batches these are labels of similar points), scored with
-    one (B x U) matmul; ``both`` = their union (a label in both pools counts once). True positives of the
-    point are never negatives.
-    """
-    ids, scores = [], []
-    with torch.no_grad():
-        if mode in ("shortlist", "both"):
-            c = shortlist[batch].astype(np.int64)
-            c = np.where(positive_mask(Y, batch, c), -1, c)
-            ct = torch.from_numpy(c).to(x.device)
-            ids.append(ct)
-            scores.append(torch.einsum("bd,bkd->bk", x, W[ct.clamp_min(0)]).masked_fill(ct < 0, float("-inf")))
-        if mode in ("in-batch", "both"):
-            u = np.unique(pos[pos >= 0])
-            ub = np.broadcast_to(u, (len(batch), len(u)))
-            drop = positive_mask(Y, batch, ub)
-            if mode == "both":  # already a candidate from the shortlist
-                c = shortlist[batch]
-                r = np.repeat(np.arange(len(batch)), c.shape[1])[c.ravel() >= 0]
-                S = sp.csr_matrix((np.ones(len(r), dtype=np.int8), (r, c.ravel()[c.ravel() >= 0])),
-                                  shape=(len(batch), W.shape[0]))
-                drop |= positive_mask(S, np.arange(len(batch)), ub)
-            ut = torch.from_numpy(u).to(x.device)
-            drop_t = torch.from_numpy(drop).to(x.device)
-            ids.append(ut.expand(len(batch), -1).masked_fill(drop_t, -1))
-            scores.append((x @ W[ut].T).masked_fill(drop_t, float("-inf")))
-        cand, sc = torch.cat(ids, 1), torch.cat(scores, 1)
-        top = sc.topk(min(num, sc.shape[1]), dim=1)
-        return torch.gather(cand, 1, top.indices).masked_fill(torch.isinf(top.values), -1)
-
-
-def classifier_loss(scores: torch.Tensor, is_pos: torch.Tensor, valid: torch.Tensor,
-                    params: ClassifierParams, pos_weight: torch.Tensor | None = None) -> torch.Tensor:
-    """``classifier.loss`` on a batch's (B, C) candidate scores: bce (on scale * score), the SiameseXML Module IV
-    contrastive loss, or NGAME M2's multi-positive triplet; ``pos_weight`` (B, C) weights the positives' terms
-    (its other entries are ignored)."""
-    if params.loss == "bce":
-        w = None if pos_weight is None else torch.where(is_pos, pos_weight, torch.ones_like(pos_weight))
-        return masked_bce_loss(params.scale * scores, is_pos, valid, w)
-    if params.loss == "siamesexml":
-        return siamesexml_classifier_loss(scores, is_pos, valid, params.contrastive_c, params.contrastive_d,
-                                          params.neg_threshold, pos_weight=pos_weight)
-    return multi_positive_triplet_loss(scores, is_pos, valid, params.margin, pos_weight)
+def check_hard_negative_params(params: HardNegativeTrainerParams) -> None:
+    """Raise XCConfigError naming the first ``classifier.*`` field this trainer cannot take."""
+    if params.loss not in CLASSIFIER_LOSSES:
+        raise XCConfigError(f"classifier.loss: expected one of {sorted(CLASSIFIER_LOSSES)}, got {params.loss!r}")
+    if params.negatives not in HARD_NEGATIVE_POOLS:
+        raise XCConfigError(f"classifier.negatives: expected one of {sorted(HARD_NEGATIVE_POOLS)}, "
+                            f"got {params.negatives!r}")
+    if params.epochs != int(params.epochs) or params.epochs < 0:
+        raise XCConfigError(f"classifier.epochs: the hardest-negative trainer takes whole epochs >= 0, got "
+                            f"{params.epochs} (fractions work with classifier.negatives={SAMPLED})")
 
 
 def propensity_label_weights(inv_prop: np.ndarray, Y: sp.csr_matrix, rows: np.ndarray,
@@ -114,18 +68,127 @@ def propensity_label_weights(inv_prop: np.ndarray, Y: sp.csr_matrix, rows: np.nd
     return (w * total / float(counts @ w)).astype(np.float32)
 
 
-def _w_optimizer(clf: ShardedClassifier, params: ClassifierParams) -> ShardedOptimizer:
-    """``classifier.w_optimizer`` over the rows of W a step scored: SparseAdam (NGAME code) or plain SGD, whose
-    step is proportional to the gradient, so rows touched rarely move little (LF-WordNetNounsTitles: no better
-    fused, bench/RESULTS.md thirteenth session)."""
+def _w_optimizer(clf: ShardedClassifier, params: HardNegativeTrainerParams) -> ShardedOptimizer:
+    """``classifier.w_optimizer`` over the rows of W a step scored: SparseAdam (NGAME code, the default) or plain
+    SGD, whose step is proportional to the gradient (docs/decisions.md#classifier-w-optimizer-sparse-adam)."""
     if params.w_optimizer == "sgd" and params.weight_decay:  # ShardedOptimizer checks the name itself
         raise XCConfigError("classifier.weight_decay: the hardest-negative trainer takes no weight decay "
-                            f"(got {params.weight_decay}); it applies to negatives=uniform|astra|mips")
+                            f"(got {params.weight_decay}); it applies to negatives={SAMPLED}")
     return ShardedOptimizer(clf, params.w_optimizer, params.lr)
 
 
+@dataclass
+class Candidates:
+    """A batch's points (``x``, their embeddings) and the label ids each is scored against: the sampled
+    positives first, then the hardest negatives (-1 padded)."""
+
+    x: torch.Tensor
+    ids: torch.Tensor
+    is_pos: torch.Tensor
+    valid: torch.Tensor
+
+
+class ClassifierTrainer(Resumable):
+    """The hardest-negative trainer's state -- W and its optimizer, the residual block and its Adam (Module IV),
+    batches, negative pool, loss, numpy generator -- and its step.
+
+    ``step(batch)`` is ``update(batch_loss(batch))``; ``batch_loss`` is ``candidate_loss(candidates(batch))``.
+    """
+
+    def __init__(self, point_emb: np.ndarray, label_emb: np.ndarray, Y: sp.csr_matrix, shortlist: np.ndarray,
+                 train_rows: np.ndarray, params: HardNegativeTrainerParams, device: torch.device,
+                 encoder: BagOfEmbeddingsEncoder | None = None, label_weight: np.ndarray | None = None):
+        check_hard_negative_params(params)
+        self.params, self.device, self.encoder = params, device, encoder
+        self.epochs = int(params.epochs)
+        self.Y = Y.tocsr()
+        rows = np.asarray(train_rows, dtype=np.int64)
+        self.rows = rows[np.diff(self.Y.indptr)[rows] > 0]
+        self.rng = np.random.default_rng(params.seed)
+        torch.manual_seed(params.seed)
+        self.clf = ShardedClassifier(np.asarray(label_emb, dtype=np.float32), [device])
+        self.W = self.clf.weights[0]
+        self.opt = _w_optimizer(self.clf, params)
+        self.residual_opt = None
+        if encoder is not None:
+            encoder.to(device).train()  # dropout of the residual block, as in the pretraining
+            self.residual_opt = torch.optim.Adam(encoder.residual.parameters(), lr=params.residual_lr)
+        self.X = torch.from_numpy(np.ascontiguousarray(point_emb, dtype=np.float32))
+        self.label_weight = (None if label_weight is None
+                             else torch.from_numpy(np.asarray(label_weight, dtype=np.float32)).to(device))
+        self.steps_per_epoch = math.ceil(len(self.rows) / params.batch_size)
+        # the encoder is frozen, so the point embeddings and hence their clusters are fixed: cluster once
+        self.batches = classifier_batches(point_emb, self.rows, params)
+        self.pool = HARD_NEGATIVE_POOLS[params.negatives](self.Y, shortlist)
+        self.loss = CLASSIFIER_LOSSES[params.loss].from_params(params)
+        self.steps, self.last = 0, float("nan")
+
+    def epoch_batches(self, epoch: int) -> list[np.ndarray]:
+        return self.batches.epoch(epoch, self.rng)
+
+    def candidates(self, batch: np.ndarray) -> Candidates:
+        """Sampled positives and the hardest negatives under the current W of the points ``batch``."""
+        pos = sample_positives(self.Y, batch, self.params.num_positives, self.rng)
+        x = self.X[batch].to(self.device)
+        if self.encoder is not None:
+            x = self.encoder.from_intermediate(x)
+        neg = hardest(self.pool, x, self.W, batch, pos, self.params.num_negatives)
+        ids = torch.cat([torch.from_numpy(pos).to(self.device), neg], dim=1)
+        valid = ids >= 0
+        is_pos = torch.zeros_like(valid)
+        is_pos[:, :pos.shape[1]] = True
+        return Candidates(x, ids, is_pos, valid)
+
+    def candidate_loss(self, c: Candidates) -> torch.Tensor:
+        """The loss of the candidates' scores (gradients reach only the rows of W scored)."""
+        scores = self.clf.scores(c.x, c.ids, normalize=self.params.normalize)
+        lw = None if self.label_weight is None else self.label_weight[c.ids.clamp_min(0)]
+        return self.loss(scores, c.is_pos, c.valid, lw)
+
+    def batch_loss(self, batch: np.ndarray) -> torch.Tensor:
+        return self.candidate_loss(self.candidates(batch))
+
+    def update(self, loss: torch.Tensor) -> float:
+        """Backward of the last ``batch_loss``, then the W (and residual) optimizer steps; returns the loss."""
+        if self.residual_opt is not None:
+            self.residual_opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+        if self.residual_opt is not None:
+            self.residual_opt.step()
+        self.steps += 1
+        return float(loss.detach())
+
+    def step(self, batch: np.ndarray) -> float:
+        return self.update(self.batch_loss(batch))
+
+    def state(self) -> dict[str, Any]:
+        state = {"W": self.W.detach().cpu(), "opt": self.opt.state_dict(), "steps": self.steps, "last": self.last}
+        if self.encoder is not None:
+            state.update(residual={k: v.detach().cpu() for k, v in self.encoder.residual.state_dict().items()},
+                         residual_opt=self.residual_opt.state_dict())
+        return state
+
+    def load_state(self, resumed: Resumed) -> None:
+        st = resumed.state
+        self.clf.load_full(st["W"])
+        self.opt.load_state_dict(st["opt"])
+        if self.encoder is not None:
+            self.encoder.residual.load_state_dict(st["residual"])
+            self.residual_opt.load_state_dict(st["residual_opt"])
+        restore_rng(self.rng, resumed)
+        self.steps, self.last = int(st["steps"]), float(st["last"])
+
+    def weights(self) -> np.ndarray:
+        """W (L x D float32), rows at unit norm with ``classifier.normalize``."""
+        Wn = self.W.detach()
+        if self.params.normalize:
+            Wn = F.normalize(Wn, dim=-1)
+        return Wn.cpu().numpy().astype(np.float32)
+
+
 def train_classifiers(point_emb: np.ndarray, label_emb: np.ndarray, Y: sp.csr_matrix, shortlist: np.ndarray,
-                      train_rows: np.ndarray, params: ClassifierParams, device: torch.device,
+                      train_rows: np.ndarray, params: HardNegativeTrainerParams, device: torch.device,
                       log_metrics: MetricsFn | None = None,
                       checkpoint: Checkpointer | None = None,
                       encoder: BagOfEmbeddingsEncoder | None = None,
@@ -141,82 +204,20 @@ def train_classifiers(point_emb: np.ndarray, label_emb: np.ndarray, Y: sp.csr_ma
     With ``checkpoint``, the state is saved after every epoch and a matching checkpoint is resumed from: the
     result equals an uninterrupted run's (same seed).
     """
-    if params.loss not in LOSSES:
-        raise XCConfigError(f"classifier.loss: expected one of {LOSSES}, got {params.loss!r}")
-    if params.negatives not in NEGATIVES:
-        raise XCConfigError(f"classifier.negatives: expected one of {NEGATIVES}, got {params.negatives!r}")
-    if params.epochs != int(params.epochs) or params.epochs < 0:
-        raise XCConfigError(f"classifier.epochs: the hardest-negative trainer takes whole epochs >= 0, got "
-                            f"{params.epochs} (fractions work with classifier.negatives=uniform|astra|mips)")
-    epochs = int(params.epochs)
-    Y = Y.tocsr()
-    rows = np.asarray(train_rows, dtype=np.int64)
-    rows = rows[np.diff(Y.indptr)[rows] > 0]
-    rng = np.random.default_rng(params.seed)
-    torch.manual_seed(params.seed)
-    clf = ShardedClassifier(np.asarray(label_emb, dtype=np.float32), [device])
-    W = clf.weights[0]
-    opt = _w_optimizer(clf, params)
-    residual_opt = None
-    if encoder is not None:
-        encoder.to(device).train()  # dropout of the residual block, as in the pretraining
-        residual_opt = torch.optim.Adam(encoder.residual.parameters(), lr=params.residual_lr)
-    X = torch.from_numpy(np.ascontiguousarray(point_emb, dtype=np.float32))
-    lw = None if label_weight is None else torch.from_numpy(np.asarray(label_weight, dtype=np.float32)).to(device)
-    steps, t0, last = 0, time.perf_counter(), float("nan")
-    steps_per_epoch = math.ceil(len(rows) / params.batch_size)
-    # the encoder is frozen, so the point embeddings and hence their clusters are fixed: cluster once
-    clusters = None
-    if params.cluster_size > 1:
-        clusters = np.full(len(point_emb), -1, dtype=np.int64)
-        clusters[rows] = balanced_clusters(point_emb[rows], params.cluster_size, seed=params.seed)
-    start = 0
-    resumed = checkpoint.load() if checkpoint is not None else None
-    if resumed is not None:
-        clf.load_full(resumed.state["W"])
-        opt.load_state_dict(resumed.state["opt"])
-        if encoder is not None:
-            encoder.residual.load_state_dict(resumed.state["residual"])
-            residual_opt.load_state_dict(resumed.state["residual_opt"])
-        restore_rng(rng, resumed)
-        start, steps, last = resumed.epoch, int(resumed.state["steps"]), float(resumed.state["last"])
-    for epoch in range(start, epochs):
-        ep_loss = []
-        for batch in classifier_batches(rows, params, rng, clusters):
-            pos = sample_positives(Y, batch, params.num_positives, rng)
-            x = X[batch].to(device)
-            if encoder is not None:
-                x = encoder.from_intermediate(x)
-            neg = hardest_negatives(x, W, batch, pos, shortlist, Y, params.negatives, params.num_negatives)
-            ids = torch.cat([torch.from_numpy(pos).to(device), neg], dim=1)
-            valid = ids >= 0
-            is_pos = torch.zeros_like(valid)
-            is_pos[:, :pos.shape[1]] = True
-            scores = clf.scores(x, ids, normalize=params.normalize)  # gradients reach only the rows scored
-            loss = classifier_loss(scores, is_pos, valid, params, None if lw is None else lw[ids.clamp_min(0)])
-            if residual_opt is not None:
-                residual_opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            if residual_opt is not None:
-                residual_opt.step()
-            steps += 1
-            ep_loss.append(float(loss.detach()))
-        last = float(np.mean(ep_loss)) if ep_loss else float("nan")
+    trainer = ClassifierTrainer(point_emb, label_emb, Y, shortlist, train_rows, params, device, encoder,
+                                label_weight)
+    t0 = time.perf_counter()
+    start = trainer.start(checkpoint)
+    for epoch in range(start, trainer.epochs):
+        losses = [trainer.step(batch) for batch in trainer.epoch_batches(epoch)]
+        trainer.last = float(np.mean(losses)) if losses else float("nan")
         if checkpoint is not None:
-            state = {"W": W.detach().cpu(), "opt": opt.state_dict(), "steps": steps, "last": last}
-            if encoder is not None:
-                state.update(residual={k: v.detach().cpu() for k, v in encoder.residual.state_dict().items()},
-                             residual_opt=residual_opt.state_dict())
-            checkpoint.save(epoch + 1, state, rng)
+            checkpoint.save(epoch + 1, trainer.state(), trainer.rng)
         if log_metrics is not None:
-            log_metrics(epoch + 1, {"classifier_loss": last})
+            log_metrics(epoch + 1, {"classifier_loss": trainer.last})
     if encoder is not None:
         encoder.eval()
-    Wn = W.detach()
-    if params.normalize:
-        Wn = F.normalize(Wn, dim=-1)
-    return Wn.cpu().numpy().astype(np.float32), {"steps": steps, "seconds": time.perf_counter() - t0,
-                                                 "final_loss": last, "steps_per_epoch": steps_per_epoch,
-                                                 "negatives": params.negatives, "resumed_from_epoch": start,
-                                                 "clusters": 0 if clusters is None else int(clusters.max() + 1)}
+    return trainer.weights(), {"steps": trainer.steps, "seconds": time.perf_counter() - t0,
+                               "final_loss": trainer.last, "steps_per_epoch": trainer.steps_per_epoch,
+                               "negatives": params.negatives, "resumed_from_epoch": start,
+                               "clusters": trainer.batches.n_clusters}

@@ -3,12 +3,13 @@
 Training examples are the training points (validation rows held out) and, with ``label_points``, every label's
 text as a point whose one positive is that label (ASTRA, following Renee). Per step: embed the batch (the
 encoder in train mode when ``train_encoder``, else the frozen embeddings), take up to ``num_positives`` (k_p)
-positives, draw negatives from the sampler (``xc_dagster.sampling.negatives``), and minimise
+positives, draw negatives from the ``classifier.negatives`` sampler of
+``xc_dagster.sampling.negatives.SAMPLED_NEGATIVES``, and minimise
 ``sum_pos log(1 + e^-s) + sum_neg weight * log(1 + e^s)`` (mean over the batch), s = scale * w.x + b with b one
-learned bias shared by all labels (``logit_bias``). W lives in a
-``ShardedClassifier`` (one shard per GPU) and only the scored rows are touched: SGD (ASTRA) or SparseAdam for W,
-AdamW for the encoder, one cosine-with-warm-up schedule for both, dropout on the query embedding before the
-classifiers. With ``checkpoint`` the whole state is saved after every epoch and resumed from.
+learned bias shared by all labels (``logit_bias``). W lives in a ``ShardedClassifier`` (one shard per GPU) and
+only the scored rows are touched: SGD (ASTRA) or SparseAdam for W, AdamW for the encoder, one
+cosine-with-warm-up schedule for both, dropout on the query embedding before the classifiers. With
+``checkpoint`` the whole state is saved after every epoch and resumed from.
 """
 
 from __future__ import annotations
@@ -23,36 +24,39 @@ import scipy.sparse as sp
 import torch
 import torch.nn.functional as F
 
-from xc_dagster.config import ClassifierParams
+from xc_dagster.config import EndToEndTrainerParams
 from xc_dagster.device import adamw, autocast
 from xc_dagster.encoders.encode import embed_rows, encode_tokens
 from xc_dagster.errors import XCConfigError
+from xc_dagster.sampling.batches import RandomBatches
 from xc_dagster.sampling.labels import sample_positives
-from xc_dagster.sampling.negatives import (
-    SAMPLERS,
-    AstraNegatives,
-    IndexSettings,
-    MipsNegatives,
-    NegativeSample,
-    UniformNegatives,
-)
-from xc_dagster.training.checkpoint import Checkpointer, restore_rng
+from xc_dagster.sampling.negatives import SAMPLED_NEGATIVES, NegativeSample
+from xc_dagster.training.checkpoint import Checkpointer, Resumable, Resumed, restore_rng, to_arrays, to_tensors
 from xc_dagster.training.losses import masked_bce_loss
+from xc_dagster.training.schedules import cosine_with_warmup
 from xc_dagster.training.sharded import ShardedClassifier, ShardedOptimizer, shard_devices
+from xc_dagster.training.window import MetricsWindow
 
 MetricsFn = Callable[[int, dict[str, float]], None]
-
-
+Tokens = tuple[np.ndarray, np.ndarray]  # token ids (N, T), lengths (N,)
 ENCODER_NEGATIVES = ("all", "hard")
 
 
-def cosine_with_warmup(warmup: int, total: int) -> Callable[[int], float]:
-    """Linear warm-up to 1 over ``warmup`` steps, then cosine decay to 0 at ``total``."""
-    def f(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / max(warmup, 1)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (step - warmup) / max(total - warmup, 1))))
-    return f
+def check_end_to_end_params(params: EndToEndTrainerParams, has_encoder: bool) -> None:
+    """Raise XCConfigError naming the first ``classifier.*`` field this trainer cannot take; ``has_encoder``:
+    the encoder and the tokens were given."""
+    if params.negatives not in SAMPLED_NEGATIVES:
+        raise XCConfigError(f"classifier.negatives: the BCE trainer takes one of {sorted(SAMPLED_NEGATIVES)}, "
+                            f"got {params.negatives!r}")
+    if params.train_encoder and not has_encoder:
+        raise XCConfigError("classifier.train_encoder needs the encoder and the tokens")
+    if params.encoder_negatives not in ENCODER_NEGATIVES:
+        raise XCConfigError(f"classifier.encoder_negatives: expected one of {ENCODER_NEGATIVES}, "
+                            f"got {params.encoder_negatives!r}")
+    if not 0.0 <= params.dropout < 1.0:
+        raise XCConfigError(f"classifier.dropout: expected in [0, 1), got {params.dropout}")
+    if params.refresh_every < 0:
+        raise XCConfigError(f"classifier.refresh_every: expected >= 0 epochs, got {params.refresh_every}")
 
 
 def examples(Y: sp.csr_matrix, train_rows: np.ndarray, label_points: bool) -> tuple[np.ndarray, sp.csr_matrix]:
@@ -71,29 +75,8 @@ def examples(Y: sp.csr_matrix, train_rows: np.ndarray, label_points: bool) -> tu
     return np.concatenate(src), Yex
 
 
-def make_sampler(params: ClassifierParams, Yex: sp.csr_matrix, bank: np.ndarray, steps_per_epoch: int,
-                 initial_table: np.ndarray | None, total_steps: int | None = None):
-    """The ``classifier.negatives`` sampler, its epoch-valued intervals turned into steps."""
-    def steps(epochs: float, what: str) -> int:
-        if epochs < 0:
-            raise XCConfigError(f"classifier.{what}: expected >= 0 epochs, got {epochs}")
-        return int(round(epochs * steps_per_epoch))
-
-    idx = IndexSettings(params.sampler_index, params.sampler_hnsw_m, params.sampler_hnsw_ef_construction,
-                        params.sampler_hnsw_ef,
-                        params.mips_partitions, params.mips_probe, params.seed)
-    every = max(1, steps(params.refresh_every, "refresh_every"))
-    if params.negatives == "uniform":
-        return UniformNegatives(Yex, params.num_hard + params.num_random)
-    if params.negatives == "astra":
-        return AstraNegatives(Yex, bank, params.num_hard, params.num_random, steps(params.hard_start, "hard_start"),
-                              every, min(steps_per_epoch, every), idx, params.refresh_async, initial_table,
-                              total_steps)
-    return MipsNegatives(Yex, params.num_hard, params.num_hard + params.num_random, every, idx)
-
-
 def sampled_bce(clf: ShardedClassifier, x: torch.Tensor, pos: np.ndarray, neg: NegativeSample,
-                params: ClassifierParams, bias: torch.Tensor | float = 0.0,
+                params: EndToEndTrainerParams, bias: torch.Tensor | float = 0.0,
                 label_weight: np.ndarray | None = None) -> torch.Tensor:
     """One step's loss: BCE of (dropout) query embeddings ``x`` against their positives (weight 1, or
     ``label_weight`` of their label: ``classifier.propensity_weight``) and sampled negatives (the sampler's
@@ -113,27 +96,6 @@ def sampled_bce(clf: ShardedClassifier, x: torch.Tensor, pos: np.ndarray, neg: N
     return masked_bce_loss(params.scale * scores + bias, is_pos, valid & (weights > 0), weights)
 
 
-def _to_torch(x: Any) -> Any:
-    """numpy arrays inside a state -> tensors (checkpoints load with weights_only=True)."""
-    if isinstance(x, np.ndarray):
-        return torch.from_numpy(np.ascontiguousarray(x))
-    if isinstance(x, dict):
-        return {k: _to_torch(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_to_torch(v) for v in x]
-    return x
-
-
-def _to_numpy(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.numpy()
-    if isinstance(x, dict):
-        return {k: _to_numpy(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_to_numpy(v) for v in x]
-    return x
-
-
 @dataclass
 class EndToEndResult:
     W: np.ndarray
@@ -142,14 +104,162 @@ class EndToEndResult:
     summary: dict[str, Any] = field(default_factory=dict)
 
 
+class EndToEndTrainer(Resumable):
+    """The BCE trainer's state -- W and its optimizer, the shared logit bias, the encoder and its AdamW
+    (``train_encoder``), the negative sampler, the embedding bank of the examples, numpy generator -- and its step.
+
+    ``step(batch)`` is ``update(batch_loss(batch))``: ``batch_loss`` lets the sampler refresh, embeds the batch,
+    samples positives and negatives and returns the BCE; ``update`` runs backward and the optimizer steps, and
+    hands the batch's embeddings to the sampler. Call ``close`` when done (the sampler's background builds).
+    """
+
+    def __init__(self, point_emb: np.ndarray, label_emb: np.ndarray, W0: np.ndarray, Y: sp.csr_matrix,
+                 train_rows: np.ndarray, params: EndToEndTrainerParams, device: torch.device, *,
+                 encoder: torch.nn.Module | None = None, point_tokens: Tokens | None = None,
+                 label_tokens: Tokens | None = None, dtype: torch.dtype | None = None,
+                 shortlist: np.ndarray | None = None, label_weight: np.ndarray | None = None):
+        check_end_to_end_params(params, encoder is not None and point_tokens is not None and label_tokens is not None)
+        self.params, self.device, self.dtype, self.label_weight = params, device, dtype, label_weight
+        self.encoder, self.point_tokens, self.label_tokens = encoder, point_tokens, label_tokens
+        self.src, self.Yex = examples(Y, train_rows, params.label_points)
+        n = len(self.src)
+        is_label = self.src < 0
+        self.n_label_points = int(is_label.sum())
+        self.bank = np.empty((n, point_emb.shape[1]), dtype=np.float32)  # row i: example i's latest embedding
+        self.bank[~is_label] = point_emb[self.src[~is_label]]
+        self.bank[is_label] = label_emb[-1 - self.src[is_label]]
+        initial = None
+        if shortlist is not None:
+            initial = np.full((n, shortlist.shape[1]), -1, dtype=np.int64)
+            initial[~is_label] = shortlist[self.src[~is_label]]
+        self.steps_per_epoch = max(1, math.ceil(n / params.batch_size))
+        total = max(1, math.ceil(params.epochs * self.steps_per_epoch))
+        self.n_epochs = math.ceil(params.epochs)
+        self.batches = RandomBatches(np.arange(n), params.batch_size, min_size=1)
+        self.sampler = SAMPLED_NEGATIVES[params.negatives].from_params(params, self.Yex, self.bank,
+                                                                       self.steps_per_epoch, initial, total)
+        self.rng = np.random.default_rng(params.seed)
+        torch.manual_seed(params.seed)
+        self.clf = ShardedClassifier(W0, shard_devices(params.shards, device))
+        self.w_opt = ShardedOptimizer(self.clf, params.w_optimizer, params.lr, params.weight_decay)
+        self.lr_factor = cosine_with_warmup(params.warmup_steps, total)
+        self.enc_opt = self.enc_sched = None
+        if params.train_encoder:
+            self.enc_opt = adamw(encoder.parameters(), params.encoder_lr, 0.01)
+            self.enc_sched = torch.optim.lr_scheduler.LambdaLR(self.enc_opt, self.lr_factor)
+            encoder.train()
+        prior = min(max(self.Yex.nnz / max(n, 1) / max(self.Yex.shape[1], 1), 1e-9), 0.5)
+        self.bias = torch.tensor(math.log(prior / (1 - prior)) if params.logit_bias else 0.0, device=device,
+                                 requires_grad=params.logit_bias)
+        self.bias_opt = torch.optim.Adam([self.bias], lr=1e-2) if params.logit_bias else None
+        self.steps, self.last = 0, float("nan")
+        self._observed: tuple[np.ndarray, np.ndarray] | None = None  # the last batch's rows and embeddings
+
+    def epoch_batches(self, epoch: int) -> list[np.ndarray]:
+        """Random batches of examples; the fractional last epoch of ``classifier.epochs`` cut short."""
+        batches = self.batches.epoch(epoch, self.rng)
+        if epoch == self.n_epochs - 1 and self.params.epochs < self.n_epochs:
+            batches = batches[:max(1, math.ceil((self.params.epochs - epoch) * len(batches)))]
+        return batches
+
+    def batch_loss(self, batch: np.ndarray) -> torch.Tensor:
+        """The BCE of the examples ``batch`` against their positives and sampled negatives."""
+        self.sampler.before_step(self.steps, self.clf.snapshot)
+        pos = sample_positives(self.Yex, batch, self.params.num_positives, self.rng)
+        if self.params.train_encoder:
+            x = _embed_examples(self.encoder, self.src[batch], self.point_tokens, self.label_tokens, self.params,
+                                self.device, self.dtype)
+        else:
+            x = torch.from_numpy(self.bank[batch]).to(self.device)
+        x_np = x.detach().float().cpu().numpy()
+        neg = self.sampler.sample(batch, x_np, self.steps, self.rng)
+        self._observed = (batch, x_np)
+        return sampled_bce(self.clf, x, pos, neg, self.params, self.bias, self.label_weight)
+
+    def update(self, loss: torch.Tensor) -> float:
+        """Backward of the last ``batch_loss``; encoder (clipped at 1.0), W and bias steps; returns the loss."""
+        if self.enc_opt is not None:
+            self.enc_opt.zero_grad(set_to_none=True)
+        if self.bias_opt is not None:
+            self.bias_opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.enc_opt is not None:
+            torch.nn.utils.clip_grad_norm_(self.encoder.parameters(), 1.0)
+            self.enc_opt.step()
+            self.enc_sched.step()
+            self.sampler.observe(*self._observed)
+        self.w_opt.step(self.lr_factor(self.steps))
+        if self.bias_opt is not None:
+            self.bias_opt.step()
+        self.steps += 1
+        self.last = float(loss.detach())
+        return self.last
+
+    def step(self, batch: np.ndarray) -> float:
+        return self.update(self.batch_loss(batch))
+
+    def state(self) -> dict[str, Any]:
+        train_enc = self.enc_opt is not None
+        return {"W": torch.from_numpy(self.clf.full()), "w_opt": self.w_opt.state_dict(), "step": self.steps,
+                "last": self.last, "bias": self.bias.detach().clone(),
+                "bias_opt": self.bias_opt.state_dict() if self.bias_opt else {},
+                "encoder": self.encoder.state_dict() if train_enc else {},
+                "enc_opt": self.enc_opt.state_dict() if train_enc else {},
+                "enc_sched": self.enc_sched.state_dict() if train_enc else {},
+                "sampler": to_tensors(self.sampler.state())}
+
+    def load_state(self, resumed: Resumed) -> None:
+        st = resumed.state
+        self.clf.load_full(st["W"])
+        if self.bias_opt is not None:
+            with torch.no_grad():
+                self.bias.copy_(st["bias"])
+            self.bias_opt.load_state_dict(st["bias_opt"])
+        self.w_opt.load_state_dict(st["w_opt"])
+        if self.enc_opt is not None:
+            self.encoder.load_state_dict(st["encoder"])
+            self.enc_opt.load_state_dict(st["enc_opt"])
+            self.enc_sched.load_state_dict(st["enc_sched"])
+        self.sampler.load_state(to_arrays(st["sampler"]))
+        restore_rng(self.rng, resumed)
+        self.steps, self.last = int(st["step"]), float(st["last"])
+
+    def close(self) -> None:
+        self.sampler.close()
+
+    def result(self, seconds: float, resumed_from_epoch: int, reencode: bool = True) -> EndToEndResult:
+        """W (unit rows with ``classifier.normalize``), the re-encoded embeddings (``train_encoder`` and
+        ``reencode``) and the summary of a run that took ``seconds``."""
+        params, train_enc = self.params, self.enc_opt is not None
+        W = self.clf.full()
+        if params.normalize:
+            W = W / np.maximum(np.linalg.norm(W, axis=1, keepdims=True), 1e-12)
+        p_emb = l_emb = None
+        t1 = time.perf_counter()
+        if train_enc:
+            self.encoder.eval()
+        if train_enc and reencode:
+            p_emb = encode_tokens(self.encoder, *self.point_tokens, self.device, self.dtype, params.encode_batch_size)
+            l_emb = encode_tokens(self.encoder, *self.label_tokens, self.device, self.dtype, params.encode_batch_size)
+        builds = self.sampler.build_seconds
+        summary = {"steps": self.steps, "seconds": seconds, "final_loss": self.last,
+                   "steps_per_epoch": self.steps_per_epoch, "examples": int(len(self.src)),
+                   "label_points": self.n_label_points, "negatives": params.negatives,
+                   "train_encoder": bool(train_enc), "refreshes": int(self.sampler.refreshes),
+                   "logit_bias": float(self.bias.detach()),
+                   "index_build_seconds_mean": float(np.mean(builds)) if builds else 0.0,
+                   "shards": len(self.clf.weights), "resumed_from_epoch": resumed_from_epoch,
+                   "examples_per_s": self.steps * params.batch_size / max(seconds, 1e-9),
+                   "encode_seconds": time.perf_counter() - t1}
+        return EndToEndResult(W.astype(np.float32), p_emb, l_emb, summary)
+
+
 def train_end_to_end(point_emb: np.ndarray, label_emb: np.ndarray, W0: np.ndarray, Y: sp.csr_matrix,
-                     train_rows: np.ndarray, params: ClassifierParams, device: torch.device, *,
-                     encoder: torch.nn.Module | None = None,
-                     point_tokens: tuple[np.ndarray, np.ndarray] | None = None,
-                     label_tokens: tuple[np.ndarray, np.ndarray] | None = None,
-                     dtype: torch.dtype | None = None, shortlist: np.ndarray | None = None,
-                     log_metrics: MetricsFn | None = None, checkpoint: Checkpointer | None = None,
-                     log_every: int = 10, reencode: bool = True,
+                     train_rows: np.ndarray, params: EndToEndTrainerParams, device: torch.device, *,
+                     encoder: torch.nn.Module | None = None, point_tokens: Tokens | None = None,
+                     label_tokens: Tokens | None = None, dtype: torch.dtype | None = None,
+                     shortlist: np.ndarray | None = None, log_metrics: MetricsFn | None = None,
+                     checkpoint: Checkpointer | None = None, log_every: int = 10, reencode: bool = True,
                      label_weight: np.ndarray | None = None) -> EndToEndResult:
     """Train W (and ``encoder`` in place when ``params.train_encoder``) with the ``params.negatives`` sampler.
 
@@ -159,139 +269,29 @@ def train_end_to_end(point_emb: np.ndarray, label_emb: np.ndarray, W0: np.ndarra
     training point and label with the trained encoder afterwards (what the later stages need).
     ``label_weight`` (L,): a weight on each label's positive terms (``propensity_label_weights``).
     """
-    if params.negatives not in SAMPLERS:
-        raise XCConfigError(f"classifier.negatives: the BCE trainer takes {SAMPLERS}, got {params.negatives!r}")
-    if params.train_encoder and (encoder is None or point_tokens is None or label_tokens is None):
-        raise XCConfigError("classifier.train_encoder needs the encoder and the tokens")
-    if params.encoder_negatives not in ENCODER_NEGATIVES:
-        raise XCConfigError(f"classifier.encoder_negatives: expected one of {ENCODER_NEGATIVES}, "
-                            f"got {params.encoder_negatives!r}")
-    if not 0.0 <= params.dropout < 1.0:
-        raise XCConfigError(f"classifier.dropout: expected in [0, 1), got {params.dropout}")
-    src, Yex = examples(Y, train_rows, params.label_points)
-    n = len(src)
-    is_label = src < 0
-    bank = np.empty((n, point_emb.shape[1]), dtype=np.float32)  # row i: example i's latest embedding
-    bank[~is_label] = point_emb[src[~is_label]]
-    bank[is_label] = label_emb[-1 - src[is_label]]
-    initial = None
-    if shortlist is not None:
-        initial = np.full((n, shortlist.shape[1]), -1, dtype=np.int64)
-        initial[~is_label] = shortlist[src[~is_label]]
-    spe = max(1, math.ceil(n / params.batch_size))
-    total = max(1, math.ceil(params.epochs * spe))
-    sampler = make_sampler(params, Yex, bank, spe, initial, total)
-    rng = np.random.default_rng(params.seed)
-    torch.manual_seed(params.seed)
-    clf = ShardedClassifier(W0, shard_devices(params.shards, device))
-    w_opt = ShardedOptimizer(clf, params.w_optimizer, params.lr, params.weight_decay)
-    sched_f = cosine_with_warmup(params.warmup_steps, total)
-    enc_opt = enc_sched = None
-    train_enc = params.train_encoder
-    if train_enc:
-        enc_opt = adamw(encoder.parameters(), params.encoder_lr, 0.01)
-        enc_sched = torch.optim.lr_scheduler.LambdaLR(enc_opt, sched_f)
-        encoder.train()
-    prior = min(max(Yex.nnz / max(n, 1) / max(Yex.shape[1], 1), 1e-9), 0.5)
-    bias = torch.tensor(math.log(prior / (1 - prior)) if params.logit_bias else 0.0, device=device,
-                        requires_grad=params.logit_bias)
-    bias_opt = torch.optim.Adam([bias], lr=1e-2) if params.logit_bias else None
-    step, start, t0, last = 0, 0, time.perf_counter(), float("nan")
-    resumed = checkpoint.load() if checkpoint is not None else None
-    if resumed is not None:
-        st = resumed.state
-        clf.load_full(st["W"])
-        if bias_opt is not None:
-            with torch.no_grad():
-                bias.copy_(st["bias"])
-            bias_opt.load_state_dict(st["bias_opt"])
-        w_opt.load_state_dict(st["w_opt"])
-        if train_enc:
-            encoder.load_state_dict(st["encoder"])
-            enc_opt.load_state_dict(st["enc_opt"])
-            enc_sched.load_state_dict(st["enc_sched"])
-        sampler.load_state(_to_numpy(st["sampler"]))
-        restore_rng(rng, resumed)
-        start, step, last = resumed.epoch, int(st["step"]), float(st["last"])
-    window: list[float] = []
-    window_t = time.perf_counter()
-    n_epochs = math.ceil(params.epochs)
+    trainer = EndToEndTrainer(point_emb, label_emb, W0, Y, train_rows, params, device, encoder=encoder,
+                              point_tokens=point_tokens, label_tokens=label_tokens, dtype=dtype, shortlist=shortlist,
+                              label_weight=label_weight)
+    t0 = time.perf_counter()
     try:
-        for epoch in range(start, n_epochs):
-            perm = rng.permutation(n)
-            batches = [perm[s:s + params.batch_size] for s in range(0, n, params.batch_size)]
-            if epoch == n_epochs - 1 and params.epochs < n_epochs:  # fractional last epoch
-                batches = batches[:max(1, math.ceil((params.epochs - epoch) * len(batches)))]
-            ep_loss = []
-            for batch in batches:
-                sampler.before_step(step, clf.snapshot)
-                pos = sample_positives(Yex, batch, params.num_positives, rng)
-                if train_enc:
-                    x = _embed_examples(encoder, src[batch], point_tokens, label_tokens, params, device, dtype)
-                else:
-                    x = torch.from_numpy(bank[batch]).to(device)
-                x_np = x.detach().float().cpu().numpy()
-                neg = sampler.sample(batch, x_np, step, rng)
-                loss = sampled_bce(clf, x, pos, neg, params, bias, label_weight)
-                if train_enc:
-                    enc_opt.zero_grad(set_to_none=True)
-                if bias_opt is not None:
-                    bias_opt.zero_grad(set_to_none=True)
-                loss.backward()
-                if train_enc:
-                    torch.nn.utils.clip_grad_norm_(encoder.parameters(), 1.0)
-                    enc_opt.step()
-                    enc_sched.step()
-                    sampler.observe(batch, x_np)
-                w_opt.step(sched_f(step))
-                if bias_opt is not None:
-                    bias_opt.step()
-                step += 1
-                last = float(loss.detach())
-                ep_loss.append(last)
-                window.append(last)
-                if log_metrics is not None and step % log_every == 0:
-                    now = time.perf_counter()
-                    log_metrics(step, {"classifier_loss": float(np.mean(window)),
-                                       "classifier_examples_per_s": len(window) * params.batch_size
-                                       / max(now - window_t, 1e-9),
-                                       "classifier_lr_factor": sched_f(step)})
-                    window, window_t = [], now
-            if checkpoint is not None and epoch + 1 < n_epochs:
-                checkpoint.save(epoch + 1, {
-                    "W": torch.from_numpy(clf.full()), "w_opt": w_opt.state_dict(), "step": step, "last": last,
-                    "bias": bias.detach().clone(), "bias_opt": bias_opt.state_dict() if bias_opt else {},
-                    "encoder": encoder.state_dict() if train_enc else {},
-                    "enc_opt": enc_opt.state_dict() if train_enc else {},
-                    "enc_sched": enc_sched.state_dict() if train_enc else {},
-                    "sampler": _to_torch(sampler.state())}, rng)
+        start = trainer.start(checkpoint)
+        window = MetricsWindow()
+        for epoch in range(start, trainer.n_epochs):
+            for batch in trainer.epoch_batches(epoch):
+                window.add(trainer.step(batch), params.batch_size)
+                if log_metrics is not None and trainer.steps % log_every == 0:
+                    loss, rate = window.flush()
+                    log_metrics(trainer.steps, {"classifier_loss": loss, "classifier_examples_per_s": rate,
+                                                "classifier_lr_factor": trainer.lr_factor(trainer.steps)})
+            if checkpoint is not None and epoch + 1 < trainer.n_epochs:
+                checkpoint.save(epoch + 1, trainer.state(), trainer.rng)
     finally:
-        sampler.close()
-    seconds = time.perf_counter() - t0
-    W = clf.full()
-    if params.normalize:
-        W = W / np.maximum(np.linalg.norm(W, axis=1, keepdims=True), 1e-12)
-    p_emb = l_emb = None
-    t1 = time.perf_counter()
-    if train_enc:
-        encoder.eval()
-    if train_enc and reencode:
-        p_emb = encode_tokens(encoder, *point_tokens, device, dtype, params.encode_batch_size)
-        l_emb = encode_tokens(encoder, *label_tokens, device, dtype, params.encode_batch_size)
-    builds = getattr(sampler, "build_seconds", [])
-    summary = {"steps": step, "seconds": seconds, "final_loss": last, "steps_per_epoch": spe,
-               "examples": int(n), "label_points": int(is_label.sum()), "negatives": params.negatives,
-               "train_encoder": bool(train_enc), "refreshes": int(sampler.refreshes),
-               "logit_bias": float(bias.detach()),
-               "index_build_seconds_mean": float(np.mean(builds)) if builds else 0.0,
-               "shards": len(clf.weights), "resumed_from_epoch": start,
-               "examples_per_s": step * params.batch_size / max(seconds, 1e-9),
-               "encode_seconds": time.perf_counter() - t1}
-    return EndToEndResult(W.astype(np.float32), p_emb, l_emb, summary)
+        trainer.close()
+    return trainer.result(time.perf_counter() - t0, start, reencode)
 
 
-def _embed_examples(encoder: torch.nn.Module, src: np.ndarray, point_tokens: tuple[np.ndarray, np.ndarray],
-                    label_tokens: tuple[np.ndarray, np.ndarray], params: ClassifierParams, device: torch.device,
+def _embed_examples(encoder: torch.nn.Module, src: np.ndarray, point_tokens: Tokens,
+                    label_tokens: Tokens, params: EndToEndTrainerParams, device: torch.device,
                     dtype: torch.dtype | None) -> torch.Tensor:
     """Embeddings (with grad) of a batch of examples: point texts and label texts, in batch order."""
     lab = src < 0

@@ -1,11 +1,18 @@
-"""Losses of the seed methods, on score matrices (no model code here)."""
+"""Losses of the seed methods, on score matrices (no model code here), and the registries the trainers pick
+them from: ``PAIR_LOSSES`` (``pretrain.loss``, on a batch's similarity matrix) and ``CLASSIFIER_LOSSES``
+(``classifier.loss``, on each point's candidate scores). A new loss: its function, one small class that
+builds it from the params, and one registry line."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+from xc_dagster.config import HardNegativeTrainerParams, PretrainParams
 
 
 def ohnm_triplet_loss(sim: torch.Tensor, pos_mask: torch.Tensor, margin: float = 0.3, num_negatives: int = 10,
@@ -128,3 +135,140 @@ def masked_bce_loss(logits: torch.Tensor, is_pos: torch.Tensor, valid: torch.Ten
         loss = loss * weights
     loss = loss.masked_fill(~valid, 0.0)
     return loss.sum(1).mean()
+
+
+# ------------------------------------------------------------------------------- pretraining pair losses
+
+class PairLoss(Protocol):
+    """``pretrain.loss``: a loss on a (B, C) similarity matrix whose diagonal holds each row's sampled
+    positive; ``mask`` marks every true positive (never a negative)."""
+
+    @classmethod
+    def from_params(cls, params: PretrainParams) -> PairLoss:
+        """The loss with its ``pretrain.*`` hyperparameters."""
+
+    def __call__(self, sim: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The loss (a scalar)."""
+
+
+@dataclass
+class TripletPairLoss:
+    """NGAME's OHNM triplet loss (``ohnm_triplet_loss``)."""
+
+    margin: float
+    num_negatives: int
+    temperature: float
+
+    @classmethod
+    def from_params(cls, params: PretrainParams) -> TripletPairLoss:
+        return cls(params.margin, params.num_negatives, params.temperature)
+
+    def __call__(self, sim: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return ohnm_triplet_loss(sim, mask, self.margin, self.num_negatives, self.temperature)
+
+
+@dataclass
+class SiameseXMLPairLoss:
+    """SiameseXML's probabilistic contrastive loss, kappa hardest in-batch negatives (``siamesexml_loss``)."""
+
+    c: float
+    d: float
+    num_negatives: int
+
+    @classmethod
+    def from_params(cls, params: PretrainParams) -> SiameseXMLPairLoss:
+        return cls(params.contrastive_c, params.contrastive_d, params.num_negatives)
+
+    def __call__(self, sim: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return siamesexml_loss(sim, mask, self.c, self.d, self.num_negatives)
+
+
+@dataclass
+class InfoNCEPairLoss:
+    """In-batch softmax cross-entropy (``infonce_loss``)."""
+
+    temperature: float
+
+    @classmethod
+    def from_params(cls, params: PretrainParams) -> InfoNCEPairLoss:
+        return cls(params.infonce_temperature)
+
+    def __call__(self, sim: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return infonce_loss(sim, mask, self.temperature)
+
+
+PAIR_LOSSES: dict[str, type[PairLoss]] = {
+    "triplet": TripletPairLoss,
+    "siamesexml": SiameseXMLPairLoss,
+    "infonce": InfoNCEPairLoss,
+}
+
+
+# ------------------------------------------------------------------------------------ classifier losses
+
+class ClassifierLoss(Protocol):
+    """``classifier.loss`` of the hardest-negative trainer, on a batch's (B, C) candidate scores."""
+
+    @classmethod
+    def from_params(cls, params: HardNegativeTrainerParams) -> ClassifierLoss:
+        """The loss with its ``classifier.*`` hyperparameters."""
+
+    def __call__(self, scores: torch.Tensor, is_pos: torch.Tensor, valid: torch.Tensor,
+                 pos_weight: torch.Tensor | None = None) -> torch.Tensor:
+        """The loss; ``pos_weight`` (B, C) weights the positives' terms (its other entries are ignored)."""
+
+
+@dataclass
+class TripletClassifierLoss:
+    """NGAME M2's multi-positive triplet loss (``multi_positive_triplet_loss``)."""
+
+    margin: float
+
+    @classmethod
+    def from_params(cls, params: HardNegativeTrainerParams) -> TripletClassifierLoss:
+        return cls(params.margin)
+
+    def __call__(self, scores: torch.Tensor, is_pos: torch.Tensor, valid: torch.Tensor,
+                 pos_weight: torch.Tensor | None = None) -> torch.Tensor:
+        return multi_positive_triplet_loss(scores, is_pos, valid, self.margin, pos_weight)
+
+
+@dataclass
+class BCEClassifierLoss:
+    """BCE on ``scale`` * score over the candidates (``masked_bce_loss``)."""
+
+    scale: float
+
+    @classmethod
+    def from_params(cls, params: HardNegativeTrainerParams) -> BCEClassifierLoss:
+        return cls(params.scale)
+
+    def __call__(self, scores: torch.Tensor, is_pos: torch.Tensor, valid: torch.Tensor,
+                 pos_weight: torch.Tensor | None = None) -> torch.Tensor:
+        w = None if pos_weight is None else torch.where(is_pos, pos_weight, torch.ones_like(pos_weight))
+        return masked_bce_loss(self.scale * scores, is_pos, valid, w)
+
+
+@dataclass
+class SiameseXMLClassifierLoss:
+    """SiameseXML Module IV's contrastive loss (``siamesexml_classifier_loss``)."""
+
+    c: float
+    d: float
+    neg_threshold: float
+
+    @classmethod
+    def from_params(cls, params: HardNegativeTrainerParams) -> SiameseXMLClassifierLoss:
+        return cls(params.contrastive_c, params.contrastive_d, params.neg_threshold)
+
+    def __call__(self, scores: torch.Tensor, is_pos: torch.Tensor, valid: torch.Tensor,
+                 pos_weight: torch.Tensor | None = None) -> torch.Tensor:
+        return siamesexml_classifier_loss(scores, is_pos, valid, self.c, self.d, self.neg_threshold,
+                                          pos_weight=pos_weight)
+
+
+CLASSIFIER_LOSSES: dict[str, type[ClassifierLoss]] = {
+    "triplet": TripletClassifierLoss,
+    "bce": BCEClassifierLoss,
+    "siamesexml": SiameseXMLClassifierLoss,
+}

@@ -4,8 +4,8 @@ Shard k holds the contiguous label range ``[offsets[k], offsets[k + 1])`` on its
 only the distinct rows it scores (at most B x (positives + negatives)) as a small leaf tensor, computes the
 scores on the shard's device and returns them on the query's device; the backward pass gives a dense gradient
 for those rows only, and the update writes them back. Memory and time per step therefore do not grow with L.
-On one device it is the same code with one shard. Updates: plain SGD with weight decay on the touched rows
-(ASTRA trains its classifiers with SGD), or lazy Adam (``torch.optim.SparseAdam``) on them.
+On one device it is the same code with one shard. Updates (``ROW_OPTIMIZERS``): plain SGD with weight decay on the
+touched rows (ASTRA trains its classifiers with SGD), or lazy Adam (``torch.optim.SparseAdam``) on them.
 """
 
 from __future__ import annotations
@@ -16,13 +16,11 @@ import torch.nn.functional as F
 
 from xc_dagster.errors import XCConfigError
 
-OPTIMIZERS = ("sgd", "sparse-adam")
-
 
 def check_optimizer(kind: str) -> str:
-    """``classifier.w_optimizer`` is one of ``OPTIMIZERS``, or a config error naming the field."""
-    if kind not in OPTIMIZERS:
-        raise XCConfigError(f"classifier.w_optimizer: expected one of {OPTIMIZERS}, got {kind!r}")
+    """``classifier.w_optimizer`` is one of ``ROW_OPTIMIZERS``, or a config error naming the field."""
+    if kind not in ROW_OPTIMIZERS:
+        raise XCConfigError(f"classifier.w_optimizer: expected one of {sorted(ROW_OPTIMIZERS)}, got {kind!r}")
     return kind
 
 
@@ -91,8 +89,8 @@ class ShardedClassifier:
     @staticmethod
     def _pair_scores(x: torch.Tensor, w: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
         """(B, K) scores w[inv[b, j]] . x[b]."""
-        # few distinct rows (L small or shared negatives): one (B, U) matmul; the gather's backward (index_add)
-        # is the cheaper one from about U > B K / 5 (2-core CPU, B 1024, K 53, D 384: 160-210 ms whatever U)
+        # few distinct rows U (L small or shared negatives): one (B, U) matmul; from U > B K / 5 the gather,
+        # whose backward costs the same whatever U (docs/decisions.md#hardest-negative-trainer-sharded-w)
         if len(w) * 5 <= inv.numel():
             return torch.gather(x @ w.T, 1, inv)
         # gather each candidate's row: O(B K D), whatever L is
@@ -117,35 +115,39 @@ class ShardedClassifier:
                 w.copy_(W[self.offsets[k]:self.offsets[k + 1]].to(w.device))
 
 
-class ShardedOptimizer:
-    """Updates the rows a step scored: ``sgd`` (w -= lr (g + wd w), weight decay lazy: touched rows only) or
-    ``sparse-adam`` (lazy Adam). ``lr`` is scaled by the schedule factor passed to ``step``."""
+class SGDRows:
+    """w -= lr (g + wd w) on the rows a step touched (weight decay lazy: touched rows only; ASTRA)."""
 
-    def __init__(self, clf: ShardedClassifier, kind: str, lr: float, weight_decay: float = 0.0):
-        check_optimizer(kind)
-        self.clf, self.kind, self.lr, self.weight_decay = clf, kind, lr, weight_decay
-        self._adam = ([torch.optim.SparseAdam([w], lr=lr) for w in clf.weights] if kind == "sparse-adam" else [])
+    def __init__(self, weights: list[torch.nn.Parameter], lr: float, weight_decay: float):
+        self.weights, self.weight_decay = weights, weight_decay
 
-    @torch.no_grad()
-    def step(self, factor: float = 1.0) -> None:
-        lr = self.lr * factor
-        for k, rows, leaf in self.clf._leaves:
-            if leaf.grad is None:
-                continue
-            w, g = self.clf.weights[k], leaf.grad
-            if self.kind == "sgd":
-                if self.weight_decay:
-                    g.add_(w[rows], alpha=self.weight_decay)  # g is this step's own leaf gradient
-                w.index_add_(0, rows, g, alpha=-lr)
-            else:
-                opt = self._adam[k]
-                for group in opt.param_groups:
-                    group["lr"] = lr
-                w.grad = torch.sparse_coo_tensor(rows.unsqueeze(0), g, w.shape, is_coalesced=True,
-                                                 check_invariants=False)
-                opt.step()
-                w.grad = None
-        self.clf._leaves = []
+    def update(self, k: int, rows: torch.Tensor, g: torch.Tensor, lr: float) -> None:
+        w = self.weights[k]
+        if self.weight_decay:
+            g.add_(w[rows], alpha=self.weight_decay)  # g is this step's own leaf gradient
+        w.index_add_(0, rows, g, alpha=-lr)
+
+    def state_dict(self) -> dict:
+        return {"adam": []}
+
+    def load_state_dict(self, st: dict) -> None:
+        pass
+
+
+class SparseAdamRows:
+    """Lazy Adam (``torch.optim.SparseAdam``) on the rows a step touched (NGAME); no weight decay."""
+
+    def __init__(self, weights: list[torch.nn.Parameter], lr: float, weight_decay: float):
+        self.weights = weights
+        self._adam = [torch.optim.SparseAdam([w], lr=lr) for w in weights]
+
+    def update(self, k: int, rows: torch.Tensor, g: torch.Tensor, lr: float) -> None:
+        w, opt = self.weights[k], self._adam[k]
+        for group in opt.param_groups:
+            group["lr"] = lr
+        w.grad = torch.sparse_coo_tensor(rows.unsqueeze(0), g, w.shape, is_coalesced=True, check_invariants=False)
+        opt.step()
+        w.grad = None
 
     def state_dict(self) -> dict:
         return {"adam": [o.state_dict() for o in self._adam]}
@@ -153,3 +155,30 @@ class ShardedOptimizer:
     def load_state_dict(self, st: dict) -> None:
         for o, s in zip(self._adam, st.get("adam", [])):
             o.load_state_dict(s)
+
+
+ROW_OPTIMIZERS = {"sgd": SGDRows, "sparse-adam": SparseAdamRows}  # classifier.w_optimizer
+
+
+class ShardedOptimizer:
+    """Updates the rows a step scored with the ``kind`` of ``ROW_OPTIMIZERS``; ``lr`` is scaled by the schedule
+    factor passed to ``step``."""
+
+    def __init__(self, clf: ShardedClassifier, kind: str, lr: float, weight_decay: float = 0.0):
+        check_optimizer(kind)
+        self.clf, self.kind, self.lr, self.weight_decay = clf, kind, lr, weight_decay
+        self.rule = ROW_OPTIMIZERS[kind](clf.weights, lr, weight_decay)
+
+    @torch.no_grad()
+    def step(self, factor: float = 1.0) -> None:
+        lr = self.lr * factor
+        for k, rows, leaf in self.clf._leaves:
+            if leaf.grad is not None:
+                self.rule.update(k, rows, leaf.grad, lr)
+        self.clf._leaves = []
+
+    def state_dict(self) -> dict:
+        return self.rule.state_dict()
+
+    def load_state_dict(self, st: dict) -> None:
+        self.rule.load_state_dict(st)

@@ -1,0 +1,105 @@
+"""The stale ANNS index over W that ASTRA and MIPS-s draw hard negatives from: one index per shard of a W
+snapshot, searched for each query's best non-positive labels, serialisable for checkpoints."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import faiss
+import numpy as np
+import scipy.sparse as sp
+
+from xc_dagster.config import EndToEndTrainerParams
+from xc_dagster.retrieval.ann import LabelIndex
+from xc_dagster.sampling.labels import positive_mask
+
+Snapshot = list[tuple[int, np.ndarray]]  # W as (first label id, rows) per shard
+
+
+def first_valid(ids: np.ndarray, k: int, scores: np.ndarray | None = None) -> np.ndarray:
+    """The first ``k`` non-negative ids of each row (by descending ``scores`` when given), -1 padded."""
+    key = np.where(ids >= 0, 0.0, 1.0) if scores is None else np.where(ids >= 0, -scores, np.inf)
+    order = np.argsort(key, axis=1, kind="stable")[:, :k]
+    out = np.take_along_axis(ids, order, 1)
+    if out.shape[1] < k:
+        out = np.concatenate([out, np.full((len(ids), k - out.shape[1]), -1, dtype=ids.dtype)], 1)
+    return out
+
+
+def search_shards(indexes: list[tuple[int, LabelIndex]], queries: np.ndarray, k: int
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Top-``k`` (scores, global ids) over all shards' indexes, merged by score."""
+    all_s, all_i = [], []
+    for offset, idx in indexes:
+        s, i = idx.search(queries, min(k, idx.size))
+        all_s.append(s)
+        all_i.append(np.where(i >= 0, i + offset, -1))
+    s, i = np.concatenate(all_s, 1), np.concatenate(all_i, 1)
+    if len(indexes) > 1:
+        order = np.argsort(-s, axis=1, kind="stable")[:, :k]
+        s, i = np.take_along_axis(s, order, 1), np.take_along_axis(i, order, 1)
+    return s, i
+
+
+def build_indexes(snapshot: Snapshot, kind: str, *, m: int = 32, ef_construction: int = 100,
+                  ef_search: int = 100, nlist: int = 0, nprobe: int = 64, seed: int = 0
+                  ) -> list[tuple[int, LabelIndex]]:
+    """One index per shard of a W snapshot."""
+    return [(off, LabelIndex(kind, W, m=m, ef_construction=ef_construction, ef_search=ef_search, nlist=nlist,
+                             nprobe=nprobe, seed=seed)) for off, W in snapshot if len(W)]
+
+
+def hard_negatives(indexes: list[tuple[int, LabelIndex]], queries: np.ndarray, Y: sp.csr_matrix,
+                   rows: np.ndarray, num: int, extra: int, block: int = 65536) -> np.ndarray:
+    """(len(rows), num) hardest non-positive labels of each query in ``indexes`` (-1 padded): searched for
+    ``num + extra`` neighbours (``extra`` covers positives ranked first), positives dropped, best ``num`` kept."""
+    out = np.full((len(rows), num), -1, dtype=np.int64)
+    for s in range(0, len(rows), block):
+        sc, ids = search_shards(indexes, queries[s:s + block], num + extra)
+        r = rows[s:s + block]
+        ids = np.where(positive_mask(Y, r, ids), -1, ids)
+        out[s:s + block] = first_valid(ids, num, np.where(ids >= 0, sc, -np.inf))
+    return out
+
+
+@dataclass
+class IndexSettings:
+    """ANNS settings of a sampler's stale index (``kind`` hnsw|ivf|exact)."""
+
+    kind: str = "hnsw"
+    m: int = 32
+    ef_construction: int = 100
+    ef_search: int = 100
+    nlist: int = 0  # ivf: 0 = round(sqrt(L_shard))
+    nprobe: int = 64
+    seed: int = 0
+
+    @classmethod
+    def from_params(cls, params: EndToEndTrainerParams) -> IndexSettings:
+        """``classifier.sampler_*`` / ``mips_*``."""
+        return cls(params.sampler_index, params.sampler_hnsw_m, params.sampler_hnsw_ef_construction,
+                   params.sampler_hnsw_ef, params.mips_partitions, params.mips_probe, params.seed)
+
+    def build(self, snapshot: Snapshot) -> list[tuple[int, LabelIndex]]:
+        return build_indexes(snapshot, self.kind, m=self.m, ef_construction=self.ef_construction,
+                             ef_search=self.ef_search, nlist=self.nlist, nprobe=self.nprobe, seed=self.seed)
+
+
+def dump_index(index: LabelIndex) -> np.ndarray:
+    """An index as one array (faiss's serialisation, or the exact index's vectors) for a checkpoint."""
+    if index.kind == "exact":
+        return index._vectors
+    return faiss.serialize_index(index._index)
+
+
+def load_index(array: np.ndarray, settings: IndexSettings) -> LabelIndex:
+    if settings.kind == "exact":
+        return LabelIndex("exact", np.asarray(array, dtype=np.float32))
+    return LabelIndex(settings.kind, faiss_index=faiss.deserialize_index(np.asarray(array, dtype=np.uint8)),
+                      ef_search=settings.ef_search, nprobe=settings.nprobe)
+
+
+def extra_neighbours(Y: sp.csr_matrix) -> int:
+    """Extra neighbours to search so that positives ranked first still leave k negatives (capped)."""
+    nnz = np.diff(Y.indptr)
+    return int(min(nnz.max(initial=0), 64))
