@@ -14,13 +14,12 @@ Label sets:
   MiniLM embeddings of test titles; or a real model with ``--model-uri models:/xc-<dataset>@champion``;
 * ``--labels N`` (e.g. 1000000): N generated unit vectors (dim 384) as label embeddings, W = them plus
   noise (cosine ~0.96 to the label embedding), queries drawn from the same distribution.
-  ``--structure clusters`` (the default; :class:`LabelMixture`): a seeded hierarchical mixture on the unit
-  sphere -- 1,000 topics, 20,000 subtopics of Zipf(0.6) popularity, a shared mean direction and a decaying
-  spectrum -- whose parameters were chosen so that a 21,523-label sample has the statistics of MiniLM's
-  LF-WordNetNouns label embeddings (norm of the mean, random-pair cosine, nearest-neighbour cosines; see
-  ``bench/SERVING.md``); a query is a fresh draw from the subtopic of a random label. ``--structure
-  uniform``: iid uniform unit vectors, queries = noisy copies of random labels (HNSW's hard case: no
-  structure, so recall is pessimistic).
+  ``--structure clusters`` (the default; ``LabelMixture`` in ``bench/serving_labels.py``): a seeded
+  hierarchical mixture on the unit sphere -- 1,000 topics, 20,000 subtopics of Zipf(0.6) popularity, a shared
+  mean direction and a decaying spectrum -- shaped like MiniLM's LF-WordNetNouns label embeddings
+  (docs/decisions.md#serving-bench-label-mixture); a query is a fresh draw from the subtopic of a random label.
+  ``--structure uniform``: iid uniform unit vectors, queries = noisy copies of random labels (HNSW's hard case:
+  no structure, so recall is pessimistic).
 
 For each ``--settings shortlist:efSearch`` it reports p50/p99 single-query latency, batch throughput and the
 recall of the final top-10 against exhaustive alpha-fused scoring of every label (``--recall-queries``).
@@ -39,12 +38,19 @@ import gzip
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
+import faiss
 import numpy as np
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for bench.serving_labels
+from bench.serving_labels import classifier_vectors, embedding_stats, generated_labels  # noqa: E402
+from xc_dagster.device import amp_dtype
+from xc_dagster.encoders.loading import load_encoder
+from xc_dagster.encoders.tokenizer import load_tokenizer
 from xc_dagster.retrieval.ann import LabelIndex
 from xc_dagster.retrieval.fusion import AlphaFusion, TreeFusion
 from xc_dagster.retrieval.shortlist import ShortlistSources
@@ -59,92 +65,10 @@ def _titles(name: str) -> list[str]:
         return [json.loads(line)["title"] for line in fh]
 
 
-def _unit(x: np.ndarray) -> np.ndarray:
-    return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
-
-
 def set_threads(n: int) -> None:
     """torch intra-op threads and faiss OpenMP threads (1 = one query per core, as one server worker)."""
-    import faiss
-
     torch.set_num_threads(n)
     faiss.omp_set_num_threads(n)
-
-
-def _noise(rng: np.random.Generator, shape: tuple[int, int], norm: float) -> np.ndarray:
-    """Gaussian noise whose rows have about the given L2 norm."""
-    return (norm / np.sqrt(shape[1]) * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
-
-
-class LabelMixture:
-    """A seeded hierarchical Gaussian mixture on the unit sphere, shaped like text-encoder label embeddings.
-
-    x = unit(a * mean + topic_t + sub_s + noise): ``topics`` topic centres, ``subtopics`` subtopic centres
-    (each offset from a random topic; popularity Zipf(``zipf``) in a random order), a shared direction
-    ``mean`` of weight ``a`` (encoders' anisotropy), and every Gaussian term shaped by a spectrum decaying as
-    (i + 1) ** -beta over the dimensions (a lower effective dimension than isotropic noise).
-    """
-
-    def __init__(self, dim: int = 384, seed: int = 0, topics: int = 1000, subtopics: int = 20000,
-                 beta: float = 0.3, a: float = 0.6, sub_spread: float = 0.8, label_spread: float = 0.8,
-                 zipf: float = 0.6) -> None:
-        rng = np.random.default_rng(seed)
-        scale = (np.arange(dim) + 1.0) ** -beta
-        self.scale = (scale / np.sqrt((scale ** 2).sum())).astype(np.float32)  # Gaussian rows of norm ~1
-        self.dim, self.label_spread = dim, label_spread
-        self.mean = a * _unit(rng.standard_normal((1, dim)))[0]
-        centres = rng.standard_normal((topics, dim)).astype(np.float32) * self.scale
-        parent = rng.integers(0, topics, subtopics)
-        self.sub = (centres[parent] + sub_spread * rng.standard_normal((subtopics, dim)).astype(np.float32)
-                    * self.scale + self.mean).astype(np.float32)
-        p = 1.0 / (np.arange(subtopics) + 1.0) ** zipf
-        self.p = (p / p.sum())[rng.permutation(subtopics)]
-        self.params = {"topics": topics, "subtopics": subtopics, "beta": beta, "a": a, "sub_spread": sub_spread,
-                       "label_spread": label_spread, "zipf": zipf, "seed": seed}
-
-    def subtopics_of(self, n: int, rng: np.random.Generator) -> np.ndarray:
-        return rng.choice(len(self.sub), n, p=self.p)
-
-    def draw(self, sub_ids: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-        """One unit vector per subtopic id."""
-        noise = rng.standard_normal((len(sub_ids), self.dim), dtype=np.float32) * self.scale
-        return _unit(self.sub[sub_ids] + self.label_spread * noise)
-
-
-def generate_labels(n: int, dim: int, structure: str, seed: int) -> tuple[np.ndarray, np.ndarray | None]:
-    """(n, dim) float32 unit label embeddings, and their subtopic ids (None for ``uniform``); 100k rows at a
-    time so the only large allocation is the result."""
-    rng = np.random.default_rng(seed)
-    E = np.empty((n, dim), dtype=np.float32)
-    if structure == "uniform":
-        for s in range(0, n, 100_000):
-            E[s:s + 100_000] = _unit(rng.standard_normal((min(100_000, n - s), dim), dtype=np.float32))
-        return E, None
-    mix = LabelMixture(dim, seed)
-    subs = mix.subtopics_of(n, rng)
-    for s in range(0, n, 100_000):
-        E[s:s + 100_000] = mix.draw(subs[s:s + 100_000], rng)
-    return E, subs
-
-
-def embedding_stats(E: np.ndarray, seed: int = 0, sample: int = 300) -> dict[str, float]:
-    """Shape of a label set: norm of the mean, random-pair cosine, mean cosine of the 1st/10th nearest label."""
-    rng = np.random.default_rng(seed)
-    mu = np.zeros(E.shape[1], dtype=np.float64)
-    for s in range(0, len(E), 100_000):
-        mu += np.asarray(E[s:s + 100_000], dtype=np.float64).sum(0)
-    i, j = rng.integers(0, len(E), 5000), rng.integers(0, len(E), 5000)
-    pair = (np.asarray(E[i]) * np.asarray(E[j])).sum(1)
-    pick = np.sort(rng.choice(len(E), min(sample, len(E)), replace=False))
-    q = torch.from_numpy(np.asarray(E[pick]))
-    best = torch.full((len(pick), 11), -2.0)
-    for s in range(0, len(E), 100_000):
-        sc = q @ torch.from_numpy(np.asarray(E[s:s + 100_000])).T
-        best = torch.topk(torch.cat([best, sc], 1), 11, dim=1).values
-    nn = best[:, 1:].numpy()  # the first is the label itself
-    return {"mean_norm": float(np.linalg.norm(mu / len(E))), "pair_cos_mean": float(pair.mean()),
-            "pair_cos_sd": float(pair.std()), "nn1_cos": float(nn[:, 0].mean()), "nn10_cos": float(nn[:, 9].mean()),
-            "n_sampled": int(len(pick))}
 
 
 def _stats(times_s: list[float]) -> dict[str, float]:
@@ -236,7 +160,7 @@ def exact_alpha_top(queries: np.ndarray, W: np.ndarray, E: np.ndarray, alpha: fl
     return np.concatenate(out)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--labels", default="21k", help="21k (LF-WordNetNouns label set) or a number of random labels")
     ap.add_argument("--model-uri", help="a registered model (models:/NAME@champion) instead of generated vectors")
@@ -260,112 +184,83 @@ def main() -> None:
     ap.add_argument("--recall-queries", type=int, default=200, help="queries scored exhaustively for recall")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path)
-    args = ap.parse_args()
+    return ap.parse_args(argv)
 
-    from xc_dagster.device import amp_dtype
-    from xc_dagster.encoders.loading import load_encoder
-    from xc_dagster.encoders.tokenizer import load_tokenizer
 
-    rng = np.random.default_rng(args.seed)
-    dev = torch.device("cpu")
-    report: dict = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                                "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
-                                "torch": torch.__version__,
-                                "load_avg_1_5_15": list(os.getloadavg())},  # other work on the machine
-                    "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
-    test_texts = _titles("tst.json.gz")
-    qtexts = [test_texts[i] for i in rng.choice(len(test_texts), max(args.queries, args.batch), replace=False)]
-
-    encoder = tokenizer = None
-    dtype = amp_dtype(dev, args.amp)
-    if args.encoder != "none" or (args.labels == "21k" and not args.model_uri):
-        encoder = load_encoder(args.encoder if args.encoder != "none" else "minilm").eval()
-        tokenizer = load_tokenizer(args.encoder if args.encoder != "none" else "minilm")
-
-    cache = args.cache
-    if args.model_uri:
-        bundle = registry.load_served_bundle(args.model_uri, args.tracking_uri, "cpu")
-        W, E = bundle.W, bundle.sources.label_repr
-        queries = serving_bundle.encode_texts(qtexts, bundle)
-        report["labels"] = {"source": args.model_uri, "n": bundle.num_labels}
+def wordnet_labels(args: argparse.Namespace, probe: serving_bundle.ServingBundle, qtexts: list[str],
+                   report: dict) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """(label embeddings, query embeddings, label texts) of the 21,523 LF-WordNetNouns labels, encoded by
+    ``probe``'s encoder."""
+    label_texts = _titles("lbl.json.gz")
+    path = args.cache / f"E_21k_{args.encoder}.npy" if args.cache else None
+    if path is not None and path.exists():
+        E = np.load(path)
     else:
-        if args.labels == "21k":
-            label_texts = _titles("lbl.json.gz")
-            tmp = serving_bundle.ServingBundle(encoder=encoder, tokenizer=tokenizer, max_len=32,
-                                        sources=None,
-                                        fusion=None, inv_prop=None, label_texts=None, shortlist_size=0, device=dev,
-                                        dtype=dtype, batch_size=256, default_k=args.k)
-            path = cache / f"E_21k_{args.encoder}.npy" if cache else None
-            if path is not None and path.exists():
-                E = np.load(path)
-            else:
-                t0 = time.perf_counter()
-                E = serving_bundle.encode_texts(label_texts, tmp)
-                report["label_encoding_s"] = time.perf_counter() - t0
-                if path is not None:
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    np.save(path, E)
-            queries = serving_bundle.encode_texts(qtexts, tmp)
-            noise = 0.3
-        else:
-            n = int(float(args.labels))
-            label_texts = [f"label {i}" for i in range(n)]
-            gen = f"{n}_{args.structure}" if args.structure != "uniform" else str(n)
-            path = cache / f"E_{gen}_{args.dim}_{args.seed}.npy" if cache else None
-            s_path = cache / f"S_{gen}_{args.dim}_{args.seed}.npy" if cache else None
-            if path is not None and path.exists() and (args.structure == "uniform" or s_path.exists()):
-                E = np.load(path)  # in memory: timings without page faults (1.5 GB at 1M x 384)
-                subs = np.load(s_path) if args.structure != "uniform" else None
-            else:
-                t0 = time.perf_counter()
-                E, subs = generate_labels(n, args.dim, args.structure, args.seed)
-                report["label_generation_s"] = time.perf_counter() - t0
-                if path is not None:
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    np.save(path, E)
-                    if subs is not None:
-                        np.save(s_path, subs)
-            pick = rng.integers(0, n, max(args.queries, args.batch, args.recall_queries))
-            if args.structure == "uniform":
-                queries = _unit(E[pick] + _noise(rng, (len(pick), args.dim), 1.0))  # cosine ~0.7 to its label
-            else:  # a fresh draw from the subtopic of a random label
-                mix = LabelMixture(args.dim, args.seed)
-                queries = mix.draw(subs[pick], rng)
-                report["generator"] = mix.params
-            noise = 0.3
-        L = len(E)
-        gen = "21k" if args.labels == "21k" else gen
-        w_path = cache / f"W_{gen}_{args.dim}_{args.seed}.npy" if cache else None
-        if w_path is not None and w_path.exists():
-            W = np.load(w_path)
-        else:
-            W = np.empty(E.shape, dtype=np.float32)
-            g = np.random.default_rng(args.seed + 1)
-            for s in range(0, L, 100_000):
-                blk = np.asarray(E[s:s + 100_000])
-                W[s:s + 100_000] = _unit(blk + _noise(g, blk.shape, noise))  # cosine ~0.96 to the label embedding
-            if w_path is not None:
-                np.save(w_path, W)
-        tag = f"{gen}_{args.dim}_M{args.hnsw_m}_efc{args.efc}_{args.seed}"
-        set_threads(args.build_threads)
-        w_index, w_s, w_loaded = build_index(W, cache / f"W_{tag}.index" if cache else None, args.hnsw_m, args.efc)
-        print(f"W index: {w_s:.1f}s" + (" (cached)" if w_loaded else ""), flush=True)
-        e_index, e_s, e_loaded = build_index(E, cache / f"E_{tag}.index" if cache else None, args.hnsw_m, args.efc)
-        source = {"21k": "LF-WordNetNouns label titles (MiniLM)", "clusters": "generated: clustered mixture "
-                  "(LabelMixture)", "uniform": "generated: iid uniform unit vectors"}
-        report["labels"] = {"source": source["21k" if args.labels == "21k" else args.structure], "n": L,
-                            "dim": int(E.shape[1])}
-        if args.labels != "21k":
-            report["labels"]["stats"] = embedding_stats(E, args.seed)
-        report["index_build"] = {"hnsw_m": args.hnsw_m, "ef_construction": args.efc,
-                                 "W_seconds": None if w_loaded else w_s, "label_emb_seconds": None if e_loaded else e_s,
-                                 "loaded_from_cache": w_loaded and e_loaded, "threads": args.build_threads}
-        print(f"index build (M={args.hnsw_m}, efC={args.efc}) over {L} x {E.shape[1]}: "
-              f"W {w_s:.1f}s, label_emb {e_s:.1f}s" + (" (cached)" if w_loaded and e_loaded else ""), flush=True)
-        bundle = serving_bundle.ServingBundle(
-            encoder, tokenizer, 32, ShortlistSources(W, E, {"W": w_index, "label": e_index}), AlphaFusion(args.alpha),
-            rng.uniform(1.0, 5.0, L), np.array(label_texts, dtype=object), 100, dev, dtype, 256, args.k)
+        t0 = time.perf_counter()
+        E = serving_bundle.encode_texts(label_texts, probe)
+        report["label_encoding_s"] = time.perf_counter() - t0
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            np.save(path, E)
+    return E, serving_bundle.encode_texts(qtexts, probe), label_texts
 
+
+def build_indexes(args: argparse.Namespace, W: np.ndarray, E: np.ndarray, gen: str,
+                  report: dict) -> tuple[LabelIndex, LabelIndex]:
+    """The HNSW indexes over W and over the label embeddings (cached under ``--cache``), reported."""
+    cache, L = args.cache, len(E)
+    tag = f"{gen}_{args.dim}_M{args.hnsw_m}_efc{args.efc}_{args.seed}"
+    set_threads(args.build_threads)
+    w_index, w_s, w_loaded = build_index(W, cache / f"W_{tag}.index" if cache else None, args.hnsw_m, args.efc)
+    print(f"W index: {w_s:.1f}s" + (" (cached)" if w_loaded else ""), flush=True)
+    e_index, e_s, e_loaded = build_index(E, cache / f"E_{tag}.index" if cache else None, args.hnsw_m, args.efc)
+    source = {"21k": "LF-WordNetNouns label titles (MiniLM)", "clusters": "generated: clustered mixture "
+              "(LabelMixture)", "uniform": "generated: iid uniform unit vectors"}
+    report["labels"] = {"source": source["21k" if args.labels == "21k" else args.structure], "n": L,
+                        "dim": int(E.shape[1])}
+    if args.labels != "21k":
+        report["labels"]["stats"] = embedding_stats(E, args.seed)
+    report["index_build"] = {"hnsw_m": args.hnsw_m, "ef_construction": args.efc,
+                             "W_seconds": None if w_loaded else w_s, "label_emb_seconds": None if e_loaded else e_s,
+                             "loaded_from_cache": w_loaded and e_loaded, "threads": args.build_threads}
+    print(f"index build (M={args.hnsw_m}, efC={args.efc}) over {L} x {E.shape[1]}: "
+          f"W {w_s:.1f}s, label_emb {e_s:.1f}s" + (" (cached)" if w_loaded and e_loaded else ""), flush=True)
+    return w_index, e_index
+
+
+def generated_bundle(args: argparse.Namespace, rng: np.random.Generator, encoder, tokenizer, dtype,
+                     qtexts: list[str], report: dict) -> tuple[serving_bundle.ServingBundle, np.ndarray, np.ndarray]:
+    """(bundle, W, query embeddings) over the 21k label set or ``--labels`` generated labels, alpha fusion."""
+    dev = torch.device("cpu")
+    if args.labels == "21k":
+        probe = serving_bundle.ServingBundle(encoder=encoder, tokenizer=tokenizer, max_len=32, sources=None,
+                                             fusion=None, inv_prop=None, label_texts=None, shortlist_size=0,
+                                             device=dev, dtype=dtype, batch_size=256, default_k=args.k)
+        E, queries, label_texts = wordnet_labels(args, probe, qtexts, report)
+        gen = "21k"
+    else:
+        E, queries, label_texts, gen = generated_labels(args, rng, report)
+    w_path = args.cache / f"W_{gen}_{args.dim}_{args.seed}.npy" if args.cache else None
+    W = classifier_vectors(E, w_path, args.seed, 0.3)
+    w_index, e_index = build_indexes(args, W, E, gen, report)
+    bundle = serving_bundle.ServingBundle(
+        encoder, tokenizer, 32, ShortlistSources(W, E, {"W": w_index, "label": e_index}), AlphaFusion(args.alpha),
+        rng.uniform(1.0, 5.0, len(E)), np.array(label_texts, dtype=object), 100, dev, dtype, 256, args.k)
+    return bundle, W, queries
+
+
+def _use_setting(bundle: serving_bundle.ServingBundle, setting: str) -> tuple[int, int]:
+    """Shortlist size and efSearch of a ``shortlist:efSearch`` setting, applied to the bundle."""
+    sl_size, efs = (int(x) for x in setting.split(":"))
+    bundle.shortlist_size = sl_size
+    for idx in bundle.sources.indexes.values():
+        idx.ef_search = efs
+    return sl_size, efs
+
+
+def time_index_fusion(args: argparse.Namespace, bundle: serving_bundle.ServingBundle, queries: np.ndarray,
+                      W: np.ndarray, E: np.ndarray) -> list[dict]:
+    """Single-query latency, batch throughput and top-k recall (alpha) of ``rank`` at each setting, both fusions."""
     single_q = [queries[i:i + 1] for i in range(args.queries)]
     batch_q = queries[:args.batch]
     n_rec = min(args.recall_queries, len(queries))
@@ -373,10 +268,7 @@ def main() -> None:
     exact = exact_alpha_top(queries[:n_rec], W, E, args.alpha, args.k)
     results = []
     for setting in args.settings:
-        sl_size, efs = (int(x) for x in setting.split(":"))
-        bundle.shortlist_size = sl_size
-        for idx in bundle.sources.indexes.values():
-            idx.ef_search = efs
+        sl_size, efs = _use_setting(bundle, setting)
         for name, fz in (("alpha", AlphaFusion(args.alpha)), ("tree", random_tree(len(W)))):
             bundle.fusion = fz
             set_threads(args.single_threads)
@@ -393,29 +285,60 @@ def main() -> None:
                   f"p99 {lat['p99_ms']:.3f} ms, batch {thr['per_s']:.0f} q/s"
                   + (f", top-{args.k} recall {row['recall_at_k_vs_exhaustive']:.3f}" if "recall_at_k_vs_exhaustive"
                      in row else ""), flush=True)
-    report["index_fusion"] = results
+    return results
 
+
+def time_encoder(args: argparse.Namespace, bundle: serving_bundle.ServingBundle, encoder, tokenizer, dtype,
+                 qtexts: list[str], report: dict) -> None:
+    """The encoder alone and ``predict_topk`` end to end (first setting, alpha fusion), into ``report``."""
+    bundle.encoder, bundle.tokenizer = encoder, tokenizer
+    set_threads(args.single_threads)
+    enc_lat = single_latency(lambda t: serving_bundle.encode_texts([t], bundle), qtexts[:min(args.queries, 300)])
+    set_threads(args.batch_threads)
+    enc_thr = throughput(lambda ts: serving_bundle.encode_texts(ts, bundle), qtexts[:args.batch])
+    _use_setting(bundle, args.settings[0])
+    bundle.fusion = AlphaFusion(args.alpha)
+    set_threads(args.single_threads)
+    e2e_lat = single_latency(lambda t: serving_bundle.predict_topk([t], bundle, args.k),
+                             qtexts[:min(args.queries, 300)])
+    set_threads(args.batch_threads)
+    e2e_thr = throughput(lambda ts: serving_bundle.predict_topk(ts, bundle, args.k), qtexts[:args.batch])
+    report["encoder"] = {"name": args.encoder, "autocast": str(dtype), "single": enc_lat, "batch": enc_thr,
+                         "mean_tokens": float(np.mean([len(tokenizer(t)["input_ids"]) for t in qtexts[:500]]))}
+    report["predict_topk"] = {"setting": args.settings[0], "single": e2e_lat, "batch": e2e_thr}
+    print(f"encoder {args.encoder} ({dtype}): single p50 {enc_lat['p50_ms']:.2f} ms, p99 {enc_lat['p99_ms']:.2f} ms;"
+          f" batch {enc_thr['per_s']:.0f} texts/s", flush=True)
+    print(f"predict_topk end to end: single p50 {e2e_lat['p50_ms']:.2f} ms, p99 {e2e_lat['p99_ms']:.2f} ms; "
+          f"batch {e2e_thr['per_s']:.0f} texts/s", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    rng = np.random.default_rng(args.seed)
+    dev = torch.device("cpu")
+    report: dict = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                                "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+                                "torch": torch.__version__,
+                                "load_avg_1_5_15": list(os.getloadavg())},  # other work on the machine
+                    "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
+    test_texts = _titles("tst.json.gz")
+    qtexts = [test_texts[i] for i in rng.choice(len(test_texts), max(args.queries, args.batch), replace=False)]
+    encoder = tokenizer = None
+    dtype = amp_dtype(dev, args.amp)
+    if args.encoder != "none" or (args.labels == "21k" and not args.model_uri):
+        encoder = load_encoder(args.encoder if args.encoder != "none" else "minilm").eval()
+        tokenizer = load_tokenizer(args.encoder if args.encoder != "none" else "minilm")
+    if args.model_uri:
+        bundle = registry.load_served_bundle(args.model_uri, args.tracking_uri, "cpu")
+        W, E = bundle.W, bundle.sources.label_repr
+        queries = serving_bundle.encode_texts(qtexts, bundle)
+        report["labels"] = {"source": args.model_uri, "n": bundle.num_labels}
+    else:
+        bundle, W, queries = generated_bundle(args, rng, encoder, tokenizer, dtype, qtexts, report)
+        E = bundle.sources.label_repr
+    report["index_fusion"] = time_index_fusion(args, bundle, queries, W, E)
     if encoder is not None and args.encoder != "none":
-        bundle.encoder, bundle.tokenizer = encoder, tokenizer
-        set_threads(args.single_threads)
-        enc_lat = single_latency(lambda t: serving_bundle.encode_texts([t], bundle), qtexts[:min(args.queries, 300)])
-        set_threads(args.batch_threads)
-        enc_thr = throughput(lambda ts: serving_bundle.encode_texts(ts, bundle), qtexts[:args.batch])
-        bundle.shortlist_size = int(args.settings[0].split(":")[0])
-        for idx in bundle.sources.indexes.values():
-            idx.ef_search = int(args.settings[0].split(":")[1])
-        bundle.fusion = AlphaFusion(args.alpha)
-        set_threads(args.single_threads)
-        e2e_lat = single_latency(lambda t: serving_bundle.predict_topk([t], bundle, args.k), qtexts[:min(args.queries, 300)])
-        set_threads(args.batch_threads)
-        e2e_thr = throughput(lambda ts: serving_bundle.predict_topk(ts, bundle, args.k), qtexts[:args.batch])
-        report["encoder"] = {"name": args.encoder, "autocast": str(dtype), "single": enc_lat, "batch": enc_thr,
-                             "mean_tokens": float(np.mean([len(tokenizer(t)["input_ids"]) for t in qtexts[:500]]))}
-        report["predict_topk"] = {"setting": args.settings[0], "single": e2e_lat, "batch": e2e_thr}
-        print(f"encoder {args.encoder} ({dtype}): single p50 {enc_lat['p50_ms']:.2f} ms, p99 {enc_lat['p99_ms']:.2f} ms;"
-              f" batch {enc_thr['per_s']:.0f} texts/s", flush=True)
-        print(f"predict_topk end to end: single p50 {e2e_lat['p50_ms']:.2f} ms, p99 {e2e_lat['p99_ms']:.2f} ms; "
-              f"batch {e2e_thr['per_s']:.0f} texts/s", flush=True)
+        time_encoder(args, bundle, encoder, tokenizer, dtype, qtexts, report)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2))

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import scipy.sparse as sp
 
 from bench import fusion_frontier as ff
+from xc_dagster.config import FusionParams
+from xc_dagster.retrieval.fusion import fit_alpha
 from xc_dagster.retrieval.shortlist import Shortlist
 
 
@@ -46,12 +51,6 @@ def test_bad_numbers_are_named():
 def test_refit_by_smoothing_fits_on_validation_and_scores_on_test():
     """The hand case as both validation and test: the raw argmax (smoothing 1) finds a weighting that ranks every
     point right (a 1, b 1 as in the sweep above); each row is fit_alpha's own choice, scored by p1_psp1."""
-    from dataclasses import replace
-    from types import SimpleNamespace
-
-    from xc_dagster.config import FusionParams
-    from xc_dagster.retrieval.fusion import fit_alpha
-
     sl, Y, inv = _case()
     none = np.zeros((0, 2), dtype=np.int64)
     valid = SimpleNamespace(shortlist=sl, Y=Y, inv_prop=inv, filter_pairs=none)

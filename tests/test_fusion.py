@@ -11,14 +11,18 @@ import pytest
 import scipy.sparse as sp
 from sklearn.tree import DecisionTreeClassifier
 
+from tests.tinydata import write_lf_dataset, write_tiny_encoder
+from xc_dagster.catalog import DatasetSpec
 from xc_dagster.config import FusionParams
+from xc_dagster.data.splits import validation_targets
 from xc_dagster.errors import XCConfigError
 from xc_dagster.evaluation.metrics import evaluate
+from xc_dagster.pipeline import StageContext, run_all
+from xc_dagster.pipeline.fusion import run as fusion_stage
 from xc_dagster.retrieval.fusion import (
+    FUSIONS,
     AlphaFusion,
     TreeFusion,
-    _objective,
-    _tree_from_sklearn,
     check_method,
     fit_alpha,
     fit_fusion,
@@ -27,7 +31,10 @@ from xc_dagster.retrieval.fusion import (
     missed_positive_features,
     smooth_grid,
 )
+from xc_dagster.retrieval.fusion.objective import validation_objective as _objective
+from xc_dagster.retrieval.fusion.tree import _tree_from_sklearn
 from xc_dagster.retrieval.shortlist import Shortlist, topk_from_scores
+from xc_dagster.storage import ArtifactStore
 
 
 def _roundtrip(f):
@@ -214,18 +221,14 @@ def test_errors_unknown_method_and_bad_inputs():
 
 
 def test_pipeline_stage_rejects_bad_method_before_work():
-    from xc_dagster.pipeline import fusion
-
     ctx = SimpleNamespace(cfg=SimpleNamespace(fusion=FusionParams(method="forest")))
     with pytest.raises(XCConfigError, match="fusion.method"):
-        fusion(ctx)
+        fusion_stage(ctx)
 
 
 def test_validation_targets_leave_out_labels_the_models_never_saw():
     """Label 2's only point (row 1) is a validation row: its pair leaves the truth and joins the filter pairs;
     label 1 (also on training row 3) stays; the dataset's own filter pairs are kept first."""
-    from xc_dagster.data.splits import validation_targets
-
     # rows 0..4; labels 0..3; validation rows 1 and 4
     Y = sp.csr_matrix(np.array([[1, 0, 0, 0],
                                 [0, 1, 1, 0],
@@ -253,11 +256,6 @@ def test_validation_targets_leave_out_labels_the_models_never_saw():
 
 def test_pipeline_fits_saves_and_evaluates_tree_fusion(tmp_path):
     """The tiny pipeline with ``fusion.method=tree``: JSON artifact, summary numbers, evaluation scores it."""
-    from tests.tinydata import write_lf_dataset, write_tiny_encoder
-    from xc_dagster.catalog import DatasetSpec
-    from xc_dagster.pipeline import StageContext, run_all
-    from xc_dagster.storage import ArtifactStore
-
     enc = write_tiny_encoder(tmp_path / "tiny-bert")
     src = write_lf_dataset(tmp_path / "src" / "TinyTitles")
     tiny = {"pretrain.epochs": 1, "pretrain.batch_size": 16, "pretrain.chunk_size": 8, "pretrain.warmup_steps": 2,
@@ -271,12 +269,10 @@ def test_pipeline_fits_saves_and_evaluates_tree_fusion(tmp_path):
     s = out["fusion"]
     assert s["method"] == "tree" and s["n_candidates"] >= s["n_train"] > 0 and 0 <= s["objective_value"] <= 2
     # validation pairs of labels without a non-validation training point are counted out of the fit
-    from xc_dagster.pipeline import _labels, _train_rows
-
-    ds = _labels(ctx)
+    ds = ctx.read.labels()
     valid = np.load(store.stage_dir("TinyTitles", "ingest") / "valid_rows.npy")
     seen = np.zeros(ds.Y_train.shape[1], bool)
-    seen[ds.Y_train[_train_rows(ctx, ds.num_train)].indices] = True
+    seen[ds.Y_train[ctx.read.train_rows(ds.num_train)].indices] = True
     assert s["valid_pairs_unseen_dropped"] == int((~seen[ds.Y_train[valid].indices]).sum())
     text = (store.stage_dir("TinyTitles", "fusion") / "fusion.json").read_text()
     fz = load_fusion(json.loads(text))
@@ -423,7 +419,7 @@ def test_alpha_fit_takes_the_middle_of_a_plateau_over_a_lone_spike(monkeypatch):
     1.0 at a = 0.2 between 0.5s and a plateau of 0.9 over a = 0.6..0.8: the raw argmax (smoothing 1) takes the
     spike, the 3-point average the plateau's middle; smoothing must be an odd int >= 1."""
     table = {0.2: 1.0, 0.6: 0.9, 0.7: 0.9, 0.8: 0.9}
-    monkeypatch.setattr("xc_dagster.retrieval.fusion._objective",
+    monkeypatch.setattr("xc_dagster.retrieval.fusion.alpha.validation_objective",
                         lambda ids, s, *a: table.get(round(float(s[0, 0]), 2), 0.5))
     n, C = 4, 3
     sl = Shortlist(np.arange(n * C, dtype=np.int64).reshape(n, C), np.ones((n, C), np.float32),
@@ -442,3 +438,38 @@ def test_alpha_fit_takes_the_middle_of_a_plateau_over_a_lone_spike(monkeypatch):
     for bad in (0, 2, 1.0):
         with pytest.raises(XCConfigError, match="fusion.smoothing"):
             fit_alpha(sl, Y, replace(p, smoothing=bad), None, None)
+
+
+# ------------------------------------------------------------------------------------------------ registry
+
+def test_registry_names_are_the_methods_and_every_fusion_round_trips():
+    """``FUSIONS`` names exactly what ``fusion.method`` accepts (each class writes its name as ``method``); a bad
+    name's error lists the registry's names; every registered fusion, fitted on a hand-made shortlist, goes
+    through ``to_dict`` -> JSON -> ``load_fusion`` to the same class, the same dict and identical scores."""
+    assert sorted(FUSIONS) == ["alpha", "tree"]
+    for name, cls in FUSIONS.items():
+        assert check_method(name) == name and cls.method == name
+        assert all(callable(getattr(cls, m)) for m in ("fit", "from_dict", "score", "to_dict", "summary"))
+    for bad in ("forest", "Alpha", "", None):
+        with pytest.raises(XCConfigError, match="fusion.method") as err:
+            check_method(bad)
+        assert all(repr(name) in str(err.value) for name in FUSIONS)
+    with pytest.raises(XCConfigError, match="unknown method 'forest'") as err:
+        load_fusion({"method": "forest"})
+    assert all(repr(name) in str(err.value) for name in FUSIONS)
+    # 4 points, labels 0..5, one padded cell per row; label 1 (1/p 4) relevant where the embedding says so
+    ids = np.array([[0, 1, 2, -1], [1, 3, 4, -1], [5, 0, 1, -1], [2, 1, 4, -1]])
+    pad = ids < 0
+    clf = np.where(pad, -np.inf, [[0.9, 0.2, 0.1, 0], [0.3, 0.8, 0.1, 0], [0.7, 0.6, 0.2, 0], [0.4, 0.1, 0.5, 0]])
+    emb = np.where(pad, -np.inf, [[0.1, 0.8, 0.2, 0], [0.9, 0.3, 0.1, 0], [0.2, 0.1, 0.7, 0], [0.3, 0.9, 0.4, 0]])
+    sl = Shortlist(ids, clf.astype(np.float32), emb.astype(np.float32))
+    Y = sp.csr_matrix((np.ones(5), ([0, 1, 1, 2, 3], [1, 1, 3, 5, 1])), shape=(4, 6))
+    inv = np.array([1.0, 4.0, 1.5, 2.0, 3.0, 1.2])
+    for name, cls in FUSIONS.items():
+        fitted = fit_fusion(sl, Y, FusionParams(method=name, grid_step=0.25), inv, None)
+        assert type(fitted) is cls
+        back = _roundtrip(fitted)
+        assert type(back) is cls and json.dumps(back.to_dict()) == json.dumps(fitted.to_dict())
+        assert back.summary() == fitted.summary()
+        np.testing.assert_array_equal(back.score(sl, inv), fitted.score(sl, inv))
+        assert np.isneginf(back.score(sl, inv)[pad]).all()

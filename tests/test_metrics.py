@@ -10,6 +10,7 @@ import scipy.sparse as sp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from xc_dagster.evaluation import metrics
 from xc_dagster.evaluation.metrics import evaluate, inverse_propensity, recall_at, remove_filtered, topk_from_csr
 
 
@@ -546,3 +547,24 @@ def test_perfect_predictions_rows_with_at_least_k_positives(n, kmax, data):
         assert m[f"psprecision_at_{k}"] == pytest.approx(1.0)
         assert m[f"psndcg_at_{k}"] == pytest.approx(1.0)
         assert m[f"correct_coverage_at_{k}"] == pytest.approx(m[f"coverage_at_{k}"] * L / len(set().union(*rows)))
+
+
+def test_one_function_per_family_gives_evaluates_numbers():
+    """precision, ndcg, ... each compute one family with exactly evaluate's numbers (scores, filters, dropped
+    empty rows, small blocks); the propensity-scored ones need inv_prop."""
+    rng = np.random.default_rng(11)
+    n, L, K = 60, 40, 8
+    Y = sp.random(n, L, density=0.05, random_state=3, format="csr")
+    idx, sc = rng.integers(-1, L, (n, K)), np.round(rng.random((n, K)), 2)
+    fp = np.stack([np.arange(0, n, 3), rng.integers(0, L, len(range(0, n, 3)))], axis=1)
+    ip = inverse_propensity(Y)
+    opts = {"filter_pairs": fp, "scores": sc, "block_rows": 7, "drop_empty_rows": True}
+    everything = evaluate(idx, Y, ks=(1, 3, 5), inv_prop=ip, **opts)
+    for family in ("precision", "ndcg", "recall", "coverage", "correct_coverage"):
+        one = getattr(metrics, family)(idx, Y, (1, 3, 5), **opts)
+        assert one == {f"{family}_at_{k}": everything[f"{family}_at_{k}"] for k in (1, 3, 5)}
+    for family in ("psprecision", "psndcg", "psrecall"):
+        one = getattr(metrics, family)(idx, Y, ip, (1, 3, 5), **opts)
+        assert one == {f"{family}_at_{k}": everything[f"{family}_at_{k}"] for k in (1, 3, 5)}
+        with pytest.raises(ValueError, match="inv_prop"):
+            getattr(metrics, family)(idx, Y, None)

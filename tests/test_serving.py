@@ -375,7 +375,7 @@ def test_mlflow_models_serve_answers_scoring_requests(built, tmp_path):
         with urllib.request.urlopen(req, timeout=60) as r:
             answer = json.loads(r.read())
     finally:
-        stop_process_group(proc, 20)  # the server and its uvicorn worker (their own session)
+        stop_process_group(proc, 20)  # the server and its uvicorn worker (their own process group)
         log.close()
     preds = answer["predictions"]
     assert [p["label_ids"] for p in preds] == expected.tolist()

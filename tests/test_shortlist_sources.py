@@ -10,18 +10,28 @@ import pytest
 import scipy.sparse as sp
 import torch
 
+from tests.test_pipeline import TINY
+from tests.tinydata import write_lf_dataset, write_tiny_encoder
+from xc_dagster.catalog import Catalog, DatasetSpec
+from xc_dagster.data import load_dataset
 from xc_dagster.errors import XCConfigError
-from xc_dagster.retrieval.ann import LabelIndex
+from xc_dagster.evaluation.metrics import recall_at, remove_filtered
+from xc_dagster.home import Home
+from xc_dagster.pipeline import StageContext, run_all
+from xc_dagster.retrieval.ann import LabelIndex, exact_topk
 from xc_dagster.retrieval.shortlist import (
     ShortlistSources,
     build_sources,
     check_sources,
     knn_label_scores,
     label_centroids,
+    label_representation,
     load_sources,
     retrieve,
     save_sources,
 )
+from xc_dagster.serving import bundle as serving_bundle
+from xc_dagster.storage import ArtifactStore, load_json
 from xc_dagster.training.losses import siamesexml_classifier_loss
 
 
@@ -169,16 +179,6 @@ def test_siamesexml_classifier_loss_gradients_pull_positives_push_negatives():
 # ------------------------------------------------------------------ the siamesexml strategy through every stage
 
 def test_siamesexml_strategy_three_index_shortlist_through_the_pipeline_and_bundle(tmp_path, monkeypatch):
-    from tests.test_pipeline import TINY
-    from tests.tinydata import write_lf_dataset, write_tiny_encoder
-    from xc_dagster.catalog import Catalog, DatasetSpec
-    from xc_dagster.data import load_dataset
-    from xc_dagster.evaluation.metrics import recall_at, remove_filtered
-    from xc_dagster.home import Home
-    from xc_dagster.pipeline import StageContext, run_all
-    from xc_dagster.serving import bundle as serving_bundle
-    from xc_dagster.storage import ArtifactStore, load_json
-
     monkeypatch.setenv("XC_HOME", str(tmp_path / "home"))
     home = Home.from_env().ensure()
     enc = write_tiny_encoder(tmp_path / "enc")
@@ -199,15 +199,11 @@ def test_siamesexml_strategy_three_index_shortlist_through_the_pipeline_and_bund
     # points with the held-out parts (108 points), i.e. exactly as when the validation points are deployed nowhere
     assert out["index"]["sources"] == ["label", "centroid", "knn"]
     assert out["index"]["knn_points"] == 120 and out["index"]["heldout_knn_points"] == 108
-    from xc_dagster.pipeline import _train_rows, load_model
-    from xc_dagster.retrieval.ann import exact_topk
-    from xc_dagster.retrieval.shortlist import label_centroids, label_representation
-
     ds0 = load_dataset(ctx.dir("ingest") / "dataset", features=False)
-    rows, emb0 = _train_rows(ctx, 120), np.load(ctx.dir("pretrain") / "train_emb.npy")
+    rows, emb0 = ctx.read.train_rows(120), np.load(ctx.dir("pretrain") / "train_emb.npy")
     lab0 = np.load(ctx.dir("pretrain") / "label_emb.npy")
     for heldout, r in ((False, np.arange(120)), (True, rows)):
-        m = load_model(ctx, heldout=heldout)
+        m = ctx.read.shortlist_sources(ctx.cfg.index.hnsw_ef_search, heldout=heldout)
         # one kNN index over all 120 points; the held-out model searches it without the validation points
         assert m.indexes["knn"].size == 120 and m.knn_labels.shape == (120, 20)
         if heldout:

@@ -3,6 +3,9 @@ pretrain + classifier stages starting from a bundle's encoder and classifiers.""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -90,7 +93,6 @@ def test_warm_start_rejects_an_encoder_with_another_vocabulary(tmp_path, monkeyp
     enc = write_tiny_encoder(tmp_path / "enc")
     src = write_lf_dataset(tmp_path / "src" / "TinyTitles")
     b = _fake_bundle(tmp_path / "b", np.eye(2), ["a", "b"])
-    import shutil
     shutil.rmtree(b / "encoder")
     shutil.copytree(enc, b / "encoder")
     vocab = b / "encoder" / "vocab.txt"
@@ -98,7 +100,6 @@ def test_warm_start_rejects_an_encoder_with_another_vocabulary(tmp_path, monkeyp
         vocab.write_text(vocab.read_text() + "zzzextra\n")
     tok = b / "encoder" / "tokenizer.json"
     if tok.exists():
-        import json
         d = json.loads(tok.read_text())
         d["model"]["vocab"]["zzzextra"] = len(d["model"]["vocab"])
         tok.write_text(json.dumps(d))

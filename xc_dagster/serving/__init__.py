@@ -1,11 +1,13 @@
 """Serving and the model lifecycle.
 
-=================  ==================================================================================
-``bundle``         the serving bundle (plain files) and the inference path: text -> top-k labels
-``registry``       the registered MLflow model (pyfunc) and the champion/challenger gate
-``warm_start``     retraining from the dataset's champion instead of the base encoder
-``retraining``     the click-log feed and the source fingerprints that trigger retraining
-=================  ==================================================================================
+==================  =================================================================================
+``bundle``          the serving bundle (plain files), the inference path (text -> top-k labels), the pyfunc
+``registry``        logging the pyfunc, registering it as ``xc-<dataset>``, the champion/challenger gate
+``warm_start``      retraining from the dataset's champion instead of the base encoder; new labels start
+                    from E(z_l) as in a cold start (SiameseXML Module III / NGAME M2 initialisation)
+``retraining``      the click-log feed: listing, the sensor's cursor, drops built into datasets
+``source_changes``  the source fingerprints and the datasets whose source changed since their last ingest
+==================  =================================================================================
 """
 
 import importlib

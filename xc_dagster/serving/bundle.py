@@ -38,14 +38,13 @@ import pandas as pd
 import pyarrow.parquet as pq
 import torch
 
-from xc_dagster.artifacts import model_dir
-from xc_dagster.data import load_dataset
+from xc_dagster.artifacts import ENCODER, FUSION, LABEL_EMB, SUMMARY, W
+from xc_dagster.data.canonical import LABEL_TEXTS_FILE
 from xc_dagster.device import amp_dtype, resolve_device
 from xc_dagster.encoders.encode import encode_tokens
 from xc_dagster.encoders.loading import load_encoder
 from xc_dagster.encoders.tokenizer import load_tokenizer, tokenize_texts
 from xc_dagster.errors import XCConfigError, XCError
-from xc_dagster.evaluation.metrics import inverse_propensity
 from xc_dagster.retrieval.fusion import load_fusion
 from xc_dagster.retrieval.shortlist import (
     CENTROID_FILE,
@@ -115,8 +114,9 @@ def write_bundle(ctx: "StageContext", out: Path, default_k: int = 10, shortlist_
                  ef_search: int = 0) -> dict[str, Any]:
     """Assemble the serving bundle of ``ctx``'s dataset from the stages' artifacts into ``out``.
 
-    Reads the deployed encoder and label_emb.npy (pretrain's, or classifier's when trained end to end), classifier/W.npy, the index stage's files,
-    fusion/fusion.json and the ingested label texts; computes the inverse propensities as evaluation does.
+    Reads what the artifact contract declares for the registered model: the deployed encoder and its label
+    embeddings (pretrain's, or classifier's when it fine-tuned the encoder), W, the index stage's files, the fitted
+    fusion and the ingested label texts; computes the inverse propensities as evaluation does.
     ``shortlist_size`` / ``ef_search`` > 0 override the evaluated ``index.shortlist_size`` /
     ``index.hnsw_ef_search`` (a faster, slightly less exact serving setting). Returns ``serving.json``.
     """
@@ -127,23 +127,22 @@ def write_bundle(ctx: "StageContext", out: Path, default_k: int = 10, shortlist_
                             f"{shortlist_size} / {ef_search}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    pre, idx = model_dir(ctx), ctx.dir("index")  # the deployed encoder: pretrain's, or the end-to-end one
-    _link_tree(pre / "encoder", out / "encoder")
-    _link_or_copy(pre / "label_emb.npy", out / "label_emb.npy")
-    _link_or_copy(ctx.dir("classifier") / "W.npy", out / "W.npy")
-    idx_summary = load_json(idx / "summary.json")
+    read = ctx.read
+    pre, idx = read.model_dir(), read.dir("index")  # the deployed encoder: pretrain's, or the end-to-end one
+    _link_tree(pre / ENCODER, out / "encoder")
+    _link_or_copy(pre / LABEL_EMB, out / "label_emb.npy")
+    _link_or_copy(read.path("classifier", W), out / "W.npy")
+    idx_summary = read.summary("index")
     sources = idx_summary.get("sources", ["W", "label"])
     for name in [INDEX_FILES[n] for n in sources] + [KNN_LABELS_FILE, CENTROID_FILE]:
         if (idx / name).exists():
             _link_or_copy(idx / name, out / name)
-    _link_or_copy(ctx.dir("fusion") / "fusion.json", out / "fusion.json")
-    ds_dir = ctx.dir("ingest") / "dataset"
-    _link_or_copy(ds_dir / "label_texts.parquet", out / "labels.parquet")
-    ds = load_dataset(ds_dir, texts=False, features=False)
-    inv = inverse_propensity(ds.Y_train, ctx.cfg.evaluate.propensity_a, ctx.cfg.evaluate.propensity_b)
+    _link_or_copy(read.path("fusion", FUSION), out / "fusion.json")
+    _link_or_copy(read.dataset_dir() / LABEL_TEXTS_FILE, out / "labels.parquet")
+    inv = ctx.inv_prop(read.labels().Y_train)
     np.save(out / "inv_prop.npy", np.asarray(inv, dtype=np.float64), allow_pickle=False)
-    pre_summary = load_json(pre / "summary.json")
-    tok_summary = load_json(ctx.dir("tokenize") / "summary.json")
+    pre_summary = load_json(pre / SUMMARY)
+    tok_summary = read.summary("tokenize")
     fusion_method = load_json(out / "fusion.json").get("method")
     info = {
         "format": BUNDLE_FORMAT, "dataset": ctx.name, "strategy": ctx.cfg.strategy, "preset": ctx.cfg.preset,
@@ -284,9 +283,3 @@ class XCModel(mlflow.pyfunc.PythonModel):
         k = _param_k(params, self.bundle.default_k)
         ids, scores = predict_topk(_input_texts(model_input), self.bundle, k)
         return predictions_frame(ids, scores, self.bundle)
-
-
-# ---------------------------------------------------------------------------------------------- logging
-
-# --------------------------------------------------------------------------------------------- registry
-

@@ -28,11 +28,9 @@ import torch
 from mlflow.models import infer_signature
 
 from xc_dagster.catalog import parse_tolerance
-from xc_dagster.data import load_dataset
 from xc_dagster.errors import XCError
-from xc_dagster.evaluation.metrics import evaluate, inverse_propensity, remove_filtered
+from xc_dagster.evaluation.metrics import evaluate, remove_filtered
 from xc_dagster.serving.bundle import ServingBundle, load_bundle, predict_topk, predictions_frame, write_bundle
-from xc_dagster.storage import load_json
 from xc_dagster.tracking import model_name, use_tracking_uri
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -82,7 +80,7 @@ def pip_requirements() -> list[str]:
 
 def _library_copy(dst: Path) -> Path:
     """A copy of the xc_dagster package without its embedded datasets and caches (the model's code)."""
-    src = Path(__file__).resolve().parent
+    src = Path(__file__).resolve().parents[1]  # xc_dagster/, this module being xc_dagster/serving/registry.py
     target = dst / "xc_dagster"
     shutil.copytree(src, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "builtin_data"))
     return target
@@ -116,13 +114,13 @@ def split_fingerprint(ctx: "StageContext") -> str:
     """SHA-256 of what the test metrics depend on besides the model: the test texts (or shipped tokens),
     test label matrix, test filter pairs and the labels' inverse propensities. Equal fingerprints = numbers
     measured on the same split, directly comparable."""
-    ds = load_dataset(ctx.dir("ingest") / "dataset", features=False)
+    ds = ctx.read.dataset(features=False)
     h = hashlib.sha256()
     Y = ds.Y_test.tocsr()
     h.update(repr(Y.shape).encode())
     for a in (Y.indptr.astype(np.int64), Y.indices.astype(np.int64), np.asarray(ds.filter_test, np.int64)):
         h.update(np.ascontiguousarray(a).tobytes())
-    inv = inverse_propensity(ds.Y_train, ctx.cfg.evaluate.propensity_a, ctx.cfg.evaluate.propensity_b)
+    inv = ctx.inv_prop(ds.Y_train)
     h.update(np.round(np.asarray(inv, dtype=np.float64), 9).tobytes())
     for t in ds.test_texts:
         h.update(t.encode("utf-8", "surrogatepass") + b"\0")
@@ -153,7 +151,7 @@ def register_model(ctx: "StageContext", tracker: "Tracker", tags: Mapping[str, s
     fingerprint and the evaluation run id, so the gate reads both sides.
     Returns name, version, alias, URIs, run and model ids, metrics (and their source) and fingerprint.
     """
-    metrics = load_json(ctx.dir("evaluate") / "metrics.json")
+    metrics = ctx.read.metrics()
     metrics_source = "evaluation"
     missing = [m for m in GATE_METRICS if m not in metrics]
     if missing:
@@ -163,7 +161,7 @@ def register_model(ctx: "StageContext", tracker: "Tracker", tags: Mapping[str, s
     exp_id = tracker.experiment_id(ctx.name)
     eval_run = _latest_run_id(client, exp_id, "evaluate")
     fp = split_fingerprint(ctx)
-    ds = load_dataset(ctx.dir("ingest") / "dataset", features=False)
+    ds = ctx.read.dataset(features=False)
     example = [t for t in ds.test_texts[:2] if t] or [t for t in ds.label_texts[:2] if t] or ["example"]
     params = {**ctx.cfg.flat(), "serving.default_k": default_k, "serving.bundle_code": bundle_code,
               "serving.shortlist_size": shortlist_size, "serving.ef_search": ef_search}
@@ -206,14 +204,14 @@ def register_model(ctx: "StageContext", tracker: "Tracker", tags: Mapping[str, s
 def evaluate_bundle(bundle: ServingBundle, ctx: "StageContext") -> dict[str, float]:
     """The evaluation stage's test metrics of a bundle on ``ctx``'s current test split (texts through
     ``predict_topk``, filter pairs removed, same top_k and propensities)."""
-    ds = load_dataset(ctx.dir("ingest") / "dataset", features=False)
+    ds = ctx.read.dataset(features=False)
     if ds.num_test and not any(ds.test_texts):
         raise XCError(f"dataset {ctx.name!r} has no test texts (pre-tokenized layout): cannot re-evaluate a model")
     if bundle.num_labels > ds.num_labels:
         raise XCError(f"model has {bundle.num_labels} labels, dataset {ctx.name!r} {ds.num_labels}")
     ids, scores = predict_topk(ds.test_texts, bundle, ctx.cfg.evaluate.top_k)
     ids, scores = remove_filtered(ids, scores, ds.filter_test)
-    inv = inverse_propensity(ds.Y_train, ctx.cfg.evaluate.propensity_a, ctx.cfg.evaluate.propensity_b)
+    inv = ctx.inv_prop(ds.Y_train)
     return evaluate(ids, ds.Y_test, ks=(1, 3, 5), inv_prop=inv, filter_pairs=ds.filter_test)
 
 

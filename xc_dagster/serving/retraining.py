@@ -1,4 +1,5 @@
-"""Retraining on fresh data, without Dagster (``assets/automation.py`` wraps it; see ``docs/AUTOMATION.md``).
+"""The click-log feed that triggers retraining, without Dagster (``assets/automation.py`` wraps it; see
+``docs/AUTOMATION.md``).
 
 **Click-log drops.** A *feed root* (a local folder or an fsspec URI: ``$XC_CLICKLOG_ROOT``, default
 ``$XC_HOME/clicklog-inbox``) holds one folder per dataset: every click-log file below ``<root>/<NAME>/``
@@ -12,10 +13,8 @@ never missed; :func:`build_drop` builds the dataset folder from them with
 at it (its other options are kept). A drop's digest (of its files' names, sizes and stamps) is unique per
 drop: the same drop always gives the same folder and the same run key.
 
-**Changed sources.** :func:`data_changed` tells whether a catalog dataset's source changed since its last
-ingest: never ingested; the ``source_fingerprint`` the ingest summary recorded (when it records one) differs
-from the source's current one; the catalog points to another local folder than the one ingested; or a file
-of the source was modified after the ingest summary was written.
+The file signatures here (:class:`FileSig`, :func:`local_path`, :func:`remote_sig`, :func:`url_fs`) also serve
+:mod:`xc_dagster.serving.source_changes`, which tells whether a dataset's source changed since its last ingest.
 """
 
 from __future__ import annotations
@@ -34,8 +33,9 @@ from urllib.request import url2pathname
 
 import fsspec
 
-from xc_dagster.catalog import BUILTIN_PREFIX, NAME_RE, Catalog, DatasetSpec
-from xc_dagster.data.clicklog import build_click_dataset, log_format
+from xc_dagster.catalog import NAME_RE, Catalog, DatasetSpec
+from xc_dagster.data.clicklog import build_click_dataset
+from xc_dagster.data.clicklog_reader import log_format
 from xc_dagster.errors import XCConfigError, XCError
 from xc_dagster.home import Home
 
@@ -71,7 +71,7 @@ def feed_root(home: Home, root: str = "") -> str:
     return root or os.environ.get(ENV_ROOT) or str(home.root / INBOX)
 
 
-def _local_path(uri: str) -> Path | None:
+def local_path(uri: str) -> Path | None:
     """The local path of a plain path or ``file://`` URI; None for any other scheme."""
     parts = urlsplit(uri)
     scheme = parts.scheme.lower()
@@ -83,7 +83,7 @@ def _local_path(uri: str) -> Path | None:
 
 
 def is_log_file(name: str) -> bool:
-    """A click-log file name (:func:`~xc_dagster.data.clicklog.log_format`) that is not hidden."""
+    """A click-log file name (:func:`~xc_dagster.data.clicklog_reader.log_format`) that is not hidden."""
     return not name.startswith((".", "_")) and log_format(Path(name)) is not None
 
 
@@ -105,7 +105,7 @@ def _epoch(v: Any) -> float | None:
     return None
 
 
-def _remote_sig(info: dict[str, Any]) -> FileSig:
+def remote_sig(info: dict[str, Any]) -> FileSig:
     """Size and stamp from an fsspec ``info`` dict (keys differ by backend: local, S3, GCS, memory...)."""
     size = int(info.get("size") or 0)
     for k in ("mtime", "LastModified", "last_modified", "updated", "modified", "created"):
@@ -116,7 +116,7 @@ def _remote_sig(info: dict[str, Any]) -> FileSig:
     return FileSig(size, str(tag), None)
 
 
-def _fs(uri: str):
+def url_fs(uri: str):
     try:
         return fsspec.core.url_to_fs(uri)
     except (ImportError, ValueError) as e:
@@ -130,7 +130,7 @@ def list_feeds(root: str) -> FeedListing:
     in ``ignored``; top-level files, hidden names (``.``/``_``) and files of other types are skipped.
     """
     out = FeedListing(root)
-    local = _local_path(root)
+    local = local_path(root)
     if local is not None:
         if not local.is_dir():
             return out
@@ -150,7 +150,7 @@ def list_feeds(root: str) -> FeedListing:
                         files[p.relative_to(d).as_posix()] = FileSig(st.st_size, str(st.st_mtime_ns), st.st_mtime)
             out.feeds[d.name] = files
         return out
-    fs, base = _fs(root)
+    fs, base = url_fs(root)
     base = base.rstrip("/")
     try:
         infos = fs.find(base, detail=True, withdirs=True) if fs.exists(base) else {}
@@ -169,7 +169,7 @@ def list_feeds(root: str) -> FeedListing:
             out.feeds.setdefault(name, {})
             continue
         if inner and not _hidden(inner) and is_log_file(inner.rsplit("/", 1)[-1]):
-            out.feeds.setdefault(name, {})[inner] = _remote_sig(info)
+            out.feeds.setdefault(name, {})[inner] = remote_sig(info)
     return out
 
 
@@ -259,7 +259,7 @@ def previous_label_map(catalog: Catalog, name: str) -> Path | None:
     spec = catalog.load().get(name)
     if spec is None:
         return None
-    local = _local_path(spec.source)
+    local = local_path(spec.source)
     if local is not None and (local / "label_map.json").is_file():
         return local / "label_map.json"
     return None
@@ -282,10 +282,10 @@ def register_click_dataset(catalog: Catalog, name: str, folder: Path) -> tuple[D
 
 def _local_files(home: Home, root: str, drop: Drop) -> list[Path]:
     """Local paths of the drop's files: as they are for a local root, else copied into the cache."""
-    local = _local_path(root)
+    local = local_path(root)
     if local is not None:
         return [local / drop.name / rel for rel in sorted(drop.files)]
-    fs, base = _fs(root)
+    fs, base = url_fs(root)
     cache = home.cache / "clicklog-feeds" / drop.name / drop.digest
     paths = []
     for rel in sorted(drop.files):
@@ -313,116 +313,9 @@ def build_drop(home: Home, root: str, drop: Drop, *, min_clicks: int = 1,
         summary = build_click_dataset(paths, out, label_map=previous, test_fraction=test_fraction,
                                       min_clicks=min_clicks)
     finally:
-        if _local_path(root) is None:
+        if local_path(root) is None:
             shutil.rmtree(home.cache / "clicklog-feeds" / drop.name / drop.digest, ignore_errors=True)
     _, existed = register_click_dataset(catalog, drop.name, out)
     return {**summary, "folder": str(out), "previous": None if previous is None else str(previous),
             "registered": "updated" if existed else "added"}
 
-
-# ---------------------------------------------------------------------------------- changed sources
-
-@dataclass(frozen=True)
-class Fingerprint:
-    digest: str
-    newest: float | None  # the latest modification time among the source's files
-    newest_file: str
-    files: int
-
-
-@dataclass(frozen=True)
-class SourceChange:
-    name: str
-    changed: bool
-    reason: str
-    fingerprint: str | None = None
-
-    @property
-    def run_key(self) -> str:
-        return f"retrain:{self.name}:{(self.fingerprint or 'none')[:16]}"
-
-
-def _fingerprint(entries: dict[str, FileSig]) -> Fingerprint:
-    body = json.dumps(sorted([rel, *sig.key()] for rel, sig in entries.items()), separators=(",", ":"))
-    dated = [(sig.mtime, rel) for rel, sig in entries.items() if sig.mtime is not None]
-    newest, newest_file = max(dated) if dated else (None, "")
-    return Fingerprint(hashlib.sha256(body.encode()).hexdigest(), newest, newest_file, len(entries))
-
-
-def source_fingerprint(source: str) -> Fingerprint | None:
-    """Names, sizes and modification stamps of a dataset source's files (a folder: every file below it that
-    is not hidden; a file: that file), hashed. None for a packaged (``builtin:``) source, which never
-    changes. Remote sources are listed through fsspec (``http(s)://`` with a HEAD request)."""
-    if source.startswith(BUILTIN_PREFIX):
-        return None
-    local = _local_path(source)
-    entries: dict[str, FileSig] = {}
-    if local is not None:
-        if not local.exists():
-            raise XCError(f"dataset source {local} does not exist")
-        if local.is_file():
-            st = local.stat()
-            entries[local.name] = FileSig(st.st_size, str(st.st_mtime_ns), st.st_mtime)
-        else:
-            for dirpath, dirnames, filenames in os.walk(local):
-                dirnames[:] = [n for n in dirnames if not n.startswith(".")]
-                for fn in filenames:
-                    if fn.startswith("."):
-                        continue
-                    p = Path(dirpath) / fn
-                    st = p.stat()
-                    entries[p.relative_to(local).as_posix()] = FileSig(st.st_size, str(st.st_mtime_ns), st.st_mtime)
-        return _fingerprint(entries)
-    fs, path = _fs(source)
-    try:
-        if fs.isdir(path):
-            for p, info in fs.find(path, detail=True).items():
-                entries[p[len(path):].lstrip("/")] = _remote_sig(info)
-        else:
-            entries[path.rsplit("/", 1)[-1]] = _remote_sig(fs.info(path))
-    except Exception as e:
-        raise XCError(f"dataset source {source}: cannot list it ({type(e).__name__}: {e})") from e
-    return _fingerprint(entries)
-
-
-def _utc(t: float) -> str:
-    return datetime.fromtimestamp(t, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def data_changed(home: Home, spec: DatasetSpec) -> SourceChange:
-    """Whether ``spec``'s source changed since its last ingest (``artifacts/<name>/ingest/summary.json``)."""
-    summary_path = home.artifacts / spec.name / "ingest" / "summary.json"
-    try:
-        fp = source_fingerprint(spec.source)
-    except XCError as e:
-        return SourceChange(spec.name, False, f"not checked: {e}")
-    digest = None if fp is None else fp.digest
-    if not summary_path.is_file():
-        return SourceChange(spec.name, True, "never ingested", digest or "builtin")
-    if fp is None:
-        return SourceChange(spec.name, False, f"packaged source {spec.source} (never changes)")
-    try:
-        summary = json.loads(summary_path.read_text())
-    except ValueError:
-        return SourceChange(spec.name, True, f"unreadable ingest summary {summary_path}", digest)
-    recorded = summary.get("source_fingerprint")
-    if recorded:
-        if recorded != digest:
-            return SourceChange(spec.name, True, "the source's fingerprint differs from the one ingested", digest)
-        return SourceChange(spec.name, False, "unchanged (same fingerprint as ingested)", digest)
-    local = _local_path(spec.source)
-    ingested_from = summary.get("source")
-    if local is not None and local.is_dir() and ingested_from and \
-            Path(ingested_from).resolve() != local.resolve():
-        return SourceChange(spec.name, True, f"the catalog source moved from {ingested_from} to {local}", digest)
-    ingested_at = summary_path.stat().st_mtime
-    if fp.newest is not None and fp.newest > ingested_at:
-        return SourceChange(spec.name, True, f"{fp.newest_file or spec.source} modified at {_utc(fp.newest)}, "
-                                             f"after the last ingest at {_utc(ingested_at)}", digest)
-    return SourceChange(spec.name, False, f"unchanged since the last ingest at {_utc(ingested_at)}", digest)
-
-
-def changed_datasets(home: Home, names: list[str] | None = None) -> list[SourceChange]:
-    """:func:`data_changed` for every catalog dataset (or those of ``names`` that are in the catalog)."""
-    specs = Catalog(home.catalog).load()
-    return [data_changed(home, specs[n]) for n in sorted(specs) if names is None or n in names]

@@ -1,0 +1,29 @@
+"""The validation objective that the alpha fusion maximises and the tree fusion reports."""
+
+from __future__ import annotations
+
+import numpy as np
+import scipy.sparse as sp
+
+from xc_dagster.errors import XCConfigError
+from xc_dagster.evaluation.metrics import evaluate
+from xc_dagster.retrieval.shortlist import topk_from_scores
+
+OBJECTIVE_KS = (1, 3, 5)  # the ks evaluated for the objective (``fusion.objective`` names one of their metrics)
+
+
+def validation_objective(ids: np.ndarray, scores: np.ndarray, Y: sp.csr_matrix, objective: str,
+                         inv_prop: np.ndarray | None, filter_pairs: np.ndarray | None, top_k: int) -> float:
+    """``objective`` of the ranking by ``scores`` of the shortlist ``ids``.
+
+    ``objective`` is a metric name of :func:`~xc_dagster.evaluation.metrics.evaluate`, or several joined by
+    ``+`` and summed (e.g. ``precision_at_1+psprecision_at_1`` weighs head and tail equally).
+    """
+    top, _ = topk_from_scores(ids, scores, top_k)
+    m = evaluate(top, Y, ks=OBJECTIVE_KS, inv_prop=inv_prop, filter_pairs=filter_pairs)
+    names = objective.split("+")
+    for name in names:
+        if name not in m:
+            raise XCConfigError(f"fusion.objective: {name!r} is not a metric; one of {sorted(m)} (or several "
+                                "joined by '+')")
+    return float(sum(m[name] for name in names))
