@@ -1,9 +1,10 @@
 """Dagster software-defined assets, one module per pipeline stage, all partitioned by dataset.
 
-Lineage: dataset -> tokens -> siamese_encoder -> negative_shortlist -> classifiers -> ann_index -> fusion
--> evaluation -> registered_model (MLflow model, champion/challenger gate). ``build_assets(partitions)``
-creates the stage assets for the catalog's partitions, ``build_lifecycle_assets(partitions)`` the model
-lifecycle ones after them.
+Stages in order: dataset -> tokens -> siamese_encoder -> negative_shortlist -> classifiers -> ann_index -> fusion
+-> evaluation -> registered_model (MLflow model, champion/challenger gate). Each asset depends on every asset whose
+artifacts it reads, as the artifact contract declares (``xc_dagster.artifacts``): re-materializing one marks every
+reader stale. ``build_assets(partitions)`` creates the stage assets for the catalog's partitions,
+``build_lifecycle_assets(partitions)`` the model lifecycle ones after them.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """What every stage asset does around its library call: resolve config, open the MLflow run, attach metadata.
 
-Assets stay thin: each asset module declares the asset (name, lineage, group, kinds, description) and calls
-``materialize_stage``; the work itself is ``xc_dagster.pipeline.STAGES[stage]``.
+Assets stay thin: each asset module declares the asset (group, kinds, description) and calls
+``materialize_stage``; the work itself is ``xc_dagster.pipeline.STAGES[stage]``. The asset's name and its
+``deps`` come from the artifact contract (``xc_dagster.artifacts.CONTRACT``): an asset depends on exactly the
+stages whose artifacts it reads, so the asset graph is the data flow.
 """
 
 import json
@@ -11,8 +13,10 @@ import dagster as dg
 
 from assets.config import CONFIG_CLASSES, run_overrides
 from resources import ComputeResource, MLflowResource, XCHomeResource
-from xc_dagster.pipeline import STAGE_ORDER, STAGES, StageContext
-from xc_dagster.pipeline.provenance import record_params, with_upstream_params
+from xc_dagster.artifacts import CONTRACT, StageArtifacts
+from xc_dagster.pipeline import STAGE_ORDER, StageContext, run_stage
+from xc_dagster.pipeline.provenance import with_upstream_params
+from xc_dagster.strategies import STRATEGIES
 
 
 def _flat_numbers(d: dict[str, Any], prefix: str = "") -> dict[str, float]:
@@ -52,9 +56,8 @@ def materialize_stage(context: dg.AssetExecutionContext, stage: str, config: dg.
 
         ctx = StageContext(store=store, spec=spec, cfg=cfg, cache_dir=h.cache,
                            device=compute.torch_device(), log_metrics=log_metrics, info=context.log.info,
-                           tracking_uri=tracker.tracking_uri)
-        summary = STAGES[stage](ctx)
-        record_params(store, dataset, stage, cfg)
+                           tracking_uri=tracker.tracking_uri, stage=stage)
+        summary = run_stage(ctx, stage)
         numbers = _flat_numbers(summary)
         run.log_final(numbers)
         run.log_dict(summary, f"{stage}_summary.json")
@@ -68,6 +71,7 @@ def materialize_stage(context: dg.AssetExecutionContext, stage: str, config: dg.
             "mlflow_run_id": dg.MetadataValue.text(run.run_id),
             "artifacts": dg.MetadataValue.path(str(stage_dir)),
             "strategy": dg.MetadataValue.text(cfg.strategy),
+            "strategy_help": dg.MetadataValue.md(f"**{cfg.strategy}**: {STRATEGIES[cfg.strategy].summary}"),
             "preset": dg.MetadataValue.text(cfg.preset),
             "config": dg.MetadataValue.json(json.loads(json.dumps(
                 {k: v for k, v in cfg.flat().items() if k.startswith(stage + ".")}, default=str))),
@@ -86,11 +90,17 @@ CheckResults = Callable[[StageContext, dict[str, Any]], list[dg.AssetCheckResult
 CheckSpecs = Callable[[dg.PartitionsDefinition], Sequence[dg.AssetCheckSpec]]
 
 
-def stage_asset(stage: str, name: str, deps: list[str], group: str, kinds: set[str], description: str,
+def asset_deps(entry: StageArtifacts) -> list[str]:
+    """The assets whose artifacts ``entry`` reads, in pipeline order (its Dagster ``deps``)."""
+    return [CONTRACT[s].asset for s in entry.reads]
+
+
+def stage_asset(stage: str, group: str, kinds: set[str], description: str,
                 extra_metadata: ExtraMetadata | None = None,
                 check_specs: CheckSpecs | None = None,
                 check_results: CheckResults | None = None) -> Callable[[dg.PartitionsDefinition], dg.AssetsDefinition]:
-    """A builder of the asset ``name`` running library stage ``stage`` for the given dataset partitions.
+    """A builder of the asset of library stage ``stage`` (its name and deps from the artifact contract) for the
+    given dataset partitions.
 
     ``check_specs(partitions)`` declares asset checks on it (partitioned like the asset);
     ``check_results(ctx, summary)`` reports them with the materialization (one result per spec).
@@ -98,7 +108,7 @@ def stage_asset(stage: str, name: str, deps: list[str], group: str, kinds: set[s
     config_cls = CONFIG_CLASSES[stage]
 
     def build(partitions: dg.PartitionsDefinition) -> dg.AssetsDefinition:
-        @dg.asset(name=name, deps=deps, partitions_def=partitions, group_name=group, kinds=kinds,
+        @dg.asset(name=CONTRACT[stage].asset, deps=asset_deps(CONTRACT[stage]), partitions_def=partitions, group_name=group, kinds=kinds,
                   description=description,
                   check_specs=list(check_specs(partitions)) if check_specs is not None else None)
         def _asset(context: dg.AssetExecutionContext, config: config_cls, home: XCHomeResource,  # type: ignore[valid-type]

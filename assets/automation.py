@@ -26,12 +26,12 @@ from resources import ClickLogFeedResource, XCHomeResource
 from xc_dagster.errors import XCError
 from xc_dagster.serving.retraining import (
     build_drop,
-    changed_datasets,
     decode_cursor,
     encode_cursor,
     list_feeds,
     pending_drops,
 )
+from xc_dagster.serving.source_changes import changed_datasets
 
 SENSOR = "click_log_sensor"
 SCHEDULE = "retrain_schedule"

@@ -11,8 +11,9 @@ from typing import Any
 import dagster as dg
 
 from assets._stage import stage_asset
+from xc_dagster.artifacts import METRICS, PLOTS, REPORTS
 from xc_dagster.evaluation.reports import decile_table, metrics_table
-from xc_dagster.pipeline import REPORT_FILES, StageContext
+from xc_dagster.pipeline import StageContext
 from xc_dagster.storage import load_json
 
 STAGE = "evaluate"
@@ -26,17 +27,17 @@ def _image(path: Path, alt: str) -> dg.MetadataValue:
 def _report(ctx: StageContext, summary: dict[str, Any], run) -> dict[str, Any]:
     metrics = summary["metrics"]
     out_dir = ctx.store.stage_dir(ctx.name, STAGE)
-    reports = load_json(out_dir / "reports.json")
-    for f in ("metrics.json", "reports.json", *REPORT_FILES.values()):
+    reports = load_json(out_dir / REPORTS)
+    for f in (METRICS, REPORTS, *PLOTS.values()):
         run.log_artifact(out_dir / f, "reports")
     times = summary.get("stage_seconds", {})
     time_md = "| stage | seconds |\n|---|---|\n" + "\n".join(f"| {k} | {v:.1f} |" for k, v in times.items())
     return {
         "metrics_table": dg.MetadataValue.md(metrics_table(metrics, (1, 3, 5, 10))),
-        "pk_plot": _image(out_dir / REPORT_FILES["pk_plot"], "P@k and PSP@k for k = 1..10"),
+        "pk_plot": _image(out_dir / PLOTS["pk_plot"], "P@k and PSP@k for k = 1..10"),
         "decile_table": dg.MetadataValue.md(decile_table(reports["deciles"])),
-        "decile_plot": _image(out_dir / REPORT_FILES["decile_plot"], "contribution of label deciles to P@5/PSP@5"),
-        "recall_by_frequency_plot": _image(out_dir / REPORT_FILES["recall_plot"], "recall by label frequency"),
+        "decile_plot": _image(out_dir / PLOTS["decile_plot"], "contribution of label deciles to P@5/PSP@5"),
+        "recall_by_frequency_plot": _image(out_dir / PLOTS["recall_plot"], "recall by label frequency"),
         "stage_seconds_table": dg.MetadataValue.md(time_md),
         "P@1": dg.MetadataValue.float(100 * metrics["precision_at_1"]),
         "P@5": dg.MetadataValue.float(100 * metrics["precision_at_5"]),
@@ -45,5 +46,5 @@ def _report(ctx: StageContext, summary: dict[str, Any], run) -> dict[str, Any]:
     }
 
 
-build = stage_asset(STAGE, "evaluation", deps=["fusion"], group="evaluation", kinds={"python", "mlflow"},
+build = stage_asset(STAGE, group="evaluation", kinds={"python", "mlflow"},
                     description=__doc__, extra_metadata=_report)

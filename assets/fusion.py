@@ -4,5 +4,4 @@ tree on embedding score, classifier score and inverse propensity; final score T(
 
 from assets._stage import stage_asset
 
-build = stage_asset("fusion", "fusion", deps=["ann_index"],
-                    group="inference", kinds={"scikitlearn"}, description=__doc__)
+build = stage_asset("fusion", group="inference", kinds={"scikitlearn"}, description=__doc__)

@@ -8,12 +8,14 @@ from typing import Any
 import dagster as dg
 
 from assets._stage import stage_asset
+from xc_dagster.artifacts import CHECKS as CHECKS_FILE
+from xc_dagster.artifacts import CONTRACT, LABEL_FREQ_PLOT
 from xc_dagster.data.checks import CHECKS
 from xc_dagster.pipeline import StageContext
 from xc_dagster.storage import load_json
 
 STAGE = "ingest"
-ASSET = "dataset"
+ASSET = CONTRACT[STAGE].asset
 _SEVERITY = {"ERROR": dg.AssetCheckSeverity.ERROR, "WARN": dg.AssetCheckSeverity.WARN}
 
 
@@ -50,7 +52,7 @@ def _meta_value(v: Any) -> Any:
 
 def _check_results(ctx: StageContext, summary: dict[str, Any]) -> list[dg.AssetCheckResult]:
     """The results computed during ingest (``checks.json``), as Dagster asset check results."""
-    checks = load_json(ctx.store.stage_dir(ctx.name, STAGE) / "checks.json")["checks"]
+    checks = load_json(ctx.store.stage_dir(ctx.name, STAGE) / CHECKS_FILE)["checks"]
     return [dg.AssetCheckResult(
         check_name=name, asset_key=ASSET, passed=bool(r["passed"]), severity=_SEVERITY[r["severity"]],
         description=r["description"],
@@ -61,11 +63,11 @@ def _check_results(ctx: StageContext, summary: dict[str, Any]) -> list[dg.AssetC
 def _report(ctx: StageContext, summary: dict[str, Any], run) -> dict[str, Any]:
     """Label-frequency plot (markdown image) and the check results in the metadata; both logged to MLflow."""
     out_dir = ctx.store.stage_dir(ctx.name, STAGE)
-    plot = out_dir / "label_freq.png"
+    plot = out_dir / LABEL_FREQ_PLOT
     run.log_artifact(plot)
-    run.log_artifact(out_dir / "checks.json")
+    run.log_artifact(out_dir / CHECKS_FILE)
     b64 = base64.b64encode(plot.read_bytes()).decode()
-    checks = load_json(out_dir / "checks.json")
+    checks = load_json(out_dir / CHECKS_FILE)
     return {
         "label_frequency_plot": dg.MetadataValue.md(
             f"![label frequency vs rank (log-log)](data:image/png;base64,{b64})"),
@@ -75,5 +77,5 @@ def _report(ctx: StageContext, summary: dict[str, Any], run) -> dict[str, Any]:
     }
 
 
-build = stage_asset(STAGE, ASSET, deps=[], group="data", kinds={"python", "parquet"}, description=__doc__,
+build = stage_asset(STAGE, group="data", kinds={"python", "parquet"}, description=__doc__,
                     extra_metadata=_report, check_specs=_check_specs, check_results=_check_results)

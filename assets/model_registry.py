@@ -16,12 +16,14 @@ from typing import Any, Optional
 import dagster as dg
 import pydantic
 
+from assets._stage import asset_deps
 from resources import ComputeResource, MLflowResource, XCHomeResource
+from xc_dagster.artifacts import REGISTERED_MODEL
 from xc_dagster.pipeline import STAGE_ORDER, StageContext
 from xc_dagster.pipeline.provenance import with_upstream_params
 from xc_dagster.serving.registry import champion_gate, register_model
 
-ASSET = "registered_model"
+ASSET = REGISTERED_MODEL.asset
 CHECK = "champion_gate"
 CHECK_DESCRIPTION = ("Champion/challenger gate: the new version's test P@1 and PSP@1 against the champion's on "
                      "the same test split; promoted (alias champion moves) when neither is worse by more than "
@@ -89,7 +91,7 @@ def _gate_result(decision: dict[str, Any]) -> dg.AssetCheckResult:
 
 
 def build(partitions: dg.PartitionsDefinition) -> dg.AssetsDefinition:
-    @dg.asset(name=ASSET, deps=["evaluation"], partitions_def=partitions, group_name="serving",
+    @dg.asset(name=ASSET, deps=asset_deps(REGISTERED_MODEL), partitions_def=partitions, group_name="serving",
               kinds={"mlflow", "python"}, description=__doc__, check_specs=[_check_spec(partitions)])
     def registered_model(context: dg.AssetExecutionContext, config: RegisteredModelConfig, home: XCHomeResource,
                          mlflow: MLflowResource, compute: ComputeResource) -> dg.MaterializeResult:
@@ -101,7 +103,7 @@ def build(partitions: dg.PartitionsDefinition) -> dg.AssetsDefinition:
         cfg = with_upstream_params(spec.config(), store, dataset, STAGE_ORDER).cfg
         device = compute.torch_device()
         ctx = StageContext(store=store, spec=spec, cfg=cfg, cache_dir=h.cache, device=device,
-                           info=context.log.info)
+                           info=context.log.info, stage=REGISTERED_MODEL.stage)
         tracker = mlflow.tracker(h)
         reg = register_model(ctx, tracker, {"dagster_run_id": context.run_id, "strategy": cfg.strategy,
                                             "preset": cfg.preset},

@@ -1,6 +1,8 @@
-"""Siamese pretraining (NGAME M1): the shared transformer encoder (mean pooling, L2-normalised) trained with the triplet loss on in-batch hard negatives; writes the encoder checkpoint (safetensors) and the embeddings of every training point and label."""
+"""Siamese pretraining (NGAME M1, SiameseXML Module I): the shared encoder (a transformer with mean pooling, or
+the bag-of-embeddings encoder), L2-normalised, trained on in-batch hard negatives of point batches (random or NGAME's
+cluster batches) or label batches (SiameseXML); writes the encoder (safetensors) and the embeddings of every training
+point and label. Reads the dataset's labels and validation split and the tokens."""
 
 from assets._stage import stage_asset
 
-build = stage_asset("pretrain", "siamese_encoder", deps=["tokens"],
-                    group="training", kinds={"pytorch", "huggingface"}, description=__doc__)
+build = stage_asset("pretrain", group="training", kinds={"pytorch", "huggingface"}, description=__doc__)

@@ -2,5 +2,4 @@
 
 from assets._stage import stage_asset
 
-build = stage_asset("tokenize", "tokens", deps=["dataset"],
-                    group="data", kinds={"python", "numpy"}, description=__doc__)
+build = stage_asset("tokenize", group="data", kinds={"python", "numpy"}, description=__doc__)

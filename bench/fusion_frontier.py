@@ -15,10 +15,10 @@ test P@1 and PSP@1 (filter pairs removed, propensity A/B from the dataset's conf
 
 With ``--smoothing 1,3,5`` it also refits the alpha fusion on the validation shortlists (as the fusion stage does)
 with each ``fusion.smoothing`` width and scores each fit on test: how much the choice among near-equal validation
-optima moves the test numbers (bench/RESULTS.md, seventeenth session).
+optima moves the test numbers (docs/decisions.md#fusion-smoothing-off).
 
 The sweep is a diagnostic, never a fit: weights chosen on test overstate what a model delivers. It answers "is the
-fusion the bottleneck, or the scores it fuses?" (bench/RESULTS.md, ninth, eleventh and fourteenth sessions).
+fusion the bottleneck, or the scores it fuses?" (results in bench/RESULTS.md).
 A tree fusion in the partition is reported as deployed; the grid is the alpha fusion's.
 """
 
@@ -29,9 +29,20 @@ import json
 import platform
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+
+from xc_dagster.catalog import Catalog
+from xc_dagster.evaluation.metrics import evaluate, remove_filtered
+from xc_dagster.home import Home
+from xc_dagster.pipeline import StageContext
+from xc_dagster.pipeline.evaluate import encode_split
+from xc_dagster.pipeline.fusion import validation_shortlists
+from xc_dagster.retrieval.fusion import fit_alpha, propensity_boost
+from xc_dagster.retrieval.shortlist import fuse, retrieve, topk_from_scores
+from xc_dagster.storage import ArtifactStore
 
 
 def _floats(text: str) -> list[float]:
@@ -58,9 +69,6 @@ def _row(r: np.ndarray) -> dict:
 def p1_psp1(ids: np.ndarray, scores: np.ndarray, Y_test, filter_test, inv_prop: np.ndarray) -> tuple[float, float]:
     """Test P@1 and PSP@1 in percent of a shortlist ranked by ``scores``, as the evaluate stage ranks it (top 5,
     filter pairs removed before the top 1 is read)."""
-    from xc_dagster.evaluation.metrics import evaluate, remove_filtered
-    from xc_dagster.retrieval.shortlist import topk_from_scores
-
     top, sc = remove_filtered(*topk_from_scores(ids, scores, 5), filter_test)
     m = evaluate(top, Y_test, ks=(1,), inv_prop=inv_prop, filter_pairs=filter_test)
     return 100 * m["precision_at_1"], 100 * m["psprecision_at_1"]
@@ -69,9 +77,6 @@ def p1_psp1(ids: np.ndarray, scores: np.ndarray, Y_test, filter_test, inv_prop: 
 def sweep(sl, Y_test, filter_test, inv_prop: np.ndarray, alphas: np.ndarray, knn_weights: list[float],
           propensity_weights: list[float]) -> np.ndarray:
     """(P@1, PSP@1, a, c, b) in percent for every weighting of the grid on the given shortlist."""
-    from xc_dagster.retrieval.fusion import propensity_boost
-    from xc_dagster.retrieval.shortlist import fuse
-
     boost = propensity_boost(sl.ids, inv_prop)
     rows = []
     for c in knn_weights:
@@ -84,12 +89,8 @@ def sweep(sl, Y_test, filter_test, inv_prop: np.ndarray, alphas: np.ndarray, knn
 
 def refit_by_smoothing(valid, params, widths: list[int], sl_test, Y_test, filter_test,
                        inv_prop: np.ndarray) -> list[dict]:
-    """The alpha fusion refitted on ``valid`` (a ``pipeline.ValidationShortlists``) with each smoothing width,
+    """The alpha fusion refitted on ``valid`` (a ``pipeline.fusion.ValidationShortlists``) with each smoothing width,
     and each fit's test P@1 / PSP@1."""
-    from dataclasses import replace
-
-    from xc_dagster.retrieval.fusion import fit_alpha
-
     out = []
     for w in widths:
         fit = fit_alpha(valid.shortlist, valid.Y, replace(params, smoothing=w), valid.inv_prop, valid.filter_pairs)
@@ -112,15 +113,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     args = ap.parse_args(argv)
 
-    from xc_dagster.catalog import Catalog
-    from xc_dagster.data import load_dataset
-    from xc_dagster.evaluation.metrics import inverse_propensity
-    from xc_dagster.home import Home
-    from xc_dagster.pipeline import StageContext, encode_split, load_model, validation_shortlists
-    from xc_dagster.retrieval.fusion import load_fusion
-    from xc_dagster.retrieval.shortlist import retrieve
-    from xc_dagster.storage import ArtifactStore, load_json
-
     if not 0 < args.alpha_step <= 1:
         raise SystemExit(f"--alpha-step: expected a number in (0, 1], got {args.alpha_step}")
     home = Home.from_env()
@@ -128,15 +120,15 @@ def main(argv: list[str] | None = None) -> int:
     cfg = spec.config()
     ctx = StageContext(ArtifactStore(home.artifacts), spec, cfg, home.cache)
     t0 = time.perf_counter()
-    ds = load_dataset(ctx.dir("ingest") / "dataset", texts=False, features=False)
-    inv = inverse_propensity(ds.Y_train, cfg.evaluate.propensity_a, cfg.evaluate.propensity_b)
-    model = load_model(ctx)
+    ds = ctx.read.labels()
+    inv = ctx.inv_prop(ds.Y_train)
+    model = ctx.read.shortlist_sources(cfg.index.hnsw_ef_search)
     sl = retrieve(encode_split(ctx, "test"), model, cfg.index.shortlist_size)
     knn = _floats(args.knn_weights) if sl.knn is not None else [0.0]
     alphas = np.round(np.arange(0.0, 1.0 + 1e-9, args.alpha_step), 6)
     res = sweep(sl, ds.Y_test, ds.filter_test, inv, alphas, knn, _floats(args.propensity_weights))
 
-    deployed = load_fusion(load_json(ctx.dir("fusion") / "fusion.json"))
+    deployed = ctx.read.fusion()
     dep_p1, dep_psp1 = p1_psp1(sl.ids, deployed.score(sl, inv), ds.Y_test, ds.filter_test, inv)
     best_psp, best_sum = res[res[:, 1].argmax()], res[(res[:, 0] + res[:, 1]).argmax()]
     out = {"dataset": args.dataset, "strategy": cfg.strategy, "n_test": int(ds.Y_test.shape[0]),

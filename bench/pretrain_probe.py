@@ -41,7 +41,8 @@ from xc_dagster.encoders.encode import encode_tokens
 from xc_dagster.encoders.loading import load_encoder
 from xc_dagster.encoders.names import parse_bag_name
 from xc_dagster.evaluation.metrics import evaluate, remove_filtered
-from xc_dagster.pipeline import StageContext, _filter_rows, _inv_prop, _labels, _tokens, _train_rows, run_all
+from xc_dagster.pipeline import StageContext, run_all
+from xc_dagster.pipeline.fusion import filter_rows
 from xc_dagster.retrieval.ann import exact_topk
 from xc_dagster.retrieval.shortlist import label_centroids, label_representation
 from xc_dagster.storage import ArtifactStore
@@ -83,13 +84,13 @@ def main() -> None:
         run_all(ctx, tuple(prep))
     p = cfg.pretrain
     seed_everything(p.seed)
-    ds = _labels(ctx)
-    valid = np.load(ctx.dir("ingest") / "valid_rows.npy")
-    rows = _train_rows(ctx, ds.num_train)
+    ds = ctx.read.labels()
+    valid = ctx.read.valid_rows()
+    rows = ctx.read.train_rows(ds.num_train)
     device = resolve_device("auto")
     dtype = amp_dtype(device, p.amp)
     encoder = load_encoder(cfg.tokenize.encoder, p.pooling).to(device)
-    pt, lt = _tokens(ctx, "train"), _tokens(ctx, "label")
+    pt, lt = ctx.read.tokens("train"), ctx.read.tokens("label")
     if parse_bag_name(cfg.tokenize.encoder) is not None:  # a fresh bag encoder: IDF of the texts, as pretrain
         encoder.fit_idf(pt, lt)
     losses: list[float] = []
@@ -100,15 +101,15 @@ def main() -> None:
     t_enc = time.perf_counter()
     point_emb = encode_tokens(encoder, *pt, device, dtype, p.encode_batch_size)
     label_emb = encode_tokens(encoder, *lt, device, dtype, p.encode_batch_size)
-    inv = _inv_prop(ctx, ds.Y_train)
-    Yv, pairs, _ = validation_targets(ds.Y_train, valid, rows, _filter_rows(ds.filter_train, valid))
+    inv = ctx.inv_prop(ds.Y_train)
+    Yv, pairs, _ = validation_targets(ds.Y_train, valid, rows, filter_rows(ds.filter_train, valid))
     cent_v = label_centroids(point_emb, ds.Y_train, rows)
     results = {"valid": {"text": ranking_metrics(point_emb[valid], label_emb, Yv, pairs, inv),
                          "text+centroid": ranking_metrics(point_emb[valid],
                                                           label_representation(label_emb, cent_v, "text+centroid"),
                                                           Yv, pairs, inv)}}
     if not args.no_test:
-        test_emb = encode_tokens(encoder, *_tokens(ctx, "test"), device, dtype, p.encode_batch_size)
+        test_emb = encode_tokens(encoder, *ctx.read.tokens("test"), device, dtype, p.encode_batch_size)
         cent = label_centroids(point_emb, ds.Y_train)
         results["test"] = {
             "text": ranking_metrics(test_emb, label_emb, ds.Y_test, ds.filter_test, inv),

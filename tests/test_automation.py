@@ -27,7 +27,7 @@ from xc_dagster.cli import main as cli_main
 from xc_dagster.errors import XCError
 from xc_dagster.home import Home
 from xc_dagster.pipeline import StageContext, run_all
-from xc_dagster.serving import retraining
+from xc_dagster.serving import retraining, source_changes
 from xc_dagster.storage import ArtifactStore
 
 REPO = Path(__file__).resolve().parent.parent
@@ -241,7 +241,7 @@ def test_retrain_schedule_requests_only_changed_partitions(home, tmp_path):
     cat.add(DatasetSpec("Gamma", str(moved), text="title"), replace=True)
     cat.add(DatasetSpec("Delta", str(tmp_path / "src" / "Beta"), text="title"))  # never ingested
 
-    changes = {c.name: c for c in retraining.changed_datasets(home)}
+    changes = {c.name: c for c in source_changes.changed_datasets(home)}
     assert {n for n, c in changes.items() if c.changed} == {"Alpha", "Gamma", "Delta"}
     # ingest records the source's fingerprint: an in-place edit and a moved source both change it
     assert "fingerprint differs" in changes["Alpha"].reason and "fingerprint differs" in changes["Gamma"].reason
@@ -269,11 +269,11 @@ def test_retrain_schedule_requests_only_changed_partitions(home, tmp_path):
     assert data.run_requests == [] and "Delta: changed, but run r2" in data.skip_message
     # an ingest summary that records the source's fingerprint is compared exactly
     summary_path = home.artifacts / "Beta" / "ingest" / "summary.json"
-    fp = retraining.source_fingerprint(str(tmp_path / "src" / "Beta"))
+    fp = source_changes.source_fingerprint(str(tmp_path / "src" / "Beta"))
     summary_path.write_text(json.dumps({**json.loads(summary_path.read_text()), "source_fingerprint": fp.digest}))
-    assert not retraining.data_changed(home, cat.get("Beta")).changed
+    assert not source_changes.data_changed(home, cat.get("Beta")).changed
     (tmp_path / "src" / "Beta" / "filter_labels_test.txt").write_text("0 1\n")  # same mtime second, new size
-    assert retraining.data_changed(home, cat.get("Beta")).changed
+    assert source_changes.data_changed(home, cat.get("Beta")).changed
 
     assert cli_main(["retrain", "check"]) == 0
 

@@ -336,10 +336,8 @@ def test_siamesexml_module_iv_fine_tunes_the_bag_residual_and_deploys_it(tiny_ho
     use it."""
     import torch
 
-    from xc_dagster.artifacts import model_dir
     from xc_dagster.encoders.encode import encode_tokens
     from xc_dagster.encoders.loading import load_encoder
-    from xc_dagster.pipeline import _labels, _tokens, _train_rows
     from xc_dagster.retrieval.shortlist import label_centroids
 
     spec = dataclasses.replace(Catalog(tiny_home.catalog).get("TinyTitles"), strategy="siamesexml")
@@ -349,24 +347,24 @@ def test_siamesexml_module_iv_fine_tunes_the_bag_residual_and_deploys_it(tiny_ho
     ctx = StageContext(ArtifactStore(tiny_home.artifacts), spec, cfg, tiny_home.cache)
     out = run_all(ctx)
     assert out["classifier"]["residual"] == "trained"
-    assert model_dir(ctx) == ctx.dir("classifier")
+    assert ctx.read.model_dir() == ctx.dir("classifier")
     pre = load_encoder(str(ctx.dir("pretrain") / "encoder"))
     tuned = load_encoder(str(ctx.dir("classifier") / "encoder"))
     assert torch.equal(pre.embedding.weight, tuned.embedding.weight) and torch.equal(pre.idf, tuned.idf)
     assert not torch.equal(pre.residual.radius, tuned.residual.radius) or not torch.equal(
         pre.residual.linear.bias, tuned.residual.linear.bias)
     emb = np.load(ctx.dir("classifier") / "train_emb.npy")
-    want = encode_tokens(tuned, *_tokens(ctx, "train"), torch.device("cpu"), None)
+    want = encode_tokens(tuned, *ctx.read.tokens("train"), torch.device("cpu"), None)
     np.testing.assert_allclose(emb, want, atol=1e-5)
     assert not np.allclose(emb, np.load(ctx.dir("pretrain") / "train_emb.npy"), atol=1e-3)
     lab = np.load(ctx.dir("classifier") / "label_emb.npy")
-    np.testing.assert_allclose(lab, encode_tokens(tuned, *_tokens(ctx, "label"), torch.device("cpu"), None),
+    np.testing.assert_allclose(lab, encode_tokens(tuned, *ctx.read.tokens("label"), torch.device("cpu"), None),
                                atol=1e-5)
     # deployed centroids over every training point; the fusion's held-out copy without the validation points
     np.testing.assert_allclose(np.load(ctx.dir("index") / "label_centroid.npy"),
-                               label_centroids(emb, _labels(ctx).Y_train), atol=1e-5)
+                               label_centroids(emb, ctx.read.labels().Y_train), atol=1e-5)
     np.testing.assert_allclose(np.load(ctx.dir("index") / "heldout" / "label_centroid.npy"),
-                               label_centroids(emb, _labels(ctx).Y_train, _train_rows(ctx, len(emb))), atol=1e-5)
+                               label_centroids(emb, ctx.read.labels().Y_train, ctx.read.train_rows(len(emb))), atol=1e-5)
     # sampled negatives fine-tune the whole encoder instead: asking for the residual there is a config error
     bad = dataclasses.replace(cfg, classifier=dataclasses.replace(cfg.classifier, negatives="uniform"))
     with pytest.raises(XCConfigError, match="classifier.train_residual"):

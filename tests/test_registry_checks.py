@@ -7,17 +7,22 @@ import gzip
 import json
 from pathlib import Path
 
+import dagster as dg
 import mlflow
 import numpy as np
 import pytest
 import scipy.sparse as sp
 
+from assets import ingest as ingest_module
+from resources import dataset_partitions
 from tests.test_data import DATA
 from xc_dagster.catalog import Catalog, DatasetSpec
 from xc_dagster.cli import main as cli_main
+from xc_dagster.data import read_dataset
 from xc_dagster.data.canonical import XCDataset
 from xc_dagster.data.checks import compute_checks, label_frequencies
-from xc_dagster.data.registry import KNOWN_DATASETS, XCCountMismatch, lookup
+from xc_dagster.data.registry import KNOWN_DATASETS, XCCountMismatch, lookup, verify_counts
+from xc_dagster.definitions import pipeline_resources
 from xc_dagster.home import Home
 from xc_dagster.pipeline import StageContext, ingest
 from xc_dagster.storage import ArtifactStore
@@ -53,7 +58,7 @@ def home(tmp_path, monkeypatch) -> Home:
 
 def _ingest(home: Home, spec: DatasetSpec, **overrides) -> dict:
     cfg = spec.config({f"ingest.{k}": v for k, v in overrides.items()})
-    return ingest(StageContext(ArtifactStore(home.artifacts), spec, cfg, home.cache))
+    return ingest.run(StageContext(ArtifactStore(home.artifacts), spec, cfg, home.cache, stage="ingest"))
 
 
 # ------------------------------------------------------------------------------------------ registry
@@ -110,9 +115,6 @@ def test_counts_verified_on_real_wordnet(home):
 
 @pytest.mark.parametrize("name", ["Bibtex", "Delicious"])
 def test_published_counts_of_real_bow_sets(name):
-    from xc_dagster.data import read_dataset
-    from xc_dagster.data.registry import verify_counts
-
     folder = WORDNET.parent / name / "xc_format"
     if not folder.is_dir():
         pytest.skip(f"shared {name} not present")
@@ -185,12 +187,6 @@ def test_checks_flag_out_of_range_filters_and_label_ids():
 # ---------------------------------------------------------------------------------------- Dagster
 
 def test_asset_checks_through_dagster(home, tmp_path):
-    import dagster as dg
-
-    from assets import ingest as ingest_module
-    from resources import dataset_partitions
-    from xc_dagster.definitions import pipeline_resources
-
     src = _write_planted(tmp_path / "planted")
     cat = Catalog(home.catalog)
     cat.add(DatasetSpec("Planted", str(src), text="title"))

@@ -1,16 +1,242 @@
-"""The artifact contract: what each stage writes and which upstream artifacts it reads."""
+"""The artifact contract: the files every stage writes, the upstream stages it reads, and their readers.
+
+Every stage writes one folder, ``<artifacts>/<dataset>/<stage>/``, atomically. ``CONTRACT`` declares, per stage,
+its Dagster asset, the upstream stages whose files it reads and the names it writes; the Dagster assets take
+their ``deps`` from the declared reads, so the asset graph is the data flow, and :class:`ArtifactReader` is the
+only way a stage reads another stage's folder: it refuses a stage its consumer does not declare and records
+what was opened. The file names are the constants below (the shortlist sources own theirs:
+``xc_dagster.retrieval.shortlist``).
+
+====================  =================  ===================================================================
+stage                 asset              reads
+====================  =================  ===================================================================
+ingest                dataset            (the source)
+tokenize              tokens             ingest
+pretrain              siamese_encoder    ingest, tokenize
+mining                negative_shortlist ingest, pretrain
+classifier            classifiers        ingest, tokenize, pretrain, mining
+index                 ann_index          ingest, pretrain, classifier
+fusion                fusion             ingest, pretrain, classifier, index
+evaluate              evaluation         every stage before it (the test predictions, and their run times)
+(registered model)    registered_model   ingest, tokenize, pretrain, classifier, index, fusion, evaluate
+====================  =================  ===================================================================
+
+The deployed encoder and its embeddings are the classifier stage's when it fine-tuned the encoder (ASTRA and
+MIPS-s end to end, SiameseXML Module IV's residual block), else the pretrain stage's (:meth:`model_dir`), so
+every stage that uses them reads both.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:  # pragma: no cover
-    from xc_dagster.pipeline import StageContext
+import numpy as np
+
+from xc_dagster.data import XCDataset, load_dataset, load_label_texts
+from xc_dagster.encoders.tokenizer import load_tokens
+from xc_dagster.errors import XCError
+from xc_dagster.retrieval.fusion import load_fusion
+from xc_dagster.retrieval.shortlist import (
+    CENTROID_FILE,
+    INDEX_FILES,
+    KNN_LABELS_FILE,
+    ShortlistSources,
+    load_sources,
+)
+from xc_dagster.storage import ArtifactStore, load_json
+
+# every stage
+SUMMARY = "summary.json"  # sizes, timings and key numbers of the run that wrote the folder
+PARAMS = "params.json"  # the effective config it ran with (xc_dagster.pipeline.provenance)
+# ingest
+DATASET = "dataset"  # canonical tables (xc_dagster.data.canonical)
+VALID_ROWS = "valid_rows.npy"  # training rows held out for fitting the fusion
+CHECKS = "checks.json"
+LABEL_FREQ = "label_freq.npy"
+LABEL_FREQ_PLOT = "label_freq.png"
+# tokenize
+TOKEN_SPLITS = ("train", "test", "label")
+# pretrain, and classifier when it fine-tuned the encoder
+ENCODER = "encoder"  # safetensors + tokenizer files, or the bag encoder's
+TRAIN_EMB = "train_emb.npy"
+LABEL_EMB = "label_emb.npy"
+CLASSIFIER_INIT = "classifier_init.npy"  # a warm start's W (pretrain.warm_start)
+# mining
+SHORTLIST = "shortlist.npy"
+SHORTLIST_SCORES = "shortlist_scores.npy"
+# classifier
+W = "W.npy"
+# index: the shortlist sources' files, and a copy of the training-point parts without the validation points
+HELDOUT = "heldout"
+# fusion
+FUSION = "fusion.json"
+# evaluate
+PREDICTIONS = "predictions.npz"
+METRICS = "metrics.json"
+REPORTS = "reports.json"
+PLOTS = {"pk_plot": "pk_plot.png", "decile_plot": "decile_plot.png", "recall_plot": "recall_by_frequency.png"}
 
 
-def model_dir(ctx: "StageContext") -> Path:
-    """Where the deployed encoder and its embeddings live: the classifier stage's when it fine-tuned the encoder
-    (end to end: ASTRA, MIPS-s; its residual block: SiameseXML Module IV), else the pretrain stage's."""
-    c = ctx.store.stage_dir(ctx.name, "classifier")
-    return c if (c / "encoder").is_dir() else ctx.dir("pretrain")
+def token_files(split: str) -> tuple[str, str]:
+    """The token ids (memmap .npy) and lengths of a tokenized split ("train", "test", "label")."""
+    return f"{split}_ids.npy", f"{split}_len.npy"
+
+
+@dataclass(frozen=True)
+class StageArtifacts:
+    """One stage's entry in the contract: its asset, the stages it reads, the names it writes."""
+
+    stage: str
+    asset: str
+    reads: tuple[str, ...]
+    writes: tuple[str, ...]
+
+
+def _stage(stage: str, asset: str, reads: tuple[str, ...], *writes: str) -> StageArtifacts:
+    return StageArtifacts(stage, asset, reads, (*writes, SUMMARY, PARAMS))
+
+
+CONTRACT: dict[str, StageArtifacts] = {s.stage: s for s in (
+    _stage("ingest", "dataset", (), DATASET, VALID_ROWS, CHECKS, LABEL_FREQ, LABEL_FREQ_PLOT),
+    _stage("tokenize", "tokens", ("ingest",), *(f for s in TOKEN_SPLITS for f in token_files(s))),
+    _stage("pretrain", "siamese_encoder", ("ingest", "tokenize"), ENCODER, TRAIN_EMB, LABEL_EMB, CLASSIFIER_INIT),
+    _stage("mining", "negative_shortlist", ("ingest", "pretrain"), SHORTLIST, SHORTLIST_SCORES, CENTROID_FILE),
+    _stage("classifier", "classifiers", ("ingest", "tokenize", "pretrain", "mining"), W, ENCODER, TRAIN_EMB,
+           LABEL_EMB),
+    _stage("index", "ann_index", ("ingest", "pretrain", "classifier"), *INDEX_FILES.values(), KNN_LABELS_FILE,
+           CENTROID_FILE, HELDOUT),
+    _stage("fusion", "fusion", ("ingest", "pretrain", "classifier", "index"), FUSION),
+    _stage("evaluate", "evaluation", ("ingest", "tokenize", "pretrain", "mining", "classifier", "index", "fusion"),
+           PREDICTIONS, METRICS, REPORTS, *PLOTS.values()),
+)}
+STAGE_ORDER = tuple(CONTRACT)
+# the registered MLflow model (asset registered_model) bundles the deployed model's files; it writes to MLflow
+REGISTERED_MODEL = StageArtifacts("registered_model", "registered_model",
+                                  ("ingest", "tokenize", "pretrain", "classifier", "index", "fusion", "evaluate"), ())
+
+
+class UndeclaredRead(XCError):
+    """Code read the artifacts of a stage its consumer does not declare in ``CONTRACT``."""
+
+
+class UndeclaredWrite(XCError):
+    """A stage wrote a file the artifact contract does not declare."""
+
+
+def check_writes(entry: StageArtifacts, folder: Path) -> None:
+    """Every top-level name in ``folder`` (a stage's output) is one ``entry`` declares, or raise."""
+    extra = sorted(p.name for p in Path(folder).iterdir() if p.name not in entry.writes)
+    if extra:
+        raise UndeclaredWrite(f"stage {entry.stage!r} wrote {extra}, which the artifact contract "
+                              f"(xc_dagster/artifacts.py) does not declare; it declares {list(entry.writes)}")
+
+
+class ArtifactReader:
+    """The upstream artifacts of one dataset, as read on behalf of ``consumer``.
+
+    ``consumer``: a ``CONTRACT`` entry (or ``REGISTERED_MODEL``) whose declared reads bound what may be opened,
+    or None for a script that reads everything (benches, notebooks). ``opened`` records the stages read.
+    """
+
+    def __init__(self, store: ArtifactStore, dataset: str, consumer: StageArtifacts | None = None):
+        self.store, self.dataset_name, self.consumer = store, dataset, consumer
+        self.opened: set[str] = set()
+
+    def dir(self, stage: str) -> Path:
+        """The folder of ``stage``'s artifacts (it must be materialized and declared by the consumer)."""
+        if stage not in CONTRACT:
+            raise XCError(f"unknown stage {stage!r}; stages are {', '.join(STAGE_ORDER)}")
+        if self.consumer is not None and stage not in self.consumer.reads:
+            raise UndeclaredRead(f"{self.consumer.stage!r} reads the artifacts of {stage!r}, which it does not "
+                                 f"declare (xc_dagster/artifacts.py: reads {list(self.consumer.reads)})")
+        self.opened.add(stage)
+        return self.store.require(self.dataset_name, stage)
+
+    def path(self, stage: str, name: str) -> Path:
+        """One file or folder of ``stage``'s artifacts."""
+        return self.dir(stage) / name
+
+    def summary(self, stage: str, missing_ok: bool = False) -> dict[str, Any] | None:
+        """The summary ``stage`` recorded; with ``missing_ok``, None when the stage is not materialized."""
+        if missing_ok and not self.store.stage_dir(self.dataset_name, stage).is_dir():
+            return None
+        return load_json(self.path(stage, SUMMARY))
+
+    # ---- ingest
+    def dataset_dir(self) -> Path:
+        return self.path("ingest", DATASET)
+
+    def dataset(self, texts: bool = True, features: bool = True) -> XCDataset:
+        return load_dataset(self.dataset_dir(), texts=texts, features=features)
+
+    def labels(self) -> XCDataset:
+        """The label matrices and filter pairs, without texts or features (what most stages need)."""
+        return self.dataset(texts=False, features=False)
+
+    def label_texts(self) -> list[str]:
+        return load_label_texts(self.dataset_dir())
+
+    def valid_rows(self) -> np.ndarray:
+        return np.load(self.path("ingest", VALID_ROWS))
+
+    def train_rows(self, num_train: int) -> np.ndarray:
+        """The rows the models learn from: every training point but the held-out validation ones."""
+        return np.setdiff1d(np.arange(num_train), self.valid_rows())
+
+    def label_freq(self) -> np.ndarray:
+        return np.load(self.path("ingest", LABEL_FREQ))
+
+    # ---- tokenize
+    def tokens(self, split: str) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids (memory-mapped) and lengths of ``split``."""
+        ids, lens = token_files(split)
+        return load_tokens(self.path("tokenize", ids), self.path("tokenize", lens))
+
+    # ---- the deployed encoder and embeddings
+    def model_dir(self) -> Path:
+        """Where the deployed encoder and its embeddings live: the classifier stage's folder when it wrote an
+        encoder (it fine-tuned one), else the pretrain stage's."""
+        c = self.dir("classifier")
+        return c if (c / ENCODER).is_dir() else self.dir("pretrain")
+
+    def embeddings(self, which: str, mmap: bool = False) -> np.ndarray:
+        """The deployed model's ``"train"`` point or ``"label"`` embeddings."""
+        name = {"train": TRAIN_EMB, "label": LABEL_EMB}[which]
+        return np.load(self.model_dir() / name, mmap_mode="r" if mmap else None)
+
+    def pretrained(self, name: str, mmap: bool = False) -> np.ndarray:
+        """An array the pretrain stage wrote (``TRAIN_EMB``, ``LABEL_EMB``, ``CLASSIFIER_INIT``)."""
+        return np.load(self.path("pretrain", name), mmap_mode="r" if mmap else None)
+
+    # ---- mining, classifier, index, fusion
+    def shortlist(self) -> np.ndarray:
+        return np.load(self.path("mining", SHORTLIST))
+
+    def mining_centroids(self) -> np.ndarray:
+        return np.load(self.path("mining", CENTROID_FILE))
+
+    def W(self) -> np.ndarray:
+        return np.load(self.path("classifier", W))
+
+    def shortlist_sources(self, ef_search: int, heldout: bool = False) -> ShortlistSources:
+        """W, the label representation and the indexes, as the index stage recorded them (kind, sources).
+
+        ``heldout``: the training-point parts (kNN index, label centroids) without the validation points, for
+        fitting on them; the deployed ones when the index stage built none (validation included nowhere)."""
+        d = self.dir("index")
+        info = load_json(d / SUMMARY)
+        points = d / HELDOUT if heldout and (d / HELDOUT).is_dir() else None
+        return load_sources(d, tuple(info.get("sources", ("W", "label"))), info.get("label_repr", "text"),
+                            info["kind"], ef_search, self.W(), self.embeddings("label"),
+                            int(info.get("knn_neighbours", 0)), points)
+
+    def fusion(self) -> Any:
+        """The fitted fusion (``xc_dagster.retrieval.fusion``)."""
+        return load_fusion(load_json(self.path("fusion", FUSION)))
+
+    # ---- evaluate
+    def metrics(self) -> dict[str, float]:
+        return load_json(self.path("evaluate", METRICS))
+

@@ -19,11 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from xc_dagster.artifacts import PARAMS
 from xc_dagster.config import STAGES, PipelineConfig, apply_overrides
 from xc_dagster.errors import XCConfigError
 from xc_dagster.storage import ArtifactStore, atomic_write_text
 
-PARAMS_FILE = "params.json"
+PARAMS_FILE = PARAMS
 
 
 def params_path(store: ArtifactStore, dataset: str, stage: str) -> Path:

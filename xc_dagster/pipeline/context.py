@@ -1,0 +1,83 @@
+"""What a stage runs with: where artifacts live, which dataset and stage, the effective config, logging hooks."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+
+from xc_dagster.artifacts import CONTRACT, REGISTERED_MODEL, ArtifactReader, check_writes
+from xc_dagster.catalog import DatasetSpec
+from xc_dagster.config import PipelineConfig
+from xc_dagster.device import resolve_device
+from xc_dagster.errors import XCError
+from xc_dagster.evaluation.metrics import inverse_propensity
+from xc_dagster.storage import ArtifactStore
+
+log = logging.getLogger("xc_dagster")
+
+
+@dataclass
+class StageContext:
+    """A stage's view of the world. ``stage`` names the stage (or ``registered_model``) being run: it bounds what
+    ``read`` may open to the stage's declared reads (``xc_dagster.artifacts.CONTRACT``) and names the folder
+    ``writing`` publishes; None is a script's context, which reads every stage and writes none."""
+
+    store: ArtifactStore
+    spec: DatasetSpec
+    cfg: PipelineConfig
+    cache_dir: Path
+    device: torch.device = field(default_factory=lambda: resolve_device("auto"))
+    log_metrics: Callable[[int, dict[str, float]], None] | None = None
+    info: Callable[[str], None] = log.info
+    tracking_uri: str | None = None  # the MLflow store (pretrain.warm_start=champion finds the champion there)
+    stage: str | None = None
+    _reader: ArtifactReader | None = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def for_stage(self, stage: str) -> "StageContext":
+        """This context bound to ``stage`` (with a fresh reader that records that stage's reads)."""
+        return self if stage == self.stage else dataclasses.replace(self, stage=stage)
+
+    @property
+    def read(self) -> ArtifactReader:
+        """The upstream artifacts this stage may read."""
+        if self._reader is None:
+            consumer = (CONTRACT[self.stage] if self.stage in CONTRACT
+                        else REGISTERED_MODEL if self.stage == REGISTERED_MODEL.stage else None)
+            if self.stage is not None and consumer is None:
+                raise XCError(f"unknown stage {self.stage!r}; stages are {', '.join(CONTRACT)}")
+            self._reader = ArtifactReader(self.store, self.name, consumer)
+        return self._reader
+
+    def dir(self, stage: str) -> Path:
+        """The folder of ``stage``'s artifacts (a declared read of this stage)."""
+        return self.read.dir(stage)
+
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[Path]:
+        """A temporary folder that replaces this stage's artifacts when the block succeeds; what it holds must be
+        what the contract declares."""
+        if self.stage not in CONTRACT:
+            raise XCError(f"writing: the context runs no stage ({self.stage!r})")
+        with self.store.writing(self.name, self.stage) as out:
+            yield out
+            check_writes(CONTRACT[self.stage], out)
+
+    def checkpoint_dir(self, stage: str | None = None) -> Path:
+        """Where ``stage`` (default: this one) keeps its per-epoch training checkpoint (removed once its artifacts
+        are written)."""
+        return self.store.root / self.name / "_checkpoints" / str(stage or self.stage)
+
+    def inv_prop(self, Y_train) -> np.ndarray:
+        """The labels' inverse propensities with the configured A / B (``evaluate.propensity_a/b``)."""
+        return inverse_propensity(Y_train, self.cfg.evaluate.propensity_a, self.cfg.evaluate.propensity_b)

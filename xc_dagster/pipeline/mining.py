@@ -1,0 +1,57 @@
+"""Stage ``mining`` (SiameseXML Module II): a shortlist of candidate labels per training point, the hard
+negatives of the classifier stage, and the label centroids of the training points."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from xc_dagster.artifacts import LABEL_EMB, SHORTLIST, SHORTLIST_SCORES, SUMMARY, TRAIN_EMB
+from xc_dagster.evaluation.metrics import recall_at
+from xc_dagster.pipeline.context import StageContext
+from xc_dagster.retrieval.shortlist import (
+    CENTROID_FILE,
+    build_sources,
+    check_sources,
+    label_centroids,
+    retrieve,
+    topk_from_scores,
+)
+from xc_dagster.storage import save_json
+
+
+def run(ctx: StageContext) -> dict[str, Any]:
+    """Negative mining (SiameseXML Module II): a shortlist of candidate labels per training point.
+
+    Candidates come from ``mining.sources`` (label text embeddings; label centroids; labels of the point's
+    nearest other training points), ranked by (1 - g)(s_label + s_centroid) + g * s_knn with exact scores.
+    The label centroids (of the non-validation training points) are written here for later stages.
+    """
+    p = ctx.cfg.mining
+    check_sources(p.sources, "mining.sources")
+    t0 = time.perf_counter()
+    point_emb, label_emb = ctx.read.pretrained(TRAIN_EMB), ctx.read.pretrained(LABEL_EMB)
+    ds = ctx.read.labels()
+    rows = ctx.read.train_rows(ds.num_train)
+    centroids = label_centroids(point_emb, ds.Y_train, rows)
+    src = build_sources(p.sources, label_emb, label_emb, centroids, point_emb[rows], ds.Y_train[rows],
+                        "text+centroid" if "centroid" in p.sources else "text", p.index, p.hnsw_m,
+                        p.hnsw_ef_construction, p.hnsw_ef_search)
+    k = min(p.shortlist_size, len(label_emb))
+    own = np.full(ds.num_train, -1, dtype=np.int64)
+    own[rows] = np.arange(len(rows))  # a training point is not its own neighbour
+    sl = retrieve(point_emb, src, k, exclude_knn=own)
+    merged = sl.emb if sl.knn is None else (1.0 - p.knn_weight) * sl.emb + p.knn_weight * sl.knn
+    ids, scores = topk_from_scores(sl.ids, np.where(sl.ids < 0, -np.inf, merged).astype(np.float32), k)
+    recall = recall_at(ids, ds.Y_train)
+    summary = {"shortlist_size": k, "sources": list(p.sources), "train_recall": recall,
+               "seconds": time.perf_counter() - t0}
+    with ctx.writing() as out:
+        np.save(out / SHORTLIST, ids.astype(np.int32))
+        np.save(out / SHORTLIST_SCORES, scores)
+        np.save(out / CENTROID_FILE, centroids)
+        save_json(out / SUMMARY, summary)
+    ctx.info(f"mining {ctx.name}: shortlist of {k} from {'+'.join(p.sources)}, recall on train {recall:.3f}")
+    return summary

@@ -1,0 +1,75 @@
+"""Stage ``pretrain``: Siamese pretraining of the shared encoder (NGAME M1, SiameseXML Module I), then the
+embeddings of every training point and label with the trained encoder."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import numpy as np
+
+from xc_dagster.artifacts import CLASSIFIER_INIT, ENCODER, LABEL_EMB, SUMMARY, TRAIN_EMB
+from xc_dagster.device import amp_dtype, seed_everything
+from xc_dagster.encoders.encode import encode_tokens
+from xc_dagster.encoders.loading import load_encoder, save_encoder
+from xc_dagster.encoders.names import parse_bag_name
+from xc_dagster.encoders.tokenizer import load_tokenizer
+from xc_dagster.pipeline.context import StageContext
+from xc_dagster.serving.warm_start import check_same_vocabulary, classifier_init, resolve_warm_start
+from xc_dagster.storage import save_json
+from xc_dagster.training.checkpoint import Checkpointer, fingerprint, fingerprint_files
+from xc_dagster.training.siamese import train_siamese
+
+
+def run(ctx: StageContext) -> dict[str, Any]:
+    """Siamese pretraining (M1); then embeddings of every training point and label with the trained encoder.
+
+    With ``pretrain.warm_start`` the encoder starts from a previous model's, and the classifiers' start
+    (``classifier_init.npy``) takes that model's W for the labels it knows."""
+    p = ctx.cfg.pretrain
+    seed_everything(p.seed)
+    ds = ctx.read.labels()
+    train_rows = ctx.read.train_rows(ds.num_train)
+    warm = resolve_warm_start(p.warm_start, ctx.name, ctx.tracking_uri, ctx.store.root / ctx.name / "_warm_start")
+    tokenizer = load_tokenizer(ctx.cfg.tokenize.encoder)
+    if warm is not None:
+        check_same_vocabulary(warm, tokenizer)
+        ctx.info(f"pretrain {ctx.name}: warm start from {warm}")
+    encoder = load_encoder(str(warm / ENCODER) if warm else ctx.cfg.tokenize.encoder, p.pooling).to(ctx.device)
+    dtype = amp_dtype(ctx.device, p.amp)
+    pt, lt = ctx.read.tokens("train"), ctx.read.tokens("label")
+    if warm is None and parse_bag_name(ctx.cfg.tokenize.encoder) is not None:  # fresh bag: IDF of the texts
+        encoder.fit_idf(pt, lt)
+    # "sampler_state": the checkpoint's layout (the batch sampler's state under "sampler"): an older one is
+    # never resumed from
+    key = fingerprint({**dataclasses.asdict(p), "encoder": ctx.cfg.tokenize.encoder,
+                       "warm": fingerprint_files(warm / ENCODER) if warm else "", "sampler_state": "registry"},
+                      pt[0], lt[0], train_rows, ds.Y_train.indices)
+    ckpt = Checkpointer(ctx.checkpoint_dir(), key)
+    res = train_siamese(encoder, pt, lt, ds.Y_train, train_rows, p, ctx.device, dtype, ctx.log_metrics,
+                        checkpoint=ckpt)
+    ctx.info(f"pretrain {ctx.name}: {res.steps} steps, {res.points} points in {res.seconds:.0f}s")
+    t1 = time.perf_counter()
+    point_emb = encode_tokens(encoder, *pt, ctx.device, dtype, p.encode_batch_size)
+    label_emb = encode_tokens(encoder, *lt, ctx.device, dtype, p.encode_batch_size)
+    encode_s = time.perf_counter() - t1
+    W0, warm_labels = None, 0
+    if warm is not None:
+        W0, warm_labels = classifier_init(warm, ctx.read.label_texts(), label_emb)
+    summary = {"warm_start": str(warm) if warm else "", "warm_start_labels": warm_labels, "steps": res.steps,
+               "points": res.points, "train_seconds": res.seconds, "reclusterings": res.reclusterings,
+               "resumed_from_epoch": res.resumed_from_epoch, "points_per_s": res.points / max(res.seconds, 1e-9),
+               "final_loss": res.final_loss, "encode_seconds": encode_s,
+               "texts_per_s": (len(pt[1]) + len(lt[1])) / max(encode_s, 1e-9), "device": str(ctx.device),
+               "amp": str(dtype), "dim": encoder.dim, "encoder_type": type(encoder).__name__,
+               "seconds": res.seconds + encode_s}
+    with ctx.writing() as out:
+        save_encoder(encoder, tokenizer, out / ENCODER)
+        np.save(out / TRAIN_EMB, point_emb)
+        np.save(out / LABEL_EMB, label_emb)
+        if W0 is not None:  # the classifier stage starts from it instead of the label embeddings
+            np.save(out / CLASSIFIER_INIT, W0)
+        save_json(out / SUMMARY, {**summary, "pooling": p.pooling})
+    ckpt.clear()
+    return summary

@@ -1,0 +1,45 @@
+"""The stages by name, and ``run_all``: the whole pipeline without Dagster (scripts, notebooks, a GPU box)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable
+
+from xc_dagster.artifacts import STAGE_ORDER
+from xc_dagster.errors import XCConfigError
+from xc_dagster.pipeline import classifier, evaluate, fusion, index, ingest, mining, pretrain, tokenize
+from xc_dagster.pipeline.context import StageContext
+from xc_dagster.pipeline.provenance import record_params, with_upstream_params
+
+Stage = Callable[[StageContext], dict[str, Any]]
+STAGES: dict[str, Stage] = {
+    "ingest": ingest.run, "tokenize": tokenize.run, "pretrain": pretrain.run, "mining": mining.run,
+    "classifier": classifier.run, "index": index.run, "fusion": fusion.run, "evaluate": evaluate.run,
+}
+
+
+def run_stage(ctx: StageContext, stage: str) -> dict[str, Any]:
+    """Run one stage with ``ctx`` bound to it, then record the config it ran with next to its artifacts."""
+    summary = STAGES[stage](ctx.for_stage(stage))
+    record_params(ctx.store, ctx.name, stage, ctx.cfg)
+    return summary
+
+
+def run_all(ctx: StageContext, stages: tuple[str, ...] = STAGE_ORDER) -> dict[str, dict[str, Any]]:
+    """Run the stages in order without Dagster; returns every summary.
+
+    As the Dagster assets do (``xc_dagster.pipeline.provenance``): the sections of the stages before the first one
+    run come from their artifacts' records, and each stage run records the config it ran with."""
+    unknown = [s for s in stages if s not in STAGES]
+    if unknown:
+        raise XCConfigError(f"run_all: unknown stage(s) {unknown}; stages are {list(STAGE_ORDER)}")
+    first = min((STAGE_ORDER.index(s) for s in stages), default=0)
+    ctx = dataclasses.replace(ctx, cfg=with_upstream_params(ctx.cfg, ctx.store, ctx.name, STAGE_ORDER[:first]).cfg)
+    out = {}
+    for s in stages:
+        t0 = time.perf_counter()
+        out[s] = run_stage(ctx, s)
+        out[s]["wall_seconds"] = time.perf_counter() - t0
+        ctx.info(f"stage {s} done in {out[s]['wall_seconds']:.1f}s")
+    return out
