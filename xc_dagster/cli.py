@@ -12,6 +12,7 @@
   xc-dagster metrics NAME          the test metrics of the last evaluation
   xc-dagster compare NAME          the dataset's evaluation runs from MLflow, best first, with the papers'
                                    published numbers for it as reference rows
+  xc-dagster strategies [NAME]     the strategies, or one strategy's help and the settings it changes
   xc-dagster ui                    the commands that open the Dagster UI and the MLflow UI
   xc-dagster retrain check         changed dataset sources and click-log feeds (docs/AUTOMATION.md)
   xc-dagster env                   shell exports of XC_HOME, DAGSTER_HOME, MLFLOW_TRACKING_URI
@@ -30,6 +31,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from xc_dagster.artifacts import METRICS
 from xc_dagster.catalog import BUILTIN_PREFIX, LAYOUTS, NAME_RE, TEXT_CHOICES, Catalog, DatasetSpec
 from xc_dagster.config import PRESETS, parse_set_options
 from xc_dagster.data.clicklog import build_click_dataset, parse_time, window_id
@@ -42,8 +44,9 @@ from xc_dagster.evaluation.comparison import (
     reference_rows,
 )
 from xc_dagster.home import Home
-from xc_dagster.serving.retraining import changed_datasets, feed_root, list_feeds, register_click_dataset
-from xc_dagster.strategies import STRATEGIES
+from xc_dagster.serving.retraining import feed_root, list_feeds, register_click_dataset
+from xc_dagster.serving.source_changes import changed_datasets
+from xc_dagster.strategies import STRATEGIES, strategy_help
 
 DEFAULT_DATASET = "LF-WordNetNounsTitles"
 DEFAULT_SOURCE = f"{BUILTIN_PREFIX}LF-WordNetNouns"
@@ -114,7 +117,7 @@ def materialize(home: Home, name: str, select: str = "*") -> int:
 
 
 def print_metrics(home: Home, name: str) -> int:
-    path = home.artifacts / name / "evaluate" / "metrics.json"
+    path = home.artifacts / name / "evaluate" / METRICS
     if not path.exists():
         print(f"no evaluation for {name!r} yet ({path} missing)", file=sys.stderr)
         return 1
@@ -241,6 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("name")
     cmp_.add_argument("--sort", default="precision_at_1", help="metric to rank by (default precision_at_1)")
     cmp_.add_argument("--limit", type=int, default=50, help="at most this many runs")
+    st = sub.add_parser("strategies", help="the strategies (NGAME, SiameseXML, ASTRA, MIPS-s) and their settings")
+    st.add_argument("name", nargs="?", choices=sorted(STRATEGIES), help="one strategy's help and settings")
     sub.add_parser("ui", help="print the commands that open the Dagster and MLflow UIs")
     sub.add_parser("env", help="print shell exports for XC_HOME, DAGSTER_HOME, MLFLOW_TRACKING_URI")
     clk = sub.add_parser("clicks", help="click logs -> dataset partitions")
@@ -283,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
             return {"build": cmd_clicks_build}[args.ccmd](args, home)
         if args.cmd == "retrain":
             return {"check": cmd_retrain_check}[args.rcmd](args, home)
+        if args.cmd == "strategies":
+            print(strategy_help(args.name))
+            return 0
         if args.cmd == "ui":
             print_ui(home)
             return 0

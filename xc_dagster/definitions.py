@@ -11,8 +11,13 @@ from assets import build_assets, build_lifecycle_assets
 from assets.automation import build_click_log_sensor, build_retrain_schedule
 from resources import ClickLogFeedResource, ComputeResource, MLflowResource, XCHomeResource, dataset_partitions
 from xc_dagster.home import Home
+from xc_dagster.strategies import STRATEGIES
 
 PIPELINE_JOB = "xc_pipeline"
+JOB_DESCRIPTION = ("Every stage of one dataset partition, ingest to evaluation, then the registered MLflow model "
+                   "and its champion gate. The dataset's catalog entry picks the strategy (`xc-dagster strategies` "
+                   "prints each one's settings):\n\n"
+                   + "\n".join(f"- `{name}`: {s.summary}" for name, s in STRATEGIES.items()))
 
 
 def pipeline_resources(home: Home) -> dict[str, object]:
@@ -28,8 +33,7 @@ def build_definitions(home: Home | None = None) -> dg.Definitions:
     partitions = dataset_partitions(home, extra=clicklogs.partition_names(home))
     assets = build_assets(partitions) + build_lifecycle_assets(partitions)
     job = dg.define_asset_job(PIPELINE_JOB, selection=dg.AssetSelection.all(), partitions_def=partitions,
-                              description="Every stage of one dataset partition, ingest to evaluation, then "
-                                          "the registered MLflow model and its champion gate.")
+                              description=JOB_DESCRIPTION)
     return dg.Definitions(
         assets=assets,
         jobs=[job],

@@ -26,9 +26,8 @@ def amp_dtype(device: torch.device, amp: str = "auto") -> torch.dtype | None:
     """The autocast dtype for ``amp`` on ``device``; None = full fp32.
 
     ``auto``: bf16 on CUDA GPUs that support it (fp16 otherwise); on CPU bf16 where it pays (``cpu_bf16_pays``:
-    AMX tiles, or bf16 matrix products measured >= 1.2x faster than fp32), else fp32. AVX-512-BF16 without AMX
-    is not enough: on such a Xeon autocast ran MiniLM 1.5x slower than fp32 (training steps 5.0 vs 3.4 s,
-    encoding 780 vs 1,300 titles/s; bench/RESULTS.md, eleventh session). ``bf16`` / ``off`` pin the choice.
+    AMX tiles, or bf16 matrix products at least 1.2x faster than fp32), else fp32
+    (docs/decisions.md#amp-auto-on-cpu). ``bf16`` / ``off`` pin the choice.
     """
     if amp == "off":
         return None
@@ -88,11 +87,8 @@ def _matmul_seconds(dtype: torch.dtype | None, reps: int = 5) -> float:
 
 def adamw(params: Iterable[torch.nn.Parameter], lr: float, weight_decay: float) -> torch.optim.AdamW:
     """AdamW with the fused kernel where torch has one for the parameters' device (CPU since torch 2.4, CUDA),
-    else the default implementation: the same update to float rounding (5e-8 after 5 steps on MiniLM).
-
-    The default CPU AdamW goes over the parameters tensor by tensor: on MiniLM (22.7M parameters, half of them
-    the token embeddings, all updated every step) its step took 77 ms against the fused kernel's 15 ms, about 4%
-    of a 1.6 s pretraining step on 2 cores (bench/RESULTS.md, sixteenth session)."""
+    else the default implementation: the same update to float rounding, several times faster on a CPU
+    (docs/decisions.md#fused-adamw)."""
     params = list(params)
     try:
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)

@@ -1,21 +1,12 @@
-"""Hyperparameters of every stage, presets, and how overrides are layered.
+"""Hyperparameters of every stage: one dataclass per stage, with the ``quick`` preset's values as defaults.
 
-One dataclass per stage holds that stage's hyperparameters with the ``quick`` preset's values as defaults
-(the whole pipeline on LF-WordNetNouns in well under 20 minutes on 2 CPU cores). ``PRESETS`` lists the
-values other presets change (``paper``: the papers' values, meant for a GPU). The effective value of a field
-is, last one wins: dataclass default < preset < dataset catalog overrides < run config.
-Overrides are addressed as ``stage.field`` (``pretrain.epochs=2``); ``resolve_config`` checks every name and
-coerces every value to the field's type, so a typo fails before any work with the field named.
+The classifier stage's parameters are composed of the parts each trainer reads (``HardNegativeTrainerParams``,
+``EndToEndTrainerParams``); its user-facing names ``classifier.<field>`` are all of them.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import typing
-from dataclasses import dataclass, field, fields
-from typing import Any, Mapping
-
-from xc_dagster.errors import XCConfigError
+from dataclasses import dataclass
 
 
 @dataclass
@@ -57,28 +48,24 @@ class PretrainParams:
     warmup_steps: int = 20
     weight_decay: float = 0.01
     margin: float = 0.3
-    # top-k hardest in-batch negatives per point (siamesexml: kappa per label). NGAME's code takes 10 (the paper
-    # preset); in one epoch from MiniLM more of them teach more per step: LF-WordNetNounsTitles, validation
-    # (E(z_l) + v_l).e P@1 / PSP@1 after one epoch: k 3 24.11 / 23.67, 10 27.21 / 25.75, 30 28.50 / 26.59,
-    # 255 (every in-batch negative) 28.18 / 26.33 (bench/RESULTS.md, sixteenth session)
+    # top-k hardest in-batch negatives per point (siamesexml: kappa per label); NGAME's code takes 10 (the paper
+    # preset), more teach more per step from a pretrained encoder (docs/decisions.md#pretrain-hard-negatives-k30)
     num_negatives: int = 30
     temperature: float = 0.1  # softmax weighting of violators (NGAME code's OHNM)
     pooling: str = "mean"  # "mean" | "cls"
     # transformer encoders: keep the input embeddings and the lowest N layers as pretrained (backward stops
-    # at layer N: faster steps); 0 trains every layer. ngame on LF-WordNetNounsTitles at the same time budget:
-    # N = 3 with 1.4 epochs 35.67 / 25.83 vs all layers, 1 epoch 36.67 / 26.67 (bench/RESULTS.md), so off
+    # at layer N: faster steps); 0 trains every layer (docs/decisions.md#pretrain-freeze-layers-off)
     freeze_layers: int = 0
     chunk_size: int = 128  # texts per forward chunk, sorted by length (per-chunk padding)
-    # "auto" (CUDA: bf16, else fp16; CPU: bf16 only where it pays, see device.amp_dtype) | "bf16" | "fp16" | "off"
+    # "auto" (CUDA: bf16, else fp16; CPU: bf16 only where it pays, docs/decisions.md#amp-auto-on-cpu) | "bf16" |
+    # "fp16" | "off"
     amp: str = "auto"
     encode_batch_size: int = 256
     sampler: str = "random"  # "random" batches | "ngame": unions of clusters of the memory-bank embeddings
     max_cluster_size: int = 64  # ngame: C doubles from 1 at each curriculum epoch, up to this
-    # ngame: the epochs where C doubles (an epoch listed n times doubles it n times). The paper's schedule
-    # (10, 20, 25, 50, ..., the paper preset) starts from a weak encoder over 300 epochs; from the pretrained
-    # MiniLM the quick preset clusters from epoch 1 with C = 8: a first epoch of random batches fills the memory
-    # bank, then cluster batches (LF-WordNetNounsTitles, 2 epochs, test (E(z_l) + v_l).e P@1 / PSP@1: 28.38 /
-    # 26.62 vs random batches 27.95 / 26.32; bench/RESULTS.md, sixteenth session)
+    # ngame: the epochs where C doubles (an epoch listed n times doubles it n times); the quick preset clusters
+    # from epoch 1 with C = 8, after a first epoch of random batches fills the memory bank; the paper preset has
+    # the paper's schedule (docs/decisions.md#ngame-cluster-batches-after-first-epoch)
     curriculum: tuple[int, ...] = (1, 1, 1)
     cluster_every: int = 5  # ngame: re-cluster every tau epochs (from the memory bank, no extra encoding)
     # ngame: fill the memory bank with the starting encoder's embeddings (one forward pass) before training, so
@@ -233,27 +220,22 @@ class FusionParams:
     """
 
     method: str = "alpha"  # "alpha" | "tree"
-    # alpha: grid-search target; tree: reported validation objective. A metric of xc_dagster.evaluation.metrics.evaluate or
-    # several joined by "+" (summed). Default: head and tail weighed equally, as the registry's gate does; on
-    # LF-WordNetNounsTitles (ngame) P@1 alone picked 37.5 / PSP@1 22.6, the sum 37.3 / 25.9 (bench/RESULTS.md)
+    # alpha: grid-search target; tree: reported validation objective. A metric of evaluation.metrics.evaluate or
+    # several joined by "+" (summed); head and tail weigh equally, as in the champion gate
+    # (docs/decisions.md#fusion-objective-p1-plus-psp1)
     objective: str = "precision_at_1+psprecision_at_1"
     grid_step: float = 0.05  # alpha only
     # alpha only: average the validation objective over this many neighbouring grid points per axis (a, c, b)
-    # before the argmax; 1 = the raw argmax. Against the raw argmax, a 3-point box moved test P@1 + PSP@1 by
-    # +0.59 (siamesexml, a lone spike on validation), +0.32, +0.23, +0.04, +0.03, 0, -0.11 and -1.09 (siamesexml
-    # + bag on Bibtex, 244 validation points) on eight trained models: no gain on average, so the default is
-    # the raw argmax (bench/RESULTS.md, seventeenth session)
+    # before the argmax; 1 = the raw argmax (docs/decisions.md#fusion-smoothing-off)
     smoothing: int = 1
     # alpha only, when the shortlist has kNN scores (index.sources with knn): weights c tried jointly with alpha
     # for a * classifier + (1 - a) * embedding + c * kNN; 0 = the two-score blend
     knn_grid: tuple[float, ...] = (0.0, 0.125, 0.25, 0.5, 1.0)
     # when the best kNN weight is the grid's largest, double it up to this many times while validation improves
     knn_grid_extend: int = 6
-    # alpha only: weights b tried (at the chosen c, jointly with alpha) for + b * log(1 / p_l), the labels'
-    # inverse propensity (NGAME's tree fusion has it as a feature). Ranking by P(y_l) / p_l is what maximises
-    # PSP; with exp(s / T) standing for P(y_l), that is s + T log(1 / p_l). (0,) = no propensity term. On by
-    # default: b = 0 is always tried, so validation keeps it off where it does not pay (bench/RESULTS.md: Bibtex
-    # picks 0 / 0.01, LF-WordNetNouns Titles 0.02, full text 0.08)
+    # alpha only: weights b tried jointly with alpha and c for + b * log(1 / p_l), the labels' inverse propensity:
+    # ranking by P(y_l) / p_l maximises PSP. b = 0 is always tried; (0,) = no propensity term
+    # (docs/decisions.md#fusion-propensity-term)
     propensity_grid: tuple[float, ...] = (0.0, 0.01, 0.02, 0.04, 0.08)
     propensity_grid_extend: int = 6  # as knn_grid_extend, for the propensity weight
     tree_depth: int = 7  # NGAME: a depth-7 tree
@@ -304,136 +286,3 @@ STAGES: dict[str, type] = {
     "index": IndexParams,
     "evaluate": EvaluateParams,
 }
-
-PRESETS: dict[str, dict[str, dict[str, Any]]] = {
-    "quick": {},
-    "paper": {
-        # NGAME Table 9 / code defaults (LF-AmazonTitles-131K), meant for a GPU.
-        "pretrain": {"epochs": 300, "batch_size": 1600, "lr": 2e-4, "warmup_steps": 100, "num_negatives": 10,
-                     "curriculum": (10, 20, 25, 50, 75, 100, 125, 150, 200)},
-        "mining": {"shortlist_size": 300, "hnsw_m": 100, "hnsw_ef_construction": 300, "hnsw_ef_search": 300},
-        "classifier": {"epochs": 100, "batch_size": 2048, "num_positives": 3, "num_negatives": 5},
-        "index": {"hnsw_m": 100, "hnsw_ef_construction": 300, "hnsw_ef_search": 300, "shortlist_size": 300},
-    },
-}
-
-
-@dataclass
-class PipelineConfig:
-    """The effective hyperparameters of every stage for one dataset and run."""
-
-    preset: str = "quick"
-    strategy: str = "ngame"
-    ingest: IngestParams = field(default_factory=IngestParams)
-    tokenize: TokenizeParams = field(default_factory=TokenizeParams)
-    pretrain: PretrainParams = field(default_factory=PretrainParams)
-    mining: MiningParams = field(default_factory=MiningParams)
-    classifier: ClassifierParams = field(default_factory=ClassifierParams)
-    fusion: FusionParams = field(default_factory=FusionParams)
-    index: IndexParams = field(default_factory=IndexParams)
-    evaluate: EvaluateParams = field(default_factory=EvaluateParams)
-
-    def stage(self, name: str) -> Any:
-        return getattr(self, name)
-
-    def flat(self) -> dict[str, Any]:
-        """Every value as ``stage.field`` -> value (what MLflow logs as params)."""
-        out: dict[str, Any] = {"preset": self.preset, "strategy": self.strategy}
-        for name in STAGES:
-            for f in fields(self.stage(name)):
-                out[f"{name}.{f.name}"] = getattr(self.stage(name), f.name)
-        return out
-
-
-def _coerce(value: Any, typ: Any, where: str) -> Any:
-    """Convert a string or YAML value to the field type, or raise naming the field."""
-    origin = typing.get_origin(typ)
-    try:
-        if typ is bool:
-            if isinstance(value, bool):
-                return value
-            s = str(value).strip().lower()
-            if s in {"1", "true", "yes", "on"}:
-                return True
-            if s in {"0", "false", "no", "off"}:
-                return False
-            raise ValueError(value)
-        if typ is int:
-            if isinstance(value, bool):
-                raise ValueError(value)
-            f = float(value)
-            if f != int(f):
-                raise ValueError(value)
-            return int(f)
-        if typ is float:
-            if isinstance(value, bool):
-                raise ValueError(value)
-            return float(value)
-        if typ is str:
-            return str(value)
-        if origin is tuple:
-            (inner, *_rest) = typing.get_args(typ)
-            if isinstance(value, str):
-                items = value.replace(",", " ").split()
-            elif isinstance(value, (int, float)) and not isinstance(value, bool):
-                items = [value]  # YAML `knn_grid: 0` means the one-value grid
-            else:
-                items = list(value)
-            return tuple(_coerce(v, inner, where) for v in items)
-    except (TypeError, ValueError):
-        raise XCConfigError(f"config field {where!r}: expected {getattr(typ, '__name__', typ)}, got {value!r}")
-    raise XCConfigError(f"config field {where!r}: unsupported type {typ}")
-
-
-def _stage_types(name: str) -> dict[str, Any]:
-    return typing.get_type_hints(STAGES[name])
-
-
-def apply_overrides(cfg: PipelineConfig, overrides: Mapping[str, Any], source: str) -> PipelineConfig:
-    """Return ``cfg`` with ``{"stage.field": value}`` or ``{"stage": {"field": value}}`` applied."""
-    flat: dict[str, Any] = {}
-    for key, value in overrides.items():
-        if isinstance(value, Mapping):
-            for k2, v2 in value.items():
-                flat[f"{key}.{k2}"] = v2
-        else:
-            flat[key] = value
-    for key, value in flat.items():
-        if value is None:
-            continue
-        if key in ("preset", "strategy"):
-            continue  # chosen before overrides are layered (see resolve_config)
-        stage, _, fname = key.partition(".")
-        if stage not in STAGES:
-            raise XCConfigError(f"{source}: unknown stage {stage!r} in {key!r}; stages are {', '.join(STAGES)}")
-        types = _stage_types(stage)
-        if fname not in types:
-            raise XCConfigError(
-                f"{source}: unknown field {key!r}; fields of {stage!r} are {', '.join(types)}")
-        coerced = _coerce(value, types[fname], key)
-        setattr(cfg, stage, dataclasses.replace(cfg.stage(stage), **{fname: coerced}))
-    return cfg
-
-
-def resolve_config(preset: str = "quick", strategy: str = "ngame",
-                   *layers: tuple[str, Mapping[str, Any]]) -> PipelineConfig:
-    """Layer the preset and then each ``(source_name, overrides)`` in order onto the dataclass defaults."""
-    if preset not in PRESETS:
-        raise XCConfigError(f"unknown preset {preset!r}; presets are {', '.join(PRESETS)}")
-    cfg = PipelineConfig(preset=preset, strategy=strategy)
-    cfg = apply_overrides(cfg, PRESETS[preset], f"preset {preset!r}")
-    for source, overrides in layers:
-        cfg = apply_overrides(cfg, overrides, source)
-    return cfg
-
-
-def parse_set_options(items: list[str] | tuple[str, ...]) -> dict[str, str]:
-    """Parse CLI ``--set stage.field=value`` items, checking names (values are coerced at resolve time)."""
-    out: dict[str, str] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise XCConfigError(f"--set {item!r}: expected stage.field=value")
-        out[key.strip()] = value.strip()
-    apply_overrides(PipelineConfig(), out, "--set")  # validates names and types now
-    return out

@@ -1,0 +1,34 @@
+"""Hyperparameters of every stage, presets, and how overrides are layered.
+
+One dataclass per stage (``params``) holds that stage's hyperparameters with the ``quick`` preset's values as
+defaults (the whole pipeline on LF-WordNetNouns Titles in 8 to 30 minutes of training on 2 CPU cores, depending on
+the CPU). ``PRESETS`` lists the values other presets change (``paper``: the papers' values, meant for a GPU). The
+effective value of a field is, last one wins: dataclass default < preset < strategy < dataset options < catalog
+overrides < run config (``resolve``). Overrides are addressed as ``stage.field`` (``pretrain.epochs=2``);
+``resolve_config`` checks every name and coerces every value to the field's type, so a typo fails before any work
+with the field named. Every field is described in ``docs/configuration.md``.
+"""
+
+from xc_dagster.config.params import (
+                                      STAGES,
+                                      ClassifierCommonParams,
+                                      ClassifierParams,
+                                      EndToEndParams,
+                                      EndToEndTrainerParams,
+                                      EvaluateParams,
+                                      FusionParams,
+                                      HardNegativeParams,
+                                      HardNegativeTrainerParams,
+                                      IndexParams,
+                                      IngestParams,
+                                      MiningParams,
+                                      PretrainParams,
+                                      SampledNegativeParams,
+                                      TokenizeParams,
+)
+from xc_dagster.config.resolve import PRESETS, PipelineConfig, apply_overrides, parse_set_options, resolve_config
+
+__all__ = ["STAGES", "PRESETS", "PipelineConfig", "apply_overrides", "parse_set_options", "resolve_config",
+           "IngestParams", "TokenizeParams", "PretrainParams", "MiningParams", "ClassifierParams",
+           "ClassifierCommonParams", "HardNegativeParams", "SampledNegativeParams", "EndToEndParams",
+           "HardNegativeTrainerParams", "EndToEndTrainerParams", "FusionParams", "IndexParams", "EvaluateParams"]

@@ -1,0 +1,155 @@
+"""Presets and how overrides are layered: dataclass default < preset < strategy < dataset options < catalog
+overrides < run config, each ``stage.field`` name checked and each value coerced to the field's type."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+from xc_dagster.config.params import (
+    STAGES,
+    ClassifierParams,
+    EvaluateParams,
+    FusionParams,
+    IndexParams,
+    IngestParams,
+    MiningParams,
+    PretrainParams,
+    TokenizeParams,
+)
+from xc_dagster.errors import XCConfigError
+
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    "quick": {},
+    "paper": {
+        # NGAME Table 9 / code defaults (LF-AmazonTitles-131K), meant for a GPU.
+        "pretrain": {"epochs": 300, "batch_size": 1600, "lr": 2e-4, "warmup_steps": 100, "num_negatives": 10,
+                     "curriculum": (10, 20, 25, 50, 75, 100, 125, 150, 200)},
+        "mining": {"shortlist_size": 300, "hnsw_m": 100, "hnsw_ef_construction": 300, "hnsw_ef_search": 300},
+        "classifier": {"epochs": 100, "batch_size": 2048, "num_positives": 3, "num_negatives": 5},
+        "index": {"hnsw_m": 100, "hnsw_ef_construction": 300, "hnsw_ef_search": 300, "shortlist_size": 300},
+    },
+}
+
+
+@dataclass
+class PipelineConfig:
+    """The effective hyperparameters of every stage for one dataset and run."""
+
+    preset: str = "quick"
+    strategy: str = "ngame"
+    ingest: IngestParams = field(default_factory=IngestParams)
+    tokenize: TokenizeParams = field(default_factory=TokenizeParams)
+    pretrain: PretrainParams = field(default_factory=PretrainParams)
+    mining: MiningParams = field(default_factory=MiningParams)
+    classifier: ClassifierParams = field(default_factory=ClassifierParams)
+    fusion: FusionParams = field(default_factory=FusionParams)
+    index: IndexParams = field(default_factory=IndexParams)
+    evaluate: EvaluateParams = field(default_factory=EvaluateParams)
+
+    def stage(self, name: str) -> Any:
+        return getattr(self, name)
+
+    def flat(self) -> dict[str, Any]:
+        """Every value as ``stage.field`` -> value (what MLflow logs as params)."""
+        out: dict[str, Any] = {"preset": self.preset, "strategy": self.strategy}
+        for name in STAGES:
+            for f in fields(self.stage(name)):
+                out[f"{name}.{f.name}"] = getattr(self.stage(name), f.name)
+        return out
+
+
+def _coerce(value: Any, typ: Any, where: str) -> Any:
+    """Convert a string or YAML value to the field type, or raise naming the field."""
+    origin = typing.get_origin(typ)
+    try:
+        if typ is bool:
+            if isinstance(value, bool):
+                return value
+            s = str(value).strip().lower()
+            if s in {"1", "true", "yes", "on"}:
+                return True
+            if s in {"0", "false", "no", "off"}:
+                return False
+            raise ValueError(value)
+        if typ is int:
+            if isinstance(value, bool):
+                raise ValueError(value)
+            f = float(value)
+            if f != int(f):
+                raise ValueError(value)
+            return int(f)
+        if typ is float:
+            if isinstance(value, bool):
+                raise ValueError(value)
+            return float(value)
+        if typ is str:
+            return str(value)
+        if origin is tuple:
+            (inner, *_rest) = typing.get_args(typ)
+            if isinstance(value, str):
+                items = value.replace(",", " ").split()
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                items = [value]  # YAML `knn_grid: 0` means the one-value grid
+            else:
+                items = list(value)
+            return tuple(_coerce(v, inner, where) for v in items)
+    except (TypeError, ValueError):
+        raise XCConfigError(f"config field {where!r}: expected {getattr(typ, '__name__', typ)}, got {value!r}")
+    raise XCConfigError(f"config field {where!r}: unsupported type {typ}")
+
+
+def _stage_types(name: str) -> dict[str, Any]:
+    return typing.get_type_hints(STAGES[name])
+
+
+def apply_overrides(cfg: PipelineConfig, overrides: Mapping[str, Any], source: str) -> PipelineConfig:
+    """Return ``cfg`` with ``{"stage.field": value}`` or ``{"stage": {"field": value}}`` applied."""
+    flat: dict[str, Any] = {}
+    for key, value in overrides.items():
+        if isinstance(value, Mapping):
+            for k2, v2 in value.items():
+                flat[f"{key}.{k2}"] = v2
+        else:
+            flat[key] = value
+    for key, value in flat.items():
+        if value is None:
+            continue
+        if key in ("preset", "strategy"):
+            continue  # chosen before overrides are layered (see resolve_config)
+        stage, _, fname = key.partition(".")
+        if stage not in STAGES:
+            raise XCConfigError(f"{source}: unknown stage {stage!r} in {key!r}; stages are {', '.join(STAGES)}")
+        types = _stage_types(stage)
+        if fname not in types:
+            raise XCConfigError(
+                f"{source}: unknown field {key!r}; fields of {stage!r} are {', '.join(types)}")
+        coerced = _coerce(value, types[fname], key)
+        setattr(cfg, stage, dataclasses.replace(cfg.stage(stage), **{fname: coerced}))
+    return cfg
+
+
+def resolve_config(preset: str = "quick", strategy: str = "ngame",
+                   *layers: tuple[str, Mapping[str, Any]]) -> PipelineConfig:
+    """Layer the preset and then each ``(source_name, overrides)`` in order onto the dataclass defaults."""
+    if preset not in PRESETS:
+        raise XCConfigError(f"unknown preset {preset!r}; presets are {', '.join(PRESETS)}")
+    cfg = PipelineConfig(preset=preset, strategy=strategy)
+    cfg = apply_overrides(cfg, PRESETS[preset], f"preset {preset!r}")
+    for source, overrides in layers:
+        cfg = apply_overrides(cfg, overrides, source)
+    return cfg
+
+
+def parse_set_options(items: list[str] | tuple[str, ...]) -> dict[str, str]:
+    """Parse CLI ``--set stage.field=value`` items, checking names (values are coerced at resolve time)."""
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise XCConfigError(f"--set {item!r}: expected stage.field=value")
+        out[key.strip()] = value.strip()
+    apply_overrides(PipelineConfig(), out, "--set")  # validates names and types now
+    return out
