@@ -108,8 +108,8 @@ def stage_asset(stage: str, group: str, kinds: set[str], description: str,
     config_cls = CONFIG_CLASSES[stage]
 
     def build(partitions: dg.PartitionsDefinition) -> dg.AssetsDefinition:
-        @dg.asset(name=CONTRACT[stage].asset, deps=asset_deps(CONTRACT[stage]), partitions_def=partitions, group_name=group, kinds=kinds,
-                  description=description,
+        @dg.asset(name=CONTRACT[stage].asset, deps=asset_deps(CONTRACT[stage]), partitions_def=partitions,
+                  group_name=group, kinds=kinds, description=description,
                   check_specs=list(check_specs(partitions)) if check_specs is not None else None)
         def _asset(context: dg.AssetExecutionContext, config: config_cls, home: XCHomeResource,  # type: ignore[valid-type]
                    mlflow: MLflowResource, compute: ComputeResource) -> dg.MaterializeResult:

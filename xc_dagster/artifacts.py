@@ -201,6 +201,10 @@ class ArtifactReader:
         c = self.dir("classifier")
         return c if (c / ENCODER).is_dir() else self.dir("pretrain")
 
+    def model_summary(self) -> dict[str, Any]:
+        """The summary of the stage that wrote the deployed encoder (its pooling and type, as trained)."""
+        return load_json(self.model_dir() / SUMMARY)
+
     def embeddings(self, which: str, mmap: bool = False) -> np.ndarray:
         """The deployed model's ``"train"`` point or ``"label"`` embeddings."""
         name = {"train": TRAIN_EMB, "label": LABEL_EMB}[which]
@@ -226,7 +230,7 @@ class ArtifactReader:
         ``heldout``: the training-point parts (kNN index, label centroids) without the validation points, for
         fitting on them; the deployed ones when the index stage built none (validation included nowhere)."""
         d = self.dir("index")
-        info = load_json(d / SUMMARY)
+        info = self.summary("index")
         points = d / HELDOUT if heldout and (d / HELDOUT).is_dir() else None
         return load_sources(d, tuple(info.get("sources", ("W", "label"))), info.get("label_repr", "text"),
                             info["kind"], ef_search, self.W(), self.embeddings("label"),

@@ -54,15 +54,20 @@ def _check_trainer(p: Any) -> bool:
     return sampled
 
 
+def _pretrained_encoder(ctx: StageContext, pooling: str | None) -> tuple[Any, Any]:
+    """The pretrain stage's encoder (on the stage's device) and its tokenizer, to fine-tune here."""
+    enc_dir = str(ctx.read.path("pretrain", ENCODER))
+    return load_encoder(enc_dir, pooling).to(ctx.device), load_tokenizer(enc_dir)
+
+
 def _residual_encoder(ctx: StageContext, pooling: str | None) -> tuple[Any, Any, str]:
     """SiameseXML Module IV's encoder (``classifier.train_residual``): the bag encoder, whose residual block trains
     with W; a transformer has none and stays frozen. Returns (encoder or None, its tokenizer, a note)."""
     if not ctx.cfg.classifier.train_residual:
         return None, None, "off"
-    enc_dir = str(ctx.read.path("pretrain", ENCODER))
-    encoder = load_encoder(enc_dir, pooling).to(ctx.device)
+    encoder, tokenizer = _pretrained_encoder(ctx, pooling)
     if isinstance(encoder, BagOfEmbeddingsEncoder):
-        return encoder, load_tokenizer(enc_dir), "trained"
+        return encoder, tokenizer, "trained"
     ctx.info("classifier.train_residual: the encoder has no residual block (tokenize.encoder=bag has one); it "
              "stays frozen")
     return None, None, "n/a: the encoder has no residual block"
@@ -103,8 +108,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     if sampled:
         kw: dict[str, Any] = {}
         if p.train_encoder:
-            encoder = load_encoder(str(enc_dir), pooling).to(ctx.device)
-            tokenizer = load_tokenizer(str(enc_dir))
+            encoder, tokenizer = _pretrained_encoder(ctx, pooling)
             kw = {"encoder": encoder, "point_tokens": ctx.read.tokens("train"),
                   "label_tokens": ctx.read.tokens("label"), "dtype": amp_dtype(ctx.device, ctx.cfg.pretrain.amp)}
         res = train_end_to_end(point_emb, label_emb, W0, ds.Y_train, rows, p, ctx.device,

@@ -16,7 +16,7 @@ from xc_dagster.evaluation.metrics import evaluate, recall_at, remove_filtered
 from xc_dagster.evaluation.reports import decile_contributions, decile_plot, pk_plot, recall_by_frequency, recall_plot
 from xc_dagster.pipeline.context import StageContext
 from xc_dagster.retrieval.shortlist import retrieve, topk_from_scores
-from xc_dagster.storage import load_json, save_json
+from xc_dagster.storage import save_json
 
 TRAINING_STAGES = ("pretrain", "mining", "classifier", "index", "fusion")
 ABLATION_METRICS = ("precision_at_1", "precision_at_5", "psprecision_at_1", "psprecision_at_5")
@@ -24,9 +24,8 @@ ABLATION_METRICS = ("precision_at_1", "precision_at_5", "psprecision_at_1", "psp
 
 def encode_split(ctx: StageContext, split: str) -> np.ndarray:
     """Embeddings of a tokenized split ("train", "test", "label") with the deployed encoder, as trained."""
-    md = ctx.read.model_dir()
-    pooling = load_json(md / SUMMARY)["pooling"]  # as trained, whatever this run says
-    encoder = load_encoder(str(md / ENCODER), pooling).to(ctx.device)
+    pooling = ctx.read.model_summary()["pooling"]  # as trained, whatever this run says
+    encoder = load_encoder(str(ctx.read.model_dir() / ENCODER), pooling).to(ctx.device)
     dtype = amp_dtype(ctx.device, ctx.cfg.pretrain.amp)
     return encode_tokens(encoder, *ctx.read.tokens(split), ctx.device, dtype, ctx.cfg.pretrain.encode_batch_size)
 

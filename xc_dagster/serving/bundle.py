@@ -38,7 +38,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 import torch
 
-from xc_dagster.artifacts import ENCODER, FUSION, LABEL_EMB, SUMMARY, W
+from xc_dagster.artifacts import ENCODER, FUSION, LABEL_EMB, W
 from xc_dagster.data.canonical import LABEL_TEXTS_FILE
 from xc_dagster.device import amp_dtype, resolve_device
 from xc_dagster.encoders.encode import encode_tokens
@@ -141,7 +141,7 @@ def write_bundle(ctx: "StageContext", out: Path, default_k: int = 10, shortlist_
     _link_or_copy(read.dataset_dir() / LABEL_TEXTS_FILE, out / "labels.parquet")
     inv = ctx.inv_prop(read.labels().Y_train)
     np.save(out / "inv_prop.npy", np.asarray(inv, dtype=np.float64), allow_pickle=False)
-    pre_summary = load_json(pre / SUMMARY)
+    pre_summary = read.model_summary()
     tok_summary = read.summary("tokenize")
     fusion_method = load_json(out / "fusion.json").get("method")
     info = {
