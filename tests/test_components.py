@@ -13,11 +13,10 @@ import pytest
 import scipy.sparse as sp
 import torch
 
-from tests.tinydata import WORDS
+from tests.tinydata import label_word_texts
 from xc_dagster.config import ClassifierParams, PretrainParams, resolve_config
 from xc_dagster.device import seed_everything
 from xc_dagster.encoders.loading import load_encoder
-from xc_dagster.encoders.tokenizer import load_tokenizer
 from xc_dagster.errors import XCConfigError
 from xc_dagster.sampling import batches, hard_negatives
 from xc_dagster.sampling.batches import BATCH_SAMPLERS
@@ -72,18 +71,7 @@ def test_strategies_pick_registered_components_and_samplers_are_the_registry():
 @pytest.fixture(scope="module")
 def texts():
     """24 points naming one or two of 8 label words, tokenized with MiniLM's tokenizer (for the bag encoder)."""
-    tok = load_tokenizer("minilm")
-    rng = np.random.default_rng(0)
-    labels = [rng.choice(8, size=int(rng.integers(1, 3)), replace=False) for _ in range(24)]
-    r = np.repeat(np.arange(24), [len(lab) for lab in labels])
-    Y = sp.csr_matrix((np.ones(len(r), dtype=np.float32), (r, np.concatenate(labels))), shape=(24, 8))
-
-    def tokens(t: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        enc = tok(t, padding="max_length", truncation=True, max_length=8, return_tensors="np")
-        return enc["input_ids"].astype(np.int32), enc["attention_mask"].sum(1).astype(np.int32)
-
-    pt = tokens([" ".join(WORDS[j] for j in lab) + f" item {i}" for i, lab in enumerate(labels)])
-    return pt, tokens(WORDS[:8]), Y
+    return label_word_texts()
 
 
 def _pretrain_params(**kw) -> PretrainParams:

@@ -41,6 +41,27 @@ def write_lf_dataset(folder: Path, n_train: int = 120, n_test: int = 40, n_label
     return folder
 
 
+def label_word_texts():
+    """24 points naming one or two of 8 label words, tokenized with MiniLM's tokenizer (max_len 8): (point
+    tokens, label tokens, Y)."""
+    import scipy.sparse as sp  # noqa: PLC0415  (test helper: keeps tinydata importable without scipy)
+
+    from xc_dagster.encoders.tokenizer import load_tokenizer  # noqa: PLC0415
+
+    tok = load_tokenizer("minilm")
+    rng = np.random.default_rng(0)
+    labels = [rng.choice(8, size=int(rng.integers(1, 3)), replace=False) for _ in range(24)]
+    r = np.repeat(np.arange(24), [len(lab) for lab in labels])
+    Y = sp.csr_matrix((np.ones(len(r), dtype=np.float32), (r, np.concatenate(labels))), shape=(24, 8))
+
+    def tokens(t: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        enc = tok(t, padding="max_length", truncation=True, max_length=8, return_tensors="np")
+        return enc["input_ids"].astype(np.int32), enc["attention_mask"].sum(1).astype(np.int32)
+
+    pt = tokens([" ".join(WORDS[j] for j in lab) + f" item {i}" for i, lab in enumerate(labels)])
+    return pt, tokens(WORDS[:8]), Y
+
+
 def write_tiny_encoder(folder: Path, seed: int = 0) -> Path:
     """A 2-layer, 32-wide random BERT with the packaged MiniLM tokenizer, saved as an HF folder."""
     import torch
@@ -57,6 +78,22 @@ def write_tiny_encoder(folder: Path, seed: int = 0) -> Path:
     BertModel(cfg).save_pretrained(folder, safe_serialization=True)
     tok.save_pretrained(folder)
     return folder
+
+
+def tiny_lf_home(tmp_path: Path, monkeypatch, overrides: dict, encoder: Path | None = None,
+                 name: str = "TinyTitles"):
+    """A fresh XC home under ``tmp_path`` (MLflow local) whose catalog holds ``name``: the tiny LF dataset with
+    ``overrides`` and the tiny random encoder (or ``encoder``). Returns the home."""
+    from xc_dagster.catalog import Catalog, DatasetSpec
+    from xc_dagster.home import Home
+
+    monkeypatch.setenv("XC_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    home = Home.from_env().ensure()
+    encoder = encoder or write_tiny_encoder(tmp_path / "tiny-bert")
+    src = write_lf_dataset(tmp_path / "src" / name)
+    Catalog(home.catalog).add(DatasetSpec(name, str(src), overrides={**overrides, "tokenize.encoder": str(encoder)}))
+    return home
 
 
 def stop_process_group(proc, timeout: float = 30.0) -> None:

@@ -153,7 +153,7 @@ class DatasetSpec:
                               (f"strategy {self.strategy!r}", STRATEGIES[self.strategy].overrides),
                               (f"dataset {self.name!r} options", self.option_overrides()),
                               (f"catalog overrides of {self.name!r}", self.overrides),
-                              ("run config", run_overrides or {}))
+                              ("run config", run_overrides or {}), defaults=1)
 
     def champion_tolerance(self, run_config: float | None = None) -> tuple[float, str]:
         """The champion gate's tolerance in percentage points and where it comes from: the run config's value

@@ -157,7 +157,9 @@ def print_ui(home: Home) -> None:
 def cmd_quickstart(args: argparse.Namespace, home: Home) -> int:
     cat = Catalog(home.catalog)
     if DEFAULT_DATASET not in cat.load():
-        cat.add(DatasetSpec(name=DEFAULT_DATASET, source=DEFAULT_SOURCE, text="title", preset=args.preset))
+        over = {} if args.budget_minutes is None else {"train.budget_minutes": args.budget_minutes}
+        cat.add(DatasetSpec(name=DEFAULT_DATASET, source=DEFAULT_SOURCE, text="title", preset=args.preset,
+                            overrides=over))
         print(f"registered the embedded dataset {DEFAULT_DATASET} in {home.catalog}")
     rc = materialize(home, DEFAULT_DATASET)
     if rc != 0:
@@ -235,6 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     rm.add_argument("name")
     qs = sub.add_parser("quickstart", help="register the embedded default dataset and materialize it")
     qs.add_argument("--preset", default="quick", choices=sorted(PRESETS))
+    qs.add_argument("--budget-minutes", type=float, default=None,
+                    help="training budget in minutes (train.budget_minutes; default: the preset's, 30)")
     mat = sub.add_parser("materialize", help="materialize assets of one dataset partition")
     mat.add_argument("name")
     mat.add_argument("--select", default="*", help="Dagster asset selection (default: all)")

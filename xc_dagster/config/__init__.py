@@ -25,10 +25,11 @@ from xc_dagster.config.params import (
                                       PretrainParams,
                                       SampledNegativeParams,
                                       TokenizeParams,
+                                      TrainParams,
 )
 from xc_dagster.config.resolve import PRESETS, PipelineConfig, apply_overrides, parse_set_options, resolve_config
 
 __all__ = ["STAGES", "PRESETS", "PipelineConfig", "apply_overrides", "parse_set_options", "resolve_config",
-           "IngestParams", "TokenizeParams", "PretrainParams", "MiningParams", "ClassifierParams",
+           "TrainParams", "IngestParams", "TokenizeParams", "PretrainParams", "MiningParams", "ClassifierParams",
            "ClassifierCommonParams", "HardNegativeParams", "SampledNegativeParams", "EndToEndParams",
            "HardNegativeTrainerParams", "EndToEndTrainerParams", "FusionParams", "IndexParams", "EvaluateParams"]

@@ -10,6 +10,19 @@ from dataclasses import dataclass
 
 
 @dataclass
+class TrainParams:
+    """The training budget (``xc_dagster.training.budget``): the encoder's epochs planned from this machine's
+    measured speed so that the training stages fill ``budget_minutes``; epochs set explicitly win."""
+
+    # minutes for the training stages together (pretraining with its encoding, mining, classifiers, index,
+    # fusion: the evaluation's stage_seconds.training_total); 0 = no budget, every stage's epochs as configured
+    budget_minutes: float = 30.0
+    calibration_steps: int = 3  # timed steps (after one warm-up step) of the trainer on a copy of the encoder
+    reserve: float = 0.15  # share of the budget kept for the stages after the encoder's training
+    max_epochs: float = 0.0  # at most this many planned encoder epochs; 0 = no cap
+
+
+@dataclass
 class IngestParams:
     """Dataset ingest: which text fields make a point's text, and the validation split carved from train."""
 
@@ -75,13 +88,17 @@ class PretrainParams:
     # point batches: also the label-anchored direction (each sampled label against the batch's points, as
     # SiameseXML's Module I), from the same similarity matrix: a second loss term at no extra encoding
     symmetric: bool = False
+    # also train on every label's text as a point whose one positive is that label (Renee); samplers random, ngame
+    label_points: bool = False
     # sampler "siamesexml" (SiameseXML Module I): each batch is `batch_size` distinct labels drawn with
     # probability ~ freq ** label_power (freq = training points of the label), one random positive point each;
     # one epoch = ceil(labels with freq > 0 / batch_size) batches.
     label_power: float = 0.45  # paper: 0 = uniform over labels, 1 = the label distribution of point batches
     centroid_points: int = 2  # positives per label averaged into the centroid v_l (paper: 2); 0 = no centroid term
     centroid_weight: float = 0.3  # 1 - beta: loss = beta * loss(E(z_l)) + (1 - beta) * loss(v_l); paper beta = 0.7
-    loss: str = "triplet"  # "triplet" (NGAME OHNM hinge) | "siamesexml" (probabilistic contrastive, no margin)
+    # "triplet" (NGAME OHNM hinge) | "siamesexml" (probabilistic contrastive, no margin) | "infonce" | "dexml"
+    # (DEXML's decoupled softmax: every in-batch positive a target, the other positives out of its denominator)
+    loss: str = "triplet"
     contrastive_c: float = 0.9  # siamesexml loss: p(+1, v) = c * exp(d * v) / exp(d); code for Module I: c=0.9
     contrastive_d: float = 1.5  # ... d = 1.5 (Module IV's classifiers use c=0.75, d=3.0)
     infonce_temperature: float = 0.05  # loss "infonce": in-batch softmax at this temperature (MiniLM's: 0.05)
@@ -131,6 +148,7 @@ class ClassifierCommonParams:
     # W's optimizer: "sgd" (ASTRA: SGD for the classifiers) | "sparse-adam" (NGAME); lr = classifier.lr
     w_optimizer: str = "sparse-adam"
     weight_decay: float = 0.0  # classifiers, on the rows a step touches (ASTRA: 1e-4; sampled negatives only)
+    label_points: bool = False  # every label also a training point, its one positive itself (ASTRA, Renee)
     seed: int = 0
 
 
@@ -187,7 +205,6 @@ class EndToEndParams:
     # L / k_r in ASTRA -- cannot push every query away from every classifier)
     encoder_negatives: str = "all"
     warmup_steps: int = 0  # cosine schedule with linear warm-up, for encoder and classifiers
-    label_points: bool = False  # add every label's text as a training point with that label (ASTRA)
     shards: int = 0  # W sharded by label: 0 = one shard per visible GPU (1 on CPU), n = n shards
     chunk_size: int = 128  # texts per encoder forward chunk (train_encoder)
     encode_batch_size: int = 256  # re-encoding after training (train_encoder)
@@ -222,8 +239,8 @@ class FusionParams:
     method: str = "alpha"  # "alpha" | "tree"
     # alpha: grid-search target; tree: reported validation objective. A metric of evaluation.metrics.evaluate or
     # several joined by "+" (summed); head and tail weigh equally, as in the champion gate
-    # (docs/decisions.md#fusion-objective-p1-plus-psp1)
-    objective: str = "precision_at_1+psprecision_at_1"
+    # (docs/decisions.md#fusion-objective-four-metrics)
+    objective: str = "precision_at_1+precision_at_5+psprecision_at_1+psprecision_at_5"
     grid_step: float = 0.05  # alpha only
     # alpha only: average the validation objective over this many neighbouring grid points per axis (a, c, b)
     # before the argmax; 1 = the raw argmax (docs/decisions.md#fusion-smoothing-off)
@@ -233,6 +250,10 @@ class FusionParams:
     knn_grid: tuple[float, ...] = (0.0, 0.125, 0.25, 0.5, 1.0)
     # when the best kNN weight is the grid's largest, double it up to this many times while validation improves
     knn_grid_extend: int = 6
+    # alpha only, when the shortlist has lexical scores (index.sources with lexical): weights d tried jointly for
+    # + d * lexical score; d = 0 is always tried; (0,) = no lexical term
+    lexical_grid: tuple[float, ...] = (0.0, 0.125, 0.25, 0.5, 1.0)
+    lexical_grid_extend: int = 6  # as knn_grid_extend, for the lexical weight
     # alpha only: weights b tried jointly with alpha and c for + b * log(1 / p_l), the labels' inverse propensity:
     # ranking by P(y_l) / p_l maximises PSP. b = 0 is always tried; (0,) = no propensity term
     # (docs/decisions.md#fusion-propensity-term)
@@ -264,6 +285,10 @@ class IndexParams:
     # fusion is still fitted on validation without them: index/heldout/ holds the other points' centroids and
     # the kNN rows to exclude); W and the encoder never see validation points. False: deploy what was fitted
     include_validation: bool = True
+    # lexical source (TF-IDF, xc_dagster.retrieval.lexical): its kNN part is the mean over the K nearest training
+    # points (TF-IDF cosine) of their similarity where they carry the label
+    lexical_neighbours: int = 10
+    lexical_min_df: int = 2  # lexical source: terms (word 1-2 grams) in fewer documents are dropped; 1 if none is left
 
 
 @dataclass
@@ -277,6 +302,7 @@ class EvaluateParams:
 
 
 STAGES: dict[str, type] = {
+    "train": TrainParams,
     "ingest": IngestParams,
     "tokenize": TokenizeParams,
     "pretrain": PretrainParams,

@@ -18,6 +18,7 @@ from xc_dagster.config.params import (
     MiningParams,
     PretrainParams,
     TokenizeParams,
+    TrainParams,
 )
 from xc_dagster.errors import XCConfigError
 
@@ -40,6 +41,7 @@ class PipelineConfig:
 
     preset: str = "quick"
     strategy: str = "ngame"
+    train: TrainParams = field(default_factory=TrainParams)
     ingest: IngestParams = field(default_factory=IngestParams)
     tokenize: TokenizeParams = field(default_factory=TokenizeParams)
     pretrain: PretrainParams = field(default_factory=PretrainParams)
@@ -48,6 +50,9 @@ class PipelineConfig:
     fusion: FusionParams = field(default_factory=FusionParams)
     index: IndexParams = field(default_factory=IndexParams)
     evaluate: EvaluateParams = field(default_factory=EvaluateParams)
+    # ``stage.field`` names set by the user (dataset options, catalog overrides, run config, --set), not by the
+    # preset or the strategy: a planned value (train.budget_minutes) never replaces one of them
+    explicit: frozenset[str] = field(default_factory=frozenset, compare=False)
 
     def stage(self, name: str) -> Any:
         return getattr(self, name)
@@ -105,8 +110,10 @@ def _stage_types(name: str) -> dict[str, Any]:
     return typing.get_type_hints(STAGES[name])
 
 
-def apply_overrides(cfg: PipelineConfig, overrides: Mapping[str, Any], source: str) -> PipelineConfig:
-    """Return ``cfg`` with ``{"stage.field": value}`` or ``{"stage": {"field": value}}`` applied."""
+def apply_overrides(cfg: PipelineConfig, overrides: Mapping[str, Any], source: str,
+                    explicit: bool = False) -> PipelineConfig:
+    """Return ``cfg`` with ``{"stage.field": value}`` or ``{"stage": {"field": value}}`` applied; ``explicit``:
+    the user set them (recorded in ``cfg.explicit``)."""
     flat: dict[str, Any] = {}
     for key, value in overrides.items():
         if isinstance(value, Mapping):
@@ -128,18 +135,21 @@ def apply_overrides(cfg: PipelineConfig, overrides: Mapping[str, Any], source: s
                 f"{source}: unknown field {key!r}; fields of {stage!r} are {', '.join(types)}")
         coerced = _coerce(value, types[fname], key)
         setattr(cfg, stage, dataclasses.replace(cfg.stage(stage), **{fname: coerced}))
+        if explicit:
+            cfg.explicit = cfg.explicit | {key}
     return cfg
 
 
 def resolve_config(preset: str = "quick", strategy: str = "ngame",
-                   *layers: tuple[str, Mapping[str, Any]]) -> PipelineConfig:
-    """Layer the preset and then each ``(source_name, overrides)`` in order onto the dataclass defaults."""
+                   *layers: tuple[str, Mapping[str, Any]], defaults: int = 0) -> PipelineConfig:
+    """Layer the preset and then each ``(source_name, overrides)`` in order onto the dataclass defaults; the
+    first ``defaults`` layers (the strategy's) are defaults, the others the user's explicit settings."""
     if preset not in PRESETS:
         raise XCConfigError(f"unknown preset {preset!r}; presets are {', '.join(PRESETS)}")
     cfg = PipelineConfig(preset=preset, strategy=strategy)
     cfg = apply_overrides(cfg, PRESETS[preset], f"preset {preset!r}")
-    for source, overrides in layers:
-        cfg = apply_overrides(cfg, overrides, source)
+    for i, (source, overrides) in enumerate(layers):
+        cfg = apply_overrides(cfg, overrides, source, explicit=i >= defaults)
     return cfg
 
 

@@ -6,6 +6,7 @@ here and deployed by every later stage."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 import numpy as np
@@ -21,9 +22,49 @@ from xc_dagster.pipeline.context import StageContext
 from xc_dagster.retrieval.shortlist import check_label_repr, label_representation
 from xc_dagster.sampling.negatives import SAMPLERS
 from xc_dagster.storage import save_json
+from xc_dagster.training.budget import BudgetPlan, calibrate, check_train_params, encode_rate, plan_epochs
 from xc_dagster.training.checkpoint import Checkpointer, fingerprint, fingerprint_files
 from xc_dagster.training.classifier import propensity_label_weights, train_classifiers
-from xc_dagster.training.end_to_end import train_end_to_end
+from xc_dagster.training.end_to_end import EndToEndTrainer, train_end_to_end
+
+TAIL_RESERVE = 1 / 3  # of train.reserve: what the index and fusion stages keep after this stage
+
+
+def plan_classifiers(ctx: StageContext, sampled: bool, make_trainer: Any, encoder: Any, key: str,
+                     started: float) -> tuple[Any, BudgetPlan, float | None]:
+    """The classifier stage's part of ``train.budget_minutes``: what the earlier stages left minus the index and
+    fusion's share. End to end (``classifier.train_encoder``), ``classifier.epochs`` is planned from timed steps
+    on a copy of the encoder and ASTRA's ``hard_start`` / ``refresh_every`` scale with it; the hardest-negative
+    and frozen-encoder trainers keep their epochs and stop at the deadline. Returns (params, plan, deadline)."""
+    p, b = ctx.cfg.classifier, ctx.cfg.train
+    check_train_params(b)
+    explicit = "classifier.epochs" in ctx.cfg.explicit
+    spent = sum(float((ctx.read.summary(s, missing_ok=True) or {}).get("seconds", 0.0)) for s in ("pretrain", "mining"))
+    if b.budget_minutes <= 0 or explicit or p.epochs <= 0:
+        return p, plan_epochs("classifier.epochs", b.budget_minutes, p.epochs, True, 0.0, 0.0, 0, 0.0, spent,
+                              b.reserve), None
+    tail = TAIL_RESERVE * b.reserve
+    if not (sampled and p.train_encoder):
+        plan = plan_epochs("classifier.epochs", b.budget_minutes, p.epochs, True, 0.0, 0.0, 0, 0.0, spent, tail)
+        return p, plan, started + max(0.0, 60.0 * b.budget_minutes * (1 - tail) - spent)
+    kept = BudgetPlan.load(ctx.checkpoint_dir() / "budget_plan.json", key)
+    if kept is None:
+        sec, pts, spe = calibrate(make_trainer, encoder, b.calibration_steps)
+        pt, lt = ctx.read.tokens("train"), ctx.read.tokens("label")
+        rate = encode_rate(lambda r: encode_tokens(encoder, pt[0][r], pt[1][r], ctx.device, None,
+                                                   p.encode_batch_size), len(pt[1]), seed=p.seed)
+        kept = plan_epochs("classifier.epochs", b.budget_minutes, p.epochs, False, sec, pts, spe,
+                           (len(pt[1]) + len(lt[1])) / rate, spent + time.perf_counter() - started, tail,
+                           b.max_epochs)
+        kept.save(ctx.checkpoint_dir() / "budget_plan.json", key)
+    scale = kept.planned_epochs / p.epochs
+    changes: dict[str, float] = {"epochs": kept.planned_epochs}
+    for name in ("hard_start", "refresh_every"):  # ASTRA's / MIPS-s's intervals are shares of the run
+        if f"classifier.{name}" not in ctx.cfg.explicit:
+            changes[name] = getattr(p, name) * scale
+    ctx.info(f"classifier {ctx.name}: budget {b.budget_minutes} min, {kept.seconds_per_step:.2f} s/step, "
+             f"{kept.planned_epochs} epochs planned")
+    return dataclasses.replace(p, **changes), kept, None
 
 
 def _initial_W(ctx: StageContext, label_emb: np.ndarray) -> np.ndarray:
@@ -79,6 +120,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     the encoder with them (end to end: ``classifier.train_encoder``; the bag encoder's residual block, SiameseXML
     Module IV: ``classifier.train_residual``); that encoder and its re-computed embeddings are written here and
     every later stage uses them (``ArtifactReader.model_dir``)."""
+    started = time.perf_counter()
     p = ctx.cfg.classifier
     seed_everything(p.seed)
     point_emb = ctx.read.pretrained(TRAIN_EMB)
@@ -101,23 +143,38 @@ def run(ctx: StageContext) -> dict[str, Any]:
           if p.propensity_weight else None)
     # "w_state": the trainer's checkpoint layout (W and its optimizer as ShardedOptimizer state): an older layout
     # is never resumed from
-    key = fingerprint({**dataclasses.asdict(p), "warm": warm, "w_state": "sharded"}, point_emb, W0, sl, rows,
+    key = fingerprint({**dataclasses.asdict(p), "warm": warm, "w_state": "sharded",
+                       "budget": dataclasses.asdict(ctx.cfg.train)}, point_emb, W0, sl, rows,
                       *([] if lw is None else [lw]))
+    kw: dict[str, Any] = {}
+    if sampled and p.train_encoder:
+        encoder, tokenizer = _pretrained_encoder(ctx, pooling)
+        kw = {"encoder": encoder, "point_tokens": ctx.read.tokens("train"),
+              "label_tokens": ctx.read.tokens("label"), "dtype": amp_dtype(ctx.device, ctx.cfg.pretrain.amp)}
+    p, plan, deadline = plan_classifiers(
+        ctx, sampled, lambda enc: EndToEndTrainer(point_emb, label_emb, W0, ds.Y_train, rows,
+                                                  dataclasses.replace(p, epochs=1.0), ctx.device,
+                                                  **{**kw, "encoder": enc}, shortlist=sl, label_weight=lw),
+        kw.get("encoder"), key, started)
+    if not plan.explicit:
+        key = fingerprint({"configured": key, "planned": dataclasses.asdict(p)})
     ckpt = Checkpointer(ctx.checkpoint_dir(), key)
     emb = None
+    t_train = time.perf_counter()
+    deadline = plan.deadline(t_train) if deadline is None else deadline
     if sampled:
-        kw: dict[str, Any] = {}
-        if p.train_encoder:
-            encoder, tokenizer = _pretrained_encoder(ctx, pooling)
-            kw = {"encoder": encoder, "point_tokens": ctx.read.tokens("train"),
-                  "label_tokens": ctx.read.tokens("label"), "dtype": amp_dtype(ctx.device, ctx.cfg.pretrain.amp)}
-        res = train_end_to_end(point_emb, label_emb, W0, ds.Y_train, rows, p, ctx.device,
-                               shortlist=sl, log_metrics=ctx.log_metrics, checkpoint=ckpt, label_weight=lw, **kw)
+        res = train_end_to_end(point_emb, label_emb, W0, ds.Y_train, rows, p, ctx.device, shortlist=sl,
+                               log_metrics=ctx.log_metrics, checkpoint=ckpt, label_weight=lw, deadline=deadline, **kw)
         W_out, summary, emb = res.W, res.summary, (res.point_emb, res.label_emb)
     else:
         W_out, summary = train_classifiers(point_emb if inter is None else inter, W0, ds.Y_train, sl, rows, p,
-                                           ctx.device, ctx.log_metrics, ckpt, encoder=encoder, label_weight=lw)
+                                           ctx.device, ctx.log_metrics, ckpt, encoder=encoder, label_weight=lw,
+                                           deadline=deadline,
+                                           label_point_emb=label_emb if label_inter is None else label_inter)
         summary["residual"] = residual_note
+    summary["budget"] = plan.summary()
+    summary["train_seconds"] = summary["seconds"]  # the trainer's loop; "seconds" is the stage's wall time
+    summary["seconds"] = time.perf_counter() - started
     with ctx.writing() as out:
         np.save(out / W, W_out)
         if encoder is not None:  # the fine-tuned encoder replaces the pretrained one downstream

@@ -18,8 +18,39 @@ from xc_dagster.encoders.tokenizer import load_tokenizer
 from xc_dagster.pipeline.context import StageContext
 from xc_dagster.serving.warm_start import check_same_vocabulary, classifier_init, resolve_warm_start
 from xc_dagster.storage import save_json
+from xc_dagster.training.budget import BudgetPlan, calibrate, check_train_params, encode_rate, plan_epochs
 from xc_dagster.training.checkpoint import Checkpointer, fingerprint, fingerprint_files
-from xc_dagster.training.siamese import train_siamese
+from xc_dagster.training.siamese import SiameseTrainer, train_siamese
+
+BUDGET_PLAN = "budget_plan.json"  # in the checkpoint folder: the plan a resumed run keeps
+
+
+def plan_pretraining(ctx: StageContext, encoder: Any, pt: Any, lt: Any, Y: Any, rows: np.ndarray,
+                     dtype: Any, key: str) -> BudgetPlan:
+    """``pretrain.epochs`` planned from ``train.budget_minutes`` (xc_dagster.training.budget): a few timed steps
+    of the Siamese trainer on a copy of the encoder and the timed encoding of a sample of points. A plan kept
+    by an interrupted run of the same configuration (``key``) is reused."""
+    t0 = time.perf_counter()
+    p, b = ctx.cfg.pretrain, ctx.cfg.train
+    check_train_params(b)
+    explicit = "pretrain.epochs" in ctx.cfg.explicit
+    if b.budget_minutes <= 0 or explicit or p.epochs <= 0:
+        return plan_epochs("pretrain.epochs", b.budget_minutes, p.epochs, True, 0.0, 0.0, 0, 0.0, 0.0, b.reserve)
+    kept = BudgetPlan.load(ctx.checkpoint_dir() / BUDGET_PLAN, key)
+    if kept is not None:
+        return kept
+    one = dataclasses.replace(p, epochs=1.0, seed_bank=False)
+    sec, pts, spe = calibrate(lambda enc: SiameseTrainer(enc, pt, lt, Y, rows, one, ctx.device, dtype),
+                              encoder, b.calibration_steps)
+    rate = encode_rate(lambda r: encode_tokens(encoder, pt[0][r], pt[1][r], ctx.device, dtype,
+                                               p.encode_batch_size), len(pt[1]), seed=p.seed)
+    encode_s = (len(pt[1]) + len(lt[1])) / rate
+    plan = plan_epochs("pretrain.epochs", b.budget_minutes, p.epochs, False, sec, pts, spe, encode_s,
+                       time.perf_counter() - t0, b.reserve, b.max_epochs)
+    plan.save(ctx.checkpoint_dir() / BUDGET_PLAN, key)
+    ctx.info(f"pretrain {ctx.name}: budget {b.budget_minutes} min, {sec:.2f} s/step ({plan.points_per_second:.0f} "
+             f"points/s), {spe} steps/epoch, encoding ~{encode_s:.0f} s: {plan.planned_epochs} epochs planned")
+    return plan
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
@@ -27,6 +58,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
     With ``pretrain.warm_start`` the encoder starts from a previous model's, and the classifiers' start
     (``classifier_init.npy``) takes that model's W for the labels it knows."""
+    started = time.perf_counter()
     p = ctx.cfg.pretrain
     seed_everything(p.seed)
     ds = ctx.read.labels()
@@ -44,11 +76,16 @@ def run(ctx: StageContext) -> dict[str, Any]:
     # "sampler_state": the checkpoint's layout (the batch sampler's state under "sampler"): an older one is
     # never resumed from
     key = fingerprint({**dataclasses.asdict(p), "encoder": ctx.cfg.tokenize.encoder,
-                       "warm": fingerprint_files(warm / ENCODER) if warm else "", "sampler_state": "registry"},
-                      pt[0], lt[0], train_rows, ds.Y_train.indices)
+                       "warm": fingerprint_files(warm / ENCODER) if warm else "", "sampler_state": "registry",
+                       "budget": dataclasses.asdict(ctx.cfg.train)}, pt[0], lt[0], train_rows, ds.Y_train.indices)
+    plan = plan_pretraining(ctx, encoder, pt, lt, ds.Y_train, train_rows, dtype, key)
+    if not plan.explicit:
+        p = dataclasses.replace(p, epochs=plan.planned_epochs)
+        key = fingerprint({"configured": key, "planned_epochs": plan.planned_epochs})
     ckpt = Checkpointer(ctx.checkpoint_dir(), key)
+    t_train = time.perf_counter()
     res = train_siamese(encoder, pt, lt, ds.Y_train, train_rows, p, ctx.device, dtype, ctx.log_metrics,
-                        checkpoint=ckpt)
+                        checkpoint=ckpt, deadline=plan.deadline(t_train))
     ctx.info(f"pretrain {ctx.name}: {res.steps} steps, {res.points} points in {res.seconds:.0f}s")
     t1 = time.perf_counter()
     point_emb = encode_tokens(encoder, *pt, ctx.device, dtype, p.encode_batch_size)
@@ -63,7 +100,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
                "final_loss": res.final_loss, "encode_seconds": encode_s,
                "texts_per_s": (len(pt[1]) + len(lt[1])) / max(encode_s, 1e-9), "device": str(ctx.device),
                "amp": str(dtype), "dim": encoder.dim, "encoder_type": type(encoder).__name__,
-               "seconds": res.seconds + encode_s}
+               "stopped_at_deadline": res.stopped_at_deadline, "budget": plan.summary(),
+               "seconds": time.perf_counter() - started}  # the stage's wall time (what the budget counts)
     with ctx.writing() as out:
         save_encoder(encoder, tokenizer, out / ENCODER)
         np.save(out / TRAIN_EMB, point_emb)

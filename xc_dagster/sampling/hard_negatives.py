@@ -24,6 +24,8 @@ class HardNegativePool(Protocol):
     """A pool of negative candidates per point, built as ``cls(Y, shortlist)`` (a new pool: one class and one
     ``HARD_NEGATIVE_POOLS`` line)."""
 
+    uses_shortlist: bool  # whether the candidates come from the shortlist rows (a pool without it: assumed True)
+
     def candidates(self, x: torch.Tensor, W: torch.Tensor, batch: np.ndarray, pos: np.ndarray) -> Candidates:
         """Candidate label ids and their scores x.w_l for the points ``batch`` (embeddings ``x``), whose sampled
         positives are ``pos`` (-1 padded); positives of the point are -1 / -inf."""
@@ -31,6 +33,8 @@ class HardNegativePool(Protocol):
 
 class ShortlistPool:
     """The point's mined shortlist (SiameseXML Module IV)."""
+
+    uses_shortlist = True
 
     def __init__(self, Y: sp.csr_matrix, shortlist: np.ndarray):
         self.Y, self.shortlist = Y, shortlist
@@ -45,6 +49,8 @@ class ShortlistPool:
 class InBatchPool:
     """Every label sampled as a positive in the batch (NGAME M2), scored with one (B x U) matmul;
     ``skip_shortlisted``: not the labels of the point's shortlist (they are candidates already)."""
+
+    uses_shortlist = False
 
     def __init__(self, Y: sp.csr_matrix, shortlist: np.ndarray, skip_shortlisted: bool = False):
         self.Y, self.shortlist, self.skip_shortlisted = Y, shortlist, skip_shortlisted
@@ -66,6 +72,8 @@ class InBatchPool:
 
 class ShortlistAndInBatchPool:
     """The union of the shortlist and in-batch pools."""
+
+    uses_shortlist = True
 
     def __init__(self, Y: sp.csr_matrix, shortlist: np.ndarray):
         self.parts = [ShortlistPool(Y, shortlist), InBatchPool(Y, shortlist, skip_shortlisted=True)]

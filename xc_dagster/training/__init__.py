@@ -13,6 +13,7 @@ of the shared encoder
 NGAME's OHNM triplet loss                              ``losses.ohnm_triplet_loss`` (``pretrain.loss=triplet``)
 SiameseXML's probabilistic contrastive loss            ``losses.siamesexml_loss`` (``pretrain.loss=siamesexml``)
 InfoNCE (in-batch softmax)                             ``losses.infonce_loss`` (``pretrain.loss=infonce``)
+DEXML's decoupled softmax (in-batch)                   ``losses.dexml_loss`` (``pretrain.loss=dexml``)
 NGAME M2/M4, SiameseXML Module IV: one-vs-all W on     ``classifier.ClassifierTrainer``, ``train_classifiers``
 the hardest negatives
 NGAME M2's multi-positive triplet loss                 ``losses.multi_positive_triplet_loss`` (``triplet``)
@@ -26,6 +27,8 @@ encoder optionally end to end
 ASTRA's model-parallel W (sharded by label), SGD or    ``sharded.ShardedClassifier``, ``sharded.ShardedOptimizer``
 SparseAdam on the touched rows                         (``ROW_OPTIMIZERS``, ``classifier.w_optimizer``)
 learning-rate schedules                                ``schedules``
+Renee / ASTRA: label texts as training points          ``label_points`` (``pretrain.label_points``,
+                                                       ``classifier.label_points``)
 per-epoch checkpoints, bit-identical resume            ``checkpoint``
 =====================================================  ==============================================================
 """

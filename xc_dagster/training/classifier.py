@@ -10,6 +10,9 @@ touches only the rows it scored, so memory and time per step do not grow with L.
 
 SiameseXML Module IV also fine-tunes the bag encoder's residual block with W (``classifier.train_residual``):
 the points' intermediate embeddings f_E(x) stay frozen and x = N(R(f_E(x))) is recomputed every step.
+
+With ``classifier.label_points`` every label is also a training point (its embedding; Renee), whose one positive
+is that label and whose shortlist is its nearest other labels by embedding (``xc_dagster.training.label_points``).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from xc_dagster.sampling.hard_negatives import HARD_NEGATIVE_POOLS, hardest
 from xc_dagster.sampling.labels import sample_positives
 from xc_dagster.sampling.negatives import SAMPLED_NEGATIVES
 from xc_dagster.training.checkpoint import Checkpointer, Resumable, Resumed, restore_rng
+from xc_dagster.training.label_points import classifier_label_points
 from xc_dagster.training.losses import CLASSIFIER_LOSSES
 from xc_dagster.training.sharded import ShardedClassifier, ShardedOptimizer
 
@@ -97,10 +101,16 @@ class ClassifierTrainer(Resumable):
 
     def __init__(self, point_emb: np.ndarray, label_emb: np.ndarray, Y: sp.csr_matrix, shortlist: np.ndarray,
                  train_rows: np.ndarray, params: HardNegativeTrainerParams, device: torch.device,
-                 encoder: BagOfEmbeddingsEncoder | None = None, label_weight: np.ndarray | None = None):
+                 encoder: BagOfEmbeddingsEncoder | None = None, label_weight: np.ndarray | None = None,
+                 label_point_emb: np.ndarray | None = None):
         check_hard_negative_params(params)
         self.params, self.device, self.encoder = params, device, encoder
         self.epochs = int(params.epochs)
+        self.n_label_points = Y.shape[1] if params.label_points else 0
+        if params.label_points:  # Renee: label l is point N + l, its candidates its nearest labels
+            uses_shortlist = getattr(HARD_NEGATIVE_POOLS[params.negatives], "uses_shortlist", True)
+            point_emb, Y, train_rows, shortlist = classifier_label_points(
+                point_emb, label_point_emb, Y, train_rows, shortlist, device, encoder, uses_shortlist)
         self.Y = Y.tocsr()
         rows = np.asarray(train_rows, dtype=np.int64)
         self.rows = rows[np.diff(self.Y.indptr)[rows] > 0]
@@ -192,23 +202,33 @@ def train_classifiers(point_emb: np.ndarray, label_emb: np.ndarray, Y: sp.csr_ma
                       log_metrics: MetricsFn | None = None,
                       checkpoint: Checkpointer | None = None,
                       encoder: BagOfEmbeddingsEncoder | None = None,
-                      label_weight: np.ndarray | None = None) -> tuple[np.ndarray, dict[str, float]]:
+                      label_weight: np.ndarray | None = None,
+                      deadline: float | None = None,
+                      label_point_emb: np.ndarray | None = None) -> tuple[np.ndarray, dict[str, float]]:
     """Return W (L x D float32) and a summary; ``shortlist[i]`` are point i's mined candidate labels (-1 pad).
 
     ``label_weight`` (L,): a weight on each label's positive terms in the loss (``propensity_label_weights``).
+    ``label_point_emb`` (L, D): the labels' embeddings in ``point_emb``'s space, the extra points of
+    ``classifier.label_points`` (read only then): label l is a point whose one positive is l and whose
+    candidates are its nearest other labels by embedding (``xc_dagster.training.label_points``).
 
     With ``encoder`` (SiameseXML Module IV), ``point_emb`` are its intermediate embeddings f_E(x) and its
     residual block is trained with W (Adam, ``classifier.residual_lr``; the token table stays frozen): a point
     scores as ``encoder.from_intermediate(f_E(x))``. The encoder is updated in place and left in eval mode.
 
     With ``checkpoint``, the state is saved after every epoch and a matching checkpoint is resumed from: the
-    result equals an uninterrupted run's (same seed).
+    result equals an uninterrupted run's (same seed). ``deadline`` (``time.perf_counter()``): no epoch starts
+    after it (the training budget's guard).
     """
     trainer = ClassifierTrainer(point_emb, label_emb, Y, shortlist, train_rows, params, device, encoder,
-                                label_weight)
+                                label_weight, label_point_emb)
     t0 = time.perf_counter()
     start = trainer.start(checkpoint)
+    done = trainer.epochs
     for epoch in range(start, trainer.epochs):
+        if deadline is not None and time.perf_counter() > deadline:
+            done = epoch
+            break
         losses = [trainer.step(batch) for batch in trainer.epoch_batches(epoch)]
         trainer.last = float(np.mean(losses)) if losses else float("nan")
         if checkpoint is not None:
@@ -220,4 +240,5 @@ def train_classifiers(point_emb: np.ndarray, label_emb: np.ndarray, Y: sp.csr_ma
     return trainer.weights(), {"steps": trainer.steps, "seconds": time.perf_counter() - t0,
                                "final_loss": trainer.last, "steps_per_epoch": trainer.steps_per_epoch,
                                "negatives": params.negatives, "resumed_from_epoch": start,
-                               "clusters": trainer.batches.n_clusters}
+                               "epochs_trained": done, "stopped_at_deadline": done < trainer.epochs,
+                               "clusters": trainer.batches.n_clusters, "label_points": trainer.n_label_points}

@@ -153,6 +153,7 @@ class EndToEndTrainer(Resumable):
                                  requires_grad=params.logit_bias)
         self.bias_opt = torch.optim.Adam([self.bias], lr=1e-2) if params.logit_bias else None
         self.steps, self.last = 0, float("nan")
+        self.stopped_at_deadline = False  # train_end_to_end's deadline ended the training
         self._observed: tuple[np.ndarray, np.ndarray] | None = None  # the last batch's rows and embeddings
 
     def epoch_batches(self, epoch: int) -> list[np.ndarray]:
@@ -249,6 +250,7 @@ class EndToEndTrainer(Resumable):
                    "logit_bias": float(self.bias.detach()),
                    "index_build_seconds_mean": float(np.mean(builds)) if builds else 0.0,
                    "shards": len(self.clf.weights), "resumed_from_epoch": resumed_from_epoch,
+                   "stopped_at_deadline": self.stopped_at_deadline,
                    "examples_per_s": self.steps * params.batch_size / max(seconds, 1e-9),
                    "encode_seconds": time.perf_counter() - t1}
         return EndToEndResult(W.astype(np.float32), p_emb, l_emb, summary)
@@ -260,7 +262,7 @@ def train_end_to_end(point_emb: np.ndarray, label_emb: np.ndarray, W0: np.ndarra
                      label_tokens: Tokens | None = None, dtype: torch.dtype | None = None,
                      shortlist: np.ndarray | None = None, log_metrics: MetricsFn | None = None,
                      checkpoint: Checkpointer | None = None, log_every: int = 10, reencode: bool = True,
-                     label_weight: np.ndarray | None = None) -> EndToEndResult:
+                     label_weight: np.ndarray | None = None, deadline: float | None = None) -> EndToEndResult:
     """Train W (and ``encoder`` in place when ``params.train_encoder``) with the ``params.negatives`` sampler.
 
     ``point_emb``/``label_emb``: the current encoder's embeddings (the stale queries ASTRA starts from, and the
@@ -268,6 +270,7 @@ def train_end_to_end(point_emb: np.ndarray, label_emb: np.ndarray, W0: np.ndarra
     training point (ASTRA's first hard-negative table when ``hard_start`` is 0). ``reencode``: embed every
     training point and label with the trained encoder afterwards (what the later stages need).
     ``label_weight`` (L,): a weight on each label's positive terms (``propensity_label_weights``).
+    ``deadline`` (``time.perf_counter()``): no step starts after it (the training budget's guard).
     """
     trainer = EndToEndTrainer(point_emb, label_emb, W0, Y, train_rows, params, device, encoder=encoder,
                               point_tokens=point_tokens, label_tokens=label_tokens, dtype=dtype, shortlist=shortlist,
@@ -277,13 +280,18 @@ def train_end_to_end(point_emb: np.ndarray, label_emb: np.ndarray, W0: np.ndarra
         start = trainer.start(checkpoint)
         window = MetricsWindow()
         for epoch in range(start, trainer.n_epochs):
+            if trainer.stopped_at_deadline:
+                break
             for batch in trainer.epoch_batches(epoch):
+                if deadline is not None and time.perf_counter() > deadline:
+                    trainer.stopped_at_deadline = True
+                    break
                 window.add(trainer.step(batch), params.batch_size)
                 if log_metrics is not None and trainer.steps % log_every == 0:
                     loss, rate = window.flush()
                     log_metrics(trainer.steps, {"classifier_loss": loss, "classifier_examples_per_s": rate,
                                                 "classifier_lr_factor": trainer.lr_factor(trainer.steps)})
-            if checkpoint is not None and epoch + 1 < trainer.n_epochs:
+            if checkpoint is not None and epoch + 1 < trainer.n_epochs and not trainer.stopped_at_deadline:
                 checkpoint.save(epoch + 1, trainer.state(), trainer.rng)
     finally:
         trainer.close()

@@ -52,6 +52,26 @@ def infonce_loss(sim: torch.Tensor, pos_mask: torch.Tensor, temperature: float =
     return F.cross_entropy(logits, diag)
 
 
+def dexml_loss(sim: torch.Tensor, pos_mask: torch.Tensor, temperature: float = 0.05) -> torch.Tensor:
+    """DEXML's decoupled softmax (Gupta et al., ICLR 2024) over the batch's labels.
+
+    Row i's positives are its sampled label ``sim[i, i]`` and every other column ``pos_mask`` marks a true
+    positive of row i; each positive p is a target of its own softmax over {p} and the row's negatives
+    (``-log(e^{s_p/t} / (e^{s_p/t} + sum_neg e^{s_n/t}))``), so positives never compete with each other. The
+    row's terms are averaged over its positives (as DEXML's code divides by the row's positive count), then the
+    rows. With the diagonal the only positive of every row this is ``infonce_loss``, which drops the other true
+    positives from the denominator but does not train them (DEXML's one-sampled-positive mode).
+    """
+    n = min(sim.shape[0], sim.shape[1])
+    logits = sim[:n] / temperature
+    diag = torch.arange(n, device=sim.device)
+    pos = pos_mask[:n].clone()
+    pos[diag, diag] = True
+    neg = logits.masked_fill(pos, float("-inf")).logsumexp(1, keepdim=True)  # -inf: a row without negatives
+    nll = (torch.logaddexp(logits, neg) - logits).masked_fill(~pos, 0.0)
+    return (nll.sum(1) / pos.sum(1)).mean()
+
+
 def siamesexml_loss(sim: torch.Tensor, pos_mask: torch.Tensor, c: float = 0.9, d: float = 1.5,
                     num_negatives: int = 1, eps: float = 1e-6) -> torch.Tensor:
     """SiameseXML's probabilistic contrastive loss (paper eq. 5/6) with in-batch hard negative mining.
@@ -197,10 +217,19 @@ class InfoNCEPairLoss:
         return infonce_loss(sim, mask, self.temperature)
 
 
+@dataclass
+class DEXMLPairLoss(InfoNCEPairLoss):
+    """DEXML's decoupled softmax over the batch's labels (``dexml_loss``), at ``pretrain.infonce_temperature``."""
+
+    def __call__(self, sim: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return dexml_loss(sim, mask, self.temperature)
+
+
 PAIR_LOSSES: dict[str, type[PairLoss]] = {
     "triplet": TripletPairLoss,
     "siamesexml": SiameseXMLPairLoss,
     "infonce": InfoNCEPairLoss,
+    "dexml": DEXMLPairLoss,
 }
 
 

@@ -8,7 +8,8 @@ label's in-batch negatives are the other labels' points, and a second label repr
 ``centroid_points`` more sampled positives (encoded in the same forward pass), gets the same loss, weighted
 ``centroid_weight``. The loss on the similarity matrix is the ``pretrain.loss`` of
 ``xc_dagster.training.losses.PAIR_LOSSES``. Texts are run through the encoder in length-sorted chunks with
-per-chunk padding, under bf16/fp16 autocast where it pays.
+per-chunk padding, under bf16/fp16 autocast where it pays. With ``pretrain.label_points`` every label's text is
+also a training point whose one positive is that label (``xc_dagster.training.label_points``; point samplers).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from xc_dagster.errors import XCConfigError
 from xc_dagster.sampling.batches import BATCH_SAMPLERS, LabelBatch
 from xc_dagster.sampling.labels import positive_mask, sample_positives
 from xc_dagster.training.checkpoint import Checkpointer, Resumed, restore_rng
+from xc_dagster.training.label_points import siamese_label_points
 from xc_dagster.training.losses import PAIR_LOSSES, PairLoss
 from xc_dagster.training.schedules import linear_with_warmup
 from xc_dagster.training.window import MetricsWindow
@@ -52,6 +54,8 @@ def check_pretrain_params(params: PretrainParams) -> None:
         (params.centroid_points >= 0, "centroid_points", "an int >= 0"),
         (0.0 <= params.centroid_weight <= 1.0, "centroid_weight", "a value in [0, 1]"),
         (isinstance(params.freeze_layers, int) and params.freeze_layers >= 0, "freeze_layers", "an int >= 0"),
+        (not (params.label_points and params.sampler == "siamesexml"), "label_points",
+         "false with sampler siamesexml (its label batches draw their points from the training points)"),
     ]
     for ok, name, expected in checks:
         if not ok:
@@ -94,6 +98,8 @@ class SiameseTrainer:
                  train_rows: np.ndarray, params: PretrainParams, device: torch.device, dtype: torch.dtype | None):
         check_pretrain_params(params)
         self.encoder, self.params, self.device, self.dtype = encoder, params, device, dtype
+        if params.label_points:  # Renee: label l's text is point N + l, with l its one positive
+            point_tokens, Y, train_rows = siamese_label_points(point_tokens, label_tokens, Y, train_rows)
         self.point_tokens, self.label_tokens = point_tokens, label_tokens
         self.Y = Y.tocsr()
         rows = np.asarray(train_rows, dtype=np.int64)
@@ -214,18 +220,20 @@ class PretrainResult:
     final_loss: float
     reclusterings: int = 0
     resumed_from_epoch: int = 0
+    stopped_at_deadline: bool = False  # the training budget's deadline ended it before its planned steps
 
 
 def train_siamese(encoder: torch.nn.Module, point_tokens: Tokens, label_tokens: Tokens, Y: sp.csr_matrix,
                   train_rows: np.ndarray, params: PretrainParams, device: torch.device, dtype: torch.dtype | None,
                   log_metrics: MetricsFn | None = None, log_every: int = 10,
-                  checkpoint: Checkpointer | None = None) -> PretrainResult:
+                  checkpoint: Checkpointer | None = None, deadline: float | None = None) -> PretrainResult:
     """Train ``encoder`` in place for ``params.epochs`` (fractional allowed) over ``train_rows`` with labels.
 
     An epoch is the sampler's batches (one pass over the points; siamesexml: ``ceil(#labels with a training
     point / batch_size)`` label batches). With ``checkpoint``, the whole training state (encoder, optimizer,
     schedule, generators, the sampler's memory bank and clusters) is saved after every epoch and a matching
-    checkpoint is resumed from, ending with the same weights as an uninterrupted run.
+    checkpoint is resumed from, ending with the same weights as an uninterrupted run. ``deadline``
+    (``time.perf_counter()``): no step starts after it (the training budget's guard, xc_dagster.training.budget).
     """
     trainer = SiameseTrainer(encoder, point_tokens, label_tokens, Y, train_rows, params, device, dtype)
     if trainer.total_steps == 0:
@@ -238,17 +246,23 @@ def train_siamese(encoder: torch.nn.Module, point_tokens: Tokens, label_tokens: 
                                     "pretrain_lr": float(trainer.sched.get_last_lr()[0])})
 
     start = trainer.start(checkpoint, log_metrics)
+    stopped = False
     for epoch in range(start, trainer.n_epochs):
+        if stopped:
+            break
         for batch in trainer.epoch_batches(epoch):
+            if deadline is not None and time.perf_counter() > deadline:
+                stopped = True
+                break
             before = trainer.points
             loss_val = trainer.step(batch)
             window.add(loss_val, trainer.points - before)
             if log_metrics is not None and trainer.steps % log_every == 0:
                 log_window()
-        if checkpoint is not None and epoch + 1 < trainer.n_epochs:  # the last epoch's state is the stage's result
-            checkpoint.save(epoch + 1, trainer.state(), trainer.rng)
+        if checkpoint is not None and epoch + 1 < trainer.n_epochs and not stopped:  # the last epoch's state is
+            checkpoint.save(epoch + 1, trainer.state(), trainer.rng)  # the stage's result
     if log_metrics is not None and window.losses:
         log_window()
     encoder.eval()
     return PretrainResult(trainer.steps, trainer.points, time.perf_counter() - t0, loss_val,
-                          trainer.sampler.reclusterings, start)
+                          trainer.sampler.reclusterings, start, stopped)

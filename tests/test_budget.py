@@ -1,0 +1,105 @@
+"""The training budget: the plan's arithmetic, who wins over it, the deadline guard, a resumed run's plan, and a
+budgeted run end to end on tiny data."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from tests.test_pipeline import TINY, tiny_encoder, tiny_home  # noqa: F401  (fixtures)
+from xc_dagster.catalog import Catalog, DatasetSpec
+from xc_dagster.config import resolve_config
+from xc_dagster.encoders.loading import load_encoder
+from xc_dagster.errors import XCConfigError
+from xc_dagster.pipeline import StageContext, run_all
+from xc_dagster.storage import ArtifactStore
+from xc_dagster.training import siamese
+from xc_dagster.training.budget import BudgetPlan, check_train_params, plan_epochs
+
+
+def test_plan_fills_what_is_left_of_the_budget():
+    # 10 min = 600 s; reserve 0.15 -> 90 s; 30 s spent, 60 s of encoding: 420 s left at 2 s/step, 7 steps/epoch
+    plan = plan_epochs("pretrain.epochs", 10, 1.0, False, 2.0, 256, 7, 60.0, 30.0, 0.15)
+    assert plan.planned_epochs == 30.0 and plan.planned_train_seconds == pytest.approx(420.0)
+    assert plan.points_per_second == pytest.approx(128.0) and not plan.capped
+    # a machine twice as fast gets twice the epochs on the same data
+    assert plan_epochs("pretrain.epochs", 10, 1.0, False, 1.0, 256, 7, 60.0, 30.0, 0.15).planned_epochs == 60.0
+    # rounded down to two decimals: never more than what fits
+    assert plan_epochs("pretrain.epochs", 10, 1.0, False, 3.0, 256, 7, 60.0, 30.0, 0.15).planned_epochs == 20.0
+    assert plan_epochs("pretrain.epochs", 10, 1.0, False, 2.0, 256, 11, 60.0, 30.0, 0.15).planned_epochs == 19.09
+    capped = plan_epochs("pretrain.epochs", 10, 1.0, False, 2.0, 256, 7, 60.0, 30.0, 0.15, max_epochs=4)
+    assert capped.planned_epochs == 4.0 and capped.capped
+    # nothing left: no training rather than an overrun
+    assert plan_epochs("pretrain.epochs", 1, 1.0, False, 2.0, 256, 7, 60.0, 30.0, 0.15).planned_epochs == 0.0
+    explicit = plan_epochs("pretrain.epochs", 10, 2.0, True, 2.0, 256, 7, 60.0, 30.0, 0.15)
+    assert explicit.planned_epochs == 2.0 and explicit.deadline(0.0) is None
+    assert plan.deadline(100.0) == pytest.approx(100.0 + 420.0 + 0.02 * 600)
+
+
+def test_epochs_set_by_the_user_win_and_strategy_epochs_do_not():
+    assert "pretrain.epochs" in resolve_config("quick", "ngame", ("catalog", {"pretrain.epochs": 2})).explicit
+    siamese = DatasetSpec("X-Titles", "/x", strategy="siamesexml").config()
+    assert siamese.pretrain.epochs == 3 and "pretrain.epochs" not in siamese.explicit  # the strategy's default
+    assert siamese.train.budget_minutes == 30.0  # the quick preset's budget
+    user = DatasetSpec("X-Titles", "/x", strategy="siamesexml", overrides={"pretrain.epochs": 1})
+    assert "pretrain.epochs" in user.config().explicit
+    assert "classifier.epochs" in DatasetSpec("X-Titles", "/x").config({"classifier.epochs": 2}).explicit
+
+
+@pytest.mark.parametrize("field,value", [("budget_minutes", -1.0), ("budget_minutes", float("nan")),
+                                         ("calibration_steps", 0), ("reserve", 1.0), ("max_epochs", -2.0)])
+def test_bad_budget_settings_name_the_field(field, value):
+    cfg = resolve_config("quick", "ngame", ("catalog", {f"train.{field}": value}))
+    with pytest.raises(XCConfigError, match=f"train.{field}"):
+        check_train_params(cfg.train)
+
+
+def test_a_kept_plan_is_reused_only_for_the_same_configuration(tmp_path):
+    plan = plan_epochs("pretrain.epochs", 10, 1.0, False, 2.0, 256, 7, 60.0, 30.0, 0.15)
+    plan.save(tmp_path / "plan.json", "key-a")
+    assert BudgetPlan.load(tmp_path / "plan.json", "key-a") == plan
+    assert BudgetPlan.load(tmp_path / "plan.json", "key-b") is None
+    (tmp_path / "bad.json").write_text("{not json")
+    assert BudgetPlan.load(tmp_path / "bad.json", "key-a") is None
+
+
+def test_deadline_stops_pretraining_between_steps(tiny_home, monkeypatch):  # noqa: F811
+    real = siamese.SiameseTrainer.step
+
+    def slow_step(self, batch):  # each step "takes" 0.2 s of the deadline
+        time.sleep(0.2)
+        return real(self, batch)
+
+    spec = Catalog(tiny_home.catalog).get("TinyTitles")
+    store = ArtifactStore(tiny_home.artifacts)
+    run_all(StageContext(store, spec, spec.config(), tiny_home.cache), ("ingest", "tokenize"))
+    ctx = StageContext(store, spec, spec.config(), tiny_home.cache)
+    enc = load_encoder(spec.config().tokenize.encoder, "mean")
+    ds = ctx.read.labels()
+    rows = ctx.read.train_rows(ds.num_train)
+    p = spec.config().pretrain
+    monkeypatch.setattr(siamese.SiameseTrainer, "step", slow_step)
+    res = siamese.train_siamese(enc, ctx.read.tokens("train"), ctx.read.tokens("label"), ds.Y_train, rows, p,
+                                ctx.device, None, deadline=time.perf_counter() + 0.5)
+    full = 2 * int(np.ceil(len(rows) / p.batch_size))  # TINY: 2 epochs
+    assert res.stopped_at_deadline and 1 <= res.steps <= 4 < full
+
+
+def test_budgeted_run_plans_pretraining_and_records_the_plan(tiny_home):  # noqa: F811
+    over = {k: v for k, v in TINY.items() if k != "pretrain.epochs"}
+    spec = DatasetSpec("BudgetTitles", Catalog(tiny_home.catalog).get("TinyTitles").source,
+                       overrides={**over, "tokenize.encoder": Catalog(tiny_home.catalog).get("TinyTitles").overrides[
+                           "tokenize.encoder"], "train.budget_minutes": 0.1, "train.max_epochs": 3})
+    Catalog(tiny_home.catalog).add(spec)
+    store = ArtifactStore(tiny_home.artifacts)
+    out = run_all(StageContext(store, spec, spec.config(), tiny_home.cache))
+    plan = out["pretrain"]["budget"]
+    assert not plan["explicit"] and plan["seconds_per_step"] > 0 and plan["steps_per_epoch"] == 7
+    left = plan["budget_seconds"] - plan["spent_seconds"] - plan["encode_seconds"] - plan["reserved_seconds"]
+    expected = min(3.0, np.floor(100 * left / (plan["seconds_per_step"] * plan["steps_per_epoch"])) / 100)
+    assert plan["planned_epochs"] == pytest.approx(expected)
+    trained = out["pretrain"]["steps"]
+    assert trained == int(np.ceil(plan["planned_epochs"] * 7)) or out["pretrain"]["stopped_at_deadline"]
+    assert out["classifier"]["budget"]["explicit"]  # TINY sets classifier.epochs

@@ -1,0 +1,251 @@
+"""Label texts as training points (``pretrain.label_points``, ``classifier.label_points``): the extended data,
+the Siamese trainer over it, and the hardest-negative trainer (W keeps its L rows, resume is exact)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+import torch.nn.functional as F
+
+from tests.tinydata import WORDS, tiny_lf_home
+from xc_dagster.catalog import Catalog
+from xc_dagster.config import ClassifierParams, PretrainParams
+from xc_dagster.device import seed_everything
+from xc_dagster.encoders.bag import create_bag_encoder
+from xc_dagster.encoders.loading import load_encoder
+from xc_dagster.encoders.tokenizer import load_tokenizer
+from xc_dagster.errors import XCConfigError
+from xc_dagster.pipeline import StageContext, run_all
+from xc_dagster.storage import ArtifactStore
+from xc_dagster.training import label_points
+from xc_dagster.training.checkpoint import Checkpointer, fingerprint
+from xc_dagster.training.classifier import train_classifiers
+from xc_dagster.training.label_points import (
+    classifier_label_points,
+    label_neighbours,
+    siamese_label_points,
+    with_label_rows,
+)
+from xc_dagster.training.siamese import train_siamese
+
+CPU = torch.device("cpu")
+
+
+def csr(rows: list[list[int]], L: int) -> sp.csr_matrix:
+    r = [i for i, ls in enumerate(rows) for _ in ls]
+    c = [l for ls in rows for l in ls]
+    return sp.csr_matrix((np.ones(len(c), dtype=np.float32), (r, c)), shape=(len(rows), L))
+
+
+# ------------------------------------------------------------------------------------------ the data
+
+def test_siamese_label_points_append_label_tokens_and_an_identity_block():
+    Y = csr([[0, 2], [1], [2], []], 3)
+    p_ids = np.arange(1, 4 * 5 + 1, dtype=np.int32).reshape(4, 5)
+    p_len = np.array([5, 3, 4, 1], dtype=np.int32)
+    l_ids = np.array([[7, 8, 9], [10, 11, 0], [12, 0, 0]], dtype=np.int32)  # narrower (label_max_len)
+    l_len = np.array([3, 2, 1], dtype=np.int32)
+    (ids, lens), Yx, rows = siamese_label_points((p_ids, p_len), (l_ids, l_len), Y, np.array([0, 2]))
+    assert ids.shape == (7, 5) and ids.dtype == np.int32 and lens.tolist() == [5, 3, 4, 1, 3, 2, 1]
+    assert np.array_equal(ids[:4], p_ids) and np.array_equal(ids[4:, :3], l_ids) and not ids[4:, 3:].any()
+    assert Yx.shape == (7, 3) and np.array_equal(Yx[:4].toarray(), Y.toarray())
+    assert np.array_equal(Yx[4:].toarray(), np.eye(3))
+    assert rows.tolist() == [0, 2, 4, 5, 6]  # validation rows stay out; every label is a training point
+    assert Y.shape == (4, 3)  # the input is not changed
+    with pytest.raises(ValueError, match="label token rows"):
+        siamese_label_points((p_ids, p_len), (l_ids[:2], l_len[:2]), Y, np.array([0]))
+
+
+def test_label_neighbours_exclude_the_label_itself_and_pad():
+    E = F.normalize(torch.tensor([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0], [0.6, 0.8]]), dim=-1).numpy()
+    nb = label_neighbours(E, 2, CPU)
+    S = E @ E.T
+    np.fill_diagonal(S, -np.inf)
+    assert np.array_equal(nb, np.argsort(-S, axis=1, kind="stable")[:, :2])
+    assert label_neighbours(E, 5, CPU)[:, 3:].tolist() == [[-1, -1]] * 4  # only 3 other labels
+    assert (label_neighbours(E, 3, CPU) != np.arange(4)[:, None]).all()
+    assert label_neighbours(E, 2, CPU, block=1).tolist() == nb.tolist()
+
+
+def test_classifier_label_points_extend_embeddings_rows_and_shortlist():
+    X = np.eye(3, 4, dtype=np.float32)  # 3 points
+    E = F.normalize(torch.tensor([[1.0, 0, 0, 0], [0.8, 0.6, 0, 0], [0.1, 0, 1.0, 0], [0, 0.2, 0.6, 0.8]]),
+                    dim=-1).numpy()
+    Y = csr([[0], [1, 3], [2]], 4)
+    sl = np.array([[1, 2], [0, -1], [3, 1]], dtype=np.int32)
+    Xx, Yx, rows, slx = classifier_label_points(X, E, Y, np.array([0, 1]), sl, CPU)
+    assert Xx.shape == (7, 4) and np.array_equal(Xx[3:], E) and np.array_equal(Xx[:3], X)
+    assert np.array_equal(Yx[3:].toarray(), np.eye(4)) and rows.tolist() == [0, 1, 3, 4, 5, 6]
+    assert slx.dtype == np.int32 and np.array_equal(slx[:3], sl)
+    assert slx[3:].tolist() == [[1, 2], [0, 3], [3, 0], [2, 1]]  # the nearest other labels by E
+    _, _, _, no_nb = classifier_label_points(X, E, Y, np.array([0, 1]), sl, CPU, neighbours=False)
+    assert (no_nb[3:] == -1).all()
+    with pytest.raises(ValueError, match="classifier.label_points"):
+        classifier_label_points(X, None, Y, np.array([0]), sl, CPU)
+    Yr, rr = with_label_rows(Y, np.array([2]))
+    assert Yr.shape == (7, 4) and rr.tolist() == [2, 3, 4, 5, 6]
+
+
+# -------------------------------------------------------------------------------- Siamese pretraining
+
+@pytest.fixture(scope="module")
+def texts():
+    """24 points naming one or two of 8 label words, tokenized with MiniLM's tokenizer (for the bag encoder);
+    the labels' tokens are narrower than the points'."""
+    tok = load_tokenizer("minilm")
+    rng = np.random.default_rng(0)
+    labels = [rng.choice(8, size=int(rng.integers(1, 3)), replace=False) for _ in range(24)]
+    r = np.repeat(np.arange(24), [len(lab) for lab in labels])
+    Y = sp.csr_matrix((np.ones(len(r), dtype=np.float32), (r, np.concatenate(labels))), shape=(24, 8))
+
+    def tokens(t: list[str], width: int) -> tuple[np.ndarray, np.ndarray]:
+        enc = tok(t, padding="max_length", truncation=True, max_length=width, return_tensors="np")
+        return enc["input_ids"].astype(np.int32), enc["attention_mask"].sum(1).astype(np.int32)
+
+    return tokens([" ".join(WORDS[j] for j in lab) + f" item {i}" for i, lab in enumerate(labels)], 8), \
+        tokens(WORDS[:8], 4), Y
+
+
+def _siamese(texts, **kw):
+    pt, lt, Y = texts
+    params = dataclasses.replace(PretrainParams(), **{"batch_size": 6, "chunk_size": 8, "warmup_steps": 1,
+                                                      "lr": 1e-2, "amp": "off", "epochs": 2, **kw})
+    seed_everything(0)
+    enc = load_encoder("bag:16")
+    res = train_siamese(enc, pt, lt, Y, np.arange(20), params, CPU, None)
+    return res, torch.cat([p.detach().flatten() for p in enc.state_dict().values()])
+
+
+@pytest.mark.parametrize("sampler", ["random", "ngame"])
+def test_siamese_trains_on_label_texts_too(texts, sampler):
+    kw = {"sampler": sampler, "curriculum": (1,), "max_cluster_size": 4}
+    base, w_base = _siamese(texts, **kw)
+    res, w = _siamese(texts, label_points=True, **kw)
+    again, w_again = _siamese(texts, label_points=True, **kw)
+    if sampler == "random":  # the 20 training points and the 8 label texts
+        assert base.points == 2 * 20 and res.points == 2 * (20 + 8) and res.steps == 2 * 5
+    else:  # epoch 1 clusters the memory bank, label texts included (batches of clusters vary in count)
+        assert res.reclusterings == 1 and res.points > base.points >= 20 + 20 // 2
+    assert np.isfinite(res.final_loss)
+    assert not torch.equal(w, w_base) and torch.equal(w, w_again) and res.final_loss == again.final_loss
+
+
+def test_siamesexml_sampler_refuses_label_points(texts):
+    with pytest.raises(XCConfigError, match="pretrain.label_points: expected false with sampler siamesexml"):
+        _siamese(texts, sampler="siamesexml", loss="siamesexml", label_points=True)
+
+
+# ----------------------------------------------------------------------- the hardest-negative trainer
+
+def _zero_shot(seed: int = 0, n: int = 300, L: int = 20, D: int = 16):
+    """Points of labels 0..9 only; labels 10..19 have no training point. Label embeddings are close to the
+    labels' directions, W starts at random (e.g. a warm start's W that does not know the labels)."""
+    g = torch.Generator().manual_seed(seed)
+    mu = F.normalize(torch.randn(L, D, generator=g), dim=-1)
+    y = torch.randint(0, L // 2, (n,), generator=g)
+    X = F.normalize(mu[y] + 0.3 * torch.randn(n, D, generator=g), dim=-1).numpy()
+    E = F.normalize(mu + 0.2 * torch.randn(L, D, generator=g), dim=-1).numpy()
+    W0 = F.normalize(torch.randn(L, D, generator=g), dim=-1).numpy()
+    yt = torch.arange(L // 2, L).repeat(10)
+    Xt = F.normalize(mu[yt] + 0.3 * torch.randn(len(yt), D, generator=g), dim=-1).numpy()
+    Y = sp.csr_matrix((np.ones(n, dtype=np.float32), (np.arange(n), y.numpy())), shape=(n, L))
+    return X, E, W0, Y, np.argsort(-(X @ E.T), axis=1)[:, :8], Xt, yt.numpy()
+
+
+def test_label_points_teach_w_the_labels_without_training_points():
+    X, E, W0, Y, sl, Xt, yt = _zero_shot()
+    params = ClassifierParams(epochs=30, batch_size=64, lr=0.02, num_negatives=5, num_positives=1)
+    rows = np.arange(len(X))
+    W_off, s_off = train_classifiers(X, W0, Y, sl, rows, params, CPU, label_point_emb=E)
+    on = dataclasses.replace(params, label_points=True)
+    W_on, s_on = train_classifiers(X, W0, Y, sl, rows, on, CPU, label_point_emb=E)
+    assert W_on.shape == W_off.shape == (20, 16) and np.allclose(np.linalg.norm(W_on, axis=1), 1, atol=1e-5)
+    assert s_off["label_points"] == 0 and s_on["label_points"] == 20
+    assert s_on["steps"] == 30 * int(np.ceil((300 + 20) / 64))
+
+    def p1_unseen(W: np.ndarray) -> float:  # test points of the labels without training points, among those
+        return float(((Xt @ W[10:].T).argmax(1) + 10 == yt).mean())
+
+    def p1_label_texts(W: np.ndarray) -> float:  # each label's embedding ranks its own w_l first
+        return float(((E @ W.T).argmax(1) == np.arange(20)).mean())
+
+    assert p1_unseen(W_on) > p1_unseen(W_off) + 0.2, (p1_unseen(W_off), p1_unseen(W_on))
+    assert p1_label_texts(W_on) > p1_label_texts(W_off) + 0.2, (p1_label_texts(W_off), p1_label_texts(W_on))
+    W_again, _ = train_classifiers(X, W0, Y, sl, rows, on, CPU, label_point_emb=E)
+    assert np.array_equal(W_on, W_again)
+    W_ib, s_ib = train_classifiers(X, W0, Y, sl, rows, dataclasses.replace(on, negatives="in-batch"), CPU,
+                                   label_point_emb=E)
+    assert s_ib["label_points"] == 20 and W_ib.shape == (20, 16)
+    with pytest.raises(ValueError, match="classifier.label_points"):
+        train_classifiers(X, W0, Y, sl, rows, on, CPU)
+
+
+class Killed(Exception):
+    pass
+
+
+def test_killed_run_with_label_points_resumes_to_the_same_weights(tmp_path):
+    X, E, W0, Y, sl, _, _ = _zero_shot(n=160, seed=1)
+    params = ClassifierParams(epochs=4, batch_size=32, lr=0.02, num_negatives=4, negatives="both", cluster_size=8,
+                              num_positives=2, label_points=True)
+    rows = np.arange(len(X))
+    W_full, s_full = train_classifiers(X, W0, Y, sl, rows, params, CPU, label_point_emb=E)
+    ckpt = Checkpointer(tmp_path / "ckpt", fingerprint(params.__dict__, X, W0, sl, rows))
+
+    def kill_after_epoch_2(step: int, values: dict) -> None:
+        if step == 2:
+            raise Killed
+
+    with pytest.raises(Killed):
+        train_classifiers(X, W0, Y, sl, rows, params, CPU, kill_after_epoch_2, ckpt, label_point_emb=E)
+    W_res, s_res = train_classifiers(X, W0, Y, sl, rows, params, CPU, None, ckpt, label_point_emb=E)
+    assert s_res["resumed_from_epoch"] == 2 and s_res["steps"] == s_full["steps"]
+    assert np.array_equal(W_res, W_full) and s_res["final_loss"] == s_full["final_loss"]
+
+
+def test_label_points_with_the_module_iv_residual():
+    """With the bag encoder's residual (Module IV) the label points are intermediate embeddings too."""
+    H, E, W0, Y, sl, _, _ = _zero_shot(n=120, seed=2)  # H and E play f_E(x), f_E(z)
+    params = ClassifierParams(epochs=2, batch_size=32, lr=0.02, num_negatives=4, num_positives=1,
+                              residual_lr=0.01, label_points=True)
+    out = []
+    for _ in range(2):
+        enc = create_bag_encoder(50, 16, init="random", seed=0)
+        W, summary = train_classifiers(H, W0, Y, sl, np.arange(len(H)), params, CPU, encoder=enc,
+                                       label_point_emb=E)
+        out.append(W)
+        assert not enc.training and summary["label_points"] == 20 and W.shape == (20, 16)
+    assert np.array_equal(out[0], out[1])
+
+
+def test_the_stages_train_on_label_points(tmp_path, monkeypatch):
+    """pretrain.label_points and classifier.label_points reach the trainers through the stages: the label texts
+    are encoded as points in pretraining, the label embeddings are points of the classifier, W keeps L rows."""
+    home = tiny_lf_home(tmp_path, monkeypatch, {
+        "ingest.valid_fraction": 0.1, "pretrain.epochs": 1, "pretrain.batch_size": 16, "pretrain.chunk_size": 8,
+        "mining.shortlist_size": 8, "classifier.epochs": 2, "classifier.batch_size": 32,
+        "classifier.num_negatives": 5})
+    spec = Catalog(home.catalog).get("TinyTitles")
+    cfg = spec.config({"pretrain.label_points": True, "classifier.label_points": True})
+    out = run_all(StageContext(ArtifactStore(home.artifacts), spec, cfg, home.cache),
+                  ("ingest", "tokenize", "pretrain", "mining", "classifier"))
+    assert out["pretrain"]["points"] == 108 + 20  # the non-validation points and the 20 label texts
+    assert out["classifier"]["label_points"] == 20 and out["classifier"]["steps"] == 2 * 4  # (108 + 20) / 32
+    W = np.load(ArtifactStore(home.artifacts).stage_dir("TinyTitles", "classifier") / "W.npy")
+    assert W.shape == (20, 32)
+
+
+def test_label_neighbours_of_many_labels_come_from_hnsw_with_high_recall(monkeypatch):
+    rng = np.random.default_rng(0)
+    emb = rng.standard_normal((2000, 16)).astype(np.float32)
+    emb /= np.linalg.norm(emb, axis=1, keepdims=True)
+    exact = label_points.label_neighbours(emb, 10)
+    monkeypatch.setattr(label_points, "EXACT_MAX_LABELS", 100)
+    approx = label_points.label_neighbours(emb, 10)
+    assert approx.shape == (2000, 10) and not (approx == np.arange(2000)[:, None]).any()  # never itself
+    recall = np.mean([len(set(a) & set(e)) / 10 for a, e in zip(approx, exact)])
+    assert recall > 0.95

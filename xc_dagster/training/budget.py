@@ -1,0 +1,151 @@
+"""Training within a time budget (``train.budget_minutes``): measure this machine's speed, then plan the epochs.
+
+A fixed number of epochs means very different training on different data and machines: one epoch is 214 steps
+on LF-WordNetNouns but 36 on a 9K-point dataset, and 7 minutes on an AMX Xeon but 29 on an AVX2 EPYC. With a
+budget, the stage that trains the encoder (pretraining, or the end-to-end classifier stage) times a few steps
+of its own trainer on the real batches (a throw-away copy of the encoder: the model is not changed), and
+the encoding of a sample of texts, then plans its epochs so that the training stages together fill the budget:
+
+    epochs = (budget - spent - encoding - reserve) / (seconds per step * steps per epoch)
+
+``spent`` is what the earlier training stages took, ``encoding`` the estimated embedding of every point and
+label after training, ``reserve`` the share of the budget kept for the stages after it (mining, classifiers,
+index, fusion: ``train.reserve``). The LR schedules follow the planned length (they are built from it), and a
+deadline at the planned end stops a run that goes slower than measured, so the budget is never overrun by more
+than the steps in flight. Epochs set explicitly (catalog overrides, ``--set``, run config) win over the plan.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from xc_dagster.errors import XCConfigError
+
+
+def check_train_params(p: Any) -> None:
+    """``train.*``: a budget >= 0 minutes, >= 1 calibration step, a reserve in [0, 1), max_epochs >= 0."""
+    if not (isinstance(p.budget_minutes, (int, float)) and math.isfinite(p.budget_minutes) and p.budget_minutes >= 0):
+        raise XCConfigError(f"train.budget_minutes: expected minutes >= 0 (0 = no budget), got {p.budget_minutes!r}")
+    if not (isinstance(p.calibration_steps, int) and p.calibration_steps >= 1):
+        raise XCConfigError(f"train.calibration_steps: expected an int >= 1, got {p.calibration_steps!r}")
+    if not 0 <= p.reserve < 1:
+        raise XCConfigError(f"train.reserve: expected a share of the budget in [0, 1), got {p.reserve!r}")
+    if not p.max_epochs >= 0:
+        raise XCConfigError(f"train.max_epochs: expected epochs >= 0 (0 = no cap), got {p.max_epochs!r}")
+
+
+@dataclass
+class BudgetPlan:
+    """How a stage's epochs were planned, logged with the stage (MLflow, Dagster metadata)."""
+
+    field: str  # the planned setting, e.g. "pretrain.epochs"
+    budget_seconds: float
+    configured_epochs: float
+    planned_epochs: float
+    explicit: bool  # epochs were set explicitly: the configured value is kept
+    seconds_per_step: float = 0.0
+    points_per_second: float = 0.0
+    steps_per_epoch: int = 0
+    encode_seconds: float = 0.0  # estimated embedding of every point and label after training
+    reserved_seconds: float = 0.0  # kept for the later stages
+    spent_seconds: float = 0.0  # used by earlier training stages and by the calibration
+    planned_train_seconds: float = 0.0
+    capped: bool = False  # the plan hit train.max_epochs
+
+    def summary(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def save(self, path: Path, key: str) -> None:
+        """Keep the plan next to the stage's checkpoint, so a resumed run trains the same plan (a new
+        calibration would differ a little, and so would the checkpoint's fingerprint)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps({"key": key, "plan": self.summary()}))
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path, key: str) -> BudgetPlan | None:
+        """The plan ``save`` kept for the same configuration (``key``), else None."""
+        try:
+            d = json.loads(path.read_text())
+            names = {f.name for f in fields(cls)}
+            return cls(**{k: v for k, v in d["plan"].items() if k in names}) if d.get("key") == key else None
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def deadline(self, started: float, slack: float = 0.02) -> float | None:
+        """``time.perf_counter()`` value after which training stops (None: no budget or explicit epochs)."""
+        if self.explicit or self.budget_seconds <= 0:
+            return None
+        return started + self.planned_train_seconds + slack * self.budget_seconds
+
+
+def time_steps(trainer: Any, steps: int) -> tuple[float, float]:
+    """(seconds per step, points per step) of ``trainer`` on the first batches of its epoch 0, after one
+    untimed warm-up step (allocation, first-call kernels). ``trainer`` has ``epoch_batches`` and ``step``."""
+    batches = trainer.epoch_batches(0)
+    if not batches:
+        return 0.0, 0.0
+    trainer.step(batches[0])
+    timed = [batches[i % len(batches)] for i in range(1, steps + 1)]
+    t0 = time.perf_counter()
+    points = 0
+    for b in timed:
+        trainer.step(b)
+        points += len(getattr(b, "labels", b))
+    return (time.perf_counter() - t0) / len(timed), points / len(timed)
+
+
+def calibrate(make_trainer: Callable[[Any], Any], encoder: Any, steps: int) -> tuple[float, float, int]:
+    """Time ``steps`` steps of ``make_trainer(copy of encoder)`` (the real encoder is not touched).
+
+    Returns (seconds per step, points per step, steps per epoch)."""
+    trainer = make_trainer(copy.deepcopy(encoder))
+    try:
+        spe = int(getattr(trainer, "steps_per_epoch", 0) or len(trainer.epoch_batches(0)))
+        sec, pts = time_steps(trainer, steps)
+    finally:
+        close = getattr(trainer, "close", None)
+        if close is not None:
+            close()
+    return sec, pts, spe
+
+
+def encode_rate(encode: Callable[[np.ndarray], Any], n_rows: int, sample: int = 512, seed: int = 0) -> float:
+    """Texts per second of ``encode(rows)`` on a seeded random sample of ``sample`` of ``n_rows`` rows."""
+    rng = np.random.default_rng(seed)
+    rows = np.sort(rng.choice(n_rows, size=min(sample, n_rows), replace=False))
+    encode(rows[:min(32, len(rows))])  # warm-up
+    t0 = time.perf_counter()
+    encode(rows)
+    return len(rows) / max(time.perf_counter() - t0, 1e-9)
+
+
+def plan_epochs(field: str, budget_minutes: float, configured: float, explicit: bool, seconds_per_step: float,
+                points_per_step: float, steps_per_epoch: int, encode_seconds: float, spent_seconds: float,
+                reserve: float, max_epochs: float = 0.0) -> BudgetPlan:
+    """The epochs that fill what is left of the budget (at least 0; at most ``max_epochs`` when > 0)."""
+    budget = 60.0 * budget_minutes
+    reserved = reserve * budget
+    plan = BudgetPlan(field, budget, float(configured), float(configured), explicit, seconds_per_step,
+                      points_per_step / max(seconds_per_step, 1e-9), steps_per_epoch, encode_seconds, reserved,
+                      spent_seconds)
+    if explicit or budget <= 0 or seconds_per_step <= 0 or steps_per_epoch <= 0:
+        plan.planned_train_seconds = configured * steps_per_epoch * seconds_per_step
+        return plan
+    available = max(0.0, budget - spent_seconds - encode_seconds - reserved)
+    epochs = available / (seconds_per_step * steps_per_epoch)
+    if max_epochs > 0 and epochs > max_epochs:
+        epochs, plan.capped = float(max_epochs), True
+    epochs = math.floor(epochs * 100) / 100  # two decimals: a readable setting, never above what fits
+    plan.planned_epochs = epochs
+    plan.planned_train_seconds = epochs * steps_per_epoch * seconds_per_step
+    return plan

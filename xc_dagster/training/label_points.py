@@ -1,0 +1,94 @@
+"""Label texts as extra training points (Renee, ASTRA): each label's own text is a training point whose single
+positive is that label.
+
+The N points keep their rows and label l becomes row N + l: the label matrix gains an identity block below and
+the training rows gain N .. N + L - 1 (``with_label_rows``). ``siamese_label_points`` extends the Siamese
+trainer's point tokens with the label tokens (``pretrain.label_points``); ``classifier_label_points`` extends
+the hardest-negative trainer's point embeddings with the label embeddings and its shortlist with each label's
+nearest other labels by embedding (``label_neighbours``; ``classifier.label_points``). The BCE trainer over
+sampled negatives builds its examples itself (``xc_dagster.training.end_to_end.examples``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+
+from xc_dagster.encoders.bag import BagOfEmbeddingsEncoder, embed_from_intermediate
+from xc_dagster.retrieval.ann import LabelIndex, exact_topk
+
+EXACT_MAX_LABELS = 50_000  # above this, label neighbours come from an HNSW index: exact search is L^2 D
+
+Tokens = tuple[np.ndarray, np.ndarray]  # token ids (N, T), lengths (N,)
+
+
+def with_label_rows(Y: sp.csr_matrix, rows: np.ndarray) -> tuple[sp.csr_matrix, np.ndarray]:
+    """``Y`` (N x L) with the L x L identity below (row N + l: label l's text, positive l) and ``rows`` followed
+    by N .. N + L - 1."""
+    Y = Y.tocsr()
+    N, L = Y.shape
+    Yx = sp.vstack([Y, sp.identity(L, dtype=Y.dtype, format="csr")], format="csr")
+    return Yx, np.concatenate([np.asarray(rows, dtype=np.int64), N + np.arange(L, dtype=np.int64)])
+
+
+def siamese_label_points(point_tokens: Tokens, label_tokens: Tokens, Y: sp.csr_matrix,
+                         rows: np.ndarray) -> tuple[Tokens, sp.csr_matrix, np.ndarray]:
+    """The Siamese trainer's (tokens, Y, rows) with every label's text appended as a point: the token ids are
+    stacked (the narrower array zero-padded to the wider one's width; lengths mask the padding) and Y and the
+    rows extended by ``with_label_rows``."""
+    (p_ids, p_len), (l_ids, l_len) = point_tokens, label_tokens
+    if len(p_ids) != Y.shape[0] or len(l_ids) != Y.shape[1]:
+        raise ValueError(f"siamese_label_points: {len(p_ids)} point and {len(l_ids)} label token rows for a "
+                         f"{Y.shape[0]} x {Y.shape[1]} label matrix")
+    ids = np.zeros((len(p_ids) + len(l_ids), max(p_ids.shape[1], l_ids.shape[1])),
+                   dtype=np.result_type(p_ids.dtype, l_ids.dtype))
+    ids[:len(p_ids), :p_ids.shape[1]] = p_ids
+    ids[len(p_ids):, :l_ids.shape[1]] = l_ids
+    lens = np.concatenate([p_len, l_len]).astype(np.result_type(p_len.dtype, l_len.dtype))
+    Yx, rows_x = with_label_rows(Y, rows)
+    return (ids, lens), Yx, rows_x
+
+
+def label_neighbours(label_emb: np.ndarray, k: int, device: torch.device | None = None,
+                     block: int = 0) -> np.ndarray:
+    """Each label's ``k`` nearest other labels by inner product of ``label_emb`` (exact, in blocks of
+    ``block`` labels, 0 = as many as keep a block's scores near 2^28; ties by label id): (L, k) int64, -1 padded
+    where fewer than k other labels exist. Costs L^2 D multiply-adds, on ``device``; above
+    ``EXACT_MAX_LABELS`` labels an HNSW index answers instead (O(L log L))."""
+    if len(label_emb) > EXACT_MAX_LABELS:
+        ids = LabelIndex("hnsw", label_emb).search(np.ascontiguousarray(label_emb, dtype=np.float32), k + 1)[1]
+    else:
+        block = block or max(1, min(4096, (1 << 28) // max(len(label_emb), 1)))
+        _, ids = exact_topk(label_emb, label_emb, k + 1, block, device)
+    is_self = ids == np.arange(len(ids), dtype=np.int64)[:, None]
+    order = np.argsort(is_self, axis=1, kind="stable")  # the label itself last, the others in rank order
+    return np.take_along_axis(ids, order, 1)[:, :k]
+
+
+def classifier_label_points(point_emb: np.ndarray, label_point_emb: np.ndarray | None, Y: sp.csr_matrix,
+                            rows: np.ndarray, shortlist: np.ndarray, device: torch.device,
+                            encoder: BagOfEmbeddingsEncoder | None = None,
+                            neighbours: bool = True) -> tuple[np.ndarray, sp.csr_matrix, np.ndarray, np.ndarray]:
+    """The hardest-negative trainer's (point embeddings, Y, rows, shortlist) with every label as a point.
+
+    ``label_point_emb`` (L, D): the labels' embeddings in ``point_emb``'s space (with ``encoder``, SiameseXML
+    Module IV: the intermediate embeddings f_E(z_l)). A label point's shortlist row holds its
+    ``shortlist.shape[1]`` nearest other labels by the final label embedding (with ``encoder``: N(R(f_E(z_l)))
+    at the start of training); -1 padding without ``neighbours`` (a negative pool that reads no shortlist).
+    """
+    L = Y.shape[1]
+    if label_point_emb is None or label_point_emb.shape != (L, point_emb.shape[1]):
+        got = None if label_point_emb is None else label_point_emb.shape
+        raise ValueError(f"classifier.label_points: need the labels' embeddings ({L}, {point_emb.shape[1]}), "
+                         f"got {got}")
+    k = shortlist.shape[1]
+    nearest = np.full((L, k), -1, dtype=np.int64)
+    if neighbours and k > 0:
+        final = label_point_emb
+        if encoder is not None:
+            final = embed_from_intermediate(encoder.to(device), label_point_emb, device)
+        nearest = label_neighbours(final, k, device)
+    X = np.concatenate([np.asarray(point_emb, dtype=np.float32), np.asarray(label_point_emb, dtype=np.float32)])
+    Yx, rows_x = with_label_rows(Y, rows)
+    return X, Yx, rows_x, np.concatenate([shortlist, nearest.astype(shortlist.dtype)])
