@@ -54,7 +54,8 @@ def test_refit_by_smoothing_fits_on_validation_and_scores_on_test():
     sl, Y, inv = _case()
     none = np.zeros((0, 2), dtype=np.int64)
     valid = SimpleNamespace(shortlist=sl, Y=Y, inv_prop=inv, filter_pairs=none)
-    params = FusionParams(grid_step=0.5, propensity_grid=(0.0, 1.0), propensity_grid_extend=0)
+    params = FusionParams(grid_step=0.5, propensity_grid=(0.0, 1.0), propensity_grid_extend=0,
+                          objective="precision_at_1+psprecision_at_1")
     rows = ff.refit_by_smoothing(valid, params, [1, 3], sl, Y, none, inv)
     assert [r["smoothing"] for r in rows] == [1, 3]
     assert rows[0]["validation"] == 200.0 and (rows[0]["p1"], rows[0]["psp1"]) == (100.0, 100.0)

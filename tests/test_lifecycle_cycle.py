@@ -118,8 +118,9 @@ def test_click_log_drops_retrain_and_the_gate_promotes_or_refuses(home, tmp_path
     enc = write_tiny_encoder(tmp_path / "enc")
     inbox = home.root / retraining.INBOX / DATASET
     # the entry is made before the first drop (feed folder as placeholder source) to give it the tiny config
-    Catalog(home.catalog).add(DatasetSpec(DATASET, str(inbox), text="title",
-                                          overrides={**TINY, "tokenize.encoder": str(enc)}))
+    # without the lexical channel, whose TF-IDF kNN would carry the broken encoder of drop 3 (the gate is tested)
+    Catalog(home.catalog).add(DatasetSpec(DATASET, str(inbox), text="title", overrides={
+        **TINY, "tokenize.encoder": str(enc), "index.sources": "W,label,knn"}))
     write_clicks(inbox / "2024-02-01.parquet", 1, queries(OLD, 60, (0, 24), seed=1), seed=1)
     daemon = Daemon(home)
     client = mlflow.MlflowClient(home.mlflow_uri)

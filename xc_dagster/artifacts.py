@@ -5,7 +5,7 @@ its Dagster asset, the upstream stages whose files it reads and the names it wri
 their ``deps`` from the declared reads, so the asset graph is the data flow, and :class:`ArtifactReader` is the
 only way a stage reads another stage's folder: it refuses a stage its consumer does not declare and records
 what was opened. The file names are the constants below (the shortlist sources own theirs:
-``xc_dagster.retrieval.shortlist``).
+``xc_dagster.retrieval.shortlist``, and the lexical source its folder's: ``xc_dagster.retrieval.lexical``).
 
 ====================  =================  ===================================================================
 stage                 asset              reads
@@ -33,11 +33,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import scipy.sparse as sp
 
 from xc_dagster.data import XCDataset, load_dataset, load_label_texts
+from xc_dagster.data.canonical import load_feature_words, load_features, load_texts
 from xc_dagster.encoders.tokenizer import load_tokens
 from xc_dagster.errors import XCError
 from xc_dagster.retrieval.fusion import load_fusion
+from xc_dagster.retrieval.lexical import LEXICAL_DIR
 from xc_dagster.retrieval.shortlist import (
     CENTROID_FILE,
     INDEX_FILES,
@@ -68,7 +71,8 @@ SHORTLIST = "shortlist.npy"
 SHORTLIST_SCORES = "shortlist_scores.npy"
 # classifier
 W = "W.npy"
-# index: the shortlist sources' files, and a copy of the training-point parts without the validation points
+# index: the shortlist sources' files (the lexical source's in its folder LEXICAL_DIR), and a copy of the
+# training-point parts without the validation points
 HELDOUT = "heldout"
 # fusion
 FUSION = "fusion.json"
@@ -106,7 +110,7 @@ CONTRACT: dict[str, StageArtifacts] = {s.stage: s for s in (
     _stage("classifier", "classifiers", ("ingest", "tokenize", "pretrain", "mining"), W, ENCODER, TRAIN_EMB,
            LABEL_EMB),
     _stage("index", "ann_index", ("ingest", "pretrain", "classifier"), *INDEX_FILES.values(), KNN_LABELS_FILE,
-           CENTROID_FILE, HELDOUT),
+           CENTROID_FILE, LEXICAL_DIR, HELDOUT),
     _stage("fusion", "fusion", ("ingest", "pretrain", "classifier", "index"), FUSION),
     _stage("evaluate", "evaluation", ("ingest", "tokenize", "pretrain", "mining", "classifier", "index", "fusion"),
            PREDICTIONS, METRICS, REPORTS, *PLOTS.values()),
@@ -178,6 +182,18 @@ class ArtifactReader:
     def label_texts(self) -> list[str]:
         return load_label_texts(self.dataset_dir())
 
+    def texts(self, split: str) -> list[str]:
+        """The texts of one split alone: "train" / "test" points, or "label"."""
+        return load_texts(self.dataset_dir(), split)
+
+    def features(self, split: str) -> sp.csr_matrix | None:
+        """The shipped BoW features of one split ("train", "test", "label"); None when ingest stored none."""
+        return load_features(self.dataset_dir(), split)
+
+    def feature_words(self) -> list[str] | None:
+        """One word per feature column (the BoW vocabulary the layout shipped); None when ingest stored none."""
+        return load_feature_words(self.dataset_dir())
+
     def valid_rows(self) -> np.ndarray:
         return np.load(self.path("ingest", VALID_ROWS))
 
@@ -235,6 +251,22 @@ class ArtifactReader:
         return load_sources(d, tuple(info.get("sources", ("W", "label"))), info.get("label_repr", "text"),
                             info["kind"], ef_search, self.W(), self.embeddings("label"),
                             int(info.get("knn_neighbours", 0)), points)
+
+    def lexical_queries(self, sources: ShortlistSources, split: str,
+                        rows: np.ndarray | None = None) -> sp.csr_matrix | None:
+        """The TF-IDF rows of ``split``'s points (only ``rows`` of them, when given) for the lexical source of
+        ``sources``, from their BoW features or texts as it was fitted; None when ``sources`` have no lexical."""
+        lex = sources.lexical
+        if lex is None:
+            return None
+        if lex.input == "features":
+            X = self.features(split)
+            if X is None:
+                raise XCError(f"{self.dataset_dir()}: the lexical index was fitted on BoW features, but the "
+                              f"{split} points have none")
+            return lex.transform(X if rows is None else X[rows])
+        texts = self.texts(split)
+        return lex.transform(texts if rows is None else [texts[i] for i in rows])
 
     def fusion(self) -> Any:
         """The fitted fusion (``xc_dagster.retrieval.fusion``)."""

@@ -41,6 +41,10 @@ E2E_CPU = {"pretrain.epochs": 0, "classifier.train_encoder": True, "classifier.l
 # (docs/decisions.md#knn-inference-source)
 KNN_INFERENCE = {"index.sources": ("W", "label", "knn")}
 
+# the default strategy also shortlists and scores with the lexical (TF-IDF) channel, a fusion input whose weight
+# validation may set to 0 (docs/decisions.md#lexical-source)
+LEXICAL_INFERENCE = {"index.sources": ("W", "label", "knn", "lexical")}
+
 # the hardest-negative trainer's positives weigh (1/p_l) (docs/decisions.md#classifier-propensity-weight)
 PROPENSITY_SCORED = {"classifier.propensity_weight": 1.0}
 
@@ -57,12 +61,13 @@ STRATEGIES: dict[str, Strategy] = {
         "(classifier.negatives=in-batch|both with classifier.cluster_size for M2's cluster-batched in-batch "
         "negatives); positives weigh (1/p_l) (classifier.propensity_weight=0 for the paper's unweighted loss). "
         "Inference: ANNS over W and over the label embeddings, plus SiameseXML's kNN index over the training "
-        "points (index.sources=W,label for the paper's dual MIPS alone); the embedding score adds the label "
+        "points and the lexical channel (TF-IDF similarity to the label text and a sparse kNN over the training "
+        "points; index.sources=W,label for the paper's dual MIPS alone); the embedding score adds the label "
         "centroid (index.label_repr=text for E(z_l) alone); scores fused by a blend fitted on validation "
         "(fusion.method=tree for the paper's depth-7 tree).",
         {"pretrain.sampler": "ngame", "fusion.method": "alpha",
          "index.label_repr": "text+centroid",  # docs/decisions.md#ngame-label-centroid-score
-         **KNN_INFERENCE, **PROPENSITY_SCORED},
+         **LEXICAL_INFERENCE, **PROPENSITY_SCORED},
     ),
     "siamesexml": Strategy(
         "siamesexml",

@@ -43,12 +43,12 @@ def read_bow(folder: Path, chunk_lines: int = DEFAULT_CHUNK_LINES) -> XCDataset:
     if (X_test.shape[1], Y_test.shape[1]) != (D, L):
         raise XCFormatError(tst, 1, f"the same D and L as {trn.name} ({D} {L})",
                             got=f"{X_test.shape[1]} {Y_test.shape[1]}")
-    label_texts, (train_texts, test_texts) = bow_texts(folder, X_train, X_test, L)
+    label_texts, (train_texts, test_texts), words = bow_texts(folder, X_train, X_test, L)
     f_train, f_test = read_filters(folder, X_train.shape[0], X_test.shape[0], L)
     return XCDataset(
         train_texts=train_texts, test_texts=test_texts, label_texts=label_texts,
         Y_train=Y_train, Y_test=Y_test, filter_train=f_train, filter_test=f_test,
-        X_train=X_train, X_test=X_test, layout="bow")
+        X_train=X_train, X_test=X_test, feature_words=words, layout="bow")
 
 
 class BowLayout:

@@ -72,12 +72,12 @@ def read_bow_single(folder: Path, split: int = 0,
     tr, ts = _rows(tr_tab, trp, int(split), base, n), _rows(ts_tab, tsp, int(split), base, n)
     X_train, X_test, Y_train, Y_test = X[tr], X[ts], Y[tr], Y[ts]
     L = Y.shape[1]
-    label_texts, (train_texts, test_texts) = bow_texts(folder, X_train, X_test, L, VOCAB_NAMES)
+    label_texts, (train_texts, test_texts), words = bow_texts(folder, X_train, X_test, L, VOCAB_NAMES)
     f_train, f_test = read_filters(folder, len(tr), len(ts), L)
     return XCDataset(
         train_texts=train_texts, test_texts=test_texts, label_texts=label_texts,
         Y_train=Y_train.tocsr(), Y_test=Y_test.tocsr(), filter_train=f_train, filter_test=f_test,
-        X_train=X_train.tocsr(), X_test=X_test.tocsr(), layout="bow-single")
+        X_train=X_train.tocsr(), X_test=X_test.tocsr(), feature_words=words, layout="bow-single")
 
 
 class BowSingleLayout:

@@ -1,7 +1,8 @@
 """The canonical in-memory dataset every layout is parsed into, and its pickle-free on-disk form.
 
 On disk (one folder): ``{train,test,label}_texts.parquet`` (column ``text``), ``Y_train.npz``, ``Y_test.npz``
-and, when present, ``X_train.npz``/``X_test.npz``/``X_label.npz`` (``scipy.sparse.save_npz``),
+and, when present, ``X_train.npz``/``X_test.npz``/``X_label.npz`` (``scipy.sparse.save_npz``) with
+``feature_words.parquet`` (column ``text``, one word per feature column: the BoW vocabulary),
 ``filter_{train,test}.npy``, for pre-tokenized datasets ``{train,test,label}_tokens_{input_ids,attention_mask}.npy``,
 and ``meta.json`` (layout, stats, which matrices exist). ``meta.json`` is written
 last and the whole folder is renamed into place, so a folder that exists is complete.
@@ -27,6 +28,7 @@ from xc_dagster.errors import XCDatasetNotFound, XCFormatError
 FORMAT_VERSION = 1
 _TEXTS = ("train_texts", "test_texts", "label_texts")
 LABEL_TEXTS_FILE = "label_texts.parquet"  # the label texts, column ``text``, row = label id
+FEATURE_WORDS_FILE = "feature_words.parquet"  # the feature vocabulary, column ``text``, row = feature column
 _REQUIRED_MATRICES = ("Y_train", "Y_test")
 _OPTIONAL_MATRICES = ("X_train", "X_test", "X_label")
 _FILTERS = ("filter_train", "filter_test")
@@ -57,6 +59,7 @@ class XCDataset:
     train_tokens: tuple[np.ndarray, np.ndarray] | None = None  # (input_ids, attention_mask), pre-tokenized layout
     test_tokens: tuple[np.ndarray, np.ndarray] | None = None
     label_tokens: tuple[np.ndarray, np.ndarray] | None = None
+    feature_words: list[str] | None = None  # one word per feature column (the BoW vocabulary), when shipped
 
     @property
     def num_labels(self) -> int:
@@ -113,6 +116,8 @@ def _write_contents(ds: XCDataset, tmp: Path) -> None:
     for name in _FILTERS:
         np.save(tmp / f"{name}.npy", np.asarray(getattr(ds, name), dtype=np.int64).reshape(-1, 2),
                 allow_pickle=False)
+    if ds.feature_words is not None:
+        _write_texts(tmp / FEATURE_WORDS_FILE, list(ds.feature_words))
     tokens = []
     for name in _TOKENS:
         pair = getattr(ds, name, None)
@@ -124,6 +129,8 @@ def _write_contents(ds: XCDataset, tmp: Path) -> None:
     meta = {"format_version": FORMAT_VERSION, "layout": ds.layout, "matrices": present, "stats": ds.stats()}
     if tokens:
         meta["tokens"] = tokens
+    if ds.feature_words is not None:
+        meta["feature_words"] = True
     with open(tmp / "meta.json", "w", encoding="utf-8") as f:
         json.dump(meta, f, indent=2)
         f.flush()
@@ -178,12 +185,35 @@ def load_label_texts(out_dir: Path) -> list[str]:
     return _read_texts(Path(out_dir) / LABEL_TEXTS_FILE)
 
 
+def load_texts(out_dir: Path, split: str) -> list[str]:
+    """Only the texts of one split ("train", "test" points, or "label") of a canonical dataset folder."""
+    if f"{split}_texts" not in _TEXTS:
+        raise ValueError(f"split: expected train, test or label, got {split!r}")
+    return _read_texts(Path(out_dir) / f"{split}_texts.parquet")
+
+
+def load_features(out_dir: Path, split: str) -> sp.csr_matrix | None:
+    """Only the BoW features ``X_<split>`` ("train", "test", "label") of a canonical dataset folder; None when
+    the layout shipped none."""
+    if f"X_{split}" not in _OPTIONAL_MATRICES:
+        raise ValueError(f"split: expected train, test or label, got {split!r}")
+    path = Path(out_dir) / f"X_{split}.npz"
+    return _read_matrix(path) if path.is_file() else None
+
+
+def load_feature_words(out_dir: Path) -> list[str] | None:
+    """Only the feature vocabulary of a canonical dataset folder (row = feature column); None when the layout
+    shipped none."""
+    path = Path(out_dir) / FEATURE_WORDS_FILE
+    return _read_texts(path) if path.is_file() else None
+
+
 def load_dataset(out_dir: Path, *, texts: bool = True, features: bool = True) -> XCDataset:
     """Read a folder written by :func:`save_dataset` (no pickle anywhere).
 
-    ``texts=False`` / ``features=False`` skip the texts and token arrays / the BoW matrices (left empty or
-    None) for stages that need only the label matrices and filter pairs: at millions of points those are
-    most of the bytes.
+    ``texts=False`` / ``features=False`` skip the texts and token arrays / the BoW matrices and feature words
+    (left empty or None) for stages that need only the label matrices and filter pairs: at millions of points
+    those are most of the bytes.
     """
     out_dir = Path(out_dir)
     meta_path = out_dir / "meta.json"
@@ -205,6 +235,8 @@ def load_dataset(out_dir: Path, *, texts: bool = True, features: bool = True) ->
         kw[name] = _read_matrix(out_dir / f"{name}.npz") if name in present and features else None
     for name in _FILTERS:
         kw[name] = np.load(out_dir / f"{name}.npy", allow_pickle=False).astype(np.int64).reshape(-1, 2)
+    if features and meta.get("feature_words"):
+        kw["feature_words"] = _read_texts(out_dir / FEATURE_WORDS_FILE)
     for name in _TOKENS:
         if texts and name in meta.get("tokens", []):
             kw[name] = tuple(np.load(out_dir / f"{name}_{kind}.npy", allow_pickle=False) for kind in _TOKEN_KINDS)

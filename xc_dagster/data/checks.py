@@ -76,6 +76,8 @@ def _check_counts(ds: XCDataset, known: KnownDataset | None) -> dict[str, Any]:
     if dims:
         first = next(iter(dims))
         pairs += [(f"{name} columns vs {first}", dims[first], d) for name, d in dims.items() if name != first]
+        if ds.feature_words is not None:
+            pairs.append((f"feature words vs {first} columns", dims[first], len(ds.feature_words)))
     mismatches = [{"field": f, "expected": int(e), "got": int(g)} for f, e, g in pairs if int(e) != int(g)]
     meta: dict[str, Any] = {"n_train": ds.num_train, "n_test": ds.num_test, "n_labels": L,
                             "n_features": int(ds.X_train.shape[1]) if ds.X_train is not None else None,

@@ -3,7 +3,8 @@
 - ``filter_labels_{train,test}.txt``: ``row label`` pairs (0-based) removed from evaluation; read for every
   layout when present (:func:`read_filters`);
 - ``Y.txt``: one label name per line; ``X_vocab.txt`` / ``vocab.txt``: one feature word per line, from which
-  the BoW layouts rebuild point texts (:func:`bow_texts`);
+  the BoW layouts rebuild point texts (:func:`bow_texts`) and which they keep as the dataset's feature words
+  (:func:`read_feature_words`);
 - the check that a layout's required files are present (:func:`require_files`).
 """
 
@@ -73,15 +74,26 @@ def _texts_from_vocab(X: sp.csr_matrix, vocab: np.ndarray) -> list[str]:
     return [" ".join(words[bounds[r]:bounds[r + 1]]) for r in range(X.shape[0])]
 
 
-def bow_texts(folder: Path, X_train: sp.csr_matrix, X_test: sp.csr_matrix,
-              L: int, vocab_names: Sequence[str] = ("X_vocab.txt",)) -> tuple[list[str], tuple[list[str], list[str]]]:
-    """Label names from ``Y.txt`` (else generic) and point texts rebuilt from the first vocabulary file found."""
+def read_feature_words(folder: Path, num_features: int,
+                       vocab_names: Sequence[str] = ("X_vocab.txt",)) -> list[str] | None:
+    """One word per feature column, from the first vocabulary file of ``vocab_names`` in ``folder``; None when
+    there is none."""
+    for name in vocab_names:
+        path = folder / name
+        if path.is_file():
+            return read_text_lines(path, num_features, "feature word")
+    return None
+
+
+def bow_texts(folder: Path, X_train: sp.csr_matrix, X_test: sp.csr_matrix, L: int,
+              vocab_names: Sequence[str] = ("X_vocab.txt",)
+              ) -> tuple[list[str], tuple[list[str], list[str]], list[str] | None]:
+    """Label names from ``Y.txt`` (else generic), point texts rebuilt from the first vocabulary file found, and
+    that vocabulary (one word per feature column; None, and empty texts, when there is none)."""
     y_txt = folder / "Y.txt"
     label_texts = read_text_lines(y_txt, L, "label name") if y_txt.is_file() else generic_labels(L)
-    D = X_train.shape[1]
-    for name in vocab_names:
-        vocab_path = folder / name
-        if vocab_path.is_file():
-            vocab = np.array(read_text_lines(vocab_path, D, "feature word"), dtype=object)
-            return label_texts, (_texts_from_vocab(X_train, vocab), _texts_from_vocab(X_test, vocab))
-    return label_texts, ([""] * X_train.shape[0], [""] * X_test.shape[0])
+    words = read_feature_words(folder, X_train.shape[1], vocab_names)
+    if words is None:
+        return label_texts, ([""] * X_train.shape[0], [""] * X_test.shape[0]), None
+    vocab = np.array(words, dtype=object)
+    return label_texts, (_texts_from_vocab(X_train, vocab), _texts_from_vocab(X_test, vocab)), words

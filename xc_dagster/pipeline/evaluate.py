@@ -41,9 +41,13 @@ def upstream_seconds(ctx: StageContext) -> dict[str, float]:
 
 
 def _ablation(sl: Any, ds: Any, inv: np.ndarray, k_max: int) -> dict[str, float]:
-    """Each ranking on its own, as the papers' ablations report them (classifier only, embedding only)."""
+    """Each ranking on its own, as the papers' ablations report them (classifier only, embedding only; lexical
+    only with the lexical source)."""
     out = {}
-    for name, s in (("classifier_only", sl.clf), ("embedding_only", sl.emb)):
+    rankings = [("classifier_only", sl.clf), ("embedding_only", sl.emb)]
+    if sl.lex is not None:
+        rankings.append(("lexical_only", np.where(sl.ids < 0, -np.inf, sl.lex).astype(np.float32)))
+    for name, s in rankings:
         i2, _ = topk_from_scores(sl.ids, s, k_max + 20)
         for k, v in evaluate(i2, ds.Y_test, ks=(1, 5), inv_prop=inv, filter_pairs=ds.filter_test).items():
             if k in ABLATION_METRICS:
@@ -61,7 +65,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     m = ctx.read.shortlist_sources(ctx.cfg.index.hnsw_ef_search)
     fz = ctx.read.fusion()
     t1 = time.perf_counter()
-    sl = retrieve(q, m, ctx.cfg.index.shortlist_size)
+    sl = retrieve(q, m, ctx.cfg.index.shortlist_size, lexical_queries=ctx.read.lexical_queries(m, "test"))
     inv = ctx.inv_prop(ds.Y_train)
     ids, scores = topk_from_scores(sl.ids, fz.score(sl, inv), p.top_k)
     ids, scores = remove_filtered(ids, scores, ds.filter_test)  # reciprocal/self pairs never predicted

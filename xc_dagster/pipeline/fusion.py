@@ -48,7 +48,8 @@ def validation_shortlists(ctx: StageContext) -> ValidationShortlists:
     valid = ctx.read.valid_rows()
     m = ctx.read.shortlist_sources(ctx.cfg.index.hnsw_ef_search, heldout=True)
     q = ctx.read.embeddings("train", mmap=True)[valid]
-    sl = retrieve(q, m, ctx.cfg.index.shortlist_size)
+    # the lexical source's TF-IDF rows of the same points (its kNN leaves the validation points out, as knn's)
+    sl = retrieve(q, m, ctx.cfg.index.shortlist_size, lexical_queries=ctx.read.lexical_queries(m, "train", valid))
     # pairs of labels whose only training points are validation points are left out (unseen by the models)
     Yv, pairs, unseen = validation_targets(ds.Y_train, valid, ctx.read.train_rows(ds.num_train),
                                            filter_rows(ds.filter_train, valid))

@@ -1,5 +1,6 @@
 """Stage ``index``: the ANNS indexes of ``index.sources`` that inference shortlists from (NGAME dual MIPS: W and
-label embeddings; SiameseXML Module II: label embeddings, label centroids, training-point kNN)."""
+label embeddings; SiameseXML Module II: label embeddings, label centroids, training-point kNN), and the lexical
+source's TF-IDF index (``xc_dagster.retrieval.lexical``) when the sources name it."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from xc_dagster.artifacts import HELDOUT, SUMMARY
 from xc_dagster.errors import XCConfigError
 from xc_dagster.pipeline.context import StageContext
 from xc_dagster.retrieval.ann import LabelIndex
+from xc_dagster.retrieval.lexical import LexicalIndex
 from xc_dagster.retrieval.shortlist import (
     KNN_EXCLUDED_FILE,
     build_sources,
@@ -31,6 +33,45 @@ def _check(p: Any) -> None:
         raise XCConfigError(f"index.knn_neighbours: expected an int >= 0, got {p.knn_neighbours!r}")
     if not isinstance(p.include_validation, bool):
         raise XCConfigError(f"index.include_validation: expected true or false, got {p.include_validation!r}")
+    for name in ("lexical_neighbours", "lexical_min_df"):
+        value = getattr(p, name)
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            raise XCConfigError(f"index.{name}: expected an int >= 1, got {value!r}")
+
+
+def lexical_index(ctx: StageContext, rows: np.ndarray, Y_train: Any, fit_rows: np.ndarray) -> LexicalIndex:
+    """The lexical source over the training points ``rows`` (the kNN index's rows), its TF-IDF fitted on the
+    points ``fit_rows`` (the models' training rows) and the labels: of their shipped BoW features when ingest
+    stored them (and of the labels' features, when shipped; else no label-text part), read as word sets with the
+    dataset's feature words when it has them (so that it serves raw text), else of their texts and the label
+    texts."""
+    p = ctx.cfg.index
+    X = ctx.read.features("train")
+    words = None
+    if X is not None:
+        points, labels, words = X[rows], ctx.read.features("label"), ctx.read.feature_words()
+    else:
+        texts = ctx.read.texts("train")
+        points, labels = [texts[i] for i in rows], ctx.read.texts("label")
+    fit_on = np.flatnonzero(np.isin(rows, fit_rows))
+    try:
+        return LexicalIndex.fit(points, labels, Y_train[rows], p.lexical_neighbours, p.lexical_min_df, fit_on,
+                                feature_words=words)
+    except XCConfigError as e:
+        raise XCConfigError(f"{ctx.name}: {e}") from None
+
+
+def _lexical_or_note(ctx: StageContext, rows: np.ndarray, Y_train: Any,
+                     fit_rows: np.ndarray) -> tuple[LexicalIndex | None, str]:
+    """``lexical_index``, or (None, why) when the data has no text or features for it and the lexical source
+    came with the strategy (``index.sources`` set by the user: the error stands)."""
+    try:
+        return lexical_index(ctx, rows, Y_train, fit_rows), ""
+    except XCConfigError as e:
+        if "index.sources" in ctx.cfg.explicit:
+            raise
+        ctx.info(f"index {ctx.name}: the strategy's lexical source is left out: {e}")
+        return None, str(e)
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
@@ -43,9 +84,11 @@ def run(ctx: StageContext) -> dict[str, Any]:
     W = ctx.read.W()
     label_emb = ctx.read.embeddings("label")
     need_centroids = "centroid" in p.sources or p.label_repr == "text+centroid"
-    centroids = point_emb = knn_labels = h_centroids = None
+    centroids = point_emb = knn_labels = h_centroids = lexical = None
+    note = ""
     heldout = False  # the fusion is fitted without the validation points (index/heldout/)
-    if need_centroids or "knn" in p.sources:
+    points_knn = "knn" in p.sources or "lexical" in p.sources  # a kNN over training points, held out by rows
+    if need_centroids or points_knn:
         ds = ctx.read.labels()
         rows = ctx.read.train_rows(ds.num_train)
         # from the deployed encoder's embeddings: mining's centroids are stale once ASTRA/MIPS-s fine-tuned it
@@ -57,23 +100,33 @@ def run(ctx: StageContext) -> dict[str, Any]:
             h_centroids = label_centroids(train_emb, ds.Y_train, rows) if heldout else None
         if "knn" in p.sources:
             point_emb, knn_labels = np.asarray(train_emb[deployed]), ds.Y_train[deployed]
-    src = build_sources(p.sources, W, label_emb, centroids, point_emb, knn_labels, p.label_repr, p.kind,
-                        p.hnsw_m, p.hnsw_ef_construction, p.hnsw_ef_search)
+        if "lexical" in p.sources:
+            lexical, note = _lexical_or_note(ctx, deployed, ds.Y_train, rows)
+    sources = tuple(s for s in p.sources if s != "lexical" or lexical is not None)
+    src = build_sources(sources, W, label_emb, centroids, point_emb, knn_labels, p.label_repr, p.kind,
+                        p.hnsw_m, p.hnsw_ef_construction, p.hnsw_ef_search, lexical)
     with ctx.writing() as out:
         save_sources(src, out, centroids)
-        summary = {"kind": p.kind, "sources": list(p.sources), "label_repr": p.label_repr,
+        summary = {"kind": p.kind, "sources": list(sources), "label_repr": p.label_repr,
                    "labels": int(len(W)), "dim": int(W.shape[1]),
                    "knn_points": int(point_emb.shape[0]) if point_emb is not None else 0,
                    "knn_neighbours": int(p.knn_neighbours) if "knn" in p.sources else 0}
+        if note:
+            summary["lexical_left_out"] = note
+        if lexical is not None:
+            summary["lexical"] = {"input": lexical.input, "points": lexical.num_points,
+                                  "terms": int(lexical.points.shape[1]), "neighbours": lexical.neighbours,
+                                  "label_text": lexical.labels is not None,
+                                  "feature_words": lexical.words is not None}
         if heldout:  # what the fusion is fitted with: the same parts without the validation points
             held = out / HELDOUT
             save_parts(held, {"centroid": LabelIndex(p.kind, h_centroids, m=p.hnsw_m,
                                                      ef_construction=p.hnsw_ef_construction,
                                                      ef_search=p.hnsw_ef_search)} if "centroid" in p.sources else {},
                        None, h_centroids)
-            if "knn" in p.sources:
+            if points_knn:  # the validation rows, excluded from the deployed kNN and lexical neighbours
                 np.save(held / KNN_EXCLUDED_FILE, np.setdiff1d(np.arange(ds.num_train), rows))
-            summary["heldout_knn_points"] = int(len(rows)) if "knn" in p.sources else 0
+            summary["heldout_knn_points"] = int(len(rows)) if points_knn else 0
         summary["seconds"] = time.perf_counter() - t0
         save_json(out / SUMMARY, summary)
     return summary

@@ -12,6 +12,7 @@ from xc_dagster.artifacts import LABEL_EMB, SHORTLIST, SHORTLIST_SCORES, SUMMARY
 from xc_dagster.evaluation.metrics import recall_at
 from xc_dagster.pipeline.context import StageContext
 from xc_dagster.retrieval.shortlist import (
+    ANN_SOURCES,
     CENTROID_FILE,
     build_sources,
     check_sources,
@@ -30,7 +31,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     The label centroids (of the non-validation training points) are written here for later stages.
     """
     p = ctx.cfg.mining
-    check_sources(p.sources, "mining.sources")
+    check_sources(p.sources, "mining.sources", ANN_SOURCES)  # lexical: an inference source (index.sources)
     t0 = time.perf_counter()
     point_emb, label_emb = ctx.read.pretrained(TRAIN_EMB), ctx.read.pretrained(LABEL_EMB)
     ds = ctx.read.labels()

@@ -7,12 +7,15 @@ A shortlist is the union of candidates from one or more *sources* (``SOURCES``):
 * ``centroid``: among the label centroids v_l, the normalised mean embedding of the label's training points
   (SiameseXML Module II, ANNS^mu);
 * ``knn``: the labels of the query's nearest training points (SiameseXML Module II, ANNS^x), a label scored
-  by the summed similarity of the neighbours that carry it.
+  by the summed similarity of the neighbours that carry it;
+* ``lexical``: the labels of highest lexical score, TF-IDF cosine to the label's text plus a sparse kNN vote of
+  the training points (``xc_dagster.retrieval.lexical``); it reads the queries' TF-IDF rows, not embeddings.
 
 Each candidate then gets exact scores: the classifier score w_l.e and the embedding score r_l.e, where r_l is
-the label representation the model uses (E(z_l), or E(z_l) + v_l as in SiameseXML's fusion), and the kNN
-score (0 when the knn source did not propose it). The fitted fusion combines them. Work is done in row blocks
-so memory stays bounded; every step is O(k) per query per source, independent of L.
+the label representation the model uses (E(z_l), or E(z_l) + v_l as in SiameseXML's fusion), the kNN
+score (0 when the knn source did not propose it) and, with the lexical source, the lexical score of every
+candidate, whichever source proposed it. The fitted fusion combines them. Work is done in row blocks so memory
+stays bounded; every ANNS step is O(k) per query per source, independent of L.
 """
 
 from __future__ import annotations
@@ -26,9 +29,11 @@ import torch
 
 from xc_dagster.errors import XCConfigError
 from xc_dagster.retrieval.ann import LabelIndex
+from xc_dagster.retrieval.lexical import LEXICAL_DIR, LexicalIndex, sparse_lookup, sparse_topk
 from xc_dagster.sampling.labels import dedupe_rows
 
-SOURCES = ("W", "label", "centroid", "knn")
+SOURCES = ("W", "label", "centroid", "knn", "lexical")
+ANN_SOURCES = SOURCES[:4]  # searched with embeddings in an ANNS index; "lexical" with TF-IDF rows
 POINT_SOURCES = ("centroid", "knn")  # built from training points; "W" and "label" from the labels
 LABEL_REPRS = ("text", "text+centroid")
 
@@ -39,6 +44,7 @@ class Shortlist:
     clf: np.ndarray  # (n, C) float32 classifier scores w_l.e (-inf on padding)
     emb: np.ndarray  # (n, C) float32 embedding scores r_l.e (-inf on padding)
     knn: np.ndarray | None = None  # (n, C) float32 kNN scores (0 where knn did not propose the label)
+    lex: np.ndarray | None = None  # (n, C) float32 lexical scores of every candidate (0: none, or padding)
 
 
 @dataclass
@@ -47,27 +53,36 @@ class ShortlistSources:
 
     W: np.ndarray  # (L, D) classifier vectors (at mining time, before classifiers exist: the label vectors)
     label_repr: np.ndarray  # (L, D) label representation r_l of the embedding score
-    indexes: dict[str, LabelIndex]  # source name (SOURCES) -> index; "knn" indexes training points
+    indexes: dict[str, LabelIndex]  # source name (ANN_SOURCES) -> index; "knn" indexes training points
     knn_labels: sp.csr_matrix | None = None  # (rows of the knn index) x L: labels of each indexed point
     # the kNN score of a candidate: 0 = summed similarity of the query's k retrieved neighbours that carry it
     # (SiameseXML's ANNS^x ranking); K > 0 = mean over the K nearest neighbours of (similarity if the neighbour
     # carries the label, else 0): a fusion input on the scale of the other scores. Candidates come from all k.
     knn_neighbours: int = 0
-    # rows of the knn index never returned as neighbours (the validation points, when the fusion is fitted on
-    # them with the deployed index: a held-out kNN without a second index)
+    # rows of the knn index (and of the lexical index's points, the same rows) never returned as neighbours (the
+    # validation points, when the fusion is fitted on them with the deployed index: a held-out kNN without a
+    # second index)
     knn_excluded: np.ndarray | None = None
+    lexical: LexicalIndex | None = None  # the lexical source (its kNN over the same training points)
 
     def __post_init__(self) -> None:
-        check_sources(tuple(self.indexes), "shortlist sources")
+        check_sources(self.names, "shortlist sources")
+        if "lexical" in self.indexes:
+            raise ValueError("the lexical source is a LexicalIndex (ShortlistSources.lexical), not an ANNS index")
         if "knn" in self.indexes and self.knn_labels is None:
             raise ValueError("the knn source needs knn_labels (labels of the indexed training points)")
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The sources, in the order their candidates are merged."""
+        return tuple(self.indexes) + (("lexical",) if self.lexical is not None else ())
 
-def check_sources(sources: tuple[str, ...], where: str) -> None:
-    """A non-empty subset of ``SOURCES`` without repeats, or a config error naming ``where``."""
-    bad = [s for s in sources if s not in SOURCES]
+
+def check_sources(sources: tuple[str, ...], where: str, allowed: tuple[str, ...] = SOURCES) -> None:
+    """A non-empty subset of ``allowed`` without repeats, or a config error naming ``where``."""
+    bad = [s for s in sources if s not in allowed]
     if not sources or bad or len(set(sources)) != len(sources):
-        raise XCConfigError(f"{where}: expected distinct names from {', '.join(SOURCES)}, got {list(sources)}")
+        raise XCConfigError(f"{where}: expected distinct names from {', '.join(allowed)}, got {list(sources)}")
 
 
 def check_label_repr(label_repr: str, where: str) -> None:
@@ -102,20 +117,7 @@ def knn_label_scores(nbr_ids: np.ndarray, nbr_sims: np.ndarray, knn_labels: sp.c
     ok = nbr_ids >= 0
     r = np.repeat(np.arange(n), m)[ok.ravel()]
     S = sp.csr_matrix((nbr_sims[ok].astype(np.float64), (r, nbr_ids[ok])), shape=(n, knn_labels.shape[0]))
-    P = (S @ knn_labels.astype(np.float64)).tocsr()
-    P.sum_duplicates()
-    ids = np.full((n, k), -1, dtype=np.int64)
-    scores = np.zeros((n, k), dtype=np.float32)
-    if P.nnz == 0:
-        return ids, scores
-    prow = np.repeat(np.arange(n), np.diff(P.indptr))
-    order = np.lexsort((P.indices, -P.data, prow))  # by row, score desc, label id
-    prow, pid, pval = prow[order], P.indices[order], P.data[order]
-    rank = np.arange(len(prow)) - P.indptr[prow]
-    keep = rank < k
-    ids[prow[keep], rank[keep]] = pid[keep]
-    scores[prow[keep], rank[keep]] = pval[keep]
-    return ids, scores
+    return sparse_topk(S @ knn_labels.astype(np.float64), k)
 
 
 def nearest_knn_scores(nbrs: np.ndarray, sims: np.ndarray, knn_labels: sp.csr_matrix, K: int,
@@ -131,19 +133,28 @@ def nearest_knn_scores(nbrs: np.ndarray, sims: np.ndarray, knn_labels: sp.csr_ma
 
 
 def retrieve(queries: np.ndarray, src: ShortlistSources, k: int, exclude_knn: np.ndarray | None = None,
-             block: int = 1024) -> Shortlist:
-    """Union of every source's top-k candidates per query, each with exact classifier/embedding/kNN scores.
+             block: int = 1024, lexical_queries: sp.spmatrix | None = None) -> Shortlist:
+    """Union of every source's top-k candidates per query, each with exact classifier/embedding/kNN/lexical scores.
 
-    ``exclude_knn[i]``: a knn-index row never used as query i's neighbour (the point itself when the queries
-    are the indexed training points), or -1.
+    ``queries``: (n, D) embeddings; ``lexical_queries``: their (n, V) TF-IDF rows (``src.lexical.transform``),
+    needed when ``src`` has the lexical source. ``exclude_knn[i]``: a knn-index row (and lexical-index point) never
+    used as query i's neighbour (the point itself when the queries are the indexed training points), or -1.
     """
     n = len(queries)
     names = list(src.indexes)
-    width = k * len(names)
+    lexical = src.lexical
+    if lexical is not None:
+        if lexical_queries is None or lexical_queries.shape[0] != n:
+            raise ValueError(f"the lexical source needs the {n} queries' TF-IDF rows (lexical_queries), got "
+                             f"{None if lexical_queries is None else lexical_queries.shape}")
+        lexical_queries = sp.csr_matrix(lexical_queries, dtype=np.float32)
+        block = min(block, lexical.block_rows)  # its score rows per block stay bounded
+    width = k * len(src.names)
     ids_all = np.full((n, width), -1, dtype=np.int64)
     clf_all = np.full((n, width), -np.inf, dtype=np.float32)
     emb_all = np.full((n, width), -np.inf, dtype=np.float32)
     knn_all = np.zeros((n, width), dtype=np.float32) if "knn" in names else None
+    lex_all = np.zeros((n, width), dtype=np.float32) if lexical is not None else None
     Wt = torch.from_numpy(np.ascontiguousarray(src.W, dtype=np.float32))
     Rt = torch.from_numpy(np.ascontiguousarray(src.label_repr, dtype=np.float32))
     for s in range(0, n, block):
@@ -161,6 +172,10 @@ def retrieve(queries: np.ndarray, src: ShortlistSources, k: int, exclude_knn: np
                     knn_ids, knn_sc = nearest_knn_scores(nbrs, sims, src.knn_labels, src.knn_neighbours, extra)
             else:
                 parts.append(src.indexes[name].search(q, k)[1])
+        if lexical is not None:
+            lex = lexical.scores(lexical_queries[s:s + len(q)], src.knn_excluded,
+                                 None if exclude_knn is None else exclude_knn[s:s + len(q)])
+            parts.append(sparse_topk(lex, k)[0])
         ids = dedupe_rows(np.concatenate(parts, axis=1))
         safe = torch.from_numpy(np.maximum(ids, 0))
         qt = torch.from_numpy(q)
@@ -171,7 +186,9 @@ def retrieve(queries: np.ndarray, src: ShortlistSources, k: int, exclude_knn: np
         emb_all[rows] = np.where(pad, -np.inf, torch.einsum("bd,bkd->bk", qt, Rt[safe]).numpy())
         if knn_all is not None:
             knn_all[rows] = _lookup(ids, knn_ids, knn_sc, len(src.W))
-    return Shortlist(ids_all, clf_all, emb_all, knn_all)
+        if lex_all is not None:
+            lex_all[rows] = sparse_lookup(lex, ids)
+    return Shortlist(ids_all, clf_all, emb_all, knn_all, lex_all)
 
 
 def _lookup(ids: np.ndarray, keys: np.ndarray, values: np.ndarray, num_labels: int) -> np.ndarray:
@@ -209,21 +226,31 @@ def label_representation(label_emb: np.ndarray, centroids: np.ndarray | None, la
 
 def build_sources(sources: tuple[str, ...], W: np.ndarray, label_emb: np.ndarray, centroids: np.ndarray | None,
                   point_emb: np.ndarray | None, knn_labels: sp.csr_matrix | None, label_repr: str, kind: str,
-                  m: int, ef_construction: int, ef_search: int) -> ShortlistSources:
-    """Build the ANNS index of every source; ``point_emb`` / ``knn_labels``: the indexed training points."""
+                  m: int, ef_construction: int, ef_search: int,
+                  lexical: LexicalIndex | None = None) -> ShortlistSources:
+    """Build the ANNS index of every source; ``point_emb`` / ``knn_labels``: the indexed training points;
+    ``lexical``: the fitted lexical source, when ``sources`` name it."""
     vectors = {"W": W, "label": label_emb, "centroid": centroids, "knn": point_emb}
     indexes = {}
     for name in sources:
+        if name == "lexical":
+            if lexical is None:
+                raise ValueError("source 'lexical' needs its LexicalIndex")
+            continue
         if vectors[name] is None:
             raise ValueError(f"source {name!r} needs its vectors")
         indexes[name] = LabelIndex(kind, vectors[name], m=m, ef_construction=ef_construction, ef_search=ef_search)
     return ShortlistSources(W, label_representation(label_emb, centroids, label_repr), indexes,
-                            knn_labels.tocsr() if knn_labels is not None else None)
+                            knn_labels.tocsr() if knn_labels is not None else None,
+                            lexical=lexical if "lexical" in sources else None)
 
 
 def save_sources(src: ShortlistSources, folder, centroids: np.ndarray | None) -> None:
-    """Write every index as ``INDEX_FILES[name]``, the kNN label matrix and the centroids when used."""
+    """Write every index as ``INDEX_FILES[name]``, the kNN label matrix and the centroids when used, and the
+    lexical index's folder ``LEXICAL_DIR``."""
     save_parts(folder, src.indexes, src.knn_labels, centroids)
+    if src.lexical is not None:
+        src.lexical.save(Path(folder) / LEXICAL_DIR)
 
 
 def save_parts(folder, indexes: dict[str, LabelIndex], knn_labels: sp.csr_matrix | None,
@@ -241,10 +268,11 @@ def save_parts(folder, indexes: dict[str, LabelIndex], knn_labels: sp.csr_matrix
 
 def load_sources(folder, sources: tuple[str, ...], label_repr: str, kind: str, ef_search: int, W: np.ndarray,
                  label_emb: np.ndarray, knn_neighbours: int = 0, point_folder=None) -> ShortlistSources:
-    """The sources ``save_sources`` wrote into ``folder`` (faiss files, .npy, .npz; no pickle); with
+    """The sources ``save_sources`` wrote into ``folder`` (faiss files, .npy, .npz, JSON; no pickle); with
     ``point_folder``, the parts built from training points (``POINT_SOURCES`` indexes, the kNN label matrix, the
     label centroids) are read from there instead (what ``save_parts`` wrote, e.g. a held-out copy). A part the
-    copy lacks is the deployed one; its ``KNN_EXCLUDED_FILE`` names the deployed kNN rows it leaves out."""
+    copy lacks is the deployed one; its ``KNN_EXCLUDED_FILE`` names the deployed kNN rows (and lexical points)
+    it leaves out."""
     folder = Path(folder)
     points = folder if point_folder is None else Path(point_folder)
     check_sources(tuple(sources), f"{folder}: sources")
@@ -253,16 +281,18 @@ def load_sources(folder, sources: tuple[str, ...], label_repr: str, kind: str, e
         return points / file if from_points and (points / file).exists() else folder / file
 
     indexes = {name: LabelIndex.load(where(INDEX_FILES[name], name in POINT_SOURCES), kind, ef_search)
-               for name in sources}
+               for name in sources if name != "lexical"}
     knn = excluded = None
     if "knn" in sources:
         knn = sp.load_npz(where(KNN_LABELS_FILE)).tocsr()
-        if (points / KNN_EXCLUDED_FILE).exists() and not (points / INDEX_FILES["knn"]).exists():
-            excluded = np.load(points / KNN_EXCLUDED_FILE, allow_pickle=False)
+    if ("knn" in sources or "lexical" in sources) and (points / KNN_EXCLUDED_FILE).exists() \
+            and not (points / INDEX_FILES["knn"]).exists():
+        excluded = np.load(points / KNN_EXCLUDED_FILE, allow_pickle=False)
+    lexical = LexicalIndex.load(folder / LEXICAL_DIR) if "lexical" in sources else None
     path = points / CENTROID_FILE
     centroids = np.load(path, allow_pickle=False) if path.exists() else None
     return ShortlistSources(W, label_representation(label_emb, centroids, label_repr), indexes, knn, knn_neighbours,
-                            excluded)
+                            excluded, lexical)
 
 
 def shortlist(queries: np.ndarray, W: np.ndarray, label_emb: np.ndarray, w_index: LabelIndex,
@@ -271,13 +301,15 @@ def shortlist(queries: np.ndarray, W: np.ndarray, label_emb: np.ndarray, w_index
     return retrieve(queries, ShortlistSources(W, label_emb, {"W": w_index, "label": e_index}), k, block=block)
 
 
-def fuse(sl: Shortlist, alpha: float, knn_weight: float = 0.0) -> np.ndarray:
-    """Fused score a * classifier + (1 - a) * embedding (+ c * kNN score when ``knn_weight`` c > 0); -inf on
-    padding."""
+def fuse(sl: Shortlist, alpha: float, knn_weight: float = 0.0, lexical_weight: float = 0.0) -> np.ndarray:
+    """Fused score a * classifier + (1 - a) * embedding (+ c * kNN score when ``knn_weight`` c > 0) (+ d * lexical
+    score when ``lexical_weight`` d > 0); -inf on padding."""
     with np.errstate(invalid="ignore"):
         s = alpha * sl.clf + (1.0 - alpha) * sl.emb
         if knn_weight:
             s = s + knn_weight * sl.knn
+        if lexical_weight:
+            s = s + lexical_weight * sl.lex
     return np.where(sl.ids < 0, -np.inf, s).astype(np.float32)
 
 

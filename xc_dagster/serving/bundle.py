@@ -11,6 +11,10 @@ A *bundle* is a folder that loads from plain files only (no pickle); the registe
                        files, or ``.npy`` vectors for ``exact``): ``W.index``, ``label_emb.index`` and, for
                        SiameseXML's Module II, ``centroid.index``, ``knn.index`` (+ ``knn_labels.npz``)
 ``label_centroid.npy`` label centroids, when the sources or the label representation use them
+``lexical/``           the lexical source's TF-IDF index (vocabulary or feature words, idf, training-point and
+                       label rows), when the sources have it: raw query text is vectorized with it
+                       (``xc_dagster.retrieval.lexical``); one fitted on shipped BoW features serves only with the
+                       dataset's feature words, mapping a text's words to their feature columns
 ``fusion.json``        the fitted fusion (alpha or tree), as the fusion stage wrote it
 ``inv_prop.npy``       inverse propensities of the labels (the tree fusion's third feature)
 ``labels.parquet``     label texts (column ``text``, row = label id)
@@ -18,8 +22,9 @@ A *bundle* is a folder that loads from plain files only (no pickle); the registe
 =====================  ==================================================================================
 
 ``predict_topk(texts, bundle, k)`` is the whole inference path (tokenize with the training max_len, encode,
-shortlist from the indexes, fuse, top-k): the pyfunc :class:`XCModel` and ``bench/serving_bench.py`` both call
-it, and it gives the evaluation stage's predictions for the same texts (same tokenizer, chunking and autocast).
+and with the lexical source vectorize the texts; shortlist from the indexes, fuse, top-k): the pyfunc
+:class:`XCModel` and ``bench/serving_bench.py`` both call it, and it gives the evaluation stage's predictions
+for the same texts (same tokenizer, chunking and autocast).
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from xc_dagster.encoders.loading import load_encoder
 from xc_dagster.encoders.tokenizer import load_tokenizer, tokenize_texts
 from xc_dagster.errors import XCConfigError, XCError
 from xc_dagster.retrieval.fusion import load_fusion
+from xc_dagster.retrieval.lexical import LEXICAL_DIR, read_config
 from xc_dagster.retrieval.shortlist import (
     CENTROID_FILE,
     INDEX_FILES,
@@ -134,9 +140,16 @@ def write_bundle(ctx: "StageContext", out: Path, default_k: int = 10, shortlist_
     _link_or_copy(read.path("classifier", W), out / "W.npy")
     idx_summary = read.summary("index")
     sources = idx_summary.get("sources", ["W", "label"])
-    for name in [INDEX_FILES[n] for n in sources] + [KNN_LABELS_FILE, CENTROID_FILE]:
+    for name in [INDEX_FILES[n] for n in sources if n in INDEX_FILES] + [KNN_LABELS_FILE, CENTROID_FILE]:
         if (idx / name).exists():
             _link_or_copy(idx / name, out / name)
+    if "lexical" in sources:
+        lexical = read_config(idx / LEXICAL_DIR)
+        if lexical["input"] != "text" and not lexical.get("feature_words"):
+            raise XCConfigError(f"index.sources: the lexical source of {ctx.name} was fitted on the shipped BoW "
+                                "features without the dataset's feature words (X_vocab.txt / vocab.txt), so raw "
+                                "query text cannot be mapped to them; serve a model indexed without lexical")
+        _link_tree(idx / LEXICAL_DIR, out / LEXICAL_DIR)
     _link_or_copy(read.path("fusion", FUSION), out / "fusion.json")
     _link_or_copy(read.dataset_dir() / LABEL_TEXTS_FILE, out / "labels.parquet")
     inv = ctx.inv_prop(read.labels().Y_train)
@@ -207,19 +220,28 @@ def encode_texts(texts: Sequence[str], bundle: ServingBundle) -> np.ndarray:
     return encode_tokens(bundle.encoder, ids, lens, bundle.device, bundle.dtype, bundle.batch_size)
 
 
-def rank(queries: np.ndarray, bundle: ServingBundle, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The index + fusion part: shortlist from the indexes, fused scores, top-k (ids -1 padded)."""
+def lexical_rows(texts: Sequence[str], bundle: ServingBundle) -> Any:
+    """The texts' TF-IDF rows for the bundle's lexical source (its saved vectorizer, or its feature words and
+    idf); None when it has none."""
+    lexical = bundle.sources.lexical
+    return None if lexical is None else lexical.transform(list(texts))
+
+
+def rank(queries: np.ndarray, bundle: ServingBundle, k: int,
+         lexical_queries: Any = None) -> tuple[np.ndarray, np.ndarray]:
+    """The index + fusion part: shortlist from the indexes, fused scores, top-k (ids -1 padded).
+    ``lexical_queries``: the queries' TF-IDF rows (:func:`lexical_rows`), needed with the lexical source."""
     if k < 1:
         raise XCConfigError(f"k: expected >= 1, got {k}")
     if len(queries) == 0:
         return np.zeros((0, k), dtype=np.int64), np.zeros((0, k), dtype=np.float32)
-    sl = retrieve(queries, bundle.sources, bundle.shortlist_size)
+    sl = retrieve(queries, bundle.sources, bundle.shortlist_size, lexical_queries=lexical_queries)
     return topk_from_scores(sl.ids, bundle.fusion.score(sl, bundle.inv_prop), k)
 
 
 def predict_topk(texts: Sequence[str], bundle: ServingBundle, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Top-k (label ids int64, scores float32) per text, ids -1 (score -inf) past the shortlist's end."""
-    return rank(encode_texts(texts, bundle), bundle, k)
+    return rank(encode_texts(texts, bundle), bundle, k, lexical_rows(texts, bundle))
 
 
 def predictions_frame(ids: np.ndarray, scores: np.ndarray, bundle: ServingBundle) -> pd.DataFrame:

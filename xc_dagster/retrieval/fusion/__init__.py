@@ -9,7 +9,7 @@ chosen by ``fusion.method`` among the registry :data:`FUSIONS`:
 =========  ===========================================  ====================================================
 
 ``alpha`` is the default (docs/decisions.md#fusion-alpha-over-tree). ``fusion/objective.py`` holds the
-validation objective both are fitted or reported on (docs/decisions.md#fusion-objective-p1-plus-psp1). A fitted
+validation objective both are fitted or reported on (docs/decisions.md#fusion-objective-four-metrics). A fitted
 fusion persists itself as plain JSON (``to_dict``, the fusion stage's ``fusion.json``) and :func:`load_fusion`
 reads it back without executing code. A new fusion is one class implementing :class:`Fusion` and one line in
 :data:`FUSIONS`.

@@ -1,11 +1,14 @@
-"""SiameseXML's alpha fusion: a blend of the classifier and embedding scores, plus kNN and propensity terms.
+"""SiameseXML's alpha fusion: a blend of the classifier and embedding scores, plus kNN, lexical and propensity
+terms.
 
 s = a * w_l.e + (1 - a) * z_l.e with a chosen by a grid search on a validation metric (``fusion.objective``).
 Adding the embedding score keeps tail labels, whose classifiers saw few positives, in the ranking (PSP). When the
 shortlist has kNN scores (``index.sources`` with ``knn``: SiameseXML's ANNS^x over the training points, the mean
 similarity of the ``index.knn_neighbours`` nearest training points carrying the label), the blend adds c * kNN
-(``fusion.knn_grid``; c = 0 is the two-score blend, so the grid can only match or beat it on validation), and
-b * log(1 / p_l) (``fusion.propensity_grid``, docs/decisions.md#fusion-propensity-term); a, c and b are
+(``fusion.knn_grid``; c = 0 is the two-score blend, so the grid can only match or beat it on validation); when it
+has lexical scores (``index.sources`` with ``lexical``: TF-IDF cosine to the label text plus a sparse kNN vote,
+``xc_dagster.retrieval.lexical``), d * lexical (``fusion.lexical_grid``, d = 0 always tried); and
+b * log(1 / p_l) (``fusion.propensity_grid``, docs/decisions.md#fusion-propensity-term); a, c, d and b are
 searched on one joint grid (docs/decisions.md#fusion-joint-grid). ``fusion.smoothing`` > 1 averages the grid's
 objective over neighbouring weights before its argmax, so that sampling noise on the validation points does not
 pick a lone spike (off by default: docs/decisions.md#fusion-smoothing-off).
@@ -36,16 +39,18 @@ def propensity_boost(ids: np.ndarray, inv_prop: np.ndarray | None) -> np.ndarray
 
 @dataclass
 class AlphaFusion:
-    """A fitted alpha fusion: the chosen weights (a, c, b) and the validation grid they were chosen on."""
+    """A fitted alpha fusion: the chosen weights (a, c, d, b) and the validation grid they were chosen on."""
 
     alpha: float
-    grid: list[tuple[float, float]] = field(default_factory=list)  # (alpha, objective) tried at the chosen c, b
+    grid: list[tuple[float, float]] = field(default_factory=list)  # (alpha, objective) at the chosen c, d, b
     knn_weight: float = 0.0  # c: weight of the kNN score (0: the two-score blend)
     knn_grid: list[tuple[float, float]] = field(default_factory=list)  # (c, best objective over alpha) tried
     propensity_weight: float = 0.0  # b: weight of log(1 / p_l) (0: no propensity term)
     propensity_grid: list[tuple[float, float]] = field(default_factory=list)  # (b, best objective over alpha)
-    objective_value: float | None = None  # validation objective at the chosen (a, c, b)
+    objective_value: float | None = None  # validation objective at the chosen (a, c, d, b)
     objective_smoothed: float | None = None  # ... averaged over its grid neighbours (fusion.smoothing), as chosen
+    lexical_weight: float = 0.0  # d: weight of the lexical score (0: no lexical term)
+    lexical_grid: list[tuple[float, float]] = field(default_factory=list)  # (d, best objective over alpha) tried
     method: str = field(default="alpha", init=False)
 
     @classmethod
@@ -61,30 +66,34 @@ class AlphaFusion:
         return cls(float(d["alpha"]), [tuple(x) for x in d.get("grid", [])], float(d.get("knn_weight", 0.0)),
                    [tuple(x) for x in d.get("knn_grid", [])], float(d.get("propensity_weight", 0.0)),
                    [tuple(x) for x in d.get("propensity_grid", [])], d.get("objective_value"),
-                   d.get("objective_smoothed"))
+                   d.get("objective_smoothed"), float(d.get("lexical_weight", 0.0)),
+                   [tuple(x) for x in d.get("lexical_grid", [])])
 
     def score(self, sl: Shortlist, inv_prop: np.ndarray | None = None) -> np.ndarray:
-        """a * classifier + (1 - a) * embedding (+ c * kNN) (+ b * log(1 / p_l): ``inv_prop`` needed when b > 0)."""
-        if self.knn_weight and sl.knn is None:
-            raise XCConfigError(f"the fusion weighs kNN scores (c = {self.knn_weight}) but the shortlist has none: "
-                                "its sources lack knn (index.sources)")
-        s = fuse(sl, self.alpha, self.knn_weight)
+        """a * classifier + (1 - a) * embedding (+ c * kNN) (+ d * lexical) (+ b * log(1 / p_l): ``inv_prop``
+        needed when b > 0)."""
+        for weight, scores, name, source in ((self.knn_weight, sl.knn, "kNN", "knn"),
+                                             (self.lexical_weight, sl.lex, "lexical", "lexical")):
+            if weight and scores is None:
+                raise XCConfigError(f"the fusion weighs {name} scores ({weight}) but the shortlist has none: its "
+                                    f"sources lack {source} (index.sources)")
+        s = fuse(sl, self.alpha, self.knn_weight, self.lexical_weight)
         if self.propensity_weight:
             s = s + np.float32(self.propensity_weight) * propensity_boost(sl.ids, inv_prop)
         return s
 
     def to_dict(self) -> dict:
         return {"method": "alpha", "alpha": self.alpha, "grid": self.grid, "knn_weight": self.knn_weight,
-                "knn_grid": self.knn_grid, "propensity_weight": self.propensity_weight,
-                "propensity_grid": self.propensity_grid, "objective_value": self.objective_value,
-                "objective_smoothed": self.objective_smoothed}
+                "knn_grid": self.knn_grid, "lexical_weight": self.lexical_weight, "lexical_grid": self.lexical_grid,
+                "propensity_weight": self.propensity_weight, "propensity_grid": self.propensity_grid,
+                "objective_value": self.objective_value, "objective_smoothed": self.objective_smoothed}
 
     def summary(self) -> dict:
         value = self.objective_value if self.objective_value is not None else max(
             (o for _, o in self.grid), default=None)  # fits saved before the smoothed grid recorded their value
         return {"method": "alpha", "alpha": self.alpha, "knn_weight": self.knn_weight,
-                "propensity_weight": self.propensity_weight, "objective_value": value,
-                "objective_smoothed": self.objective_smoothed}
+                "lexical_weight": self.lexical_weight, "propensity_weight": self.propensity_weight,
+                "objective_value": value, "objective_smoothed": self.objective_smoothed}
 
 
 def _check_weights(name: str, weights: tuple[float, ...]) -> tuple[float, ...]:
@@ -119,52 +128,57 @@ def smooth_grid(values: np.ndarray, width: int) -> np.ndarray:
 def fit_alpha(sl: Shortlist, Y_valid: sp.csr_matrix, params: FusionParams, inv_prop: np.ndarray | None,
               filter_pairs: np.ndarray | None, top_k: int = 10) -> AlphaFusion:
     """Grid-search ``alpha`` in [0, 1] jointly with the kNN weight c (``fusion.knn_grid``, shortlists with kNN
-    scores) and the propensity weight b (``fusion.propensity_grid``) maximising ``params.objective`` on the
-    validation shortlists, after smoothing the objective over neighbouring grid points (``fusion.smoothing``
-    points per axis; 1 = the raw argmax). Ties prefer the smaller c, then the smaller b, then more classifier
-    weight; b = 0 is always tried (and c = 0 where ``knn_grid`` has it, as by default), so each added term can
+    scores), the lexical weight d (``fusion.lexical_grid``, shortlists with lexical scores) and the propensity
+    weight b (``fusion.propensity_grid``) maximising ``params.objective`` on the validation shortlists, after
+    smoothing the objective over neighbouring grid points (``fusion.smoothing`` points per axis; 1 = the raw
+    argmax). Ties prefer the smaller c, then the smaller d, then the smaller b, then more classifier weight;
+    b = 0 and d = 0 are always tried (and c = 0 where ``knn_grid`` has it, as by default), so each added term can
     only match or beat validation without it.
-    When the chosen c (or b) is its grid's largest, the grid was too small: it keeps doubling, ``*_extend``
-    times at most, while the doubled weight is chosen. As the kNN grid needs kNN scores, the propensity grid
-    needs ``inv_prop``: without them c, b stay 0."""
+    When the chosen c (or d, or b) is its grid's largest, the grid was too small: it keeps doubling, ``*_extend``
+    times at most, while the doubled weight is chosen. As the kNN and lexical grids need their scores, the
+    propensity grid needs ``inv_prop``: without them c, d, b stay 0."""
     _check_params(params)
     alphas = np.round(np.arange(0.0, 1.0 + 1e-9, params.grid_step), 6)
     cs = [0.0] if sl.knn is None else sorted(set(_check_weights("knn_grid", params.knn_grid)))
+    ds = [0.0] if sl.lex is None else sorted(set(_check_weights("lexical_grid", params.lexical_grid)) | {0.0})
     prop_grid = _check_weights("propensity_grid", params.propensity_grid)
-    for name in ("knn_grid_extend", "propensity_grid_extend"):
+    for name in ("knn_grid_extend", "lexical_grid_extend", "propensity_grid_extend"):
         if getattr(params, name) < 0:
             raise XCConfigError(f"fusion.{name}: expected an int >= 0, got {getattr(params, name)}")
     boost = propensity_boost(sl.ids, inv_prop) if max(prop_grid) > 0 and inv_prop is not None else None
     bs = [0.0] if boost is None else sorted(set(prop_grid) | {0.0})
 
-    def block(c: float, b_values: list[float]) -> np.ndarray:
-        """The objective at every (alpha, b) for kNN weight ``c``: (len(alphas), len(b_values)); each alpha's
-        fused scores are computed once and shared by the b values."""
-        out = np.empty((len(alphas), len(b_values)))
-        for j, a in enumerate(alphas):
-            s = fuse(sl, float(a), c)
+    def grid(c_values: list[float], d_values: list[float], b_values: list[float]) -> np.ndarray:
+        """The objective at every (c, d, alpha, b): (len(c_values), len(d_values), len(alphas), len(b_values));
+        each (c, d, alpha)'s fused scores are computed once and shared by the b values."""
+        out = np.empty((len(c_values), len(d_values), len(alphas), len(b_values)))
+        for t in np.ndindex(*out.shape[:3]):
+            s = fuse(sl, float(alphas[t[2]]), c_values[t[0]], d_values[t[1]])
             for k, b in enumerate(b_values):
-                out[j, k] = validation_objective(sl.ids, s + np.float32(b) * boost if b else s, Y_valid,
-                                                 params.objective, inv_prop, filter_pairs, top_k)
+                out[(*t, k)] = validation_objective(sl.ids, s + np.float32(b) * boost if b else s, Y_valid,
+                                                    params.objective, inv_prop, filter_pairs, top_k)
         return out
 
-    raw = np.stack([block(c, bs) for c in cs])  # (c, alpha, b)
-    extends = {"c": params.knn_grid_extend if sl.knn is not None else 0,
-               "b": params.propensity_grid_extend if boost is not None else 0}
+    raw = grid(cs, ds, bs)  # (c, d, alpha, b)
+    extends = [params.knn_grid_extend if sl.knn is not None else 0,
+               params.lexical_grid_extend if sl.lex is not None else 0, 0,
+               params.propensity_grid_extend if boost is not None else 0]
+    axes = [cs, ds, list(alphas), bs]
     while True:
         smooth = smooth_grid(raw, params.smoothing)
-        i, j, k = max(np.ndindex(*raw.shape), key=lambda t: (smooth[t], -t[0], -t[2], t[1]))
-        if i == len(cs) - 1 and cs[-1] > 0 and extends["c"] > 0:
-            extends["c"] -= 1
-            cs.append(2.0 * cs[-1])
-            raw = np.concatenate([raw, block(cs[-1], bs)[None]], axis=0)
-        elif k == len(bs) - 1 and bs[-1] > 0 and extends["b"] > 0:
-            extends["b"] -= 1
-            bs.append(2.0 * bs[-1])
-            raw = np.concatenate([raw, np.stack([block(c, bs[-1:]) for c in cs])], axis=2)
-        else:
+        best = max(np.ndindex(*raw.shape), key=lambda t: (smooth[t], -t[0], -t[1], -t[3], t[2]))
+        edge = [a for a in (0, 1, 3) if best[a] == len(axes[a]) - 1 and axes[a][-1] > 0 and extends[a] > 0]
+        if not edge:
             break
-    return AlphaFusion(float(alphas[j]), [(float(a), float(v)) for a, v in zip(alphas, raw[i, :, k])], cs[i],
-                       [(c, float(raw[ci, :, k].max())) for ci, c in enumerate(cs)] if sl.knn is not None else [],
-                       bs[k], [(b, float(raw[i, :, bk].max())) for bk, b in enumerate(bs)] if boost is not None else [],
-                       objective_value=float(raw[i, j, k]), objective_smoothed=float(smooth[i, j, k]))
+        a = edge[0]
+        extends[a] -= 1
+        axes[a].append(2.0 * axes[a][-1])
+        new = [v[-1:] if i == a else v for i, v in enumerate(axes)]
+        raw = np.concatenate([raw, grid(new[0], new[1], new[3])], axis=a)
+    i, l, j, k = best
+    return AlphaFusion(
+        float(alphas[j]), [(float(a), float(v)) for a, v in zip(alphas, raw[i, l, :, k])], cs[i],
+        [(c, float(raw[ci, l, :, k].max())) for ci, c in enumerate(cs)] if sl.knn is not None else [], bs[k],
+        [(b, float(raw[i, l, :, bk].max())) for bk, b in enumerate(bs)] if boost is not None else [],
+        objective_value=float(raw[best]), objective_smoothed=float(smooth[best]), lexical_weight=ds[l],
+        lexical_grid=[(d, float(raw[i, dl, :, k].max())) for dl, d in enumerate(ds)] if sl.lex is not None else [])

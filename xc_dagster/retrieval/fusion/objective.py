@@ -6,10 +6,13 @@ import numpy as np
 import scipy.sparse as sp
 
 from xc_dagster.errors import XCConfigError
-from xc_dagster.evaluation.metrics import evaluate
+from xc_dagster.evaluation.metrics import evaluate, evaluate_families
 from xc_dagster.retrieval.shortlist import topk_from_scores
 
 OBJECTIVE_KS = (1, 3, 5)  # the ks evaluated for the objective (``fusion.objective`` names one of their metrics)
+# metric families computed alone from the scored shortlist; an objective naming another (coverage) is computed
+# by the full evaluation of the top ``top_k``
+_FAMILIES = ("precision", "ndcg", "recall", "psprecision", "psndcg", "psrecall")
 
 
 def validation_objective(ids: np.ndarray, scores: np.ndarray, Y: sp.csr_matrix, objective: str,
@@ -17,11 +20,17 @@ def validation_objective(ids: np.ndarray, scores: np.ndarray, Y: sp.csr_matrix, 
     """``objective`` of the ranking by ``scores`` of the shortlist ``ids``.
 
     ``objective`` is a metric name of :func:`~xc_dagster.evaluation.metrics.evaluate`, or several joined by
-    ``+`` and summed (e.g. ``precision_at_1+psprecision_at_1`` weighs head and tail equally).
+    ``+`` and summed (e.g. ``precision_at_1+psprecision_at_1`` weighs head and tail equally). Only the named
+    metrics' families are computed, on the shortlist ranked by ``scores`` (filtered pairs removed first), as the
+    fusion's grid evaluates this thousands of times.
     """
-    top, _ = topk_from_scores(ids, scores, top_k)
-    m = evaluate(top, Y, ks=OBJECTIVE_KS, inv_prop=inv_prop, filter_pairs=filter_pairs)
     names = objective.split("+")
+    families = {name.rpartition("_at_")[0] for name in names}
+    if "" in families or any(f not in _FAMILIES for f in families):
+        top, _ = topk_from_scores(ids, scores, top_k)
+        m = evaluate(top, Y, ks=OBJECTIVE_KS, inv_prop=inv_prop, filter_pairs=filter_pairs)
+    else:
+        m = evaluate_families(sorted(families), ids, Y, OBJECTIVE_KS, inv_prop, filter_pairs, scores)
     for name in names:
         if name not in m:
             raise XCConfigError(f"fusion.objective: {name!r} is not a metric; one of {sorted(m)} (or several "

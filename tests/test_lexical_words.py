@@ -1,0 +1,102 @@
+"""The lexical source of a BoW dataset with its feature words: ingest keeps the vocabulary, a point's rebuilt text
+and its feature row have the same TF-IDF row (whatever the feature values and however odd the vocabulary), the
+words are saved without pickle, and without them a serving bundle still refuses the source."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from tests.test_lexical import _write_bow, bow_context
+from xc_dagster.data import load_dataset, read_dataset, save_dataset
+from xc_dagster.data.canonical import FEATURE_WORDS_FILE, load_feature_words
+from xc_dagster.data.companions import _texts_from_vocab
+from xc_dagster.errors import XCConfigError, XCError
+from xc_dagster.pipeline import run_all
+from xc_dagster.retrieval.lexical import FEATURE_WORDS_FILE as LEXICAL_WORDS_FILE
+from xc_dagster.retrieval.lexical import LexicalIndex
+from xc_dagster.serving import bundle as serving_bundle
+
+PLAIN = [f"w{i}" for i in range(12)]
+# repeated, empty and two-piece words: columns 0 and 2 share a term, "c d" is the terms c and d, "" has none
+ODD = ["a", "b", "a", "c d", "", "e", "f", "g h", "h", "i", "j", "k"]
+
+
+def _features(seed: int = 1) -> tuple[sp.csr_matrix, sp.csr_matrix]:
+    X = sp.random(60, 12, density=0.3, random_state=seed, format="csr", dtype=np.float32)
+    X.data = 0.25 + 2 * X.data  # real values: a rebuilt text keeps their order, not them
+    Y = sp.random(60, 5, density=0.3, random_state=seed + 1, format="csr", dtype=np.float32)
+    return X, Y
+
+
+@pytest.mark.parametrize("words", [PLAIN, ODD], ids=["plain", "odd"])
+def test_rebuilt_text_and_feature_row_have_the_same_tfidf_row(words):
+    """transform(rebuilt text) == transform(feature row), exactly, for every point; the text's words are matched
+    case-sensitively on single spaces, unknown words ignored; an explicit 0 entry counts as its word."""
+    X, Y = _features()
+    lex = LexicalIndex.fit(X, None, Y, neighbours=3, fit_on=np.arange(50), feature_words=words)
+    texts = _texts_from_vocab(X, np.array(words, dtype=object))
+    A, B = lex.transform(texts), lex.transform(X)
+    assert A.dtype == B.dtype == np.float32 and A.shape == B.shape == (60, lex.points.shape[1])
+    np.testing.assert_array_equal(A.toarray(), B.toarray())
+    np.testing.assert_array_equal(lex.scores(A).toarray(), lex.scores(B).toarray())
+    np.testing.assert_array_equal(lex.points.toarray(), lex.transform(X).toarray())  # indexed as it serves
+    assert lex.num_features == 12 and lex.points.shape[1] == (12 if words is PLAIN else 11)
+    noisy = [f"{t}  UNKNOWN {t.upper()}" for t in texts[:5]]  # double spaces, an unknown and upper-cased words
+    np.testing.assert_array_equal(lex.transform(noisy).toarray(), B[:5].toarray())
+    Z = sp.csr_matrix((np.zeros(2, np.float32), ([0, 1], [3, 5])), shape=(2, 12))
+    np.testing.assert_array_equal(lex.transform(Z).toarray(), lex.transform([words[3], words[5]]).toarray())
+    assert lex.transform([]).shape == (0, lex.points.shape[1]) and lex.transform(X[:0]).shape[0] == 0
+    assert lex.transform([""]).nnz == 0
+    with pytest.raises(XCError, match="columns"):
+        lex.transform(X[:, :5])
+
+
+def test_feature_words_round_trip_without_pickle(tmp_path):
+    """The index saves its words as a JSON list and loads them back, serving the same rows; one fitted without
+    words keeps refusing raw text with the index.sources error."""
+    X, Y = _features(3)
+    lex = LexicalIndex.fit(X, None, Y, neighbours=3, feature_words=ODD)
+    lex.save(tmp_path / "lex")
+    assert json.loads((tmp_path / "lex" / LEXICAL_WORDS_FILE).read_text()) == ODD
+    assert json.loads((tmp_path / "lex" / "lexical.json").read_text())["feature_words"] is True
+    back = LexicalIndex.load(tmp_path / "lex")
+    texts = _texts_from_vocab(X, np.array(ODD, dtype=object))
+    np.testing.assert_array_equal(back.transform(texts).toarray(), lex.transform(X).toarray())
+    bare = LexicalIndex.fit(X, None, Y, neighbours=3)
+    bare.save(tmp_path / "bare")
+    assert not (tmp_path / "bare" / LEXICAL_WORDS_FILE).exists()
+    with pytest.raises(XCConfigError, match="index.sources.*feature words"):
+        LexicalIndex.load(tmp_path / "bare").transform(texts)
+    with pytest.raises(ValueError, match="feature words"):
+        LexicalIndex.fit(X, None, Y, neighbours=3, feature_words=ODD[:5])
+    with pytest.raises(ValueError, match="feature_words"):
+        LexicalIndex.fit(texts, None, Y, neighbours=3, feature_words=ODD)
+
+
+def test_ingest_keeps_the_feature_words(tmp_path):
+    """The BoW reader keeps X_vocab.txt's words, the canonical folder stores them (Parquet), and a dataset
+    without a vocabulary has none."""
+    ds = read_dataset(_write_bow(tmp_path / "with"))
+    assert ds.feature_words == [f"word{i}" for i in range(30)]
+    save_dataset(ds, tmp_path / "saved")
+    assert (tmp_path / "saved" / FEATURE_WORDS_FILE).is_file()
+    assert load_feature_words(tmp_path / "saved") == load_dataset(tmp_path / "saved").feature_words == ds.feature_words
+    assert load_dataset(tmp_path / "saved", features=False).feature_words is None
+    bare = read_dataset(_write_bow(tmp_path / "without", vocab=False))
+    assert bare.feature_words is None and bare.X_train is not None
+    save_dataset(bare, tmp_path / "bare")
+    assert load_feature_words(tmp_path / "bare") is None and load_dataset(tmp_path / "bare").feature_words is None
+
+
+def test_a_bow_dataset_without_vocabulary_still_refuses_the_bundle(tmp_path, monkeypatch):
+    """Without X_vocab.txt the lexical index reads the feature values (no words) and write_bundle says why it
+    cannot serve it."""
+    ctx = bow_context(tmp_path, monkeypatch, vocab=False)
+    out = run_all(ctx)
+    assert out["index"]["lexical"]["input"] == "features" and out["index"]["lexical"]["feature_words"] is False
+    with pytest.raises(XCConfigError, match="index.sources.*feature words"):
+        serving_bundle.write_bundle(ctx, tmp_path / "bundle")

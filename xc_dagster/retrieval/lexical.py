@@ -1,0 +1,395 @@
+"""The lexical shortlist source: TF-IDF over the training points' texts (or shipped BoW features) and the labels'.
+
+A query is its L2-normalised TF-IDF row q. Its lexical score for label l is the sum of two parts, each in [0, 1]
+(so the score is in [0, 2]):
+
+* label text: cos(q, t_l), with t_l the TF-IDF row of the label's text (left out, 0, when the labels have no
+  text in the feature space: BoW features without label features);
+* sparse kNN: (1 / K) * sum over the query's K nearest training points j (TF-IDF cosine, ties by smaller row;
+  fewer when fewer share a term) of cos(q, x_j) * [j carries l]: the mean over the K neighbours of (similarity
+  if the neighbour carries the label), as the dense kNN score (``index.knn_neighbours``) in the encoder's space.
+
+The TF-IDF model is scikit-learn's: ``TfidfVectorizer`` (sublinear tf, word 1-2 grams, ``index.lexical_min_df``,
+1 when that leaves no term) fitted on the training points' and the labels' texts, or ``TfidfTransformer`` (sublinear
+tf) fitted on the shipped BoW features of the points (and of the labels, when shipped); validation points are
+indexed (excluded from the fusion's kNN as the dense kNN excludes them) but left out of the fit. Both parts are sparse
+products, computed in row blocks whose products with the training points and with the labels hold at most
+``PRODUCT_BUDGET`` entries each (:attr:`LexicalIndex.block_rows` queries).
+
+A features index given the dataset's feature words (its BoW vocabulary, one word per feature column) reads every
+feature row as the set of its words (:class:`FeatureWords`): binary rows over the words' terms, whether they come
+from feature rows (fit, evaluation) or from raw texts split on single spaces, as the BoW layouts rebuild a point's
+text (``xc_dagster.data.companions``). A point's rebuilt text and its feature row then have the same TF-IDF row,
+so the index serves raw text; without the words it cannot (a clear error).
+
+:class:`LexicalIndex` owns its files, one folder (``LEXICAL_DIR`` in the index stage's), no pickle:
+``lexical.json`` (input kind, K, the vectorizer's settings), ``vocabulary.json`` (the terms, by column; text input
+only), ``feature_words.json`` (the feature words, by column; features input with words only), ``idf.npy``,
+``points.npz`` / ``point_labels.npz`` (TF-IDF rows and labels of the indexed training points,
+in the rows of the dense kNN index) and ``labels.npz`` (TF-IDF rows of the label texts, when there are any).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import scipy.sparse as sp
+
+from xc_dagster.errors import XCConfigError, XCError
+from xc_dagster.storage import load_json, save_json
+
+LEXICAL_DIR = "lexical"  # the folder of a LexicalIndex among the index stage's files
+CONFIG_FILE = "lexical.json"
+VOCABULARY_FILE = "vocabulary.json"
+FEATURE_WORDS_FILE = "feature_words.json"
+IDF_FILE = "idf.npy"
+POINTS_FILE = "points.npz"
+POINT_LABELS_FILE = "point_labels.npz"
+LABELS_FILE = "labels.npz"
+FORMAT = 1
+INPUTS = ("text", "features")  # what the TF-IDF model reads: raw texts, or the shipped BoW feature rows
+# TfidfVectorizer settings besides min_df (recorded in lexical.json, so a load rebuilds the same analyzer)
+VECTORIZER = {"sublinear_tf": True, "ngram_range": [1, 2], "lowercase": True, "token_pattern": r"(?u)\b\w\w+\b"}
+DENSE_TOPK_SHARE = 0.02  # a product block with more stored entries than this share goes through dense_topk
+PRODUCT_BUDGET = 1 << 24  # at most this many (query, training point) products held at once (~200 MB)
+
+
+def sparse_topk(S: sp.spmatrix, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k largest stored entries of each row of ``S``, by value descending then column: (columns int64,
+    values float32), -1 / 0 padded. One sort over the stored entries."""
+    S = sp.csr_matrix(S)
+    S.sum_duplicates()
+    n = S.shape[0]
+    ids = np.full((n, k), -1, dtype=np.int64)
+    vals = np.zeros((n, k), dtype=np.float32)
+    if S.nnz == 0 or k < 1:
+        return ids, vals
+    row = np.repeat(np.arange(n), np.diff(S.indptr))
+    order = np.lexsort((S.indices, -S.data, row))
+    row, col, val = row[order], S.indices[order], S.data[order]
+    rank = np.arange(len(row)) - S.indptr[row]
+    keep = rank < k
+    ids[row[keep], rank[keep]] = col[keep]
+    vals[row[keep], rank[keep]] = val[keep]
+    return ids, vals
+
+
+def dense_topk(S: sp.spmatrix, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`sparse_topk` of a matrix of positive entries (no stored zeros) through its dense block: a
+    partition and a few passes, O(entries), instead of one sort of every stored entry (4.3 s -> 0.2 s for a
+    291 x 57,480 block of full-text cosines, 57% dense). The same ids and order: value descending, then column."""
+    D = sp.csr_matrix(S).toarray()
+    n, m = D.shape
+    ids = np.full((n, k), -1, dtype=np.int64)
+    vals = np.zeros((n, k), dtype=np.float32)
+    kk = min(k, m)
+    if n == 0 or kk < 1:
+        return ids, vals
+    thr = np.take_along_axis(D, np.argpartition(-D, kk - 1, axis=1)[:, :kk], 1).min(axis=1)[:, None]
+    above = D > thr  # fewer than kk per row; then the ties at the k-th value, smallest columns first
+    eq = (D == thr) & (D > 0)
+    need = kk - above.sum(axis=1, keepdims=True)
+    take = above | (eq & (np.cumsum(eq, axis=1, dtype=np.int32) <= need))
+    row, col = np.nonzero(take)
+    val = D[row, col]
+    order = np.lexsort((col, -val, row))
+    row, col, val = row[order], col[order], val[order]
+    rank = np.arange(len(row)) - np.searchsorted(row, row)
+    ids[row, rank] = col
+    vals[row, rank] = val
+    return ids, vals
+
+
+def sparse_lookup(P: sp.csr_matrix, ids: np.ndarray) -> np.ndarray:
+    """Row-wise ``P[i, ids[i, j]]`` (0 where not stored or ``ids`` is -1): (n, C) float32. ``P``: CSR with
+    sorted indices and no duplicates, so that the keys row * L + column are sorted for one search."""
+    n, L = P.shape
+    row = np.repeat(np.arange(n, dtype=np.int64), np.diff(P.indptr))
+    keys = row * L + P.indices
+    if keys.size == 0:
+        return np.zeros(ids.shape, dtype=np.float32)
+    probe = np.arange(n, dtype=np.int64)[:, None] * L + np.maximum(ids, 0)
+    pos = np.minimum(np.searchsorted(keys, probe), keys.size - 1)
+    return np.where((keys[pos] == probe) & (ids >= 0), P.data[pos], 0.0).astype(np.float32)
+
+
+def _vectorizer(**kw: Any) -> Any:
+    # imported here: sklearn takes about a second to import, and only fitting or loading a lexical index needs it
+    from sklearn.feature_extraction.text import TfidfVectorizer
+
+    settings = {**VECTORIZER, **kw}
+    settings["ngram_range"] = tuple(settings["ngram_range"])
+    return TfidfVectorizer(dtype=np.float32, **settings)
+
+
+def _transformer() -> Any:
+    from sklearn.feature_extraction.text import TfidfTransformer
+
+    return TfidfTransformer(sublinear_tf=True)
+
+
+def _split_words(text: str) -> list[str]:
+    """A text's pieces as ``xc_dagster.data.companions`` joins feature words into a point's text: split on single
+    spaces (empty pieces match no term)."""
+    return text.split(" ")
+
+
+def _counter(terms: list[str]) -> Any:
+    from sklearn.feature_extraction.text import CountVectorizer
+
+    return CountVectorizer(vocabulary=terms, binary=True, lowercase=False, analyzer=_split_words, dtype=np.float32)
+
+
+def _binary(X: sp.spmatrix) -> sp.csr_matrix:
+    """``X`` as 0/1 float32 CSR: every stored entry (an explicit 0 too, as a rebuilt text names its word) is 1."""
+    X = sp.csr_matrix(X, dtype=np.float32, copy=True)
+    X.sum_duplicates()
+    X.data[:] = 1.0
+    return X
+
+
+class FeatureWords:
+    """A feature vocabulary (one word per feature column) and the binary term rows of feature rows and texts.
+
+    The terms are the words' distinct non-empty pieces (split on single spaces), by first appearance: the words
+    themselves when each is one distinct piece (the usual case, no remapping). A feature row's terms are those of
+    its stored entries' words, a text's those of its pieces, so a text joined from a row's words has its terms."""
+
+    def __init__(self, words: Sequence[str]):
+        self.words = [str(w) for w in words]
+        if len(set(self.words)) == len(self.words) and not any(" " in w or not w for w in self.words):
+            self.terms, self.map = self.words, None
+        else:  # repeated, empty or multi-piece words: each feature column -> its words' terms
+            pieces = [[t for t in w.split(" ") if t] for w in self.words]
+            self.terms = list(dict.fromkeys(t for ps in pieces for t in ps))
+            col = {t: j for j, t in enumerate(self.terms)}
+            indptr = np.cumsum([0] + [len(ps) for ps in pieces])
+            indices = np.fromiter((col[t] for ps in pieces for t in ps), dtype=np.int64, count=int(indptr[-1]))
+            self.map = _binary(sp.csr_matrix((np.ones(len(indices), dtype=np.float32), indices, indptr),
+                                             shape=(len(self.words), len(self.terms))))
+        self._counter = _counter(self.terms) if self.terms else None
+
+    def of_features(self, X: sp.spmatrix) -> sp.csr_matrix:
+        """(rows, terms) 0/1 rows of feature rows (``len(words)`` columns)."""
+        B = _binary(X)
+        return B if self.map is None else _binary(B @ self.map)
+
+    def of_texts(self, texts: Sequence[str]) -> sp.csr_matrix:
+        """(texts, terms) 0/1 rows of raw texts: the terms among their single-space pieces (case kept)."""
+        texts = list(texts)
+        if not texts or self._counter is None:  # sklearn refuses zero rows
+            return sp.csr_matrix((len(texts), len(self.terms)), dtype=np.float32)
+        return _binary(self._counter.transform(texts))
+
+
+def _fit_texts(texts: list[str], min_df: int) -> Any:
+    """The vectorizer fitted on ``texts``; min_df 1 when ``min_df`` leaves no term (tiny corpora). A corpus
+    without any term is a config error."""
+    for df in dict.fromkeys((min_df, 1)):
+        try:
+            return _vectorizer(min_df=df).fit(texts)
+        except ValueError:  # "no terms remain" / "empty vocabulary" / fewer documents than min_df
+            continue
+    raise XCConfigError("index.sources: the lexical source found no term (words of 2+ characters) in the "
+                        "training points' and labels' texts")
+
+
+class LexicalIndex:
+    """TF-IDF rows of the indexed training points (with their labels) and of the labels' texts, and the model that
+    maps a query to its row; :meth:`scores` gives every label's lexical score (module docstring)."""
+
+    def __init__(self, model: Any, points: sp.csr_matrix, point_labels: sp.csr_matrix,
+                 labels: sp.csr_matrix | None, neighbours: int,
+                 feature_words: FeatureWords | Sequence[str] | None = None):
+        self.model, self.neighbours = model, int(neighbours)
+        self.input = "text" if hasattr(model, "build_analyzer") else "features"  # a vectorizer reads texts
+        self.words = feature_words if feature_words is None or isinstance(feature_words, FeatureWords) \
+            else FeatureWords(feature_words)
+        self.points = sp.csr_matrix(points, dtype=np.float32)
+        self.point_labels = sp.csr_matrix(point_labels, dtype=np.float32)
+        self.labels = None if labels is None else sp.csr_matrix(labels, dtype=np.float32)
+        if self.neighbours < 1:
+            raise XCConfigError(f"index.lexical_neighbours: expected an int >= 1, got {neighbours!r}")
+        if self.points.shape[0] != self.point_labels.shape[0]:
+            raise ValueError(f"{self.points.shape[0]} indexed points but {self.point_labels.shape[0]} label rows")
+        if self.labels is not None and self.labels.shape != (self.num_labels, self.points.shape[1]):
+            raise ValueError(f"label rows {self.labels.shape}, expected ({self.num_labels}, {self.points.shape[1]})")
+        if self.words is not None and (self.input == "text" or len(self.words.terms) != self.points.shape[1]):
+            raise ValueError(f"feature words: a features index over their {len(self.words.terms)} terms, got a "
+                             f"{self.input} index of {self.points.shape[1]} columns")
+        # transposed once: each block's products are then CSR @ CSR, costing their output entries
+        self._points_t = self.points.T.tocsr()
+        self._labels_t = None if self.labels is None else self.labels.T.tocsr()
+
+    @property
+    def num_points(self) -> int:
+        return int(self.points.shape[0])
+
+    @property
+    def num_features(self) -> int:
+        """Columns of the feature rows (or terms of the texts) it reads: the feature words', when it has them."""
+        return len(self.words.words) if self.words is not None else int(self.points.shape[1])
+
+    @property
+    def num_labels(self) -> int:
+        return int(self.point_labels.shape[1])
+
+    @property
+    def block_rows(self) -> int:
+        """Queries scored at once: their products with the points, and with the labels, hold at most
+        ``PRODUCT_BUDGET`` entries each."""
+        return max(1, PRODUCT_BUDGET // max(self.num_points, self.num_labels, 1))
+
+    @classmethod
+    def fit(cls, points: Sequence[str] | sp.spmatrix, labels: Sequence[str] | sp.spmatrix | None,
+            point_labels: sp.spmatrix, neighbours: int, min_df: int = 2, fit_on: np.ndarray | None = None,
+            feature_words: Sequence[str] | None = None) -> LexicalIndex:
+        """Index the training points' texts with the label texts, or their BoW feature rows with the labels'
+        (``labels`` None: no label-text part). The TF-IDF model is fitted on the labels and the points ``fit_on``
+        (positions in ``points``; default all): the validation points, indexed but excluded from the fusion's kNN,
+        stay out of the idf too. ``point_labels``: (points, L), binarised (a neighbour carries a label or not).
+        ``feature_words``: with feature rows, one word per column; the rows are then read as word sets
+        (:class:`FeatureWords`) and the index serves raw text too."""
+        if not (isinstance(min_df, int) and not isinstance(min_df, bool) and min_df >= 1):
+            raise XCConfigError(f"index.lexical_min_df: expected an int >= 1, got {min_df!r}")
+        Y = sp.csr_matrix(point_labels, dtype=np.float32, copy=True)
+        Y.data[:] = 1.0
+        Y.eliminate_zeros()
+        fit_rows = np.arange(Y.shape[0]) if fit_on is None else np.asarray(fit_on, dtype=np.int64)
+        words = None
+        if feature_words is not None:
+            if not sp.issparse(points):
+                raise ValueError("feature_words go with feature rows; a text index has its own vocabulary")
+            words = FeatureWords(feature_words)
+            if points.shape[1] != len(words.words):
+                raise ValueError(f"{len(words.words)} feature words for feature rows of {points.shape[1]} columns")
+            points, labels = words.of_features(points), None if labels is None else words.of_features(labels)
+        if sp.issparse(points):
+            points = sp.csr_matrix(points)
+            model = _transformer().fit(sp.vstack([points[fit_rows]] + ([labels] if labels is not None else []),
+                                                 format="csr"))
+        else:
+            points = list(points)
+            model = _fit_texts([points[i] for i in fit_rows] + (list(labels) if labels is not None else []), min_df)
+        P, T = model.transform(points), None if labels is None else model.transform(labels)
+        if sp.csr_matrix(P).nnz == 0:
+            raise XCConfigError("index.sources: the lexical source needs the training points' texts or BoW "
+                                "features, and these points have none (no term in any of them)")
+        return cls(model, P, Y, T, neighbours, words)
+
+    def transform(self, inputs: Sequence[str] | sp.spmatrix) -> sp.csr_matrix:
+        """The L2-normalised TF-IDF rows (float32 CSR) of raw texts (an index fitted on texts, or on feature rows
+        with their feature words) or of BoW feature rows (one fitted on the shipped features)."""
+        if self.input == "text":
+            if sp.issparse(inputs):
+                raise XCError("this lexical index was fitted on texts; give it texts, not feature rows")
+            texts = list(inputs)
+            if not texts:  # sklearn refuses zero rows
+                return sp.csr_matrix((0, self.points.shape[1]), dtype=np.float32)
+            return sp.csr_matrix(self.model.transform(texts), dtype=np.float32)
+        if not sp.issparse(inputs):
+            if self.words is None:
+                raise XCConfigError("index.sources: this lexical index was fitted on the dataset's shipped BoW "
+                                    "features, which raw text cannot be mapped to without the dataset's feature "
+                                    "words (X_vocab.txt / vocab.txt); leave lexical out of index.sources to serve "
+                                    "text")
+            rows = self.words.of_texts(inputs)
+        elif inputs.shape[1] != self.num_features:
+            raise XCError(f"feature rows of {inputs.shape[1]} columns, the lexical index reads {self.num_features}")
+        else:
+            rows = sp.csr_matrix(inputs) if self.words is None else self.words.of_features(inputs)
+        if rows.shape[0] == 0:
+            return sp.csr_matrix((0, self.points.shape[1]), dtype=np.float32)
+        return sp.csr_matrix(self.model.transform(rows), dtype=np.float32)
+
+    def nearest(self, queries: sp.csr_matrix, drop: np.ndarray | None = None,
+                own: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The K nearest indexed points of each query by TF-IDF cosine: (rows, similarities), -1 / 0 padded.
+        ``drop``: (points,) bool, points never returned; ``own[i]``: a point never returned for query i (-1: none)."""
+        S = sp.csr_matrix(queries @ self._points_t)
+        if drop is not None or own is not None:
+            bad = np.zeros(S.nnz, dtype=bool) if drop is None else drop[S.indices]
+            if own is not None:
+                bad |= S.indices == np.repeat(np.asarray(own), np.diff(S.indptr))
+            S.data[bad] = 0.0
+            S.eliminate_zeros()
+        if S.nnz > DENSE_TOPK_SHARE * S.shape[0] * S.shape[1]:  # common terms make long texts' products dense
+            return dense_topk(S, self.neighbours)
+        return sparse_topk(S, self.neighbours)
+
+    def scores(self, queries: sp.spmatrix, excluded: np.ndarray | None = None,
+               own: np.ndarray | None = None) -> sp.csr_matrix:
+        """Every nonzero lexical score: (queries, L) float32 CSR with sorted indices.
+
+        ``queries``: rows of :meth:`transform`; ``excluded``: indexed points never used as neighbours (the
+        validation points when the fusion is fitted on them); ``own[i]``: a point never used as query i's
+        neighbour, or -1 (the query itself when it is an indexed point)."""
+        Q = sp.csr_matrix(queries, dtype=np.float32)
+        drop = None
+        if excluded is not None and len(excluded):
+            drop = np.zeros(self.num_points, dtype=bool)
+            drop[np.asarray(excluded, dtype=np.int64)] = True
+        step = self.block_rows
+        parts = []
+        for s in range(0, Q.shape[0], step):
+            q = Q[s:s + step]
+            nbrs, sims = self.nearest(q, drop, None if own is None else np.asarray(own[s:s + step]))
+            ok = nbrs >= 0
+            rows = np.repeat(np.arange(q.shape[0]), nbrs.shape[1])[ok.ravel()]
+            votes = sp.csr_matrix((sims[ok], (rows, nbrs[ok])), shape=(q.shape[0], self.num_points))
+            part = (votes @ self.point_labels) * np.float32(1.0 / self.neighbours)
+            parts.append(part if self._labels_t is None else part + q @ self._labels_t)
+        out = sp.csr_matrix(sp.vstack(parts, format="csr") if parts else (0, self.num_labels), dtype=np.float32)
+        out.sum_duplicates()
+        return out
+
+    def save(self, folder: str | Path) -> None:
+        """Write the index's files into ``folder`` (``lexical.json`` last)."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        config = {"format": FORMAT, "input": self.input, "neighbours": self.neighbours,
+                  "num_features": self.num_features, "label_text": self.labels is not None,
+                  "feature_words": self.words is not None}
+        if self.input == "text":
+            vocab = self.model.vocabulary_
+            save_json(folder / VOCABULARY_FILE, sorted(vocab, key=vocab.get))
+            config["vectorizer"] = {**VECTORIZER, "min_df": int(self.model.min_df)}  # as fitted (after a fallback)
+        if self.words is not None:
+            save_json(folder / FEATURE_WORDS_FILE, self.words.words)
+        np.save(folder / IDF_FILE, np.asarray(self.model.idf_, dtype=np.float64), allow_pickle=False)
+        sp.save_npz(folder / POINTS_FILE, self.points)
+        sp.save_npz(folder / POINT_LABELS_FILE, self.point_labels)
+        if self.labels is not None:
+            sp.save_npz(folder / LABELS_FILE, self.labels)
+        save_json(folder / CONFIG_FILE, config)
+
+    @classmethod
+    def load(cls, folder: str | Path) -> LexicalIndex:
+        """The index :meth:`save` wrote (JSON, .npy, .npz; no pickle)."""
+        folder = Path(folder)
+        config = read_config(folder)
+        idf = np.load(folder / IDF_FILE, allow_pickle=False)
+        if config["input"] == "text":
+            model = _vectorizer(**config.get("vectorizer", VECTORIZER), vocabulary=load_json(folder / VOCABULARY_FILE))
+        else:
+            model = _transformer()
+        model.idf_ = idf
+        labels = sp.load_npz(folder / LABELS_FILE) if config.get("label_text") else None
+        words = load_json(folder / FEATURE_WORDS_FILE) if config.get("feature_words") else None
+        return cls(model, sp.load_npz(folder / POINTS_FILE), sp.load_npz(folder / POINT_LABELS_FILE), labels,
+                   int(config["neighbours"]), words)
+
+
+def read_config(folder: str | Path) -> dict[str, Any]:
+    """The ``lexical.json`` of a saved index (its input kind, K, settings), checked."""
+    path = Path(folder) / CONFIG_FILE
+    if not path.is_file():
+        raise XCError(f"{folder}: no {CONFIG_FILE}; not a lexical index written by LexicalIndex.save")
+    config = load_json(path)
+    if config.get("format") != FORMAT or config.get("input") not in INPUTS:
+        raise XCError(f"{path}: format {config.get('format')!r} / input {config.get('input')!r}, this code reads "
+                      f"format {FORMAT} with input one of {', '.join(INPUTS)}")
+    return config
