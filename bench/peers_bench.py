@@ -5,12 +5,15 @@
 
 Datasets: ``wordnet-titles`` (LF-WordNetNouns, point text = title), ``wordnet-full`` (title + content), both
 from the embedded ``builtin:LF-WordNetNouns`` folder with label text = label title (the pipeline's default
-``ingest.label_text``); ``bibtex`` (the Mulan BoW set at ``--bibtex-dir``); ``all`` runs the three.
+``ingest.label_text``); ``lf-titles``: any LF raw-text folder given by ``--lf-dir PATH`` (point and label text
+= title), e.g. a cut made by ``bench/make_subset.py``; the Mulan BoW sets ``bibtex`` and ``delicious``, read
+from ``--bibtex-dir`` / ``--delicious-dir`` (default ``../shared/data/<Name>/xc_format`` next to the
+repository). ``all`` runs wordnet-titles, wordnet-full, bibtex and delicious. Propensity A/B = 0.55/1.5 for all.
 
 Each method trains on the whole train split and is evaluated on the test split, as the pipeline's evaluate
 stage is (the pipeline additionally holds out up to 5% of train to fit its score fusion; the peers have no
 fusion, so they train on all of it). The dataset's test filter pairs are removed from the top-100 predictions
-before the top-k is taken (and ``evaluate`` is given them too); propensity A/B = 0.55/1.5 from Y_train.
+before the top-k is taken (and ``evaluate`` is given them too); propensities from Y_train.
 
 Methods (optional dependencies: ``pip install -e '.[bench]'``):
 
@@ -50,7 +53,7 @@ from xc_dagster.evaluation.metrics import evaluate, inverse_propensity, remove_f
 
 KS = (1, 3, 5)
 TOPK = 100  # predictions kept per test point (--topk); metrics need max(KS) + filter pairs per row
-DEFAULT_BIBTEX = Path("/work/shared/data/Bibtex/xc_format")
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"  # the data folder next to the repository
 
 
 @dataclass(frozen=True)
@@ -62,20 +65,28 @@ class Bench:
     text_fields: tuple[str, ...]
     max_len: int
     propensity: tuple[float, float] = (0.55, 1.5)
+    source: str = "builtin"  # "builtin" (embedded LF-WordNetNouns), "bow" (--<key>-dir), "lf-dir" (--lf-dir)
 
 
 BENCHES = {
     "wordnet-titles": Bench("wordnet-titles", "LF-WordNetNounsTitles", ("title",), 32),
     "wordnet-full": Bench("wordnet-full", "LF-WordNetNouns", ("title", "content"), 128),
-    "bibtex": Bench("bibtex", "Bibtex", ("title",), 128),
+    "lf-titles": Bench("lf-titles", "", ("title",), 32, source="lf-dir"),  # named after the --lf-dir folder
+    "bibtex": Bench("bibtex", "Bibtex", ("title",), 128, source="bow"),
+    "delicious": Bench("delicious", "Delicious", ("title",), 128, source="bow"),
 }
+ALL = ("wordnet-titles", "wordnet-full", "bibtex", "delicious")  # --dataset all
 METHODS = ("omikuji", "napkinxc", "zeroshot")
 
 
-def load(bench: Bench, bibtex_dir: Path) -> XCDataset:
-    if bench.key == "bibtex":
-        return read_dataset(bibtex_dir)
-    return read_dataset(builtin_path("LF-WordNetNouns"), text_fields=bench.text_fields, label_text_fields=("title",))
+def load(bench: Bench, args: argparse.Namespace) -> tuple[XCDataset, str, Path]:
+    """The dataset, its name in the report and the folder it was read from."""
+    if bench.source == "bow":
+        folder = getattr(args, f"{bench.key}_dir")
+        return read_dataset(folder), bench.name, folder
+    folder, name = (args.lf_dir, args.lf_dir.name) if bench.source == "lf-dir" else \
+        (builtin_path("LF-WordNetNouns"), bench.name)
+    return read_dataset(folder, text_fields=bench.text_fields, label_text_fields=("title",)), name, folder
 
 
 # ------------------------------------------------------------------------------------------ features
@@ -235,13 +246,14 @@ def score(ds: XCDataset, ids: np.ndarray, sc: np.ndarray, inv_prop: np.ndarray) 
 
 def run_bench(bench: Bench, methods: list[str], args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
-    ds = load(bench, args.bibtex_dir)
-    out: dict[str, Any] = {"dataset": bench.name, "key": bench.key, "read_seconds": time.perf_counter() - t0,
+    ds, name, folder = load(bench, args)
+    out: dict[str, Any] = {"dataset": name, "key": bench.key, "folder": str(folder),
+                           "read_seconds": time.perf_counter() - t0,
                            "stats": {"n_train": ds.num_train, "n_test": ds.num_test, "n_labels": ds.num_labels,
-                                     "filter_test_pairs": int(len(ds.filter_test)), "layout": ds.layout},
+                                     "filter_test_pairs": len(ds.filter_test), "layout": ds.layout},
                            "propensity": list(bench.propensity), "methods": {}}
     inv_prop = inverse_propensity(ds.Y_train, *bench.propensity)
-    print(f"== {bench.name}: {ds.num_train} train / {ds.num_test} test / {ds.num_labels} labels, "
+    print(f"== {name}: {ds.num_train} train / {ds.num_test} test / {ds.num_labels} labels, "
           f"{len(ds.filter_test)} test filter pairs", flush=True)
     feats = None
     for m in methods:
@@ -328,7 +340,8 @@ def table(results: list[dict[str, Any]]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dataset", choices=[*BENCHES, "all"], default="wordnet-titles")
+    ap.add_argument("--dataset", choices=[*BENCHES, "all"], default="wordnet-titles",
+                    help=f"'all' = {', '.join(ALL)}")
     ap.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--min-df", type=int, default=2, help="TfidfVectorizer min_df for the text datasets")
@@ -336,28 +349,33 @@ def main() -> None:
                     "search time grows with it)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="train omikuji/napkinxc this many times (first run is the table's; spread in the JSON)")
-    ap.add_argument("--bibtex-dir", type=Path, default=DEFAULT_BIBTEX)
+    for b in BENCHES.values():
+        if b.source == "bow":
+            ap.add_argument(f"--{b.key}-dir", type=Path, default=SHARED_DATA / b.name / "xc_format",
+                            help=f"the {b.name} BoW folder (default: %(default)s)")
+    ap.add_argument("--lf-dir", type=Path, help="LF raw-text folder of --dataset lf-titles")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods if m not in METHODS]
     if bad:
         ap.error(f"unknown methods {bad}; choose from {METHODS}")
+    if args.dataset == "lf-titles" and args.lf_dir is None:
+        ap.error("--dataset lf-titles needs --lf-dir PATH")
     import torch
 
     torch.set_num_threads(args.threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
-    keys = list(BENCHES) if args.dataset == "all" else [args.dataset]
+    keys = list(ALL) if args.dataset == "all" else [args.dataset]
     t0 = time.perf_counter()
     results = []
     for key in keys:
-        ms = [m for m in methods if not (key == "bibtex" and m == "zeroshot")]
+        ms = [m for m in methods if not (BENCHES[key].source == "bow" and m == "zeroshot")]
         if len(ms) < len(methods):
-            print("zeroshot skipped on bibtex: its text is rebuilt from a stemmed vocabulary, labels are tags")
+            print(f"zeroshot skipped on {key}: its text is rebuilt from a vocabulary, labels are tags")
         results.append(run_bench(BENCHES[key], ms, args))
     report = {
-        "date": date.today().isoformat(), "command_args": vars(args) | {"bibtex_dir": str(args.bibtex_dir),
-                                                                        "out": str(args.out) if args.out else None},
+        "date": date.today().isoformat(), "command_args": vars(args),  # paths: json's default=str
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "cpu_count": os.cpu_count(), "threads": args.threads},
         "versions": {p: pkg_version(p) for p in ("omikuji", "napkinxc", "scikit-learn", "torch", "numpy")},
