@@ -10,7 +10,7 @@ import dagster as dg
 import numpy as np
 import pytest
 
-from tests.tinydata import write_lf_dataset, write_tiny_encoder
+from tests.tinydata import tiny_lf_home, write_lf_dataset, write_tiny_encoder
 from xc_dagster.artifacts import (
     CONTRACT,
     REGISTERED_MODEL,
@@ -174,12 +174,7 @@ def test_rematerializing_the_encoder_marks_every_asset_that_read_it_stale(tmp_pa
     from resources import dataset_partitions
     from xc_dagster.definitions import pipeline_resources
 
-    monkeypatch.setenv("XC_HOME", str(tmp_path / "home"))
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    home = Home.from_env().ensure()
-    src = write_lf_dataset(tmp_path / "src" / "TinyTitles")
-    Catalog(home.catalog).add(DatasetSpec("TinyTitles", str(src),
-                                          overrides={**TINY, "tokenize.encoder": str(tiny_encoder)}))
+    home = tiny_lf_home(tmp_path, monkeypatch, TINY, encoder=tiny_encoder)
     assets = build_assets(dataset_partitions(home))
     instance = dg.DagsterInstance.ephemeral()
     for selection in (None, ["siamese_encoder"]):

@@ -10,7 +10,7 @@ import mlflow
 import numpy as np
 import pytest
 
-from tests.tinydata import write_lf_dataset, write_tiny_encoder
+from tests.tinydata import tiny_lf_home, write_lf_dataset, write_tiny_encoder
 from xc_dagster.catalog import Catalog, DatasetSpec
 from xc_dagster.cli import main as cli_main
 from xc_dagster.errors import XCConfigError
@@ -34,13 +34,7 @@ def tiny_encoder(tmp_path_factory):
 
 @pytest.fixture
 def tiny_home(tmp_path, monkeypatch, tiny_encoder):
-    monkeypatch.setenv("XC_HOME", str(tmp_path / "home"))
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    home = Home.from_env().ensure()
-    src = write_lf_dataset(tmp_path / "src" / "TinyTitles")
-    Catalog(home.catalog).add(DatasetSpec("TinyTitles", str(src),
-                                          overrides={**TINY, "tokenize.encoder": str(tiny_encoder)}))
-    return home
+    return tiny_lf_home(tmp_path, monkeypatch, TINY, encoder=tiny_encoder)
 
 
 def test_run_all_stages_without_dagster(tiny_home):
