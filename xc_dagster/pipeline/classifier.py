@@ -22,7 +22,7 @@ from xc_dagster.pipeline.context import StageContext
 from xc_dagster.retrieval.shortlist import check_label_repr, label_representation
 from xc_dagster.sampling.negatives import SAMPLERS
 from xc_dagster.storage import save_json
-from xc_dagster.training.budget import BudgetPlan, calibrate, check_train_params, encode_rate, plan_epochs
+from xc_dagster.training.budget import BUDGET_PLAN, BudgetPlan, calibrate, check_train_params, encode_rate, plan_epochs
 from xc_dagster.training.checkpoint import Checkpointer, fingerprint, fingerprint_files
 from xc_dagster.training.classifier import propensity_label_weights, train_classifiers
 from xc_dagster.training.end_to_end import EndToEndTrainer, train_end_to_end
@@ -47,7 +47,7 @@ def plan_classifiers(ctx: StageContext, sampled: bool, make_trainer: Any, encode
     if not (sampled and p.train_encoder):
         plan = plan_epochs("classifier.epochs", b.budget_minutes, p.epochs, True, 0.0, 0.0, 0, 0.0, spent, tail)
         return p, plan, started + max(0.0, 60.0 * b.budget_minutes * (1 - tail) - spent)
-    kept = BudgetPlan.load(ctx.checkpoint_dir() / "budget_plan.json", key)
+    kept = BudgetPlan.load(ctx.checkpoint_dir() / BUDGET_PLAN, key)
     if kept is None:
         sec, pts, spe = calibrate(make_trainer, encoder, b.calibration_steps)
         pt, lt = ctx.read.tokens("train"), ctx.read.tokens("label")
@@ -56,7 +56,7 @@ def plan_classifiers(ctx: StageContext, sampled: bool, make_trainer: Any, encode
         kept = plan_epochs("classifier.epochs", b.budget_minutes, p.epochs, False, sec, pts, spe,
                            (len(pt[1]) + len(lt[1])) / rate, spent + time.perf_counter() - started, tail,
                            b.max_epochs)
-        kept.save(ctx.checkpoint_dir() / "budget_plan.json", key)
+        kept.save(ctx.checkpoint_dir() / BUDGET_PLAN, key)
     scale = kept.planned_epochs / p.epochs
     changes: dict[str, float] = {"epochs": kept.planned_epochs}
     for name in ("hard_start", "refresh_every"):  # ASTRA's / MIPS-s's intervals are shares of the run

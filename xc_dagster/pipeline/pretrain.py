@@ -18,11 +18,9 @@ from xc_dagster.encoders.tokenizer import load_tokenizer
 from xc_dagster.pipeline.context import StageContext
 from xc_dagster.serving.warm_start import check_same_vocabulary, classifier_init, resolve_warm_start
 from xc_dagster.storage import save_json
-from xc_dagster.training.budget import BudgetPlan, calibrate, check_train_params, encode_rate, plan_epochs
+from xc_dagster.training.budget import BUDGET_PLAN, BudgetPlan, calibrate, check_train_params, encode_rate, plan_epochs
 from xc_dagster.training.checkpoint import Checkpointer, fingerprint, fingerprint_files
 from xc_dagster.training.siamese import SiameseTrainer, train_siamese
-
-BUDGET_PLAN = "budget_plan.json"  # in the checkpoint folder: the plan a resumed run keeps
 
 
 def plan_pretraining(ctx: StageContext, encoder: Any, pt: Any, lt: Any, Y: Any, rows: np.ndarray,

@@ -29,6 +29,8 @@ import numpy as np
 
 from xc_dagster.errors import XCConfigError
 
+BUDGET_PLAN = "budget_plan.json"  # in a stage's checkpoint folder: the plan a resumed run keeps
+
 
 def check_train_params(p: Any) -> None:
     """``train.*``: a budget >= 0 minutes, >= 1 calibration step, a reserve in [0, 1), max_epochs >= 0."""
