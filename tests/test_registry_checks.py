@@ -85,6 +85,7 @@ def test_datasets_add_takes_registry_defaults(home, tmp_path, capsys):
     assert "known public dataset LF-AmazonTitles-131K: 294,805 train" in capsys.readouterr().out
     assert cli_main(["datasets", "add", "LF-Wikipedia-500K", "--source", str(tmp_path)]) == 0
     # explicit options win over the registry
+    (tmp_path / "a.zip").write_bytes(b"")  # a local source must exist
     assert cli_main(["datasets", "add", "LF-Amazon-131K", "--source", str(tmp_path / "a.zip"), "--max-len", "64",
                      "--propensity", "0.5", "1.0", "--sha256", "AB" * 32]) == 0
     cat = Catalog(home.catalog)

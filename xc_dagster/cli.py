@@ -30,12 +30,14 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
+from urllib.request import url2pathname
 
 from xc_dagster.artifacts import METRICS
 from xc_dagster.catalog import BUILTIN_PREFIX, LAYOUTS, NAME_RE, TEXT_CHOICES, Catalog, DatasetSpec
 from xc_dagster.config import PRESETS, parse_set_options
 from xc_dagster.data.clicklog import build_click_dataset, parse_time, window_id
-from xc_dagster.errors import XCConfigError, XCError
+from xc_dagster.errors import XCConfigError, XCDatasetNotFound, XCError
 from xc_dagster.evaluation.comparison import (
     COMPARE_METRICS,
     comparison_table,
@@ -68,10 +70,29 @@ def _bin(name: str) -> str:
     return str(cand) if cand.exists() else (shutil.which(name) or name)
 
 
+def checked_source(source: str) -> str:
+    """``--source`` as the catalog stores it: a local path made absolute (``~`` expanded) and refused when it
+    does not exist, a ``file://`` URL refused when its path does not exist; other URLs and ``builtin:`` as given."""
+    parts = urlsplit(source)
+    scheme = parts.scheme.lower()
+    plain = scheme == "" or (len(scheme) == 1 and os.name == "nt")  # a path (or a Windows drive letter)
+    if source.startswith(BUILTIN_PREFIX) or not (plain or scheme == "file"):
+        return source
+    if scheme == "file":
+        path = Path(url2pathname(unquote(parts.path)))
+        if parts.netloc in ("", "localhost") and not path.exists():
+            raise XCDatasetNotFound(f"dataset source {source} does not exist (no {path})")
+        return source
+    path = Path(os.path.abspath(Path(source).expanduser()))  # absolute, symlinks kept (the user may repoint them)
+    if not path.exists():
+        raise XCDatasetNotFound(f"dataset source {source!r} does not exist (looked for {path})")
+    return str(path)
+
+
 def cmd_add(args: argparse.Namespace, home: Home) -> int:
     overrides = parse_set_options(args.set or [])
     pa, pb = (args.propensity or (None, None))
-    spec = DatasetSpec(name=args.name, source=args.source, layout=args.layout, text=args.text,
+    spec = DatasetSpec(name=args.name, source=checked_source(args.source), layout=args.layout, text=args.text,
                        max_len=args.max_len, propensity_a=pa, propensity_b=pb, strategy=args.strategy,
                        preset=args.preset, overrides=overrides, sha256=args.sha256,
                        gate_tolerance=args.gate_tolerance)

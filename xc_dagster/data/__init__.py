@@ -14,10 +14,11 @@
 | ``streaming`` | chunked, bounded-memory parsers of ``idx:val`` rows, BoW rows and split index tables |
 | ``accumulators`` | sparse-row accumulators (chunk by chunk, row by row) with one CSR build at the end |
 | ``textio`` | line / chunk input, UTF-8 and gzip errors, ``rows cols`` / ``N D L`` headers |
+| ``limits`` | bounds on untrusted input (line length, expansion of compressed sources, unused header columns) |
 | ``sources`` | :func:`resolve_source`: a source URI (path, ``file://``, ``http(s)://``, fsspec) -> a local folder |
 | ``download`` | resumable HTTP(S) download of a source file |
 | ``archives`` | safe extraction of ``.zip`` / ``.tar[.gz]`` / ``.tgz`` / single-file ``.gz`` sources |
-| ``cache`` | the source cache (keys, atomic install, lock) and SHA-256 checksums |
+| ``cache`` | the source cache (keys, atomic install, sweep of killed installs, lock) and SHA-256 checksums |
 | ``registry`` | the XC repository's known datasets: published counts, text fields, A/B, reference results |
 | ``checks`` | validation of an ingested dataset (the ingest asset's checks) and the label-frequency plot |
 | ``clicklog_reader`` | reading and validating click-log files (Parquet, CSV, JSON lines) |

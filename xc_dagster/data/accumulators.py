@@ -13,14 +13,17 @@ from pathlib import Path
 import numpy as np
 import scipy.sparse as sp
 
+from xc_dagster.data.limits import MAX_DIM
 from xc_dagster.errors import XCFormatError
 
 
 class Growing:
-    """Rows appended chunk by chunk as int32 indices / float32 values; one CSR build at the end."""
+    """Rows appended chunk by chunk as int32 indices (int64 past 2**31 - 1 columns, so that ids never wrap) /
+    float32 values; one CSR build at the end."""
 
     def __init__(self, path: Path, n_cols: int, what: str):
         self.path, self.n_cols, self.what = path, n_cols, what
+        self._idx_dtype = np.int32 if n_cols <= MAX_DIM else np.int64
         self._counts: list[np.ndarray] = []
         self._idx: list[np.ndarray] = []
         self._val: list[np.ndarray] = []
@@ -30,7 +33,7 @@ class Growing:
     def append(self, counts: np.ndarray, idx: np.ndarray, val: np.ndarray) -> None:
         """Append rows: ``counts[r]`` entries each, flattened in ``idx``/``val``."""
         self._counts.append(np.asarray(counts, dtype=np.int64))
-        self._idx.append(np.asarray(idx, dtype=np.int32))
+        self._idx.append(np.asarray(idx, dtype=self._idx_dtype))
         self._val.append(np.asarray(val, dtype=np.float32))
         self.n_rows += len(counts)
         self.nnz += len(idx)
@@ -51,9 +54,10 @@ class Growing:
         self._idx = []
         val = np.concatenate(self._val) if self._val else np.zeros(0, np.float32)
         self._val = []
-        if self.nnz >= 2**31:
+        wide = self.nnz > MAX_DIM or idx.dtype == np.int64
+        if wide:
             idx = idx.astype(np.int64)
-        m = sp.csr_matrix((val, idx, indptr if self.nnz >= 2**31 else indptr.astype(np.int32)),
+        m = sp.csr_matrix((val, idx, indptr if wide else indptr.astype(np.int32)),
                           shape=(self.n_rows, self.n_cols))
         m.sum_duplicates()
         return m

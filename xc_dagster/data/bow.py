@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from xc_dagster.data.canonical import XCDataset
-from xc_dagster.data.companions import bow_texts, read_filters
+from xc_dagster.data.companions import bow_texts, check_bow_columns, read_filters
 from xc_dagster.data.reader import ReadOptions
 from xc_dagster.data.streaming import read_bow_file
 from xc_dagster.data.textio import DEFAULT_CHUNK_LINES, first_line, parse_header
@@ -43,6 +43,7 @@ def read_bow(folder: Path, chunk_lines: int = DEFAULT_CHUNK_LINES) -> XCDataset:
     if (X_test.shape[1], Y_test.shape[1]) != (D, L):
         raise XCFormatError(tst, 1, f"the same D and L as {trn.name} ({D} {L})",
                             got=f"{X_test.shape[1]} {Y_test.shape[1]}")
+    check_bow_columns(folder, trn, (Y_train, Y_test), (X_train, X_test))
     label_texts, (train_texts, test_texts), words = bow_texts(folder, X_train, X_test, L)
     f_train, f_test = read_filters(folder, X_train.shape[0], X_test.shape[0], L)
     return XCDataset(

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from xc_dagster.data.canonical import XCDataset
-from xc_dagster.data.companions import bow_texts, read_filters
+from xc_dagster.data.companions import bow_texts, check_bow_columns, read_filters
 from xc_dagster.data.reader import ReadOptions
 from xc_dagster.data.streaming import read_bow_file, read_int_table
 from xc_dagster.data.textio import DEFAULT_CHUNK_LINES
@@ -65,6 +65,7 @@ def read_bow_single(folder: Path, split: int = 0,
                             got=", ".join(sorted(p.name for p in folder.iterdir()))[:200])
     data, trp, tsp = found
     X, Y = read_bow_file(data, chunk_lines)
+    check_bow_columns(folder, data, (Y,), (X,), VOCAB_NAMES)
     tr_tab = read_int_table(trp, chunk_lines)
     ts_tab = read_int_table(tsp, chunk_lines)
     base = 0 if (tr_tab == 0).any() or (ts_tab == 0).any() else 1

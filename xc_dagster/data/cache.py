@@ -2,6 +2,8 @@
 
 A fetched file lands in a temp name, is checked and extracted into a temp folder, and that folder is renamed
 to ``cache_dir/<key>``: a cache entry that exists is complete, and a partial or corrupt download never becomes one.
+A failed install removes its temp names; those of a killed process (named with its pid) are swept by the next
+install of the same key.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import hashlib
 import os
 import re
 import shutil
+import socket
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
@@ -98,9 +101,48 @@ def commit(work: Path, target: Path) -> Path:
     return target
 
 
+def _host() -> str:
+    """This machine's name as letters and digits (a part of temp names)."""
+    return re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:32] or "host"
+
+
+def temp_path(cache_dir: Path, key: str, kind: str) -> Path:
+    """A unique temp name of an install of ``key`` (kind ``tmp``: a folder, ``part``: a file); it carries the
+    host and pid so that :func:`sweep_leftovers` can tell a live install's from a killed one's."""
+    return cache_dir / f".{key}.{kind}-{_host()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether a process of this id runs on this machine (signal 0 checks without sending anything)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by another user
+        return True
+    return True
+
+
+def sweep_leftovers(cache_dir: Path, key: str) -> None:
+    """Remove the temp folders / files of installs of ``key`` whose process is gone (killed mid-extraction);
+    only this host's: another host's pids cannot be checked from here (a cache shared over a network)."""
+    if not cache_dir.is_dir():
+        return
+    pattern = re.compile(rf"^\.{re.escape(key)}\.(tmp|part)-{_host()}-(\d+)-[0-9a-f]+$")
+    for p in cache_dir.iterdir():
+        m = pattern.match(p.name)
+        if m is None or _pid_alive(int(m.group(2))):
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+
+
 def install_file(tmp_file: Path, name: str, target: Path, label: str) -> Path:
     """Turn a fetched file into the cached folder ``target``: extracted if an archive, else holding it."""
-    work = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:12]}"
+    sweep_leftovers(target.parent, target.name)
+    work = temp_path(target.parent, target.name, "tmp")
     work.mkdir(parents=True)
     try:
         if is_archive(name):
@@ -120,7 +162,7 @@ def fetch_to_cache(source: str, name: str, cache_dir: Path, key: str, fetch: Cal
     if target.is_dir():
         return entry(target, name)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp_file = cache_dir / f".{key}.part-{uuid.uuid4().hex[:12]}"
+    tmp_file = temp_path(cache_dir, key, "part")
     try:
         fetch(tmp_file)
         return install_file(tmp_file, name, target, source)

@@ -18,6 +18,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from xc_dagster.data.canonical import empty_pairs
+from xc_dagster.data.limits import check_used_columns
 from xc_dagster.data.textio import iter_lines, read_text_lines
 from xc_dagster.errors import XCFormatError
 
@@ -58,6 +59,16 @@ def _read_filter(path: Path, n_rows: int, n_labels: int) -> np.ndarray:
         flat.append(r)
         flat.append(c)
     return np.frombuffer(flat, dtype=np.int64).reshape(-1, 2).copy()
+
+
+def check_bow_columns(folder: Path, path: Path, Ys: Sequence[sp.csr_matrix], Xs: Sequence[sp.csr_matrix],
+                      vocab_names: Sequence[str] = ("X_vocab.txt",)) -> None:
+    """The ``L`` and ``D`` of a BoW header (of ``path``) against the columns the rows use, unless ``Y.txt`` or a
+    vocabulary file lists them (docs/decisions.md#ingest-input-limits)."""
+    if not (folder / "Y.txt").is_file():
+        check_used_columns(path, "L", Ys[0].shape[1], [Y.indices for Y in Ys])
+    if not any((folder / name).is_file() for name in vocab_names):
+        check_used_columns(path, "D", Xs[0].shape[1], [X.indices for X in Xs])
 
 
 def generic_labels(n: int) -> list[str]:

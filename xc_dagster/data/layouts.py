@@ -98,4 +98,25 @@ def read_dataset(folder: Path, *, layout: str = "auto", text_fields: Sequence[st
     if reader is None:
         raise XCConfigError(f"layout must be 'auto' or one of {LAYOUTS}, got {layout!r}")
     opts = ReadOptions(text_fields=fields, label_text_fields=lfields, split=split, chunk_lines=chunk_lines)
-    return reader.read(folder, opts)
+    ds = reader.read(folder, opts)
+    require_content(ds, folder)
+    return ds
+
+
+def require_content(ds: XCDataset, folder: Path) -> None:
+    """Refuse a dataset that parses but holds nothing to learn from (no labels, points, label entries or point
+    input): later stages would fail on it far from the cause."""
+    X = ds.X_train
+    no_input = ds.train_tokens is None and (X is None or X.nnz == 0) and not any(ds.train_texts)
+    problems = (
+        (ds.num_labels == 0, "at least one label", "0 labels"),
+        (ds.num_train == 0 or ds.num_test == 0, "at least one training and one test point",
+         f"{ds.num_train} training and {ds.num_test} test points"),
+        (ds.Y_train.nnz == 0, "at least one label of a training point", "an all-zero training label matrix"),
+        (X is not None and X.nnz == 0, "at least one non-zero feature of a training point (or no feature files)",
+         "an all-zero training feature matrix"),
+        (no_input, "point texts, features or token arrays for the training points", "every training text empty"),
+    )
+    for bad, expected, got in problems:
+        if bad:
+            raise XCFormatError(folder, None, f"{expected} ({ds.layout} layout)", got=got)

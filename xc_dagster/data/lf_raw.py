@@ -25,6 +25,7 @@ import scipy.sparse as sp
 from xc_dagster.data.accumulators import Growing, SparseRows
 from xc_dagster.data.canonical import XCDataset
 from xc_dagster.data.companions import read_filters, require_files
+from xc_dagster.data.limits import Expansion
 from xc_dagster.data.reader import ReadOptions
 from xc_dagster.data.textio import FastPathFailed, iter_lines
 from xc_dagster.errors import XCFormatError
@@ -59,9 +60,11 @@ def read_jsonl_fast(path: Path, fields: Sequence[str], n_labels: int | None,
                            newlines_in_values=False)
     texts: list[str] = []
     acc = Growing(path, n_labels, "label") if n_labels is not None else None
+    grown = Expansion(path, path.stat().st_size)
     try:
         with pa.input_stream(str(path), compression="gzip") as stream:
-            reader = pj.open_json(stream, read_options=pj.ReadOptions(block_size=block_size, use_threads=True),
+            reader = pj.open_json(pa.PythonFile(_Counted(stream, grown), mode="r"),
+                                  read_options=pj.ReadOptions(block_size=block_size, use_threads=True),
                                   parse_options=opts)
             for batch in reader:
                 if batch.num_rows == 0:
@@ -72,8 +75,29 @@ def read_jsonl_fast(path: Path, fields: Sequence[str], n_labels: int | None,
                 if acc is not None:
                     _targets(batch, acc)
     except (pa.ArrowException, OSError, EOFError, zlib.error, UnicodeDecodeError, ValueError) as e:
+        if grown.total > grown.cap:  # the stream passed its expansion cap: no fallback re-reads it
+            raise grown.error() from None
         raise FastPathFailed from e
     return texts, acc
+
+
+class _Counted:
+    """A reader of an Arrow stream that counts what it hands out against an expansion cap (Arrow reads from it
+    through ``pa.PythonFile``)."""
+
+    def __init__(self, stream: pa.NativeFile, grown: Expansion):
+        self._stream, self._grown, self.closed = stream, grown, False
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._stream.read(n)
+        self._grown.add(len(data))
+        return data
+
+    def readable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        self.closed = True
 
 
 def _targets(batch: pa.RecordBatch, acc: Growing) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import posixpath
 import shutil
-import uuid
 from pathlib import Path, PurePosixPath
 from urllib.parse import unquote, urlsplit
 from urllib.request import url2pathname
@@ -27,6 +26,8 @@ from xc_dagster.data.cache import (
     install_file,
     locked,
     normalize_sha256,
+    sweep_leftovers,
+    temp_path,
     verify_sha256,
 )
 from xc_dagster.data.download import download
@@ -92,7 +93,8 @@ def _copy_fsspec_folder(fs: fsspec.AbstractFileSystem, path: str, source: str, c
     if target.is_dir():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
-    work = cache_dir / f".{key}.tmp-{uuid.uuid4().hex[:12]}"
+    sweep_leftovers(cache_dir, key)
+    work = temp_path(cache_dir, key, "tmp")
     work.mkdir()
     try:
         root = path.rstrip("/")

@@ -8,13 +8,14 @@ features ``trn_X_Xf.txt``, ``tst_X_Xf.txt``, ``lbl_X_Xf.txt`` (or ``Yf.txt``) an
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import scipy.sparse as sp
 
 from xc_dagster.data.canonical import XCDataset
 from xc_dagster.data.companions import generic_labels, read_filters, require_files
+from xc_dagster.data.limits import check_used_columns
 from xc_dagster.data.reader import ReadOptions
 from xc_dagster.data.streaming import read_sparse_file
 from xc_dagster.data.textio import DEFAULT_CHUNK_LINES, read_text_lines
@@ -28,11 +29,24 @@ def _check_rows(path: Path, m: sp.csr_matrix, n: int, what: str) -> None:
         raise XCFormatError(path, 1, f"{n} rows ({what})", got=f"{m.shape[0]} rows")
 
 
+def _check_feature_columns(folder: Path, features: dict[str, sp.csr_matrix]) -> None:
+    """The feature files agree on their column count D, and their rows use all but a bounded few of them."""
+    if not features:
+        return
+    first, m0 = next(iter(features.items()))
+    D = m0.shape[1]
+    for name, m in features.items():
+        if m.shape[1] != D:
+            raise XCFormatError(folder / name, 1, f"{D} feature columns, as in {first}", got=str(m.shape[1]))
+    check_used_columns(folder / first, "cols", D, [m.indices for m in features.values()])
+
+
 def read_split_sparse(folder: Path, chunk_lines: int = DEFAULT_CHUNK_LINES,
                       layout: str = "split-sparse") -> XCDataset:
     """Split sparse layout: ``{trn,tst}_X_Y.txt`` required, features and raw-text companions optional."""
     require_files(folder, REQUIRED, layout)
-    Y_train = read_sparse_file(folder / "trn_X_Y.txt", chunk_lines)
+    trn_y = folder / "trn_X_Y.txt"
+    Y_train = read_sparse_file(trn_y, chunk_lines)
     tst_y = folder / "tst_X_Y.txt"
     Y_test = read_sparse_file(tst_y, chunk_lines)
     n_tr, n_te, L = Y_train.shape[0], Y_test.shape[0], Y_train.shape[1]
@@ -51,23 +65,21 @@ def read_split_sparse(folder: Path, chunk_lines: int = DEFAULT_CHUNK_LINES,
     X_test = opt_matrix("tst_X_Xf.txt", n_te, "one per test point")
     lbl_name = "lbl_X_Xf.txt" if (folder / "lbl_X_Xf.txt").is_file() else "Yf.txt"
     X_label = opt_matrix(lbl_name, L, "one per label")
-    dims = {name: m.shape[1] for name, m in
-            (("trn_X_Xf.txt", X_train), ("tst_X_Xf.txt", X_test), (lbl_name, X_label)) if m is not None}
-    if len(set(dims.values())) > 1:
-        first = next(iter(dims))
-        for name, d in dims.items():
-            if d != dims[first]:
-                raise XCFormatError(folder / name, 1, f"{dims[first]} feature columns, as in {first}", got=str(d))
+    features = {name: m for name, m in
+                (("trn_X_Xf.txt", X_train), ("tst_X_Xf.txt", X_test), (lbl_name, X_label)) if m is not None}
+    _check_feature_columns(folder, features)
+    if X_label is None and not (folder / "Y.txt").is_file():  # L comes from the header alone
+        check_used_columns(trn_y, "cols", L, [Y_train.indices, Y_test.indices])
 
-    def texts(name: str, n: int, what: str, default: list[str]) -> list[str]:
+    def texts(name: str, n: int, what: str, default: Callable[[], list[str]]) -> list[str]:
         p = folder / name
-        return read_text_lines(p, n, what) if p.is_file() else default
+        return read_text_lines(p, n, what) if p.is_file() else default()
 
     f_train, f_test = read_filters(folder, n_tr, n_te, L)
     return XCDataset(
-        train_texts=texts("trn_X.txt", n_tr, "training text", [""] * n_tr),
-        test_texts=texts("tst_X.txt", n_te, "test text", [""] * n_te),
-        label_texts=texts("Y.txt", L, "label text", generic_labels(L)),
+        train_texts=texts("trn_X.txt", n_tr, "training text", lambda: [""] * n_tr),
+        test_texts=texts("tst_X.txt", n_te, "test text", lambda: [""] * n_te),
+        label_texts=texts("Y.txt", L, "label text", lambda: generic_labels(L)),
         Y_train=Y_train, Y_test=Y_test, filter_train=f_train, filter_test=f_test,
         X_train=X_train, X_test=X_test, X_label=X_label, layout=layout)
 

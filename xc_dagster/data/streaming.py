@@ -12,6 +12,7 @@ path with a line-by-line fallback: (docs/decisions.md#ingest-streaming-readers).
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import IO
 
@@ -21,6 +22,7 @@ import pyarrow.csv as pcsv
 import scipy.sparse as sp
 
 from xc_dagster.data.accumulators import Growing
+from xc_dagster.data.limits import check_header_rows
 from xc_dagster.data.textio import (
     DEFAULT_CHUNK_LINES,
     FastPathFailed,
@@ -134,10 +136,16 @@ def parse_pairs_rows(f: IO[bytes], acc: Growing, first_lineno: int, max_rows: in
         acc.append(counts, i, v)
 
 
+def _bytes_left(f: IO[bytes]) -> int:
+    """Bytes of a plain file after the current position."""
+    return os.fstat(f.fileno()).st_size - f.tell()
+
+
 def read_sparse_file(path: Path, chunk_lines: int = DEFAULT_CHUNK_LINES) -> sp.csr_matrix:
     """A split-sparse file: header ``rows cols`` then exactly ``rows`` lines of ``idx:val`` pairs."""
     with open_binary(path) as f:
         n_rows, n_cols = parse_header(path, read_header(f, path), ("rows", "cols"))
+        check_header_rows(path, "rows", n_rows, _bytes_left(f))
         acc = Growing(path, n_cols, "feature" if "Xf" in path.name else "column")
         expected = f"{n_rows} rows after the header (header 'rows cols')"
         parse_pairs_rows(f, acc, 2, n_rows, chunk_lines, expected)
@@ -245,6 +253,7 @@ def read_bow_file(path: Path, chunk_lines: int = DEFAULT_CHUNK_LINES) -> tuple[s
     """One BoW file -> (X, Y): header ``N D L``, then N rows ``l1,l2,... f:v f:v ...``."""
     with open_binary(path) as f:
         N, D, L = parse_header(path, read_header(f, path), ("N", "D", "L"))
+        check_header_rows(path, "N", N, _bytes_left(f))
         X = Growing(path, D, "feature")
         Y = Growing(path, L, "label")
         for lineno, block, n in iter_chunks(f, path, chunk_lines, 2):

@@ -29,15 +29,21 @@ def is_tokenized(folder: Path) -> bool:
 
 
 def _load(path: Path) -> np.ndarray:
+    """A 2-D integer array; its header is checked against the file's size (memory-mapped first) before any
+    memory is allocated for it."""
     try:
-        a = np.load(path, allow_pickle=False)
+        mapped = np.load(path, mmap_mode="r", allow_pickle=False)  # a shape the file cannot hold raises here
     except (ValueError, OSError, EOFError) as e:
-        raise XCFormatError(path, None, "a complete NumPy .npy array (no pickled objects)",
-                            got=f"{type(e).__name__}: {e}") from e
-    if not isinstance(a, np.ndarray) or a.ndim != 2 or a.dtype.kind not in "iub":
-        raise XCFormatError(path, None, "a 2-D integer array (rows x max_len)",
-                            got=f"{getattr(a, 'ndim', '?')}-D {getattr(a, 'dtype', type(a).__name__)}")
-    return a
+        raise XCFormatError(path, None, "a complete NumPy .npy array (no pickled objects) whose header's shape "
+                                        "the file holds", got=f"{type(e).__name__}: {e}") from e
+    if not isinstance(mapped, np.ndarray) or mapped.ndim != 2 or mapped.dtype.kind not in "iub":
+        got = f"{getattr(mapped, 'ndim', '?')}-D {getattr(mapped, 'dtype', type(mapped).__name__)}"
+        raise XCFormatError(path, None, "a 2-D integer array (rows x max_len)", got=got)
+    try:
+        return np.array(mapped)
+    except MemoryError:  # the file holds the bytes (e.g. a sparse file) but they do not fit in memory
+        raise XCFormatError(path, None, "an array that fits in memory",
+                            got=f"{mapped.shape} {mapped.dtype} ({mapped.nbytes:,} bytes)") from None
 
 
 def _pair(folder: Path, prefix: str, n_rows: int, rows_of: str,
