@@ -36,7 +36,9 @@ def copy_home(src: Path, dst: Path, name: str) -> None:
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("artifacts", "mlartifacts", "mlflow.db", "dagster", "cache"))
     art = dst / "artifacts"
     art.mkdir(parents=True, exist_ok=True)
-    shutil.copytree(src / "artifacts" / name, art / name, copy_function=_link_or_copy)
+    # stage links copied as links: each still names its (hard-linked) version folder; writer locks not shared
+    shutil.copytree(src / "artifacts" / name, art / name, symlinks=True, copy_function=_link_or_copy,
+                    ignore=shutil.ignore_patterns(".*.lock"))
 
 
 def _link_or_copy(a: str, b: str) -> None:

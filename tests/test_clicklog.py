@@ -22,7 +22,7 @@ from xc_dagster.data.clicklog_reader import read_click_log
 from xc_dagster.errors import XCConfigError, XCError, XCFormatError
 from xc_dagster.home import Home
 from xc_dagster.pipeline import StageContext, run_all
-from xc_dagster.storage import ArtifactStore
+from xc_dagster.storage import ArtifactStore, stage_leftovers
 
 UTC = timezone.utc
 JAN, FEB = datetime(2024, 1, 1, tzinfo=UTC), datetime(2024, 2, 1, tzinfo=UTC)
@@ -346,7 +346,8 @@ def test_atomic_output_on_failure(tmp_path, prev_map, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         build_click_dataset([log], out, start=JAN, end=datetime(2024, 1, 4, tzinfo=UTC), label_map=prev_map)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the previous output is untouched
-    assert sorted(p.name for p in out.parent.iterdir()) == ["out"]  # no temp folder left behind
+    assert sorted(p.name for p in out.parent.iterdir() if not p.name.startswith(".")) == ["out"]
+    assert stage_leftovers(out) == []  # no temp folder left behind
     with pytest.raises(OSError):
         build_click_dataset([log], tmp_path / "fresh", label_map=prev_map)
     assert not (tmp_path / "fresh").exists()

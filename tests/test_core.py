@@ -17,7 +17,7 @@ from xc_dagster.errors import XCConfigError, XCDatasetNotFound
 from xc_dagster.retrieval.ann import LabelIndex, exact_topk
 from xc_dagster.retrieval.shortlist import topk_from_scores
 from xc_dagster.sampling.labels import dedupe_rows, positive_mask, sample_positives
-from xc_dagster.storage import atomic_dir
+from xc_dagster.storage import atomic_dir, stage_leftovers
 from xc_dagster.training.losses import infonce_loss, masked_bce_loss, multi_positive_triplet_loss, ohnm_triplet_loss
 
 # ------------------------------------------------------------------------------------------- config
@@ -178,7 +178,8 @@ def test_atomic_dir_leaves_nothing_on_failure(tmp_path):
             (d / "a.txt").write_text("half")
             raise RuntimeError("killed")
     assert (final / "a.txt").read_text() == "old"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["stage"]
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["stage"]
+    assert stage_leftovers(final) == []  # the failed write's version folder is gone
 
 
 # ----------------------------------------------------------------------------------------- sampling

@@ -23,7 +23,7 @@ from xc_dagster.catalog import Catalog, DatasetSpec
 from xc_dagster.home import Home
 from xc_dagster.pipeline import STAGES, StageContext
 from xc_dagster.pipeline.provenance import record_params
-from xc_dagster.storage import ArtifactStore
+from xc_dagster.storage import ArtifactStore, stage_leftovers
 
 TINY = {
     "pretrain.epochs": 1, "pretrain.batch_size": 16, "pretrain.chunk_size": 8, "mining.shortlist_size": 8,
@@ -136,7 +136,8 @@ def test_a_stage_publishes_only_declared_files(tmp_path):
             (out / "fusion.json").write_text('{"method": "alpha"}')
             np.save(out / "scratch.npy", np.zeros(1))
     folder = tmp_path / "Data" / "fusion"
-    assert sorted(p.name for p in tmp_path.joinpath("Data").iterdir()) == ["fusion"]  # no temporary folder left
+    assert sorted(p.name for p in tmp_path.joinpath("Data").iterdir() if not p.name.startswith(".")) == ["fusion"]
+    assert stage_leftovers(folder) == []  # no temporary folder left
     assert (folder / "fusion.json").read_text() == "{}"  # the published folder is unchanged
 
 

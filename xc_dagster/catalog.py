@@ -12,11 +12,12 @@ change: the partition exists as soon as the code location (re)loads.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import yaml
 
@@ -25,7 +26,7 @@ from xc_dagster.data.layouts import LAYOUTS as DATA_LAYOUTS
 from xc_dagster.data.registry import KnownDataset, lookup
 from xc_dagster.data.sources import normalize_sha256
 from xc_dagster.errors import XCConfigError, XCDatasetNotFound
-from xc_dagster.storage import atomic_write_text
+from xc_dagster.storage import atomic_write_text, file_lock
 from xc_dagster.strategies import STRATEGIES
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -172,10 +173,19 @@ class DatasetSpec:
 
 
 class Catalog:
-    """Read/write the catalog YAML (``datasets: {name: {source: ..., ...}}``), atomically."""
+    """Read/write the catalog YAML (``datasets: {name: {source: ..., ...}}``).
+
+    Writes replace the file atomically (temp + fsync + rename), so a reader needs no lock; every change is a
+    read-modify-write under an exclusive ``flock`` on ``.catalog.yaml.lock`` beside it (:meth:`editing`), so
+    concurrent processes (CLI, sensor) lose no entry (docs/decisions.md#catalog-flock).
+    """
 
     def __init__(self, path: Path):
         self.path = Path(path)
+
+    @property
+    def lock_path(self) -> Path:
+        return self.path.parent / f".{self.path.name}.lock"
 
     def load(self) -> dict[str, DatasetSpec]:
         if not self.path.exists():
@@ -212,23 +222,42 @@ class Catalog:
         return ds[name]
 
     def save(self, datasets: dict[str, DatasetSpec]) -> None:
+        """Replace the whole catalog with ``datasets`` (atomically, but without the lock: a change to the
+        current entries goes through :meth:`editing`)."""
         body = {"datasets": {n: datasets[n].to_yaml_dict() for n in sorted(datasets)}}
         header = ("# xc-dagster dataset catalog: each entry is a Dagster partition.\n"
                   "# Keys: source, layout, text, max_len, propensity_a, propensity_b, strategy, preset, overrides,"
                   " sha256, gate_tolerance\n")
         atomic_write_text(self.path, header + yaml.safe_dump(body, sort_keys=False))
 
+    @contextlib.contextmanager
+    def editing(self) -> Iterator[dict[str, DatasetSpec]]:
+        """Yield the current entries with the catalog locked; what the block leaves in them is saved when it
+        succeeds (an error saves nothing). Not re-entrant: call no other changing method inside."""
+        with file_lock(self.lock_path):
+            ds = self.load()
+            yield ds
+            self.save(ds)
+
     def add(self, spec: DatasetSpec, replace: bool = False) -> None:
         spec.validate("datasets add")
-        ds = self.load()
-        if spec.name in ds and not replace:
-            raise XCConfigError(f"dataset {spec.name!r} is already in {self.path}; use --replace to change it")
-        ds[spec.name] = spec
-        self.save(ds)
+        with self.editing() as ds:
+            if spec.name in ds and not replace:
+                raise XCConfigError(f"dataset {spec.name!r} is already in {self.path}; use --replace to change it")
+            ds[spec.name] = spec
+
+    def update(self, name: str, change: Callable[[DatasetSpec | None], DatasetSpec]) -> DatasetSpec:
+        """Set entry ``name`` to ``change(current entry or None)``, read and written under the lock (an entry
+        derived from the one it replaces, as the click-log registration's); returns the new entry."""
+        with self.editing() as ds:
+            spec = change(ds.get(name)).validate("catalog update")
+            if spec.name != name:
+                raise XCConfigError(f"catalog update of {name!r} returned the entry {spec.name!r}")
+            ds[name] = spec
+        return spec
 
     def remove(self, name: str) -> None:
-        ds = self.load()
-        if name not in ds:
-            raise XCDatasetNotFound(f"dataset {name!r} is not in the catalog {self.path}")
-        del ds[name]
-        self.save(ds)
+        with self.editing() as ds:
+            if name not in ds:
+                raise XCDatasetNotFound(f"dataset {name!r} is not in the catalog {self.path}")
+            del ds[name]
