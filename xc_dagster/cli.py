@@ -176,11 +176,16 @@ def print_ui(home: Home) -> None:
 
 
 def cmd_quickstart(args: argparse.Namespace, home: Home) -> int:
-    cat = Catalog(home.catalog)
-    if DEFAULT_DATASET not in cat.load():
-        over = {} if args.budget_minutes is None else {"train.budget_minutes": args.budget_minutes}
-        cat.add(DatasetSpec(name=DEFAULT_DATASET, source=DEFAULT_SOURCE, text="title", preset=args.preset,
-                            overrides=over))
+    over = {} if args.budget_minutes is None else {"train.budget_minutes": args.budget_minutes}
+    added = []
+
+    def keep_or_add(old: DatasetSpec | None) -> DatasetSpec:  # under the catalog's lock: two quickstarts agree
+        added.append(old is None)
+        return old or DatasetSpec(name=DEFAULT_DATASET, source=DEFAULT_SOURCE, text="title", preset=args.preset,
+                                  overrides=over)
+
+    Catalog(home.catalog).update(DEFAULT_DATASET, keep_or_add)
+    if added[-1]:
         print(f"registered the embedded dataset {DEFAULT_DATASET} in {home.catalog}")
     rc = materialize(home, DEFAULT_DATASET)
     if rc != 0:

@@ -270,14 +270,18 @@ def register_click_dataset(catalog: Catalog, name: str, folder: Path) -> tuple[D
     entry keeps its other options (strategy, preset, overrides). Retrains warm-start from the dataset's
     champion (``pretrain.warm_start=champion``, a cold start while there is none) unless the entry sets
     ``pretrain.warm_start`` itself. Returns the entry and whether it existed."""
-    old = catalog.load().get(name)
-    overrides = dict(old.overrides) if old is not None else {}
-    overrides.setdefault("pretrain.warm_start", "champion")
-    changes: dict[str, Any] = {"source": str(folder), "layout": "lf-raw", "text": "title", "sha256": None,
-                               "overrides": overrides}
-    spec = dataclasses.replace(old, **changes) if old is not None else DatasetSpec(name=name, **changes)
-    catalog.add(spec, replace=True)
-    return spec, old is not None
+    existed = []
+
+    def change(old: DatasetSpec | None) -> DatasetSpec:  # read and written under the catalog's lock
+        existed.append(old is not None)
+        overrides = dict(old.overrides) if old is not None else {}
+        overrides.setdefault("pretrain.warm_start", "champion")
+        changes: dict[str, Any] = {"source": str(folder), "layout": "lf-raw", "text": "title", "sha256": None,
+                                   "overrides": overrides}
+        return dataclasses.replace(old, **changes) if old is not None else DatasetSpec(name=name, **changes)
+
+    spec = catalog.update(name, change)
+    return spec, existed[-1]
 
 
 def _local_files(home: Home, root: str, drop: Drop) -> list[Path]:
