@@ -35,14 +35,13 @@ import torch
 
 from xc_dagster.catalog import DatasetSpec
 from xc_dagster.config import parse_set_options
-from xc_dagster.data.splits import validation_targets
+from xc_dagster.data.splits import filter_rows, validation_targets
 from xc_dagster.device import amp_dtype, resolve_device, seed_everything
 from xc_dagster.encoders.encode import encode_tokens
 from xc_dagster.encoders.loading import load_encoder
 from xc_dagster.encoders.names import parse_bag_name
 from xc_dagster.evaluation.metrics import evaluate, remove_filtered
 from xc_dagster.pipeline import StageContext, run_all
-from xc_dagster.pipeline.fusion import filter_rows
 from xc_dagster.retrieval.ann import exact_topk
 from xc_dagster.retrieval.shortlist import label_centroids, label_representation
 from xc_dagster.storage import ArtifactStore

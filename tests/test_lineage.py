@@ -35,7 +35,8 @@ TINY = {
 RUNS = {
     "ngame": ("ngame", {}),
     "astra": ("astra", {"classifier.epochs": 0.5, "classifier.num_hard": 3, "classifier.num_random": 10}),
-    "siamesexml-bag": ("siamesexml", {"tokenize.encoder": "bag:32", "pretrain.batch_size": 8}),
+    "siamesexml-bag": ("siamesexml", {"tokenize.encoder": "bag:32", "pretrain.batch_size": 8,
+                                      "fusion.fit_on": "cross_fit"}),  # its folds read the mined negatives
 }
 
 

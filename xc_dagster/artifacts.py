@@ -16,7 +16,7 @@ pretrain              siamese_encoder    ingest, tokenize
 mining                negative_shortlist ingest, pretrain
 classifier            classifiers        ingest, tokenize, pretrain, mining
 index                 ann_index          ingest, pretrain, classifier
-fusion                fusion             ingest, pretrain, classifier, index
+fusion                fusion             ingest, pretrain, mining, classifier, index
 evaluate              evaluation         every stage before it (the test predictions, and their run times)
 (registered model)    registered_model   ingest, tokenize, pretrain, classifier, index, fusion, evaluate
 ====================  =================  ===================================================================
@@ -111,7 +111,7 @@ CONTRACT: dict[str, StageArtifacts] = {s.stage: s for s in (
            LABEL_EMB),
     _stage("index", "ann_index", ("ingest", "pretrain", "classifier"), *INDEX_FILES.values(), KNN_LABELS_FILE,
            CENTROID_FILE, LEXICAL_DIR, HELDOUT),
-    _stage("fusion", "fusion", ("ingest", "pretrain", "classifier", "index"), FUSION),
+    _stage("fusion", "fusion", ("ingest", "pretrain", "mining", "classifier", "index"), FUSION),
     _stage("evaluate", "evaluation", ("ingest", "tokenize", "pretrain", "mining", "classifier", "index", "fusion"),
            PREDICTIONS, METRICS, REPORTS, *PLOTS.values()),
 )}

@@ -30,6 +30,10 @@ class IngestParams:
     label_text: str = "title"  # label text fields; "same" = as points
     valid_fraction: float = 0.05  # fraction of training points held out for fusion fitting
     valid_max: int = 5000  # at most this many validation points
+    # a split that would hold fewer points than this is not carved: every training point trains the models and
+    # the fusion is cross-fitted over folds of the training set (fusion.fit_on); 0 = always carve
+    # (docs/decisions.md#fusion-cross-fitting)
+    valid_min: int = 0
     split: int = 0  # bow-single layout: which column of the <name>_trSplit/_tstSplit tables
     seed: int = 0
     verify_counts: bool = True  # a known public dataset's parsed counts must equal the published ones
@@ -237,6 +241,13 @@ class FusionParams:
     """
 
     method: str = "alpha"  # "alpha" | "tree"
+    # what the fusion is fitted on: "validation" = the held-out validation points; "cross_fit" = every training
+    # point, each scored by classifiers, kNN and lexical neighbours fitted without its fold (the encoder is
+    # shared); "auto" = validation when ingest carved a split, else cross-fitting
+    # (docs/decisions.md#fusion-cross-fitting)
+    fit_on: str = "auto"
+    cross_fit_folds: int = 5  # folds of the training points (cross-fitting)
+    cross_fit_max_points: int = 20_000  # at most this many out-of-fold points scored (seeded sample)
     # alpha: grid-search target; tree: reported validation objective. A metric of evaluation.metrics.evaluate or
     # several joined by "+" (summed); head and tail weigh equally, as in the champion gate
     # (docs/decisions.md#fusion-objective-four-metrics)

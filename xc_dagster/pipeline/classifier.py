@@ -69,11 +69,16 @@ def plan_classifiers(ctx: StageContext, sampled: bool, make_trainer: Any, encode
 
 def _initial_W(ctx: StageContext, label_emb: np.ndarray) -> np.ndarray:
     """W's start: a warm start's W, else the label representation ``classifier.init`` (Module III)."""
-    p = ctx.cfg.classifier
     init = ctx.read.path("pretrain", CLASSIFIER_INIT)
-    check_label_repr(p.init, "classifier.init")
     if init.exists():
         return np.load(init)
+    return _label_init(ctx, label_emb)
+
+
+def _label_init(ctx: StageContext, label_emb: np.ndarray) -> np.ndarray:
+    """The label representation ``classifier.init`` as W's start (Module III)."""
+    p = ctx.cfg.classifier
+    check_label_repr(p.init, "classifier.init")
     if p.init == "text":
         return label_emb
     W0 = label_representation(label_emb, ctx.read.mining_centroids(), p.init)  # at unit norm
@@ -112,6 +117,26 @@ def _residual_encoder(ctx: StageContext, pooling: str | None) -> tuple[Any, Any,
     ctx.info("classifier.train_residual: the encoder has no residual block (tokenize.encoder=bag has one); it "
              "stays frozen")
     return None, None, "n/a: the encoder has no residual block"
+
+
+def fold_classifier(ctx: StageContext, rows: np.ndarray) -> np.ndarray:
+    """W trained on the training points ``rows`` only, as this stage trains it but on the deployed embeddings with
+    the encoder frozen, for the epochs the stage ran: a cross-fitting fold's classifiers (``fusion.fit_on``)."""
+    p = ctx.cfg.classifier
+    seed_everything(p.seed)
+    point_emb, label_emb = ctx.read.embeddings("train"), ctx.read.embeddings("label")
+    ds = ctx.read.labels()
+    budget = (ctx.read.summary("classifier") or {}).get("budget") or {}
+    q = dataclasses.replace(p, epochs=float(budget.get("planned_epochs", p.epochs)), train_encoder=False,
+                            train_residual=False)
+    W0 = _label_init(ctx, label_emb)  # not a warm start's W: it has seen every point
+    lw = (propensity_label_weights(ctx.inv_prop(ds.Y_train), ds.Y_train, rows, p.propensity_weight)
+          if p.propensity_weight else None)
+    if _check_trainer(p):
+        return train_end_to_end(point_emb, label_emb, W0, ds.Y_train, rows, q, ctx.device,
+                                shortlist=ctx.read.shortlist(), label_weight=lw, reencode=False).W
+    return train_classifiers(point_emb, W0, ds.Y_train, ctx.read.shortlist(), rows, q, ctx.device,
+                             label_weight=lw, label_point_emb=label_emb)[0]
 
 
 def run(ctx: StageContext) -> dict[str, Any]:

@@ -10,22 +10,13 @@ from typing import Any
 import numpy as np
 
 from xc_dagster.artifacts import FUSION, SUMMARY
-from xc_dagster.data.splits import validation_targets
+from xc_dagster.data.splits import filter_rows, validation_targets
+from xc_dagster.errors import XCConfigError
 from xc_dagster.pipeline.context import StageContext
+from xc_dagster.pipeline.cross_fit import FIT_ON, cross_fit_shortlists
 from xc_dagster.retrieval.fusion import check_method, fit_fusion, missed_positive_features
 from xc_dagster.retrieval.shortlist import Shortlist, ShortlistSources, retrieve
 from xc_dagster.storage import save_json
-
-
-def filter_rows(pairs: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """Filter pairs of ``rows`` (original row ids) re-indexed to positions within ``rows``."""
-    pos = np.full(int(max(pairs[:, 0].max(initial=-1), rows.max(initial=-1))) + 1, -1, dtype=np.int64)
-    pos[rows] = np.arange(len(rows))
-    keep = pairs[:, 0] < len(pos)
-    p = pairs[keep]
-    new = pos[p[:, 0]]
-    ok = new >= 0
-    return np.stack([new[ok], p[ok, 1]], axis=1) if ok.any() else np.zeros((0, 2), dtype=np.int64)
 
 
 @dataclass
@@ -56,8 +47,37 @@ def validation_shortlists(ctx: StageContext) -> ValidationShortlists:
     return ValidationShortlists(sl, Yv, pairs, ctx.inv_prop(ds.Y_train), q, m, unseen)
 
 
+def fit_on(ctx: StageContext, n_valid: int) -> str:
+    """What ``fusion.fit_on`` resolves to: "validation", "cross_fit", or "none" (no validation points and
+    cross-fitting not asked for: a default blend)."""
+    choice = ctx.cfg.fusion.fit_on
+    if choice not in FIT_ON:
+        raise XCConfigError(f"fusion.fit_on: expected one of {' | '.join(FIT_ON)}, got {choice!r}")
+    if choice == "auto":
+        return "validation" if n_valid else "cross_fit"
+    return "none" if choice == "validation" and not n_valid else choice
+
+
+def _fit(ctx: StageContext, how: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The fitted fusion's ``to_dict`` and summary, fitted on validation or cross-fitted."""
+    p = ctx.cfg.fusion
+    tree_extra = p.method == "tree" and p.tree_add_positives
+    if how == "cross_fit":
+        inv_prop = ctx.inv_prop(ctx.read.labels().Y_train)
+        cf = cross_fit_shortlists(ctx, inv_prop, missed_positive_features if tree_extra else None)
+        f = fit_fusion(cf.shortlist, cf.Y, p, inv_prop, cf.filter_pairs, extra=cf.extra)
+        return f.to_dict(), {**f.summary(), "valid_pairs_unseen_dropped": cf.unseen_dropped,
+                             "cross_fit_folds": p.cross_fit_folds, "cross_fit_points": cf.points}
+    vs = validation_shortlists(ctx)
+    extra = (missed_positive_features(vs.shortlist, vs.Y, vs.queries, vs.model.W, vs.model.label_repr, vs.inv_prop)
+             if tree_extra else None)
+    f = fit_fusion(vs.shortlist, vs.Y, p, vs.inv_prop, vs.filter_pairs, extra=extra)
+    return f.to_dict(), {**f.summary(), "valid_pairs_unseen_dropped": vs.unseen_dropped}
+
+
 def run(ctx: StageContext) -> dict[str, Any]:
-    """Fit the score fusion ``fusion.method`` on the held-out validation points' shortlists (deployed indexes).
+    """Fit the score fusion ``fusion.method`` on the held-out validation points' shortlists (deployed indexes),
+    or cross-fitted over folds of the training points (``fusion.fit_on``).
 
     The fitted fusion is plain JSON (a tree as arrays), loadable without executing code.
     """
@@ -65,18 +85,13 @@ def run(ctx: StageContext) -> dict[str, Any]:
     p = ctx.cfg.fusion
     check_method(p.method)  # a bad method fails before any work
     valid = ctx.read.valid_rows()
-    if len(valid) == 0:  # alpha 0.5 ranks as the tree's T-free score emb + clf
+    how = fit_on(ctx, len(valid))
+    if how == "none":  # alpha 0.5 ranks as the tree's T-free score emb + clf
         fit = {"method": "alpha", "alpha": 0.5, "grid": [], "note": "no validation rows; alpha defaulted"}
         fit_summary = {"method": "alpha", "alpha": 0.5, "note": fit["note"]}
     else:
-        vs = validation_shortlists(ctx)
-        extra = (missed_positive_features(vs.shortlist, vs.Y, vs.queries, vs.model.W, vs.model.label_repr,
-                                          vs.inv_prop)
-                 if p.method == "tree" and p.tree_add_positives else None)
-        f = fit_fusion(vs.shortlist, vs.Y, p, vs.inv_prop, vs.filter_pairs, extra=extra)
-        fit, fit_summary = f.to_dict(), f.summary()
-        fit_summary["valid_pairs_unseen_dropped"] = vs.unseen_dropped
-    summary = {**fit_summary, "objective": p.objective, "n_valid": int(len(valid)),
+        fit, fit_summary = _fit(ctx, how)
+    summary = {**fit_summary, "objective": p.objective, "fit_on": how, "n_valid": int(len(valid)),
                "seconds": time.perf_counter() - t0}
     with ctx.writing() as out:
         save_json(out / FUSION, fit)

@@ -55,7 +55,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         verify_counts(ctx.name, stats, known, str(folder))
     freq = label_frequencies(ds.Y_train, ds.num_labels)
     checks = compute_checks(ds, known, freq)
-    valid = validation_split(ds.num_train, p.valid_fraction, p.valid_max, p.seed)
+    valid = validation_split(ds.num_train, p.valid_fraction, p.valid_max, p.seed, p.valid_min)
     with ctx.writing() as out:
         save_dataset(ds, out / DATASET)
         np.save(out / VALID_ROWS, valid)
