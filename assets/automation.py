@@ -23,6 +23,7 @@ import time
 import dagster as dg
 
 from resources import ClickLogFeedResource, XCHomeResource
+from xc_dagster.config.env import env_positive
 from xc_dagster.errors import XCError
 from xc_dagster.serving.retraining import (
     build_drop,
@@ -51,14 +52,7 @@ def active_run(instance: dg.DagsterInstance, partition: str) -> str | None:
 
 
 def _interval() -> int:
-    raw = os.environ.get(ENV_INTERVAL) or str(DEFAULT_INTERVAL)
-    try:
-        value = int(raw)
-    except ValueError:
-        raise XCError(f"{ENV_INTERVAL}={raw!r}: expected a whole number of seconds") from None
-    if value < 1:
-        raise XCError(f"{ENV_INTERVAL}={raw!r}: expected at least 1 second")
-    return value
+    return int(env_positive(ENV_INTERVAL, DEFAULT_INTERVAL))  # seconds between sensor ticks
 
 
 def build_click_log_sensor(job: dg.UnresolvedAssetJobDefinition,

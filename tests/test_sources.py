@@ -21,6 +21,7 @@ from tests.tinydata import write_lf_dataset
 from xc_dagster.data import read_dataset
 from xc_dagster.data.archives import is_archive
 from xc_dagster.data.cache import cache_key, file_sha256
+from xc_dagster.data.download import validator_path
 from xc_dagster.data.sources import resolve_source
 from xc_dagster.errors import XCConfigError, XCError, XCFormatError
 
@@ -53,6 +54,7 @@ def _handler(state: _State) -> type[http.server.BaseHTTPRequestHandler]:
                 self.send_error(404)
                 return
             data, start = state.payload, 0
+            etag = f'"{hashlib.sha256(data).hexdigest()[:16]}"'  # the version's validator: resumes need one
             m = re.fullmatch(r"bytes=(\d+)-", rng or "")
             if m and state.honor_range:
                 start = int(m.group(1))
@@ -60,12 +62,14 @@ def _handler(state: _State) -> type[http.server.BaseHTTPRequestHandler]:
                     self.send_response(416)
                     self.send_header("Content-Range", f"bytes */{len(data)}")
                     self.send_header("Content-Length", "0")
+                    self.send_header("ETag", etag)
                     self.end_headers()
                     return
                 self.send_response(206)
                 self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
             else:
                 self.send_response(200)
+            self.send_header("ETag", etag)
             body = data[start:]
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -137,7 +141,9 @@ def test_complete_part_file_is_finished_after_416(tmp_path, payload):
     cache = tmp_path / "cache"
     with _serve(state) as url:
         cache.mkdir()
-        (cache / f".{cache_key(url)}.part").write_bytes(payload)
+        part = cache / f".{cache_key(url)}.part"
+        part.write_bytes(payload)
+        validator_path(part).write_text(f'"{hashlib.sha256(payload).hexdigest()[:16]}"\n')  # recorded with it
         got = resolve_source(url, cache)
     assert state.ranges == [f"bytes={len(payload)}-"]
     assert read_dataset(got).num_labels == 20

@@ -9,14 +9,14 @@ memory or disk: nothing is allocated from a header's counts alone. Each limit is
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from xc_dagster.errors import XCConfigError, XCFormatError
+from xc_dagster.config.env import env_positive
+from xc_dagster.errors import XCFormatError
 
 ENV_PREFIX = "XC_INGEST_"
 MAX_DIM = 2**31 - 1  # largest count a header may give: every row / column id then fits an int32
@@ -47,16 +47,9 @@ def current_limits() -> InputLimits:
     """The defaults, with every field whose ``XC_INGEST_<FIELD>`` variable is set replaced by its value."""
     values = {}
     for f in dataclasses.fields(InputLimits):
-        raw = os.environ.get(env_name(f.name))
-        if raw is None or not raw.strip():
+        v = env_positive(env_name(f.name), None, float if f.type == "float" else int)
+        if v is None:
             continue
-        kind = "number" if f.type == "float" else "integer"
-        try:
-            v = float(raw) if f.type == "float" else int(raw)
-        except ValueError:
-            v = 0
-        if not v > 0:
-            raise XCConfigError(f"{env_name(f.name)}: expected a positive {kind}, got {raw!r}")
         values[f.name] = v
     return InputLimits(**values)
 

@@ -1,9 +1,9 @@
 """Resolve a dataset source URI (local path, ``file://``, ``http(s)://``, any fsspec scheme) to a local folder.
 
 Remote sources are fetched into ``cache_dir`` (:mod:`~xc_dagster.data.cache`) and reused when present;
-``http(s)://`` downloads resume an interrupted ``.part`` file (:mod:`~xc_dagster.data.download`), and every
-single-file source (archive or file) is checked against its SHA-256 when one is given: a partial or corrupt
-download never becomes a cache entry. Archives are extracted safely (:mod:`~xc_dagster.data.archives`).
+``http(s)://`` downloads resume an interrupted ``.part`` file of the same version only (``If-Range``,
+:mod:`~xc_dagster.data.download`), and every single-file source (archive or file) is checked against its SHA-256
+when one is given: a partial or corrupt download never becomes a cache entry. Archives are extracted safely (:mod:`~xc_dagster.data.archives`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from xc_dagster.data.cache import (
     temp_path,
     verify_sha256,
 )
-from xc_dagster.data.download import download
+from xc_dagster.data.download import discard, download
 from xc_dagster.errors import XCConfigError, XCDatasetNotFound, XCError
 
 
@@ -60,7 +60,8 @@ def _resolve_local(path: Path, cache_dir: Path, sha256: str | None = None) -> Pa
 
 
 def _resolve_http(url: str, cache_dir: Path, sha256: str | None = None) -> Path:
-    """Resumable download into ``cache_dir/.KEY.part``, SHA-256 check, extraction, then the cache entry.
+    """Resumable download into ``cache_dir/.KEY.part`` (+ its validator), SHA-256 check, extraction, then the
+    cache entry.
 
     The cache entry ``cache_dir/KEY`` appears only once all three succeeded; a failed check or extraction
     deletes the download so the next call starts afresh.
@@ -76,15 +77,15 @@ def _resolve_http(url: str, cache_dir: Path, sha256: str | None = None) -> Path:
         if target.is_dir():  # another process finished it while we waited
             return entry(target, name)
         download(url, part)
-        verify_sha256(part, sha256, url, delete=True)
         try:
+            verify_sha256(part, sha256, url, delete=True)
             return install_file(part, name, target, url)
         except BaseException:
-            part.unlink(missing_ok=True)
+            discard(part)
             raise
         finally:
             if target.is_dir():
-                part.unlink(missing_ok=True)
+                discard(part)
 
 
 def _copy_fsspec_folder(fs: fsspec.AbstractFileSystem, path: str, source: str, cache_dir: Path, key: str) -> Path:

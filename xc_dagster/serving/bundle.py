@@ -24,12 +24,13 @@ A *bundle* is a folder that loads from plain files only (no pickle); the registe
 ``predict_topk(texts, bundle, k)`` is the whole inference path (tokenize with the training max_len, encode,
 and with the lexical source vectorize the texts; shortlist from the indexes, fuse, top-k): the pyfunc
 :class:`XCModel` and ``bench/serving_bench.py`` both call it, and it gives the evaluation stage's predictions
-for the same texts (same tokenizer, chunking and autocast).
+for the same texts (same tokenizer, chunking and autocast). Its input is bounded (``xc_dagster.serving.limits``):
+texts cut to ``max_len * 32`` characters before tokenizing, no labels for a text without a visible character,
+k at most the shortlist's width; the pyfunc also caps a request's texts and characters.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 import torch
+from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 
 from xc_dagster.artifacts import ENCODER, FUSION, LABEL_EMB, W
 from xc_dagster.data.canonical import LABEL_TEXTS_FILE
@@ -61,6 +63,7 @@ from xc_dagster.retrieval.shortlist import (
     retrieve,
     topk_from_scores,
 )
+from xc_dagster.serving.limits import RequestLimits, as_text, cut_texts, has_content
 from xc_dagster.storage import load_json, save_json
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -99,6 +102,11 @@ class ServingBundle:
     @property
     def num_labels(self) -> int:
         return int(len(self.W))
+
+    @property
+    def max_k(self) -> int:
+        """The most labels a row can get: the shortlist's width (``shortlist_size`` per source), at most L."""
+        return max(1, min(self.shortlist_size * len(self.sources.names), self.num_labels))
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
@@ -213,26 +221,29 @@ def load_bundle(folder: str | Path, device: str | torch.device | None = None) ->
 # --------------------------------------------------------------------------------------------- inference
 
 def encode_texts(texts: Sequence[str], bundle: ServingBundle) -> np.ndarray:
-    """Unit embeddings (n, D) float32 of ``texts`` with the bundled tokenizer and encoder."""
-    ids, lens = tokenize_texts(bundle.tokenizer, texts, bundle.max_len)
+    """Unit embeddings (n, D) float32 of ``texts`` (each cut to ``max_len * 32`` characters first) with the bundled
+    tokenizer and encoder."""
+    ids, lens = tokenize_texts(bundle.tokenizer, cut_texts(texts, bundle.max_len), bundle.max_len)
     if len(lens) == 0:
         return np.zeros((0, bundle.W.shape[1]), dtype=np.float32)
     return encode_tokens(bundle.encoder, ids, lens, bundle.device, bundle.dtype, bundle.batch_size)
 
 
 def lexical_rows(texts: Sequence[str], bundle: ServingBundle) -> Any:
-    """The texts' TF-IDF rows for the bundle's lexical source (its saved vectorizer, or its feature words and
-    idf); None when it has none."""
+    """The texts' TF-IDF rows (of the texts cut as for the encoder) for the bundle's lexical source (its saved
+    vectorizer, or its feature words and idf); None when it has none."""
     lexical = bundle.sources.lexical
-    return None if lexical is None else lexical.transform(list(texts))
+    return None if lexical is None else lexical.transform(cut_texts(texts, bundle.max_len))
 
 
 def rank(queries: np.ndarray, bundle: ServingBundle, k: int,
          lexical_queries: Any = None) -> tuple[np.ndarray, np.ndarray]:
-    """The index + fusion part: shortlist from the indexes, fused scores, top-k (ids -1 padded).
+    """The index + fusion part: shortlist from the indexes, fused scores, top-k (ids -1 padded) of width
+    ``min(k, bundle.max_k)``: a larger k gets no more labels, only padding, so it is clamped.
     ``lexical_queries``: the queries' TF-IDF rows (:func:`lexical_rows`), needed with the lexical source."""
     if k < 1:
         raise XCConfigError(f"k: expected >= 1, got {k}")
+    k = min(int(k), bundle.max_k)
     if len(queries) == 0:
         return np.zeros((0, k), dtype=np.int64), np.zeros((0, k), dtype=np.float32)
     sl = retrieve(queries, bundle.sources, bundle.shortlist_size, lexical_queries=lexical_queries)
@@ -240,8 +251,19 @@ def rank(queries: np.ndarray, bundle: ServingBundle, k: int,
 
 
 def predict_topk(texts: Sequence[str], bundle: ServingBundle, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Top-k (label ids int64, scores float32) per text, ids -1 (score -inf) past the shortlist's end."""
-    return rank(encode_texts(texts, bundle), bundle, k, lexical_rows(texts, bundle))
+    """Top-k (label ids int64, scores float32) per text, ids -1 (score -inf) past the shortlist's end; width
+    ``min(k, bundle.max_k)``. Texts are cut to ``max_len * 32`` characters; a text without a visible character
+    (empty, whitespace) gets no labels (a row of -1), and is not encoded."""
+    texts = cut_texts(texts, bundle.max_len)
+    keep = np.flatnonzero([has_content(t) for t in texts])
+    if len(keep) == len(texts):
+        return rank(encode_texts(texts, bundle), bundle, k, lexical_rows(texts, bundle))
+    kept = [texts[i] for i in keep]
+    ids, scores = rank(encode_texts(kept, bundle), bundle, k, lexical_rows(kept, bundle))
+    out_ids = np.full((len(texts), ids.shape[1]), -1, dtype=np.int64)
+    out_scores = np.full((len(texts), ids.shape[1]), -np.inf, dtype=np.float32)
+    out_ids[keep], out_scores[keep] = ids, scores
+    return out_ids, out_scores
 
 
 def predictions_frame(ids: np.ndarray, scores: np.ndarray, bundle: ServingBundle) -> pd.DataFrame:
@@ -256,22 +278,34 @@ def predictions_frame(ids: np.ndarray, scores: np.ndarray, bundle: ServingBundle
     return pd.DataFrame({"label_ids": out_ids, "labels": out_labels, "scores": out_scores})
 
 
-def _input_texts(model_input: Any) -> list[str]:
+def _input_values(model_input: Any) -> Sequence[Any]:
+    """The input's text values, not yet checked: a DataFrame's ``text`` (or only) column, a sequence, one text,
+    or a mapping's ``text``."""
     if isinstance(model_input, pd.DataFrame):
         if "text" in model_input.columns:
-            col = model_input["text"]
-        elif model_input.shape[1] == 1:
-            col = model_input.iloc[:, 0]
-        else:
-            raise XCError(f"model input: expected a column 'text', got columns {list(model_input.columns)}")
-        return ["" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v) for v in col]
-    if isinstance(model_input, str):
+            return model_input["text"]
+        if model_input.shape[1] == 1:
+            return model_input.iloc[:, 0]
+        raise XCError(f"model input: expected a column 'text', got columns {list(model_input.columns)}")
+    if isinstance(model_input, Mapping) and "text" in model_input:
+        model_input = model_input["text"]
+    if isinstance(model_input, (str, bytes, bytearray)):
         return [model_input]
     if isinstance(model_input, (list, tuple, pd.Series, np.ndarray)):
-        return [str(v) for v in model_input]
-    if isinstance(model_input, Mapping) and "text" in model_input:
-        return _input_texts(pd.DataFrame({"text": list(np.atleast_1d(model_input["text"]))}))
+        return model_input
     raise XCError(f"model input: expected a DataFrame with a 'text' column, got {type(model_input).__name__}")
+
+
+def input_texts(model_input: Any, limits: RequestLimits | None = None) -> list[str]:
+    """The texts of a pyfunc input (``bytes`` decoded as UTF-8, None / NaN as ""), within ``limits``: the number
+    of values is checked before any is read, the characters once they are decoded."""
+    values = _input_values(model_input)
+    if limits is not None:
+        limits.check_count(len(values))
+    texts = [as_text(v, i) for i, v in enumerate(values)]
+    if limits is not None:
+        limits.check_chars(texts)
+    return texts
 
 
 def _param_k(params: Mapping[str, Any] | None, default: int) -> int:
@@ -287,21 +321,30 @@ def _param_k(params: Mapping[str, Any] | None, default: int) -> int:
 
 class XCModel(mlflow.pyfunc.PythonModel):
     """MLflow pyfunc: ``predict(DataFrame({"text": [...]}), params={"k": 10})`` -> per row the top-k
-    ``label_ids``, ``labels`` (texts) and ``scores``; fewer than k when the shortlist is shorter."""
+    ``label_ids``, ``labels`` (texts) and ``scores``; fewer than k when the shortlist is shorter, none for a text
+    without a visible character. A request over its limits (``RequestLimits``: ``$XC_SERVING_MAX_TEXTS``,
+    ``$XC_SERVING_MAX_REQUEST_CHARS``), a bad k or a value that is not text is refused with an
+    ``MlflowException`` INVALID_PARAMETER_VALUE: HTTP 400 from ``mlflow models serve``."""
 
     def __init__(self) -> None:
         self.bundle: ServingBundle | None = None
+        self.limits = RequestLimits()
 
     def load_context(self, context) -> None:
         threads = os.environ.get(THREADS_ENV)
         if threads:  # e.g. 1 per worker: single queries are too small to split across cores
             torch.set_num_threads(int(threads))
             faiss.omp_set_num_threads(int(threads))
+        self.limits = RequestLimits.from_env()
         self.bundle = load_bundle(context.artifacts["bundle"])
 
     def predict(self, context, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> pd.DataFrame:
         if self.bundle is None:  # pragma: no cover - MLflow always calls load_context first
             self.load_context(context)
-        k = _param_k(params, self.bundle.default_k)
-        ids, scores = predict_topk(_input_texts(model_input), self.bundle, k)
+        try:  # the caller's mistakes: a client error (HTTP 400), with our message, not a server error
+            k = _param_k(params, self.bundle.default_k)
+            texts = input_texts(model_input, self.limits)
+        except XCError as e:
+            raise mlflow.exceptions.MlflowException(str(e), error_code=INVALID_PARAMETER_VALUE) from e
+        ids, scores = predict_topk(texts, self.bundle, k)
         return predictions_frame(ids, scores, self.bundle)

@@ -31,6 +31,7 @@ from xc_dagster.catalog import parse_tolerance
 from xc_dagster.errors import XCError
 from xc_dagster.evaluation.metrics import evaluate, remove_filtered
 from xc_dagster.serving.bundle import ServingBundle, load_bundle, predict_topk, predictions_frame, write_bundle
+from xc_dagster.serving.limits import has_content
 from xc_dagster.tracking import model_name, use_tracking_uri
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -95,7 +96,8 @@ def log_pyfunc(bundle_dir: Path, example_texts: Sequence[str], default_k: int = 
     itself, which is also the input example. ``bundle_code`` ships a copy of the library as the model's
     ``code_paths`` (then the model serves with the code it was logged with).
     """
-    example = [t if t else " " for t in list(example_texts)[:2]] or ["example"]
+    # a text without a visible character gets no labels: no output types to infer the signature from
+    example = [t if has_content(t) else "example" for t in list(example_texts)[:2]] or ["example"]
     bundle = load_bundle(bundle_dir, device)
     out = predictions_frame(*predict_topk(example, bundle, default_k), bundle)
     inp = pd.DataFrame({"text": example})
