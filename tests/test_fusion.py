@@ -11,7 +11,7 @@ import pytest
 import scipy.sparse as sp
 from sklearn.tree import DecisionTreeClassifier
 
-from tests.tinydata import write_lf_dataset, write_tiny_encoder
+from tests.tinydata import label_prior_metrics, write_lf_dataset, write_tiny_encoder
 from xc_dagster.catalog import DatasetSpec
 from xc_dagster.config import FusionParams
 from xc_dagster.data.splits import validation_targets
@@ -186,10 +186,46 @@ def test_round_trip_gives_identical_scores():
 
 
 def test_scores_rank_like_evaluate_expects():
+    """The fused scores rank as ``evaluate`` ranks (score descending, ties to the smaller label id, padding
+    never predicted); a hand example where the tree reorders the plain sum; and the fitted tree ranks fresh
+    points far better than the plain score sum or noise."""
+    # hand example: inv_prop <= 2.0 -> P = 0.1, else P = 0.9; label 1 (inv 3.0) overtakes label 0 on row 0,
+    # row 1 ties labels 0 and 2 (0.1 + 0.4 + 0.4 both): the smaller id first
+    tree = TreeFusion([1, -1, -1], [2, -1, -1], [2, -2, -2], [2.0, -2.0, -2.0], [0.5, 0.1, 0.9], 1, 3)
+    inv = np.array([1.5, 3.0, 2.0])
+    sl = Shortlist(np.array([[0, 1, 2, -1], [2, 0, -1, -1]]),
+                   np.array([[0.5, 0.2, 0.3, -np.inf], [0.4, 0.4, -np.inf, -np.inf]], dtype=np.float32),
+                   np.array([[0.3, 0.4, 0.1, -np.inf], [0.4, 0.4, -np.inf, -np.inf]], dtype=np.float32))
+    top, _ = topk_from_scores(sl.ids, tree.score(sl, inv), 4)
+    np.testing.assert_array_equal(top, [[1, 0, 2, -1], [0, 2, -1, -1]])
+    by_sum, _ = topk_from_scores(sl.ids, sl.clf + sl.emb, 4)
+    np.testing.assert_array_equal(by_sum[0], [0, 1, 2, -1])
+    Yh = sp.csr_matrix(np.array([[0, 1, 0], [1, 0, 0]], dtype=np.float32))
+    assert evaluate(top, Yh, ks=(1,))["precision_at_1"] == 1.0
+    assert evaluate(by_sum, Yh, ks=(1,))["precision_at_1"] == 0.5
+    assert evaluate(sl.ids, Yh, ks=(1, 2), scores=tree.score(sl, inv)) == evaluate(top, Yh, ks=(1, 2))
+
+    # fitted: topk_from_scores ranks each row as a plain sort does (score descending, then smaller id), and
+    # evaluate given (ids, scores) ranks them the same way
     sl, Y, inv = _synthetic(100, seed=6)
     tree = fit_tree(sl, Y, FusionParams(method="tree"), inv)
-    top, _ = topk_from_scores(sl.ids, tree.score(sl, inv), 5)
-    assert (top >= -1).all() and evaluate(top, Y, ks=(1,))["precision_at_1"] >= 0
+    s = tree.score(sl, inv)
+    top, _ = topk_from_scores(sl.ids, s, 5)
+    for i in range(len(top)):
+        want = sorted((l for l in sl.ids[i] if l >= 0), key=lambda l: (-s[i][sl.ids[i] == l][0], l))[:5]
+        assert top[i].tolist() == want
+    ks = (1, 3, 5)
+    assert evaluate(sl.ids, Y, ks=ks, scores=s) == evaluate(top, Y, ks=ks)
+    # and on fresh points from the same distribution it beats the plain sum and noise by wide margins
+    # (measured over 10 seeds: tree >= 0.78, sum <= 0.64, noise <= 0.17)
+    sl2, Y2, _ = _synthetic(300, seed=106, inv_prop=inv)
+    noise = np.where(sl2.ids >= 0, np.random.default_rng(0).random(sl2.ids.shape), -np.inf)
+
+    def p1(scores):
+        return evaluate(topk_from_scores(sl2.ids, scores, 5)[0], Y2, ks=(1,))["precision_at_1"]
+
+    p_tree, p_sum, p_noise = p1(tree.score(sl2, inv)), p1(sl2.clf + sl2.emb), p1(noise)
+    assert p_tree > 0.7 and p_tree > p_sum + 0.15 and p_tree > p_noise + 0.5, (p_tree, p_sum, p_noise)
 
 
 # --------------------------------------------------------------------------------------------- errors
@@ -277,7 +313,13 @@ def test_pipeline_fits_saves_and_evaluates_tree_fusion(tmp_path):
     text = (store.stage_dir("TinyTitles", "fusion") / "fusion.json").read_text()
     fz = load_fusion(json.loads(text))
     assert isinstance(fz, TreeFusion) and fz.num_labels == 20 and fz.info["params"]["tree_add_positives"]
-    assert 0 <= out["evaluate"]["metrics"]["precision_at_1"] <= 1
+    # the tree-fused ranking is far above the label prior (P@1 0.10, P@5 0.095 here; measured 0.525 / 0.305;
+    # over data seeds 0-4 P@1 0.33-0.75, always above the prior, yet below the embedding score alone in 4 of 5:
+    # the tree fuses only the classifier and embedding scores, on 30 validation points)
+    m = out["evaluate"]["metrics"]
+    base = label_prior_metrics(ds.Y_train, ds.Y_test, ds.filter_test)
+    assert m["precision_at_1"] >= base["precision_at_1"] + 0.25, (m["precision_at_1"], base)
+    assert m["precision_at_5"] >= base["precision_at_5"] + 0.1, (m["precision_at_5"], base)
 
 
 def test_alpha_fits_a_knn_weight_jointly_when_the_shortlist_has_knn_scores():

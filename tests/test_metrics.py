@@ -310,9 +310,21 @@ def test_memory_layout_and_dtypes_do_not_matter():
 def test_new_validation_errors():
     with pytest.raises(ValueError, match="NaN"):
         evaluate(IDX3, Y3, scores=np.full(IDX3.shape, np.nan))
-    # NaN in padding slots is fine
-    sc = np.where(IDX3 >= 0, 1.0, np.nan)
-    assert evaluate(IDX3, Y3, scores=sc)["precision_at_1"] >= 0
+    one = np.where(IDX3 >= 0, 1.0, np.nan)
+    one[2, 1] = np.nan  # a single NaN on a real prediction is rejected too
+    with pytest.raises(ValueError, match="NaN"):
+        evaluate(IDX3, Y3, scores=one)
+    # NaN in padding slots is ignored: the result is the one without those entries (padding scored -inf, or
+    # the rows ranked by hand: row0 [4, 1, 2, 2], row1 [1, 3], row2 [3, 2, 1, 0]), wherever the padding sits
+    rank = np.tile(np.arange(1.0, 5.0), (3, 1))  # ascending: the scores reverse the given order
+    sc = np.where(IDX3 >= 0, rank, np.nan)
+    got = evaluate(IDX3, Y3, ks=(1, 3, 5), scores=sc)
+    assert got == evaluate(IDX3, Y3, ks=(1, 3, 5), scores=np.where(IDX3 >= 0, rank, -np.inf))
+    assert got == evaluate(np.array([[4, 1, 2, 2], [1, 3, -1, -1], [3, 2, 1, 0]]), Y3, ks=(1, 3, 5))
+    front = np.array([IDX3[0], [-1, -1, 3, 1], IDX3[2]])
+    assert evaluate(front, Y3, ks=(1, 3, 5), scores=np.where(front >= 0, rank, np.nan)) == got
+    # P@1: row0 4 hit, row1 1 hit -> 2/3; P@3: row0 {4, 2} of [4, 1, 2], row1 {1} -> (2/3 + 1/3)/3 = 1/3
+    assert got["precision_at_1"] == pytest.approx(2 / 3) and got["precision_at_3"] == pytest.approx(1 / 3)
     S = sp.csr_matrix(np.eye(3, 6))
     with pytest.raises(ValueError, match="scores must be None"):
         evaluate(S, Y3, scores=np.ones((3, 6)))

@@ -11,7 +11,7 @@ import scipy.sparse as sp
 import torch
 
 from tests.test_pipeline import TINY
-from tests.tinydata import write_lf_dataset, write_tiny_encoder
+from tests.tinydata import label_prior_metrics, write_lf_dataset, write_tiny_encoder
 from xc_dagster.catalog import Catalog, DatasetSpec
 from xc_dagster.data import load_dataset
 from xc_dagster.errors import XCConfigError
@@ -241,7 +241,13 @@ def test_siamesexml_strategy_three_index_shortlist_through_the_pipeline_and_bund
     ids, scores = serving_bundle.predict_topk(ds.test_texts, bundle, 10)
     filtered, _ = remove_filtered(ids, scores, ds.filter_test)
     np.testing.assert_array_equal(filtered, np.load(ctx.dir("evaluate") / "predictions.npz")["ids"])
-    assert 0.0 <= load_json(ctx.dir("evaluate") / "metrics.json")["precision_at_1"] <= 1.0
+    # the three-index shortlist with Module IV's classifiers ranks far above the label prior (P@1 0.10 here;
+    # measured 0.875 fused, 0.9 the classifier score alone; over data seeds 0-4 fused >= base + 0.45)
+    m = load_json(ctx.dir("evaluate") / "metrics.json")
+    base = label_prior_metrics(ds.Y_train, ds.Y_test, ds.filter_test)
+    assert m == out["evaluate"]["metrics"]
+    assert m["precision_at_1"] >= base["precision_at_1"] + 0.3, (m["precision_at_1"], base)
+    assert m["classifier_only_precision_at_1"] >= base["precision_at_1"] + 0.3, (m, base)
 
 
 def test_knn_score_from_the_k_nearest_neighbours_only():

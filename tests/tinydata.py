@@ -41,6 +41,16 @@ def write_lf_dataset(folder: Path, n_train: int = 120, n_test: int = 40, n_label
     return folder
 
 
+def label_prior_metrics(Y_train, Y_test, filter_pairs=None, ks=(1, 5)) -> dict[str, float]:
+    """The label-prior baseline a learned model must beat: every test point gets the same ranking, the labels by
+    training frequency (ties: smaller id), scored as the evaluate stage scores predictions (filter pairs out)."""
+    from xc_dagster.evaluation.metrics import evaluate  # noqa: PLC0415
+
+    freq = np.asarray(Y_train.sum(axis=0)).ravel()
+    order = np.lexsort((np.arange(len(freq)), -freq))
+    return evaluate(np.tile(order, (Y_test.shape[0], 1)), Y_test, ks=ks, filter_pairs=filter_pairs)
+
+
 def label_word_texts():
     """24 points naming one or two of 8 label words, tokenized with MiniLM's tokenizer (max_len 8): (point
     tokens, label tokens, Y)."""
