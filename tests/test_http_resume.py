@@ -7,7 +7,6 @@ would), and can cut an answer short or send it slowly."""
 
 from __future__ import annotations
 
-import contextlib
 import email.utils
 import http.server
 import os
@@ -18,11 +17,11 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import pytest
 
+from tests.tinydata import serve_http
 from xc_dagster.data.cache import cache_key
 from xc_dagster.data.download import validator_path
 from xc_dagster.data.sources import resolve_source
@@ -106,24 +105,8 @@ def _handler(state: _Server) -> type[http.server.BaseHTTPRequestHandler]:
     return Handler
 
 
-class _QuietServer(http.server.ThreadingHTTPServer):
-    daemon_threads = True
-
-    def handle_error(self, request, client_address) -> None:  # a client killed mid-answer: expected here
-        pass
-
-
-@contextlib.contextmanager
-def _serve(state: _Server) -> Iterator[str]:
-    server = _QuietServer(("127.0.0.1", 0), _handler(state))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/data.bin"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
+def _serve(state: _Server):
+    return serve_http(_handler(state), "data.bin")
 
 
 def _cut_then(state: _Server, url: str, cache: Path, cut: int) -> None:

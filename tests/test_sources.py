@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-import contextlib
 import gzip
 import hashlib
 import http.server
 import io
 import re
 import tarfile
-import threading
 import zipfile
 from pathlib import Path
-from typing import Iterator
 
 import fsspec
 import pytest
 
-from tests.tinydata import write_lf_dataset
+from tests.tinydata import serve_http, write_lf_dataset
 from xc_dagster.data import read_dataset
 from xc_dagster.data.archives import is_archive
 from xc_dagster.data.cache import cache_key, file_sha256
@@ -83,17 +80,8 @@ def _handler(state: _State) -> type[http.server.BaseHTTPRequestHandler]:
     return Handler
 
 
-@contextlib.contextmanager
-def _serve(state: _State) -> Iterator[str]:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _handler(state))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/ds.zip"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
+def _serve(state: _State):
+    return serve_http(_handler(state), "ds.zip")
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import gzip
+import http.server
 import json
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -120,3 +123,26 @@ def stop_process_group(proc, timeout: float = 30.0) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
+
+
+class QuietHTTPServer(http.server.ThreadingHTTPServer):
+    """A threaded test server that does not print the errors of clients killed mid-answer (expected here)."""
+
+    daemon_threads = True
+
+    def handle_error(self, request, client_address) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def serve_http(handler, path: str):
+    """Serve ``handler`` on a free local port in a thread; yields the URL of ``path``."""
+    server = QuietHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/{path}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
