@@ -14,4 +14,6 @@ class MLflowResource(dg.ConfigurableResource):
     tracking_uri: str = ""
 
     def tracker(self, home: Home) -> Tracker:
-        return Tracker(self.tracking_uri or home.mlflow_uri, home.mlflow_artifacts)
+        uri = self.tracking_uri or home.mlflow_uri
+        home.ensure(tracking_uri=uri)  # a store of its own is created under the home's first-use lock too
+        return Tracker(uri, home.mlflow_artifacts)

@@ -299,8 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    home = Home.from_env().ensure()
     try:
+        # the home's first use (stores and Dagster instance) once, under its lock, before a `dagster` process races
+        home = Home.from_env().ensure(instance=True)
         if args.cmd == "datasets":
             return {"add": cmd_add, "list": cmd_list, "remove": cmd_remove}[args.dcmd](args, home)
         if args.cmd == "quickstart":

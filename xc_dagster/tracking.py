@@ -1,23 +1,30 @@
 """MLflow tracking: one run per (dataset, stage) materialization, in one experiment per dataset.
 
 Kept free of Dagster so scripts log the same way; the Dagster resource passes the tracking URI and the
-run id to tag with.
+run id to tag with. Each run records the process that owns it (host, pid, process start); a run still RUNNING
+whose owner is gone (killed: OOM, SIGKILL) is ended as KILLED when the next tracked run starts
+(docs/decisions.md#dead-run-sweep).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import re
+import socket
 import time
 from pathlib import Path
 from typing import Any, Iterator
+from urllib.parse import urlsplit
 
 import mlflow
 from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 from mlflow.tracking._tracking_service import utils as tracking_utils
+
+_log = logging.getLogger(__name__)
 
 
 def model_name(dataset: str) -> str:
@@ -44,6 +51,18 @@ def use_tracking_uri(uri: str) -> Iterator[None]:
             os.environ.pop("MLFLOW_TRACKING_URI", None)
         else:
             os.environ["MLFLOW_TRACKING_URI"] = old_env
+
+
+def is_sqlite_uri(uri: str) -> bool:
+    return urlsplit(uri).scheme.split("+")[0] == "sqlite"
+
+
+def prepare_tracking_store(uri: str) -> None:
+    """Create a SQLite tracking store's tables and run its schema migrations, what MLflow does on a store's first
+    use, by opening it through the public client (the home calls this once, under its first-use lock). Other stores
+    are left alone: a tracking server migrates its own, a shared database is migrated by its operator."""
+    if is_sqlite_uri(uri):
+        MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
 
 
 def experiment_name(dataset: str) -> str:
@@ -101,9 +120,14 @@ class Tracker:
 
     @contextlib.contextmanager
     def run(self, dataset: str, stage: str, params: dict[str, Any], tags: dict[str, str]) -> Iterator[RunLogger]:
-        """Open a run tagged with dataset and stage; FAILED status if the body raises."""
+        """Open a run tagged with dataset, stage and its owner process; FAILED status if the body raises. First ends
+        the runs of this host whose owner process died (:func:`end_dead_runs`)."""
+        try:
+            end_dead_runs(self.client)
+        except mlflow.exceptions.MlflowException as exc:  # a courtesy to killed runs: never fails this one
+            _log.warning("could not end the runs of dead processes: %s", exc)
         exp = self.experiment_id(dataset)
-        all_tags = {"dataset": dataset, "asset": stage, "mlflow.runName": f"{stage}", **tags}
+        all_tags = {"dataset": dataset, "asset": stage, "mlflow.runName": f"{stage}", **tags, **owner_tags()}
         run = self.client.create_run(exp, tags=all_tags)
         rid = run.info.run_id
         items = [Param(k, _param_str(v)) for k, v in params.items()]
@@ -121,3 +145,100 @@ def _param_str(v: Any) -> str:
     s = ",".join(map(str, v)) if isinstance(v, (tuple, list)) else str(v)
     return s[:6000]
 
+
+OWNER_HOST, OWNER_PID, OWNER_PROCESS = "xc.owner.host", "xc.owner.pid", "xc.owner.process"
+ENDED_BY = "xc.ended_by"  # why a run was ended by another process than its owner
+HAS_PROC = Path("/proc/self/stat").exists()  # Linux: process start times and pid namespaces are readable
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return ""
+
+
+def _scope() -> str:
+    """``<boot id>/<pid namespace>``: where pids of this host are comparable ('' without /proc)."""
+    if not HAS_PROC:
+        return ""
+    try:
+        ns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        ns = ""
+    return f"{_read('/proc/sys/kernel/random/boot_id')}/{ns}"
+
+
+def _start_ticks(pid: int) -> str | None:
+    """The process's start time (clock ticks since boot, /proc/<pid>/stat field 22); None when it is gone or a
+    zombie (dead, not yet reaped by its parent)."""
+    stat = _read(f"/proc/{pid}/stat")
+    if not stat:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # after the command name, which may hold spaces
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
+def owner_tags(pid: int | None = None) -> dict[str, str]:
+    """The tags that name a run's owning process: host, pid and ``<scope>/<start ticks>`` (a reused pid has
+    another start time)."""
+    pid = os.getpid() if pid is None else pid
+    ticks = _start_ticks(pid) if HAS_PROC else ""
+    return {OWNER_HOST: socket.gethostname(), OWNER_PID: str(pid), OWNER_PROCESS: f"{_scope()}/{ticks or ''}"}
+
+
+def owner_alive(tags: dict[str, str]) -> bool | None:
+    """Whether a run's owner process still runs; None when this process cannot tell (another host or pid
+    namespace, or a run without owner tags)."""
+    host, pid, process = tags.get(OWNER_HOST), tags.get(OWNER_PID, ""), tags.get(OWNER_PROCESS, "")
+    if host != socket.gethostname() or not pid.isdigit():
+        return None
+    scope, _, ticks = process.rpartition("/")
+    if scope != _scope():
+        boot, here = scope.split("/")[0], _scope().split("/")[0]
+        return False if boot and here and boot != here else None  # rebooted since: every process of then is gone
+    if HAS_PROC:
+        return _start_ticks(int(pid)) == ticks
+    try:
+        os.kill(int(pid), 0)  # signal 0: only checks that the pid exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, another user's
+        return True
+    return True
+
+
+def _running_runs(client: MlflowClient) -> Iterator[Any]:
+    """Every RUNNING run of this host's owners, in every active experiment."""
+    ids, token = [], None
+    while True:
+        page = client.search_experiments(max_results=1000, page_token=token)
+        ids += [e.experiment_id for e in page]
+        token = page.token
+        if not token:
+            break
+    host = socket.gethostname().replace("'", "")
+    query = f"attributes.status = 'RUNNING' AND tags.`{OWNER_HOST}` = '{host}'"
+    for i in range(0, len(ids), 100):
+        token = None
+        while True:
+            page = client.search_runs(ids[i:i + 100], query, max_results=1000, page_token=token)
+            yield from page
+            token = page.token
+            if not token:
+                break
+
+
+def end_dead_runs(client: MlflowClient) -> list[str]:
+    """End as KILLED each RUNNING run whose owner process is gone (a killed step never ends its run); runs of
+    live processes, and of processes this one cannot see, are left alone. Returns the ended run ids."""
+    ended = []
+    for run in _running_runs(client):
+        tags = run.data.tags
+        if owner_alive(tags) is False:
+            rid = run.info.run_id
+            client.set_tag(rid, ENDED_BY, f"owner process {tags[OWNER_PID]} on {tags[OWNER_HOST]} was gone "
+                                          f"(ended by process {os.getpid()})")
+            client.set_terminated(rid, "KILLED")
+            ended.append(rid)
+    return ended
