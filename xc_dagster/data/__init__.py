@@ -24,6 +24,8 @@
 | ``clicklog_reader`` | reading and validating click-log files (Parquet, CSV, JSON lines) |
 | ``clicklog`` | click logs over a time window -> an ``lf-raw`` dataset folder with a stable label map |
 | ``splits`` | the validation split carved from the training points and its targets |
+| ``synthetic`` | generated ``lf-raw`` datasets with planted structure, of any shape (its ``python -m`` CLI) |
+| ``synthetic_text`` | the generator's made-up vocabulary and vectorised text composition |
 """
 
 from xc_dagster.data.archives import extract_archive
