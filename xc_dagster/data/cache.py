@@ -8,25 +8,18 @@ install of the same key.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import re
 import shutil
 import socket
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from urllib.parse import unquote, urlsplit
 
 from xc_dagster.data.archives import ARCHIVE_SUFFIXES, COPY_CHUNK, extract_archive, is_archive
 from xc_dagster.errors import XCConfigError, XCFormatError
-
-try:
-    import fcntl
-except ImportError:  # pragma: no cover - Windows: no advisory locks, the lock is a no-op
-    fcntl = None  # type: ignore[assignment]
-
 
 # ----------------------------------------------------------------------------------------- checksums
 
@@ -170,15 +163,3 @@ def fetch_to_cache(source: str, name: str, cache_dir: Path, key: str, fetch: Cal
         tmp_file.unlink(missing_ok=True)
 
 
-@contextlib.contextmanager
-def locked(lock_path: Path) -> Iterator[None]:
-    """An exclusive advisory lock on ``lock_path`` (POSIX; a no-op elsewhere)."""
-    if fcntl is None:  # pragma: no cover - Windows
-        yield
-        return
-    with open(lock_path, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)

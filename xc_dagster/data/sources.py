@@ -24,7 +24,6 @@ from xc_dagster.data.cache import (
     entry,
     fetch_to_cache,
     install_file,
-    locked,
     normalize_sha256,
     sweep_leftovers,
     temp_path,
@@ -32,6 +31,7 @@ from xc_dagster.data.cache import (
 )
 from xc_dagster.data.download import discard, download
 from xc_dagster.errors import XCConfigError, XCDatasetNotFound, XCError
+from xc_dagster.storage import file_lock
 
 
 def _no_folder_digest(source: str, sha256: str | None) -> None:
@@ -73,7 +73,7 @@ def _resolve_http(url: str, cache_dir: Path, sha256: str | None = None) -> Path:
         return entry(target, name)
     cache_dir.mkdir(parents=True, exist_ok=True)
     part = cache_dir / f".{key}.part"
-    with locked(cache_dir / f".{key}.lock"):
+    with file_lock(cache_dir / f".{key}.lock"):
         if target.is_dir():  # another process finished it while we waited
             return entry(target, name)
         download(url, part)
