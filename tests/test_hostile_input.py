@@ -24,6 +24,7 @@ from xc_dagster.catalog import Catalog
 from xc_dagster.cli import main as cli_main
 from xc_dagster.data import read_dataset, resolve_source
 from xc_dagster.data.accumulators import Growing
+from xc_dagster.data.clicklog_reader import read_click_log
 from xc_dagster.errors import XCFormatError
 from xc_dagster.home import Home
 
@@ -316,3 +317,15 @@ def test_a_dataset_with_nothing_to_learn_is_refused_at_ingest(tmp_path, trn, ext
     folder = split_sparse(tmp_path / "ds", trn, f"1 {trn.split()[1]}\n\n", **extra)
     with pytest.raises(XCFormatError, match=r"ds: expected " + expected.replace("(", r"\(").replace(")", r"\)")):
         read_dataset(folder)
+
+
+@pytest.mark.parametrize("name", ["clicks.jsonl.gz", "clicks.csv.gz"])
+def test_a_gzipped_click_log_bomb_is_refused_naming_the_file(tmp_path, name):
+    """A click log of 100 MB of blank lines in a .gz of about 100 KB stops at the expansion cap (64 MiB here), with
+    the file named, instead of being unpacked whole into memory."""
+    path = tmp_path / name
+    header = b"query,timestamp,label_id\n" if name.startswith("clicks.csv") else b""
+    path.write_bytes(gzip.compress(header + b"\n" * (100 * MIB), compresslevel=9))
+    assert path.stat().st_size < 300_000
+    with pytest.raises(XCFormatError, match=f"{name}.*unpacks to at most 67,108,864 bytes"):
+        read_click_log(path)

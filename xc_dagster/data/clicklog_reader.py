@@ -20,6 +20,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from xc_dagster.data.archives import COPY_CHUNK
+from xc_dagster.data.limits import Expansion
 from xc_dagster.errors import XCDatasetNotFound, XCFormatError
 
 COLUMNS = ("query", "label_id", "label", "clicks", "timestamp")
@@ -83,8 +85,8 @@ def _read_raw(path: Path, fmt: str) -> tuple[pd.DataFrame, np.ndarray]:
             return df.reset_index(drop=True), np.arange(1, len(df) + 1)
         if fmt == "csv":
             try:
-                df = pd.read_csv(path, dtype=str, keep_default_na=False, na_values=[""], skip_blank_lines=False,
-                                 compression="gzip" if gz else None, encoding="utf-8")
+                df = pd.read_csv(io.BytesIO(_unpacked(path)) if gz else path, dtype=str, keep_default_na=False,
+                                 na_values=[""], skip_blank_lines=False, encoding="utf-8")
             except pd.errors.EmptyDataError:
                 raise XCFormatError(path, 1, "a CSV header naming the columns query, timestamp, label_id/label",
                                     got="an empty file") from None
@@ -100,8 +102,19 @@ def _read_raw(path: Path, fmt: str) -> tuple[pd.DataFrame, np.ndarray]:
         raise XCFormatError(path, None, "a complete, valid gzip file", got=f"{type(e).__name__}: {e}") from e
 
 
+def _unpacked(path: Path) -> bytes:
+    """A ``.gz`` log's bytes, refused once they pass the input limits' expansion cap (a decompression bomb):
+    docs/decisions.md#ingest-input-limits."""
+    expansion, parts = Expansion(path, path.stat().st_size), []
+    with gzip.open(path, "rb") as fh:
+        while chunk := fh.read(COPY_CHUNK):
+            expansion.add(len(chunk))
+            parts.append(chunk)
+    return b"".join(parts)
+
+
 def _read_jsonl(path: Path, gz: bool) -> tuple[pd.DataFrame, np.ndarray]:
-    data = gzip.open(path, "rb").read() if gz else path.read_bytes()
+    data = _unpacked(path) if gz else path.read_bytes()
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
