@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
+from tests.tinydata import kill_at_marker
 from xc_dagster.config import ClassifierParams
 from xc_dagster.training.checkpoint import CORRUPT, STATE, Checkpointer, fingerprint
 from xc_dagster.training.classifier import train_classifiers
@@ -91,12 +91,7 @@ def test_a_trainer_killed_inside_a_checkpoint_write_resumes_to_the_uninterrupted
     folder = tmp_path / "ckpt"
     child = subprocess.Popen([sys.executable, "-c", CHILD, str(folder)], cwd=ROOT, stdout=subprocess.PIPE,
                              text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        assert child.stdout.readline().strip() == "mid-write"
-    finally:
-        os.kill(child.pid, signal.SIGKILL)
-        child.wait(timeout=60)
-    assert child.returncode == -signal.SIGKILL
+    kill_at_marker(child, "mid-write")
     part = folder / f"{STATE}.tmp"
     assert part.exists() and part.stat().st_size < (folder / STATE).stat().st_size  # killed mid-write
     assert checkpointer(folder).load().epoch == 2  # the last whole checkpoint

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.tinydata import kill_at_marker
 from xc_dagster.storage import ArtifactStore, atomic_dir, file_lock, stage_leftovers, sweep_stage
 
 REWRITES = 300
@@ -72,13 +72,7 @@ def _write(final: Path, text: str) -> None:
 
 def _kill_inside_a_write(final: Path) -> None:
     """A child process enters a write of ``final``, then is SIGKILLed there."""
-    proc = _child(KILLED, final)
-    try:
-        assert proc.stdout.readline().strip() == "inside"
-    finally:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=60)
-    assert proc.returncode == -signal.SIGKILL
+    kill_at_marker(_child(KILLED, final), "inside")
 
 
 def _visible(folder: Path) -> list[str]:

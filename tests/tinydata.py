@@ -6,6 +6,8 @@ import contextlib
 import gzip
 import http.server
 import json
+import os
+import signal
 import threading
 from pathlib import Path
 
@@ -111,8 +113,6 @@ def tiny_lf_home(tmp_path: Path, monkeypatch, overrides: dict, encoder: Path | N
 
 def stop_process_group(proc, timeout: float = 30.0) -> None:
     """SIGTERM a server started with ``start_new_session=True`` and its children; SIGKILL if it lingers."""
-    import os
-    import signal
     import subprocess
 
     try:
@@ -146,3 +146,13 @@ def serve_http(handler, path: str):
         server.shutdown()
         server.server_close()
         thread.join(5)
+
+
+def kill_at_marker(proc, marker: str) -> None:
+    """SIGKILL ``proc`` once it prints the line ``marker`` (its stdout a text pipe): a kill at a known point."""
+    try:
+        assert proc.stdout.readline().strip() == marker
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL

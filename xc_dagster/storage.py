@@ -60,24 +60,20 @@ def file_lock(path: Path, shared: bool = False, blocking: bool = True) -> Iterat
         os.close(fd)  # closing the last descriptor releases the lock
 
 
-def fsync_dir(folder: Path) -> None:
-    """Make a folder's entries (a rename or a new file in it) durable."""
-    if os.name == "nt":  # pragma: no cover - Windows cannot open a folder to fsync it
-        return
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def fsync_file(path: Path) -> None:
-    """Flush a written file's data to the disk (any descriptor of the file will do)."""
+    """Flush a written file's data, or a folder's entries (a rename or a new file in it), to the disk (any
+    descriptor of it will do)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make a folder's entries (a rename or a new file in it) durable."""
+    if os.name != "nt":  # Windows cannot open a folder to fsync it
+        fsync_file(folder)
 
 
 def fsync_tree(folder: Path) -> None:
