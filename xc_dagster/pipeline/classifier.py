@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -119,24 +119,29 @@ def _residual_encoder(ctx: StageContext, pooling: str | None) -> tuple[Any, Any,
     return None, None, "n/a: the encoder has no residual block"
 
 
-def fold_classifier(ctx: StageContext, rows: np.ndarray) -> np.ndarray:
-    """W trained on the training points ``rows`` only, as this stage trains it but on the deployed embeddings with
-    the encoder frozen, for the epochs the stage ran: a cross-fitting fold's classifiers (``fusion.fit_on``)."""
+def fold_trainer(ctx: StageContext, ds: Any, label_emb: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
+    """A trainer of W on the training points ``rows`` only, as this stage trains it but on the deployed embeddings
+    with the encoder frozen, for the epochs the stage ran: cross-fitting's fold classifiers (``fusion.fit_on``).
+    Its inputs are read once for every fold."""
     p = ctx.cfg.classifier
-    seed_everything(p.seed)
-    point_emb, label_emb = ctx.read.embeddings("train"), ctx.read.embeddings("label")
-    ds = ctx.read.labels()
+    point_emb, shortlist = ctx.read.embeddings("train"), ctx.read.shortlist()
     budget = (ctx.read.summary("classifier") or {}).get("budget") or {}
     q = dataclasses.replace(p, epochs=float(budget.get("planned_epochs", p.epochs)), train_encoder=False,
                             train_residual=False)
     W0 = _label_init(ctx, label_emb)  # not a warm start's W: it has seen every point
-    lw = (propensity_label_weights(ctx.inv_prop(ds.Y_train), ds.Y_train, rows, p.propensity_weight)
-          if p.propensity_weight else None)
-    if _check_trainer(p):
-        return train_end_to_end(point_emb, label_emb, W0, ds.Y_train, rows, q, ctx.device,
-                                shortlist=ctx.read.shortlist(), label_weight=lw, reencode=False).W
-    return train_classifiers(point_emb, W0, ds.Y_train, ctx.read.shortlist(), rows, q, ctx.device,
-                             label_weight=lw, label_point_emb=label_emb)[0]
+    inv_prop, sampled = ctx.inv_prop(ds.Y_train), _check_trainer(p)
+
+    def train(rows: np.ndarray) -> np.ndarray:
+        seed_everything(p.seed)
+        lw = (propensity_label_weights(inv_prop, ds.Y_train, rows, p.propensity_weight)
+              if p.propensity_weight else None)
+        if sampled:
+            return train_end_to_end(point_emb, label_emb, W0, ds.Y_train, rows, q, ctx.device, shortlist=shortlist,
+                                    label_weight=lw, reencode=False).W
+        return train_classifiers(point_emb, W0, ds.Y_train, shortlist, rows, q, ctx.device, label_weight=lw,
+                                 label_point_emb=label_emb)[0]
+
+    return train
 
 
 def run(ctx: StageContext) -> dict[str, Any]:

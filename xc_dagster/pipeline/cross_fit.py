@@ -17,7 +17,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from xc_dagster.data.splits import cross_fit_folds, filter_rows, validation_targets
-from xc_dagster.pipeline.classifier import fold_classifier
+from xc_dagster.pipeline.classifier import fold_trainer
 from xc_dagster.pipeline.context import StageContext
 from xc_dagster.retrieval.ann import LabelIndex
 from xc_dagster.retrieval.shortlist import (
@@ -87,10 +87,14 @@ def cross_fit_shortlists(ctx: StageContext, inv_prop: np.ndarray, missed: Any = 
     index_rows = np.arange(ds.num_train) if info.get("knn_points", 0) == ds.num_train else rows
     point_emb, label_emb = ctx.read.embeddings("train", mmap=True), ctx.read.embeddings("label")
     ann = {"m": ip.hnsw_m, "ef_construction": ip.hnsw_ef_construction, "ef_search": ip.hnsw_ef_search}
-    from_folds = [_score_fold(ctx, m, rows, fold, scored, point_emb, label_emb, ds, index_rows, info, ann,
-                              inv_prop, missed)
-                  for fold, scored in cross_fit_folds(rows, f.cross_fit_folds, f.cross_fit_max_points, f.seed)]
-    offsets = np.cumsum([0] + [len(p[1].indptr) - 1 for p in from_folds])
+    folds = cross_fit_folds(rows, f.cross_fit_folds, f.cross_fit_max_points, f.seed)
+    offsets = np.cumsum([0] + [len(scored) for _, scored in folds])
+    # read once for every fold: the fold trainer's inputs and the scored points' lexical rows
+    train = fold_trainer(ctx, ds, label_emb)
+    lex = ctx.read.lexical_queries(m, "train", np.concatenate([scored for _, scored in folds]))
+    from_folds = [_score_fold(ctx, m, train, rows, fold, scored, None if lex is None else lex[a:b], point_emb,
+                              label_emb, ds, index_rows, info, ann, inv_prop, missed)
+                  for (fold, scored), a, b in zip(folds, offsets[:-1], offsets[1:])]
     pairs = np.concatenate([p[2] + [o, 0] for p, o in zip(from_folds, offsets)])
     extra = None
     if missed is not None:
@@ -101,15 +105,17 @@ def cross_fit_shortlists(ctx: StageContext, inv_prop: np.ndarray, missed: Any = 
                               int(sum(p[3] for p in from_folds)), int(offsets[-1]), extra)
 
 
-def _score_fold(ctx: StageContext, m: ShortlistSources, rows: np.ndarray, fold: np.ndarray, scored: np.ndarray,
-                point_emb: np.ndarray, label_emb: np.ndarray, ds: Any, index_rows: np.ndarray,
-                info: dict[str, Any], ann: dict[str, int], inv_prop: np.ndarray, missed: Any) -> tuple:
-    """One fold: its classifiers trained on the other folds, its scored points shortlisted by them."""
+def _score_fold(ctx: StageContext, m: ShortlistSources, train: Any, rows: np.ndarray, fold: np.ndarray,
+                scored: np.ndarray, lexical_rows: Any, point_emb: np.ndarray, label_emb: np.ndarray, ds: Any,
+                index_rows: np.ndarray, info: dict[str, Any], ann: dict[str, int], inv_prop: np.ndarray,
+                missed: Any) -> tuple:
+    """One fold: its classifiers trained (``train``) on the other folds, its scored points (with their lexical
+    rows) shortlisted by them."""
     keep = np.setdiff1d(rows, fold)
-    W = fold_classifier(ctx, keep)
+    W = train(keep)
     src = fold_sources(m, W, point_emb, label_emb, ds.Y_train, keep, fold, index_rows, info, ann)
     q = np.asarray(point_emb[scored], dtype=np.float32)
-    sl = retrieve(q, src, ctx.cfg.index.shortlist_size, lexical_queries=ctx.read.lexical_queries(m, "train", scored))
+    sl = retrieve(q, src, ctx.cfg.index.shortlist_size, lexical_queries=lexical_rows)
     Y, pairs, unseen = validation_targets(ds.Y_train, scored, keep, filter_rows(ds.filter_train, scored))
     extra = missed(sl, Y, q, W, src.label_repr, inv_prop) if missed is not None else None
     ctx.info(f"fusion {ctx.name}: cross-fitting fold of {len(fold)} points ({len(scored)} scored)")
