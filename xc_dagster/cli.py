@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -45,7 +44,7 @@ from xc_dagster.evaluation.comparison import (
     rank_runs,
     reference_rows,
 )
-from xc_dagster.home import Home
+from xc_dagster.home import Home, venv_executable
 from xc_dagster.serving.retraining import feed_root, list_feeds, register_click_dataset
 from xc_dagster.serving.source_changes import changed_datasets
 from xc_dagster.strategies import STRATEGIES, strategy_help
@@ -62,12 +61,6 @@ def _env(home: Home) -> dict[str, str]:
     env.update({"XC_HOME": str(home.root), "DAGSTER_HOME": str(home.dagster_home),
                 "MLFLOW_TRACKING_URI": home.mlflow_uri})
     return env
-
-
-def _bin(name: str) -> str:
-    """An executable next to this interpreter (the venv), else on PATH."""
-    cand = Path(sys.executable).parent / name
-    return str(cand) if cand.exists() else (shutil.which(name) or name)
 
 
 def checked_source(source: str) -> str:
@@ -131,7 +124,7 @@ def cmd_remove(args: argparse.Namespace, home: Home) -> int:
 def materialize(home: Home, name: str, select: str = "*") -> int:
     """Run ``dagster asset materialize`` for one partition with this home's Dagster instance."""
     Catalog(home.catalog).get(name)  # clear error before Dagster starts
-    cmd = [_bin("dagster"), "asset", "materialize", "-m", "xc_dagster.definitions", "--select", select,
+    cmd = [venv_executable("dagster"), "asset", "materialize", "-m", "xc_dagster.definitions", "--select", select,
            "--partition", name]
     print("$ " + " ".join(cmd), flush=True)
     return subprocess.call(cmd, env=_env(home))
@@ -169,8 +162,8 @@ def print_ui(home: Home) -> None:
     ws = repo / "workspace.yaml"
     target = f"-w {ws}" if ws.exists() else "-m xc_dagster.definitions"
     print("\nOpen the results:")
-    print(f"  Dagster UI:  XC_HOME={home.root} DAGSTER_HOME={home.dagster_home} {_bin('dagster')} dev {target}")
-    print(f"  MLflow UI:   {_bin('mlflow')} ui --backend-store-uri {home.mlflow_uri} --port 5000")
+    print(f"  Dagster UI:  XC_HOME={home.root} DAGSTER_HOME={home.dagster_home} {venv_executable('dagster')} dev {target}")
+    print(f"  MLflow UI:   {venv_executable('mlflow')} ui --backend-store-uri {home.mlflow_uri} --port 5000")
     print("  (`dagster dev` also runs the daemon: switch on click_log_sensor / retrain_schedule under "
           "Automation; docs/AUTOMATION.md)")
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -34,10 +35,10 @@ def xc_home() -> Path:
     return Path(os.environ.get("XC_HOME") or Path.home() / ".xc-dagster").expanduser().resolve()
 
 
-def dagster_executable() -> str:
-    """The ``dagster`` command next to this interpreter (the venv), else the one on PATH."""
-    cand = Path(sys.executable).parent / "dagster"
-    return str(cand) if cand.exists() else "dagster"
+def venv_executable(name: str) -> str:
+    """An executable next to this interpreter (the venv), else on PATH."""
+    cand = Path(sys.executable).parent / name
+    return str(cand) if cand.exists() else (shutil.which(name) or name)
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,7 @@ class Home:
         """Create (and migrate) the Dagster instance's storages by ``dagster instance migrate``: a process, since the
         library does not import Dagster."""
         env = {**os.environ, "DAGSTER_HOME": str(self.dagster_home)}
-        out = subprocess.run([dagster_executable(), "instance", "migrate"], env=env, cwd=self.root,
+        out = subprocess.run([venv_executable("dagster"), "instance", "migrate"], env=env, cwd=self.root,
                              capture_output=True, text=True)
         if out.returncode != 0:
             raise XCError(f"could not create the Dagster instance in {self.dagster_home} "
