@@ -461,8 +461,8 @@ def test_alpha_fit_takes_the_middle_of_a_plateau_over_a_lone_spike(monkeypatch):
     1.0 at a = 0.2 between 0.5s and a plateau of 0.9 over a = 0.6..0.8: the raw argmax (smoothing 1) takes the
     spike, the 3-point average the plateau's middle; smoothing must be an odd int >= 1."""
     table = {0.2: 1.0, 0.6: 0.9, 0.7: 0.9, 0.8: 0.9}
-    monkeypatch.setattr("xc_dagster.retrieval.fusion.alpha.validation_objective",
-                        lambda ids, s, *a: table.get(round(float(s[0, 0]), 2), 0.5))
+    monkeypatch.setattr("xc_dagster.retrieval.fusion.alpha.ObjectiveOnShortlist",
+                        lambda *a: SimpleNamespace(value=lambda s: table.get(round(float(s[0, 0]), 2), 0.5)))
     n, C = 4, 3
     sl = Shortlist(np.arange(n * C, dtype=np.int64).reshape(n, C), np.ones((n, C), np.float32),
                    np.zeros((n, C), np.float32))
