@@ -22,7 +22,7 @@ from xc_dagster.home import Home
 from xc_dagster.pipeline import StageContext, run_all
 from xc_dagster.retrieval import lexical as lexical_module
 from xc_dagster.retrieval.fusion import AlphaFusion, fit_alpha, fit_tree, load_fusion
-from xc_dagster.retrieval.lexical import LexicalIndex, dense_topk, sparse_lookup, sparse_topk
+from xc_dagster.retrieval.lexical import LexicalIndex
 from xc_dagster.retrieval.shortlist import (
     ANN_SOURCES,
     Shortlist,
@@ -33,6 +33,7 @@ from xc_dagster.retrieval.shortlist import (
     retrieve,
     save_sources,
 )
+from xc_dagster.retrieval.sparse_rows import dense_topk, sparse_lookup, sparse_topk
 from xc_dagster.serving import bundle as serving_bundle
 from xc_dagster.storage import ArtifactStore
 
@@ -342,7 +343,7 @@ def test_lexical_source_on_shipped_bow_features(tmp_path, monkeypatch):
     ctx = bow_context(tmp_path, monkeypatch)
     out = run_all(ctx)
     assert out["index"]["lexical"] == {"input": "features", "points": 120, "terms": 30, "neighbours": 10,
-                                       "label_text": False, "feature_words": True}
+                                       "label_text": False, "feature_words": True, "max_postings": 0}
     assert out["evaluate"]["metrics"]["lexical_only_precision_at_1"] > 0.5
     lex = ctx.read.shortlist_sources(ctx.cfg.index.hnsw_ef_search).lexical
     ds = load_dataset(ctx.dir("ingest") / "dataset")

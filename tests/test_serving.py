@@ -126,7 +126,7 @@ def test_bundle_reproduces_the_evaluation(built, tmp_path):
     """predict_topk on the raw test texts = the evaluation stage's predictions (pre-tokenized ids); the
     bundle loads from files only and re-evaluates to the same metrics."""
     info = serving_bundle.write_bundle(built.ctx, tmp_path / "bundle", default_k=7)
-    assert info["max_len"] == 32 and info["index_kind"] == "hnsw" and info["default_k"] == 7
+    assert info["max_len"] == 32 and info["index_kind"] == "auto" and info["default_k"] == 7
     files = {p.relative_to(tmp_path / "bundle").as_posix() for p in (tmp_path / "bundle").rglob("*") if p.is_file()}
     assert {"W.npy", "label_emb.npy", "W.index", "label_emb.index", "fusion.json", "inv_prop.npy", "labels.parquet",
             "serving.json", "encoder/config.json", "encoder/model.safetensors", "encoder/tokenizer.json"} <= files

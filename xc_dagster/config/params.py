@@ -73,7 +73,13 @@ class PretrainParams:
     # transformer encoders: keep the input embeddings and the lowest N layers as pretrained (backward stops
     # at layer N: faster steps); 0 trains every layer (docs/decisions.md#pretrain-freeze-layers-off)
     freeze_layers: int = 0
-    chunk_size: int = 128  # texts per forward chunk, sorted by length (per-chunk padding)
+    # texts per forward chunk, sorted by length (per-chunk padding); the most: a smaller one is taken when the
+    # step's predicted memory needs it (xc_dagster.training.memory)
+    chunk_size: int = 128
+    # gradient caching (GradCache): embed the batch without autograd, then re-run one chunk at a time for the
+    # encoder's gradient, so activations are one chunk's, not the batch's; "auto" = on when the plain step's
+    # predicted memory does not fit, "on", "off" (docs/decisions.md#grad-cache)
+    grad_cache: str = "auto"
     # "auto" (CUDA: bf16, else fp16; CPU: bf16 only where it pays, docs/decisions.md#amp-auto-on-cpu) | "bf16" |
     # "fp16" | "off"
     amp: str = "auto"
@@ -122,7 +128,9 @@ class MiningParams:
     # (label centroids), "knn" (labels of the nearest training points); SiameseXML Module II uses all three
     sources: tuple[str, ...] = ("label",)
     knn_weight: float = 0.025  # g: candidates ranked by (1 - g)(s_label + s_centroid) + g * s_knn (SiameseXML)
-    index: str = "hnsw"  # "hnsw" (faiss) | "exact" (blocked matmul in torch)
+    # "auto" (exact up to 2^18 vectors, HNSW above: docs/decisions.md#index-auto) | "hnsw" (faiss) | "exact"
+    # (blocked matmul in torch) | "ivf"
+    index: str = "auto"
     hnsw_m: int = 32
     hnsw_ef_construction: int = 200
     hnsw_ef_search: int = 200
@@ -210,7 +218,8 @@ class EndToEndParams:
     encoder_negatives: str = "all"
     warmup_steps: int = 0  # cosine schedule with linear warm-up, for encoder and classifiers
     shards: int = 0  # W sharded by label: 0 = one shard per visible GPU (1 on CPU), n = n shards
-    chunk_size: int = 128  # texts per encoder forward chunk (train_encoder)
+    chunk_size: int = 128  # texts per encoder forward chunk (train_encoder); the most, as pretrain.chunk_size
+    grad_cache: str = "auto"  # train_encoder: gradient caching, as pretrain.grad_cache (auto | on | off)
     encode_batch_size: int = 256  # re-encoding after training (train_encoder)
 
 
@@ -281,7 +290,7 @@ class FusionParams:
 class IndexParams:
     """ANNS indexes over W and over label embeddings used at inference."""
 
-    kind: str = "hnsw"  # "hnsw" | "exact"
+    kind: str = "auto"  # "auto" (exact up to 2^18 vectors, else hnsw) | "hnsw" | "exact" | "ivf" (per index)
     sources: tuple[str, ...] = ("W", "label")  # shortlist sources at inference (NGAME: dual MIPS over W and
     # label embeddings; SiameseXML: label, centroid, knn); see xc_dagster.retrieval.shortlist.SOURCES
     label_repr: str = "text"  # embedding score r_l.e: "text" r_l = E(z_l) | "text+centroid" E(z_l) + v_l
@@ -300,6 +309,11 @@ class IndexParams:
     # points (TF-IDF cosine) of their similarity where they carry the label
     lexical_neighbours: int = 10
     lexical_min_df: int = 2  # lexical source: terms (word 1-2 grams) in fewer documents are dropped; 1 if none is left
+    # lexical source over more than lexical_exact_points training points: each term's postings capped at the P
+    # points (and P labels) where its weight is largest, so a query's cost is bounded by its terms x P at any N
+    # (static index pruning; docs/decisions.md#lexical-postings-cap); 0 = every posting (exact cosines) at any N
+    lexical_max_postings: int = 4096
+    lexical_exact_points: int = 65_536
 
 
 @dataclass

@@ -18,6 +18,7 @@ from xc_dagster.config import PipelineConfig
 from xc_dagster.device import resolve_device
 from xc_dagster.errors import XCError
 from xc_dagster.evaluation.metrics import inverse_propensity
+from xc_dagster.progress import Progress
 from xc_dagster.storage import ArtifactStore
 
 log = logging.getLogger("xc_dagster")
@@ -72,6 +73,10 @@ class StageContext:
         with self.store.writing(self.name, self.stage) as out:
             yield out
             check_writes(CONTRACT[self.stage], out)
+
+    def progress(self, name: str, total: int, unit: str) -> Progress:
+        """A ``Progress`` of this stage's work: its lines to ``info``, its rate to ``log_metrics``."""
+        return Progress(name, total, unit, self.info, self.log_metrics)
 
     def checkpoint_dir(self, stage: str | None = None) -> Path:
         """Where ``stage`` (default: this one) keeps its per-epoch training checkpoint (removed once its artifacts

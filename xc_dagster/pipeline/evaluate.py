@@ -15,7 +15,8 @@ from xc_dagster.encoders.loading import load_encoder
 from xc_dagster.evaluation.metrics import evaluate, recall_at, remove_filtered
 from xc_dagster.evaluation.reports import decile_contributions, decile_plot, pk_plot, recall_by_frequency, recall_plot
 from xc_dagster.pipeline.context import StageContext
-from xc_dagster.retrieval.shortlist import retrieve, topk_from_scores
+from xc_dagster.retrieval.shortlist import STREAM_ROWS, retrieve, topk_from_scores
+from xc_dagster.sampling.labels import positive_mask
 from xc_dagster.storage import save_json
 
 TRAINING_STAGES = ("pretrain", "mining", "classifier", "index", "fusion")
@@ -27,7 +28,9 @@ def encode_split(ctx: StageContext, split: str) -> np.ndarray:
     pooling = ctx.read.model_summary()["pooling"]  # as trained, whatever this run says
     encoder = load_encoder(str(ctx.read.model_dir() / ENCODER), pooling).to(ctx.device)
     dtype = amp_dtype(ctx.device, ctx.cfg.pretrain.amp)
-    return encode_tokens(encoder, *ctx.read.tokens(split), ctx.device, dtype, ctx.cfg.pretrain.encode_batch_size)
+    ids, lens = ctx.read.tokens(split)
+    with ctx.progress(f"encode {split}", len(lens), "texts") as prog:
+        return encode_tokens(encoder, ids, lens, ctx.device, dtype, ctx.cfg.pretrain.encode_batch_size, prog.update)
 
 
 def upstream_seconds(ctx: StageContext) -> dict[str, float]:
@@ -40,16 +43,64 @@ def upstream_seconds(ctx: StageContext) -> dict[str, float]:
     return out
 
 
-def _ablation(sl: Any, ds: Any, inv: np.ndarray, k_max: int) -> dict[str, float]:
+def _rankings(sl: Any) -> list[tuple[str, np.ndarray]]:
     """Each ranking on its own, as the papers' ablations report them (classifier only, embedding only; lexical
     only with the lexical source)."""
-    out = {}
-    rankings = [("classifier_only", sl.clf), ("embedding_only", sl.emb)]
+    out = [("classifier_only", sl.clf), ("embedding_only", sl.emb)]
     if sl.lex is not None:
-        rankings.append(("lexical_only", np.where(sl.ids < 0, -np.inf, sl.lex).astype(np.float32)))
-    for name, s in rankings:
-        i2, _ = topk_from_scores(sl.ids, s, k_max + 20)
-        for k, v in evaluate(i2, ds.Y_test, ks=(1, 5), inv_prop=inv, filter_pairs=ds.filter_test).items():
+        out.append(("lexical_only", np.where(sl.ids < 0, -np.inf, sl.lex).astype(np.float32)))
+    return out
+
+
+def _shortlist_hits(ids: np.ndarray, Y: Any) -> np.ndarray:
+    """The shortlist's positives of each row packed left (-1 after): all that its recall needs, a few columns where
+    the shortlist has hundreds."""
+    kept = np.where(positive_mask(Y, np.arange(len(ids)), ids), ids, -1)
+    width = max(int((kept >= 0).sum(1).max(initial=0)), 1)
+    return -np.sort(-kept, axis=1)[:, :width]
+
+
+def _predict_block(ctx: StageContext, q: np.ndarray, lex_q: Any, m: Any, fz: Any, inv: np.ndarray, Y: Any,
+                   filter_pairs: np.ndarray | None, k_ablation: int, progress: Any) -> dict[str, Any]:
+    """One block of test queries: shortlisted, fused, top-k with the filter pairs removed; each ranking's own top
+    ``k_ablation`` and the shortlist's hits (block-local rows)."""
+    sl = retrieve(q, m, ctx.cfg.index.shortlist_size, lexical_queries=lex_q, progress=progress)
+    ids, scores = topk_from_scores(sl.ids, fz.score(sl, inv), ctx.cfg.evaluate.top_k)
+    ids, scores = remove_filtered(ids, scores, filter_pairs)  # reciprocal/self pairs never predicted
+    return {"ids": ids, "scores": scores, "hits": _shortlist_hits(sl.ids, Y),
+            "rankings": {name: topk_from_scores(sl.ids, s, k_ablation)[0].astype(np.int32)
+                         for name, s in _rankings(sl)}}
+
+
+def _stack(parts: list[np.ndarray], fill: int = -1) -> np.ndarray:
+    """Row blocks of possibly different widths, right-padded with ``fill``."""
+    width = max(p.shape[1] for p in parts)
+    return np.concatenate([np.pad(p, ((0, 0), (0, width - p.shape[1])), constant_values=fill) for p in parts])
+
+
+def predict(ctx: StageContext, q: np.ndarray, lex_q: Any, m: Any, fz: Any, inv: np.ndarray, ds: Any,
+            k_ablation: int) -> dict[str, Any]:
+    """:func:`_predict_block` over STREAM_ROWS blocks of the test queries, joined: memory bounded by a block's
+    shortlists plus the kept top-k, at any number of test points."""
+    n, parts = len(q), []
+    fp = None if ds.filter_test is None else np.asarray(ds.filter_test, dtype=np.int64).reshape(-1, 2)
+    with ctx.progress("retrieve test", n, "queries") as prog:
+        for s in range(0, n, STREAM_ROWS):
+            e = min(n, s + STREAM_ROWS)
+            block_fp = None if fp is None else fp[(fp[:, 0] >= s) & (fp[:, 0] < e)] - [s, 0]
+            parts.append(_predict_block(ctx, q[s:e], None if lex_q is None else lex_q[s:e], m, fz, inv,
+                                        ds.Y_test[s:e], block_fp, k_ablation, prog.update))
+    return {"ids": np.concatenate([p["ids"] for p in parts]), "scores": np.concatenate([p["scores"] for p in parts]),
+            "hits": _stack([p["hits"] for p in parts]),
+            "rankings": {name: np.concatenate([p["rankings"][name] for p in parts]) for name in parts[0]["rankings"]}
+            if parts else {}}
+
+
+def _ablation(rankings: dict[str, np.ndarray], ds: Any, inv: np.ndarray) -> dict[str, float]:
+    """The metrics of each ranking on its own (:func:`_rankings`)."""
+    out = {}
+    for name, ids in rankings.items():
+        for k, v in evaluate(ids, ds.Y_test, ks=(1, 5), inv_prop=inv, filter_pairs=ds.filter_test).items():
             if k in ABLATION_METRICS:
                 out[f"{name}_{k}"] = v
     return out
@@ -65,18 +116,17 @@ def run(ctx: StageContext) -> dict[str, Any]:
     m = ctx.read.shortlist_sources(ctx.cfg.index.hnsw_ef_search)
     fz = ctx.read.fusion()
     t1 = time.perf_counter()
-    sl = retrieve(q, m, ctx.cfg.index.shortlist_size, lexical_queries=ctx.read.lexical_queries(m, "test"))
     inv = ctx.inv_prop(ds.Y_train)
-    ids, scores = topk_from_scores(sl.ids, fz.score(sl, inv), p.top_k)
-    ids, scores = remove_filtered(ids, scores, ds.filter_test)  # reciprocal/self pairs never predicted
-    t_pred = time.perf_counter() - t1
     ks = tuple(sorted(set(p.ks) | set(range(1, 11))))  # k = 1..10 for the P@k / PSP@k curves
+    pred = predict(ctx, q, ctx.read.lexical_queries(m, "test"), m, fz, inv, ds, max(ks) + 20)
+    ids, scores = pred["ids"], pred["scores"]
+    t_pred = time.perf_counter() - t1
     metrics = evaluate(ids, ds.Y_test, ks=ks, inv_prop=inv, filter_pairs=ds.filter_test)
-    metrics["shortlist_recall"] = recall_at(sl.ids, ds.Y_test)
-    metrics.update(_ablation(sl, ds, inv, max(ks)))
+    metrics["shortlist_recall"] = recall_at(pred["hits"], ds.Y_test)
+    metrics.update(_ablation(pred["rankings"], ds, inv))
     freq = ctx.read.label_freq()
     deciles = decile_contributions(ids, ds.Y_test, freq, inv, metrics, k=5)
-    by_freq = recall_by_frequency(ids, ds.Y_test, freq, k=5, shortlist=sl.ids)
+    by_freq = recall_by_frequency(ids, ds.Y_test, freq, k=5, shortlist=pred["hits"])
     stage_seconds = upstream_seconds(ctx)
     stage_seconds["training_total"] = sum(stage_seconds.get(s, 0.0) for s in TRAINING_STAGES)
     summary = {"metrics": metrics, "fusion": fz.summary(), "n_test": int(len(q)), "encode_seconds": t_enc,

@@ -33,10 +33,11 @@ def _check(p: Any) -> None:
         raise XCConfigError(f"index.knn_neighbours: expected an int >= 0, got {p.knn_neighbours!r}")
     if not isinstance(p.include_validation, bool):
         raise XCConfigError(f"index.include_validation: expected true or false, got {p.include_validation!r}")
-    for name in ("lexical_neighbours", "lexical_min_df"):
+    for name, least in (("lexical_neighbours", 1), ("lexical_min_df", 1), ("lexical_max_postings", 0),
+                        ("lexical_exact_points", 0)):
         value = getattr(p, name)
-        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-            raise XCConfigError(f"index.{name}: expected an int >= 1, got {value!r}")
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
+            raise XCConfigError(f"index.{name}: expected an int >= {least}, got {value!r}")
 
 
 def lexical_index(ctx: StageContext, rows: np.ndarray, Y_train: Any, fit_rows: np.ndarray) -> LexicalIndex:
@@ -56,6 +57,7 @@ def lexical_index(ctx: StageContext, rows: np.ndarray, Y_train: Any, fit_rows: n
     fit_on = np.flatnonzero(np.isin(rows, fit_rows))
     try:
         return LexicalIndex.fit(points, labels, Y_train[rows], p.lexical_neighbours, p.lexical_min_df, fit_on,
+                                max_postings=p.lexical_max_postings if len(rows) > p.lexical_exact_points else 0,
                                 feature_words=words)
     except XCConfigError as e:
         raise XCConfigError(f"{ctx.name}: {e}") from None
@@ -104,10 +106,11 @@ def run(ctx: StageContext) -> dict[str, Any]:
             lexical, note = _lexical_or_note(ctx, deployed, ds.Y_train, rows)
     sources = tuple(s for s in p.sources if s != "lexical" or lexical is not None)
     src = build_sources(sources, W, label_emb, centroids, point_emb, knn_labels, p.label_repr, p.kind,
-                        p.hnsw_m, p.hnsw_ef_construction, p.hnsw_ef_search, lexical)
+                        p.hnsw_m, p.hnsw_ef_construction, p.hnsw_ef_search, lexical, report=ctx.info)
     with ctx.writing() as out:
         save_sources(src, out, centroids)
-        summary = {"kind": p.kind, "sources": list(sources), "label_repr": p.label_repr,
+        summary = {"kind": p.kind, "kinds": {n: ix.kind for n, ix in src.indexes.items()},
+                   "sources": list(sources), "label_repr": p.label_repr,
                    "labels": int(len(W)), "dim": int(W.shape[1]),
                    "knn_points": int(point_emb.shape[0]) if point_emb is not None else 0,
                    "knn_neighbours": int(p.knn_neighbours) if "knn" in p.sources else 0}
@@ -116,6 +119,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         if lexical is not None:
             summary["lexical"] = {"input": lexical.input, "points": lexical.num_points,
                                   "terms": int(lexical.points.shape[1]), "neighbours": lexical.neighbours,
+                                  "max_postings": lexical.max_postings,
                                   "label_text": lexical.labels is not None,
                                   "feature_words": lexical.words is not None}
         if heldout:  # what the fusion is fitted with: the same parts without the validation points

@@ -14,6 +14,7 @@ from xc_dagster.pipeline.context import StageContext
 from xc_dagster.retrieval.shortlist import (
     ANN_SOURCES,
     CENTROID_FILE,
+    STREAM_ROWS,
     build_sources,
     check_sources,
     label_centroids,
@@ -39,18 +40,25 @@ def run(ctx: StageContext) -> dict[str, Any]:
     centroids = label_centroids(point_emb, ds.Y_train, rows)
     src = build_sources(p.sources, label_emb, label_emb, centroids, point_emb[rows], ds.Y_train[rows],
                         "text+centroid" if "centroid" in p.sources else "text", p.index, p.hnsw_m,
-                        p.hnsw_ef_construction, p.hnsw_ef_search)
+                        p.hnsw_ef_construction, p.hnsw_ef_search, report=ctx.info)
     k = min(p.shortlist_size, len(label_emb))
     own = np.full(ds.num_train, -1, dtype=np.int64)
     own[rows] = np.arange(len(rows))  # a training point is not its own neighbour
-    sl = retrieve(point_emb, src, k, exclude_knn=own)
-    merged = sl.emb if sl.knn is None else (1.0 - p.knn_weight) * sl.emb + p.knn_weight * sl.knn
-    ids, scores = topk_from_scores(sl.ids, np.where(sl.ids < 0, -np.inf, merged).astype(np.float32), k)
+    n = len(point_emb)
+    ids, scores = np.empty((n, k), dtype=np.int32), np.empty((n, k), dtype=np.float32)
+    with ctx.progress("retrieve train", n, "points") as prog:
+        for s in range(0, n, STREAM_ROWS):  # a block's whole shortlists at once, only its top k kept
+            e = min(n, s + STREAM_ROWS)
+            sl = retrieve(np.asarray(point_emb[s:e]), src, k, exclude_knn=own[s:e], progress=prog.update)
+            merged = sl.emb if sl.knn is None else (1.0 - p.knn_weight) * sl.emb + p.knn_weight * sl.knn
+            top = topk_from_scores(sl.ids, np.where(sl.ids < 0, -np.inf, merged).astype(np.float32), k)
+            ids[s:e], scores[s:e] = top
     recall = recall_at(ids, ds.Y_train)
     summary = {"shortlist_size": k, "sources": list(p.sources), "train_recall": recall,
+               "kinds": {n: ix.kind for n, ix in src.indexes.items()},
                "seconds": time.perf_counter() - t0}
     with ctx.writing() as out:
-        np.save(out / SHORTLIST, ids.astype(np.int32))
+        np.save(out / SHORTLIST, ids)
         np.save(out / SHORTLIST_SCORES, scores)
         np.save(out / CENTROID_FILE, centroids)
         save_json(out / SUMMARY, summary)

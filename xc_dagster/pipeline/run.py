@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import resource
+import sys
 import time
 from typing import Any, Callable
 
@@ -23,7 +25,14 @@ def run_stage(ctx: StageContext, stage: str) -> dict[str, Any]:
     """Run one stage with ``ctx`` bound to it, then record the config it ran with next to its artifacts."""
     summary = STAGES[stage](ctx.for_stage(stage))
     record_params(ctx.store, ctx.name, stage, ctx.cfg)
+    summary["peak_rss_mb"] = peak_rss_mb()  # the step's own peak under Dagster's multiprocess executor
     return summary
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far, MiB (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return round(peak / (1 << 20 if sys.platform == "darwin" else 1 << 10), 1)
 
 
 def run_all(ctx: StageContext, stages: tuple[str, ...] = STAGE_ORDER) -> dict[str, dict[str, Any]]:

@@ -3,8 +3,10 @@
 ``hnsw`` is a faiss HNSW graph (inner product), O(log L) per query; ``ivf`` is a faiss inverted file (inner
 product): the vectors clustered by k-means into ``nlist`` partitions, a query scans the ``nprobe`` partitions
 whose centroids score highest (MIPS-s's clustering-based MIPS, O(nprobe * L / nlist) per query); ``exact`` is a
-blocked matrix product in torch (on the GPU when there is one), the reference that recall is measured against.
-All return the top-k (scores, ids) per query, ids -1 where fewer than k exist (exact: ties broken by smaller id).
+blocked matrix product in torch (on the GPU when there is one), the reference that recall is measured against;
+``auto`` is ``exact`` up to ``EXACT_MAX_VECTORS`` vectors and ``hnsw`` above: below it a matrix product over every
+vector costs less than building the graph and walking it (bench/SCALE.md#index-choice), above it the per-query cost
+stays O(log L). All return the top-k (scores, ids) per query, ids -1 where fewer than k exist (exact: ties broken by smaller id).
 """
 
 from __future__ import annotations
@@ -17,16 +19,27 @@ import torch
 
 from xc_dagster.errors import XCConfigError
 
-KINDS = ("hnsw", "ivf", "exact")
+KINDS = ("hnsw", "ivf", "exact", "auto")
+EXACT_MAX_VECTORS = 1 << 18  # kind "auto": exact search up to this many vectors, HNSW above (docs/decisions.md#index-auto)
+EXACT_BLOCK_ENTRIES = 1 << 25  # exact search: at most this many query x key scores held at once (128 MiB float32)
+_NPY_MAGIC = b"\x93NUMPY"  # an exact index's file (np.save); faiss files start otherwise
+
+
+def resolve_kind(kind: str, n: int) -> str:
+    """The index kind built for ``n`` vectors: ``auto`` is exact up to EXACT_MAX_VECTORS, else HNSW."""
+    if kind not in KINDS:
+        raise XCConfigError(f"index kind: expected one of {'|'.join(KINDS)}, got {kind!r}")
+    return ("exact" if n <= EXACT_MAX_VECTORS else "hnsw") if kind == "auto" else kind
 
 
 def exact_topk(queries: np.ndarray, keys: np.ndarray, k: int, block: int = 4096,
                device: torch.device | None = None,
                exclude: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Exact top-k inner products, in blocks of queries so memory stays O(block * L); ``exclude``: key rows
-    never returned."""
+    """Exact top-k inner products, in blocks of at most ``block`` queries and EXACT_BLOCK_ENTRIES scores, so memory
+    stays bounded at any L; ``exclude``: key rows never returned."""
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     n, L = len(queries), len(keys)
+    block = max(1, min(block, EXACT_BLOCK_ENTRIES // max(L, 1)))
     kk = min(k, L)
     scores = np.full((n, k), -np.inf, dtype=np.float32)
     ids = np.full((n, k), -1, dtype=np.int64)
@@ -52,8 +65,9 @@ class LabelIndex:
 
     def __init__(self, kind: str, vectors: np.ndarray | None = None, *, m: int = 32, ef_construction: int = 200,
                  ef_search: int = 200, faiss_index=None, nlist: int = 0, nprobe: int = 64, seed: int = 0):
-        if kind not in KINDS:
-            raise XCConfigError(f"index kind: expected one of {'|'.join(KINDS)}, got {kind!r}")
+        if kind == "auto" and vectors is None:
+            raise ValueError("an auto index is resolved from its vectors")
+        kind = resolve_kind(kind, 0 if vectors is None else len(vectors))
         self.kind = kind
         self.ef_search = ef_search
         self.nprobe = nprobe
@@ -112,6 +126,10 @@ class LabelIndex:
 
     @classmethod
     def load(cls, path: Path, kind: str, ef_search: int = 200, nprobe: int = 64) -> "LabelIndex":
+        """The index ``save`` wrote; ``auto``: exact or faiss as the file says."""
+        if kind == "auto":
+            with open(path, "rb") as fh:
+                kind = "exact" if fh.read(len(_NPY_MAGIC)) == _NPY_MAGIC else "hnsw"
         if kind != "exact":
             return cls(kind, faiss_index=faiss.read_index(str(path)), ef_search=ef_search, nprobe=nprobe)
         with open(path, "rb") as fh:

@@ -14,7 +14,14 @@ The TF-IDF model is scikit-learn's: ``TfidfVectorizer`` (sublinear tf, word 1-2 
 tf) fitted on the shipped BoW features of the points (and of the labels, when shipped); validation points are
 indexed (excluded from the fusion's kNN as the dense kNN excludes them) but left out of the fit. Both parts are sparse
 products, computed in row blocks whose products with the training points and with the labels hold at most
-``PRODUCT_BUDGET`` entries each (:attr:`LexicalIndex.block_rows` queries).
+``PRODUCT_BUDGET`` entries each (:attr:`LexicalIndex.block_rows` queries, split further by their terms' postings).
+
+At scale the products are bounded by static index pruning (Carmel et al., SIGIR 2001): with ``max_postings`` P > 0
+(``index.lexical_max_postings``) each term keeps only the P points, and the P labels, where its TF-IDF weight is
+largest, so a query costs at most (its terms) x P products whatever the number of points or labels, where the
+whole postings cost O(N) per query for a common term (an O(N^2) evaluation). A point's score then sums only its
+kept terms: an approximation of the cosine, exact for every term in at most P points
+(docs/decisions.md#lexical-postings-cap).
 
 A features index given the dataset's feature words (its BoW vocabulary, one word per feature column) reads every
 feature row as the set of its words (:class:`FeatureWords`): binary rows over the words' terms, whether they come
@@ -39,6 +46,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from xc_dagster.errors import XCConfigError, XCError
+from xc_dagster.retrieval.sparse_rows import cap_postings, dense_topk, sparse_topk, work_blocks
 from xc_dagster.storage import load_json, save_json
 
 LEXICAL_DIR = "lexical"  # the folder of a LexicalIndex among the index stage's files
@@ -53,67 +61,9 @@ FORMAT = 1
 INPUTS = ("text", "features")  # what the TF-IDF model reads: raw texts, or the shipped BoW feature rows
 # TfidfVectorizer settings besides min_df (recorded in lexical.json, so a load rebuilds the same analyzer)
 VECTORIZER = {"sublinear_tf": True, "ngram_range": [1, 2], "lowercase": True, "token_pattern": r"(?u)\b\w\w+\b"}
-DENSE_TOPK_SHARE = 0.02  # a product block with more stored entries than this share goes through dense_topk
+DENSE_TOPK_SHARE = 0.02  # a product block filling more than this share of its packed rows goes through dense_topk
 PRODUCT_BUDGET = 1 << 24  # at most this many (query, training point) products held at once (~200 MB)
-
-
-def sparse_topk(S: sp.spmatrix, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The k largest stored entries of each row of ``S``, by value descending then column: (columns int64,
-    values float32), -1 / 0 padded. One sort over the stored entries."""
-    S = sp.csr_matrix(S)
-    S.sum_duplicates()
-    n = S.shape[0]
-    ids = np.full((n, k), -1, dtype=np.int64)
-    vals = np.zeros((n, k), dtype=np.float32)
-    if S.nnz == 0 or k < 1:
-        return ids, vals
-    row = np.repeat(np.arange(n), np.diff(S.indptr))
-    order = np.lexsort((S.indices, -S.data, row))
-    row, col, val = row[order], S.indices[order], S.data[order]
-    rank = np.arange(len(row)) - S.indptr[row]
-    keep = rank < k
-    ids[row[keep], rank[keep]] = col[keep]
-    vals[row[keep], rank[keep]] = val[keep]
-    return ids, vals
-
-
-def dense_topk(S: sp.spmatrix, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`sparse_topk` of a matrix of positive entries (no stored zeros) through its dense block: a
-    partition and a few passes, O(entries), instead of one sort of every stored entry (4.3 s -> 0.2 s for a
-    291 x 57,480 block of full-text cosines, 57% dense). The same ids and order: value descending, then column."""
-    D = sp.csr_matrix(S).toarray()
-    n, m = D.shape
-    ids = np.full((n, k), -1, dtype=np.int64)
-    vals = np.zeros((n, k), dtype=np.float32)
-    kk = min(k, m)
-    if n == 0 or kk < 1:
-        return ids, vals
-    thr = np.take_along_axis(D, np.argpartition(-D, kk - 1, axis=1)[:, :kk], 1).min(axis=1)[:, None]
-    above = D > thr  # fewer than kk per row; then the ties at the k-th value, smallest columns first
-    eq = (D == thr) & (D > 0)
-    need = kk - above.sum(axis=1, keepdims=True)
-    take = above | (eq & (np.cumsum(eq, axis=1, dtype=np.int32) <= need))
-    row, col = np.nonzero(take)
-    val = D[row, col]
-    order = np.lexsort((col, -val, row))
-    row, col, val = row[order], col[order], val[order]
-    rank = np.arange(len(row)) - np.searchsorted(row, row)
-    ids[row, rank] = col
-    vals[row, rank] = val
-    return ids, vals
-
-
-def sparse_lookup(P: sp.csr_matrix, ids: np.ndarray) -> np.ndarray:
-    """Row-wise ``P[i, ids[i, j]]`` (0 where not stored or ``ids`` is -1): (n, C) float32. ``P``: CSR with
-    sorted indices and no duplicates, so that the keys row * L + column are sorted for one search."""
-    n, L = P.shape
-    row = np.repeat(np.arange(n, dtype=np.int64), np.diff(P.indptr))
-    keys = row * L + P.indices
-    if keys.size == 0:
-        return np.zeros(ids.shape, dtype=np.float32)
-    probe = np.arange(n, dtype=np.int64)[:, None] * L + np.maximum(ids, 0)
-    pos = np.minimum(np.searchsorted(keys, probe), keys.size - 1)
-    return np.where((keys[pos] == probe) & (ids >= 0), P.data[pos], 0.0).astype(np.float32)
+CAPPED_TERMS = 64  # block_rows of a capped index: a query's products taken as at most this many terms x P
 
 
 def _vectorizer(**kw: Any) -> Any:
@@ -203,8 +153,12 @@ class LexicalIndex:
 
     def __init__(self, model: Any, points: sp.csr_matrix, point_labels: sp.csr_matrix,
                  labels: sp.csr_matrix | None, neighbours: int,
-                 feature_words: FeatureWords | Sequence[str] | None = None):
+                 feature_words: FeatureWords | Sequence[str] | None = None, max_postings: int = 0):
         self.model, self.neighbours = model, int(neighbours)
+        if not (isinstance(max_postings, (int, np.integer)) and not isinstance(max_postings, bool)
+                and max_postings >= 0):
+            raise XCConfigError(f"index.lexical_max_postings: expected an int >= 0 (0: no cap), got {max_postings!r}")
+        self.max_postings = int(max_postings)
         self.input = "text" if hasattr(model, "build_analyzer") else "features"  # a vectorizer reads texts
         self.words = feature_words if feature_words is None or isinstance(feature_words, FeatureWords) \
             else FeatureWords(feature_words)
@@ -220,9 +174,11 @@ class LexicalIndex:
         if self.words is not None and (self.input == "text" or len(self.words.terms) != self.points.shape[1]):
             raise ValueError(f"feature words: a features index over their {len(self.words.terms)} terms, got a "
                              f"{self.input} index of {self.points.shape[1]} columns")
-        # transposed once: each block's products are then CSR @ CSR, costing their output entries
-        self._points_t = self.points.T.tocsr()
-        self._labels_t = None if self.labels is None else self.labels.T.tocsr()
+        # transposed once (each block's products are then CSR @ CSR, costing their output entries), each term's
+        # postings capped at max_postings
+        self._points_t = cap_postings(self.points.T.tocsr(), self.max_postings)
+        self._labels_t = None if self.labels is None else cap_postings(self.labels.T.tocsr(), self.max_postings)
+        self._work = np.diff(self._points_t.indptr) + (0 if self._labels_t is None else np.diff(self._labels_t.indptr))
 
     @property
     def num_points(self) -> int:
@@ -240,17 +196,22 @@ class LexicalIndex:
     @property
     def block_rows(self) -> int:
         """Queries scored at once: their products with the points, and with the labels, hold at most
-        ``PRODUCT_BUDGET`` entries each."""
-        return max(1, PRODUCT_BUDGET // max(self.num_points, self.num_labels, 1))
+        ``PRODUCT_BUDGET`` entries each (capped postings: at most CAPPED_TERMS x P per query, the blocks then split
+        by their terms' postings in :meth:`scores`)."""
+        width = max(self.num_points, self.num_labels, 1)
+        if self.max_postings:
+            width = min(width, CAPPED_TERMS * self.max_postings)
+        return max(1, PRODUCT_BUDGET // width)
 
     @classmethod
     def fit(cls, points: Sequence[str] | sp.spmatrix, labels: Sequence[str] | sp.spmatrix | None,
             point_labels: sp.spmatrix, neighbours: int, min_df: int = 2, fit_on: np.ndarray | None = None,
-            feature_words: Sequence[str] | None = None) -> LexicalIndex:
+            feature_words: Sequence[str] | None = None, max_postings: int = 0) -> LexicalIndex:
         """Index the training points' texts with the label texts, or their BoW feature rows with the labels'
         (``labels`` None: no label-text part). The TF-IDF model is fitted on the labels and the points ``fit_on``
         (positions in ``points``; default all): the validation points, indexed but excluded from the fusion's kNN,
         stay out of the idf too. ``point_labels``: (points, L), binarised (a neighbour carries a label or not).
+        ``max_postings``: each term's postings capped at this many points and labels (0: none; module docstring).
         ``feature_words``: with feature rows, one word per column; the rows are then read as word sets
         (:class:`FeatureWords`) and the index serves raw text too."""
         if not (isinstance(min_df, int) and not isinstance(min_df, bool) and min_df >= 1):
@@ -278,7 +239,7 @@ class LexicalIndex:
         if sp.csr_matrix(P).nnz == 0:
             raise XCConfigError("index.sources: the lexical source needs the training points' texts or BoW "
                                 "features, and these points have none (no term in any of them)")
-        return cls(model, P, Y, T, neighbours, words)
+        return cls(model, P, Y, T, neighbours, words, max_postings)
 
     def transform(self, inputs: Sequence[str] | sp.spmatrix) -> sp.csr_matrix:
         """The L2-normalised TF-IDF rows (float32 CSR) of raw texts (an index fitted on texts, or on feature rows
@@ -316,7 +277,8 @@ class LexicalIndex:
                 bad |= S.indices == np.repeat(np.asarray(own), np.diff(S.indptr))
             S.data[bad] = 0.0
             S.eliminate_zeros()
-        if S.nnz > DENSE_TOPK_SHARE * S.shape[0] * S.shape[1]:  # common terms make long texts' products dense
+        longest = int(np.diff(S.indptr).max(initial=0))
+        if S.nnz > DENSE_TOPK_SHARE * S.shape[0] * longest:  # rows of similar length (common terms): packed block
             return dense_topk(S, self.neighbours)
         return sparse_topk(S, self.neighbours)
 
@@ -332,11 +294,13 @@ class LexicalIndex:
         if excluded is not None and len(excluded):
             drop = np.zeros(self.num_points, dtype=bool)
             drop[np.asarray(excluded, dtype=np.int64)] = True
-        step = self.block_rows
+        # per query, its products with the points and labels: the sum of its terms' postings
+        c = np.concatenate([[0], np.cumsum(self._work[Q.indices], dtype=np.int64)])
+        work = c[Q.indptr[1:]] - c[Q.indptr[:-1]]
         parts = []
-        for s in range(0, Q.shape[0], step):
-            q = Q[s:s + step]
-            nbrs, sims = self.nearest(q, drop, None if own is None else np.asarray(own[s:s + step]))
+        for s, e in work_blocks(work, PRODUCT_BUDGET, self.block_rows):
+            q = Q[s:e]
+            nbrs, sims = self.nearest(q, drop, None if own is None else np.asarray(own[s:e]))
             ok = nbrs >= 0
             rows = np.repeat(np.arange(q.shape[0]), nbrs.shape[1])[ok.ravel()]
             votes = sp.csr_matrix((sims[ok], (rows, nbrs[ok])), shape=(q.shape[0], self.num_points))
@@ -352,7 +316,7 @@ class LexicalIndex:
         folder.mkdir(parents=True, exist_ok=True)
         config = {"format": FORMAT, "input": self.input, "neighbours": self.neighbours,
                   "num_features": self.num_features, "label_text": self.labels is not None,
-                  "feature_words": self.words is not None}
+                  "feature_words": self.words is not None, "max_postings": self.max_postings}
         if self.input == "text":
             vocab = self.model.vocabulary_
             save_json(folder / VOCABULARY_FILE, sorted(vocab, key=vocab.get))
@@ -380,7 +344,7 @@ class LexicalIndex:
         labels = sp.load_npz(folder / LABELS_FILE) if config.get("label_text") else None
         words = load_json(folder / FEATURE_WORDS_FILE) if config.get("feature_words") else None
         return cls(model, sp.load_npz(folder / POINTS_FILE), sp.load_npz(folder / POINT_LABELS_FILE), labels,
-                   int(config["neighbours"]), words)
+                   int(config["neighbours"]), words, int(config.get("max_postings", 0)))
 
 
 def read_config(folder: str | Path) -> dict[str, Any]:

@@ -28,8 +28,10 @@ import scipy.sparse as sp
 import torch
 
 from xc_dagster.errors import XCConfigError
+from xc_dagster.progress import Advance, Report, in_one_call
 from xc_dagster.retrieval.ann import LabelIndex
-from xc_dagster.retrieval.lexical import LEXICAL_DIR, LexicalIndex, sparse_lookup, sparse_topk
+from xc_dagster.retrieval.lexical import LEXICAL_DIR, LexicalIndex
+from xc_dagster.retrieval.sparse_rows import sparse_lookup, sparse_topk
 from xc_dagster.sampling.labels import dedupe_rows
 
 SOURCES = ("W", "label", "centroid", "knn", "lexical")
@@ -132,13 +134,19 @@ def nearest_knn_scores(nbrs: np.ndarray, sims: np.ndarray, knn_labels: sp.csr_ma
     return ids, scores / K
 
 
+STREAM_ROWS = 65_536  # queries a stage shortlists at once before keeping their top k: a million queries' whole
+# shortlists (ids and up to four scores per candidate) would hold about 7 GB
+
+
 def retrieve(queries: np.ndarray, src: ShortlistSources, k: int, exclude_knn: np.ndarray | None = None,
-             block: int = 1024, lexical_queries: sp.spmatrix | None = None) -> Shortlist:
+             block: int = 1024, lexical_queries: sp.spmatrix | None = None,
+             progress: Advance | None = None) -> Shortlist:
     """Union of every source's top-k candidates per query, each with exact classifier/embedding/kNN/lexical scores.
 
     ``queries``: (n, D) embeddings; ``lexical_queries``: their (n, V) TF-IDF rows (``src.lexical.transform``),
     needed when ``src`` has the lexical source. ``exclude_knn[i]``: a knn-index row (and lexical-index point) never
     used as query i's neighbour (the point itself when the queries are the indexed training points), or -1.
+    ``progress(rows)`` follows each block of queries (``xc_dagster.progress.Progress.update``).
     """
     n = len(queries)
     names = list(src.indexes)
@@ -188,6 +196,8 @@ def retrieve(queries: np.ndarray, src: ShortlistSources, k: int, exclude_knn: np
             knn_all[rows] = _lookup(ids, knn_ids, knn_sc, len(src.W))
         if lex_all is not None:
             lex_all[rows] = sparse_lookup(lex, ids)
+        if progress is not None:
+            progress(len(q))
     return Shortlist(ids_all, clf_all, emb_all, knn_all, lex_all)
 
 
@@ -227,9 +237,10 @@ def label_representation(label_emb: np.ndarray, centroids: np.ndarray | None, la
 def build_sources(sources: tuple[str, ...], W: np.ndarray, label_emb: np.ndarray, centroids: np.ndarray | None,
                   point_emb: np.ndarray | None, knn_labels: sp.csr_matrix | None, label_repr: str, kind: str,
                   m: int, ef_construction: int, ef_search: int,
-                  lexical: LexicalIndex | None = None) -> ShortlistSources:
+                  lexical: LexicalIndex | None = None, report: Report | None = None) -> ShortlistSources:
     """Build the ANNS index of every source; ``point_emb`` / ``knn_labels``: the indexed training points;
-    ``lexical``: the fitted lexical source, when ``sources`` name it."""
+    ``lexical``: the fitted lexical source, when ``sources`` name it; ``report``: where each build's start and
+    end lines go (``xc_dagster.progress.in_one_call``)."""
     vectors = {"W": W, "label": label_emb, "centroid": centroids, "knn": point_emb}
     indexes = {}
     for name in sources:
@@ -239,7 +250,8 @@ def build_sources(sources: tuple[str, ...], W: np.ndarray, label_emb: np.ndarray
             continue
         if vectors[name] is None:
             raise ValueError(f"source {name!r} needs its vectors")
-        indexes[name] = LabelIndex(kind, vectors[name], m=m, ef_construction=ef_construction, ef_search=ef_search)
+        with in_one_call(f"index {name}", len(vectors[name]), "vectors", report, f"{kind} build"):
+            indexes[name] = LabelIndex(kind, vectors[name], m=m, ef_construction=ef_construction, ef_search=ef_search)
     return ShortlistSources(W, label_representation(label_emb, centroids, label_repr), indexes,
                             knn_labels.tocsr() if knn_labels is not None else None,
                             lexical=lexical if "lexical" in sources else None)

@@ -1,0 +1,166 @@
+"""The retrieval pieces whose cost per query must not grow with N: capped lexical postings, packed top-k, bounded
+exact search, and the index kind chosen by size (issue: the pipeline at the XC scales)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from tests.test_pipeline import TINY
+from tests.tinydata import tiny_lf_home
+from xc_dagster.catalog import Catalog
+from xc_dagster.pipeline import StageContext, run_all
+from xc_dagster.pipeline import evaluate as evaluate_stage
+from xc_dagster.pipeline import mining as mining_stage
+from xc_dagster.retrieval import ann
+from xc_dagster.retrieval.ann import LabelIndex, exact_topk, resolve_kind
+from xc_dagster.retrieval.lexical import LexicalIndex
+from xc_dagster.retrieval.sparse_rows import cap_postings, dense_topk, sparse_topk, work_blocks
+from xc_dagster.storage import ArtifactStore
+
+
+def test_cap_postings_keeps_each_rows_largest_entries_ties_by_column():
+    M = sp.csr_matrix(np.array([[0.5, 0.9, 0.5, 0.1, 0.5],
+                                [0.0, 0.2, 0.0, 0.0, 0.0],
+                                [0.3, 0.3, 0.3, 0.3, 0.0]], dtype=np.float32))
+    got = cap_postings(M, 2).toarray()
+    # row 0: 0.9 (col 1), then the tie 0.5 at cols 0, 2, 4 -> col 0; row 1 unchanged; row 2: cols 0, 1
+    want = np.array([[0.5, 0.9, 0, 0, 0], [0, 0.2, 0, 0, 0], [0.3, 0.3, 0, 0, 0]], dtype=np.float32)
+    np.testing.assert_array_equal(got, want)
+    assert cap_postings(M, 0) is not None and (cap_postings(M, 0) != M).nnz == 0
+    assert (cap_postings(M, 5) != M).nnz == 0  # no row longer than the cap: unchanged
+
+
+def test_work_blocks_bound_each_ranges_work_and_rows():
+    work = np.array([3, 3, 3, 10, 1, 1, 1, 1])
+    assert work_blocks(work, 6, 100) == [(0, 2), (2, 3), (3, 4), (4, 8)]  # the 10 alone, over the budget
+    assert work_blocks(work, 100, 3) == [(0, 3), (3, 6), (6, 8)]
+    assert work_blocks(np.zeros(0, dtype=np.int64), 5, 5) == []
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_packed_dense_topk_equals_sparse_topk_on_skewed_rows(seed):
+    """Rows of very different lengths (one common-term row among short ones), few distinct values (ties)."""
+    rng = np.random.default_rng(seed)
+    S = sp.random(40, 5000, density=0.002, random_state=seed, format="lil", dtype=np.float32)
+    S[3, rng.choice(5000, 3000, replace=False)] = 0.5
+    S = sp.csr_matrix(S)
+    S.data = np.ceil(S.data * 4) / 4
+    for k in (1, 10, 200):
+        got, want = dense_topk(S, k), sparse_topk(S, k)
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+
+
+def _lexical(n_points: int, cap: int, seed: int = 0) -> tuple[LexicalIndex, sp.csr_matrix]:
+    """TF-IDF-like unit rows over 200 terms where term 0 (a stop word) is in every point, with 50 labels."""
+    rng = np.random.default_rng(seed)
+    rows = np.repeat(np.arange(n_points), 4)
+    cols = np.column_stack([np.zeros(n_points, dtype=np.int64), rng.integers(1, 200, (n_points, 3))]).ravel()
+    vals = rng.uniform(0.1, 1.0, len(rows)).astype(np.float32)
+    vals[::4] = 0.05  # the stop word's idf is small, as in TF-IDF
+    P = sp.csr_matrix((vals, (rows, cols)), shape=(n_points, 200))
+    P.sum_duplicates()
+    P = sp.csr_matrix(P.multiply(1.0 / np.sqrt(P.multiply(P).sum(1))))
+    Y = sp.csr_matrix((np.ones(n_points, np.float32), (np.arange(n_points), rng.integers(0, 50, n_points))),
+                      shape=(n_points, 50))
+    return LexicalIndex(None, P, Y, None, 5, max_postings=cap), P
+
+
+def test_capped_lexical_work_per_query_does_not_grow_with_points():
+    """Each query's products with the indexed points: every posting of its terms uncapped (the stop word's run
+    over all N points), at most terms x P capped, at N = 2,000 and 16,000 alike."""
+    for n in (2_000, 16_000):
+        full, P = _lexical(n, 0)
+        capped, _ = _lexical(n, 64)
+        Q = P[:50]
+        per_row = lambda ix: np.diff(sp.csr_matrix(Q @ ix._points_t).indptr)  # noqa: E731
+        assert per_row(full).max() >= n  # the stop word alone reaches every point
+        assert per_row(capped).max() <= 4 * 64  # 4 terms per query x P
+
+
+def test_cap_at_least_the_longest_postings_is_exact_and_a_small_cap_keeps_most_neighbours():
+    full, P = _lexical(3_000, 0)
+    same, _ = _lexical(3_000, 3_000)
+    Q, own = P[:300], np.arange(300)
+    a, b = full.scores(Q, own=own), same.scores(Q, own=own)
+    assert (a != b).nnz == 0
+    capped, _ = _lexical(3_000, 256)
+    n_full, _ = full.nearest(Q, own=own)
+    n_cap, _ = capped.nearest(Q, own=own)
+    recall = np.mean([len(np.intersect1d(x[x >= 0], y[y >= 0])) / max((y >= 0).sum(), 1)
+                      for x, y in zip(n_cap, n_full)])
+    # the neighbours share rare terms; the stop word's postings, cut to the 256 heaviest, matter little
+    assert recall >= 0.8
+
+
+def test_capped_index_round_trips_its_cap(tmp_path):
+    texts = [f"the common word{i % 7} item{i % 5}" for i in range(40)]
+    Y = sp.csr_matrix((np.ones(40, np.float32), (np.arange(40), np.arange(40) % 3)), shape=(40, 3))
+    ix = LexicalIndex.fit(texts, ["word1 label", "word2 label", "item3 label"], Y, 3, 1, max_postings=4)
+    assert np.diff(ix._points_t.indptr).max() == 4  # "the", "common", "the common" in all 40, cut to 4
+    ix.save(tmp_path / "lex")
+    back = LexicalIndex.load(tmp_path / "lex")
+    assert back.max_postings == 4
+    Q = ix.transform(["the common word3 item1", "item2"])
+    assert (back.scores(Q) != ix.scores(Q)).nnz == 0
+    with pytest.raises(Exception, match="lexical_max_postings"):
+        LexicalIndex(None, ix.points, ix.point_labels, None, 5, max_postings=-1)
+
+
+def test_auto_kind_is_exact_up_to_the_threshold_then_hnsw(monkeypatch, tmp_path):
+    monkeypatch.setattr(ann, "EXACT_MAX_VECTORS", 100)
+    assert resolve_kind("auto", 100) == "exact" and resolve_kind("auto", 101) == "hnsw"
+    assert resolve_kind("hnsw", 5) == "hnsw"
+    rng = np.random.default_rng(0)
+    small, big = rng.normal(size=(80, 16)).astype(np.float32), rng.normal(size=(300, 16)).astype(np.float32)
+    for vectors, kind in ((small, "exact"), (big, "hnsw")):
+        ix = LabelIndex("auto", vectors)
+        assert ix.kind == kind
+        ix.save(tmp_path / f"{kind}.index")
+        back = LabelIndex.load(tmp_path / f"{kind}.index", "auto")
+        assert back.kind == kind
+        q = rng.normal(size=(20, 16)).astype(np.float32)
+        np.testing.assert_array_equal(back.search(q, 5)[1], ix.search(q, 5)[1])
+
+
+def test_exact_search_blocks_bound_the_score_matrix(monkeypatch):
+    """At most EXACT_BLOCK_ENTRIES scores at once, the same top-k as one block."""
+    rng = np.random.default_rng(1)
+    keys, q = rng.normal(size=(1000, 8)).astype(np.float32), rng.normal(size=(64, 8)).astype(np.float32)
+    want = exact_topk(q, keys, 7)
+    seen = []
+    real_topk = ann.torch.topk
+
+    def spy(t, *a, **kw):
+        seen.append(t.shape[0] * t.shape[1])
+        return real_topk(t, *a, **kw)
+
+    monkeypatch.setattr(ann, "EXACT_BLOCK_ENTRIES", 5000)
+    monkeypatch.setattr(ann.torch, "topk", spy)
+    got = exact_topk(q, keys, 7)
+    assert max(seen) <= 5000 and len(seen) == 13  # 5 queries x 1,000 keys per block
+    np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+
+
+def test_evaluation_streamed_in_blocks_equals_one_block(tmp_path, monkeypatch):
+    """Mining over blocks of 7 training points gives the same shortlists; the evaluate stage over blocks of 7 test
+    queries (filter pairs on rows 0 and 3 fall in different blocks)
+    gives the predictions, metrics and reports of one block."""
+    home = tiny_lf_home(tmp_path, monkeypatch, {**TINY, "pretrain.epochs": 1, "classifier.epochs": 1,
+                                                "index.sources": "W,label,knn,lexical"})
+    spec = Catalog(home.catalog).get("TinyTitles")
+    ctx = StageContext(ArtifactStore(home.artifacts), spec, spec.config(), home.cache)
+    one = run_all(ctx)["evaluate"]
+    first = np.load(ctx.store.stage_dir("TinyTitles", "evaluate") / "predictions.npz")["ids"]
+    mined = np.load(ctx.store.stage_dir("TinyTitles", "mining") / "shortlist.npy")
+    monkeypatch.setattr(evaluate_stage, "STREAM_ROWS", 7)
+    monkeypatch.setattr(mining_stage, "STREAM_ROWS", 7)
+    run_all(ctx, ("mining",))
+    np.testing.assert_array_equal(np.load(ctx.store.stage_dir("TinyTitles", "mining") / "shortlist.npy"), mined)
+    many = run_all(ctx, ("evaluate",))["evaluate"]
+    again = np.load(ctx.store.stage_dir("TinyTitles", "evaluate") / "predictions.npz")["ids"]
+    np.testing.assert_array_equal(first, again)
+    assert many["metrics"] == one["metrics"]
+    assert not (first[0] == 19).any() and not (first[3] == 18).any()  # the filter pairs stay out

@@ -1,0 +1,103 @@
+"""Row-wise operations on sparse score matrices shared by the shortlist sources: the top-k stored entries of each
+row (by a sort, or by a partition of the rows packed into a dense block), row-wise lookups, each row's postings
+capped (static index pruning) and row ranges of bounded work."""
+
+from __future__ import annotations
+
+import numpy as np
+import scipy.sparse as sp
+
+
+def sparse_topk(S: sp.spmatrix, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k largest stored entries of each row of ``S``, by value descending then column: (columns int64,
+    values float32), -1 / 0 padded. One sort over the stored entries."""
+    S = sp.csr_matrix(S)
+    S.sum_duplicates()
+    n = S.shape[0]
+    ids = np.full((n, k), -1, dtype=np.int64)
+    vals = np.zeros((n, k), dtype=np.float32)
+    if S.nnz == 0 or k < 1:
+        return ids, vals
+    row = np.repeat(np.arange(n), np.diff(S.indptr))
+    order = np.lexsort((S.indices, -S.data, row))
+    row, col, val = row[order], S.indices[order], S.data[order]
+    rank = np.arange(len(row)) - S.indptr[row]
+    keep = rank < k
+    ids[row[keep], rank[keep]] = col[keep]
+    vals[row[keep], rank[keep]] = val[keep]
+    return ids, vals
+
+
+def dense_topk(S: sp.spmatrix, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`sparse_topk` of a matrix of positive entries (no stored zeros, no duplicate entries: a sparse
+    product's output) through its rows' stored entries packed to the left of a dense block as wide as the longest
+    row (not as the matrix): one partition finds each row's k-th value, and only the entries at or above it are
+    sorted, O(rows x longest row) instead of one sort of every stored entry (4.3 s -> 0.2 s for a 291 x 57,480 block
+    of full-text cosines, 57% dense). The same ids and order: value descending, then column."""
+    S = sp.csr_matrix(S)
+    n = S.shape[0]
+    lengths = np.diff(S.indptr)
+    width = int(lengths.max(initial=0))
+    ids = np.full((n, k), -1, dtype=np.int64)
+    vals = np.zeros((n, k), dtype=np.float32)
+    kk = min(k, width)
+    if n == 0 or kk < 1:
+        return ids, vals
+    row = np.repeat(np.arange(n), lengths)
+    pos = np.arange(S.nnz) - S.indptr[row]
+    D = np.zeros((n, width), dtype=np.float32)
+    D[row, pos] = S.data
+    thr = -np.partition(-D, kk - 1, axis=1)[:, kk - 1:kk]  # each row's kk-th largest (0: fewer entries)
+    r, p = np.nonzero((D >= thr) & (D > 0))  # the top kk and every tie at the kk-th value
+    at = S.indptr[r] + p
+    col, val = S.indices[at].astype(np.int64), D[r, p]
+    order = np.lexsort((col, -val, r))
+    r, col, val = r[order], col[order], val[order]
+    rank = np.arange(len(r)) - np.searchsorted(r, r)
+    keep = rank < kk
+    ids[r[keep], rank[keep]] = col[keep]
+    vals[r[keep], rank[keep]] = val[keep]
+    return ids, vals
+
+
+def sparse_lookup(P: sp.csr_matrix, ids: np.ndarray) -> np.ndarray:
+    """Row-wise ``P[i, ids[i, j]]`` (0 where not stored or ``ids`` is -1): (n, C) float32. ``P``: CSR with
+    sorted indices and no duplicates, so that the keys row * L + column are sorted for one search."""
+    n, L = P.shape
+    row = np.repeat(np.arange(n, dtype=np.int64), np.diff(P.indptr))
+    keys = row * L + P.indices
+    if keys.size == 0:
+        return np.zeros(ids.shape, dtype=np.float32)
+    probe = np.arange(n, dtype=np.int64)[:, None] * L + np.maximum(ids, 0)
+    pos = np.minimum(np.searchsorted(keys, probe), keys.size - 1)
+    return np.where((keys[pos] == probe) & (ids >= 0), P.data[pos], 0.0).astype(np.float32)
+
+
+def cap_postings(Mt: sp.csr_matrix, cap: int) -> sp.csr_matrix:
+    """Each row of ``Mt`` (a term's postings) keeping its ``cap`` largest entries, ties by smaller column; ``cap``
+    0: all. One sort of the stored entries of the rows longer than ``cap``."""
+    Mt = sp.csr_matrix(Mt)
+    lengths = np.diff(Mt.indptr)
+    if cap <= 0 or lengths.max(initial=0) <= cap:
+        return Mt
+    row = np.repeat(np.arange(Mt.shape[0]), lengths)
+    order = np.lexsort((Mt.indices, -Mt.data, row))
+    rank = np.arange(len(order)) - Mt.indptr[row]  # row is sorted, so row[order] == row
+    keep = np.sort(order[rank < cap])  # back in (row, column) order
+    out = sp.csr_matrix((Mt.data[keep], Mt.indices[keep], np.concatenate([[0], np.cumsum(np.minimum(lengths, cap))])),
+                        shape=Mt.shape)
+    return out
+
+
+def work_blocks(work: np.ndarray, budget: int, step: int) -> list[tuple[int, int]]:
+    """Consecutive (start, end) row ranges of at most ``step`` rows whose ``work`` sums to at most ``budget``
+    (a row over the budget alone in its range)."""
+    cum = np.cumsum(np.asarray(work, dtype=np.int64))
+    out, s, n = [], 0, len(cum)
+    while s < n:
+        base = cum[s - 1] if s else 0
+        e = int(np.searchsorted(cum, base + budget, side="right"))
+        e = min(max(e, s + 1), s + step, n)
+        out.append((s, e))
+        s = e
+    return out
