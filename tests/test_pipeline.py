@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import mlflow
 import numpy as np
@@ -233,6 +234,8 @@ def test_cli_add_then_dagster_cli_materialize(tmp_path, tiny_encoder):
     out = subprocess.run(cli + ["materialize", "MyData"], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "Test metrics for MyData" in out.stdout and "precision_at_1" in out.stdout
+    for name in ("pretrain", "encode test", "retrieve test", "index W"):  # progress through Dagster's log (stderr)
+        assert re.search(rf" - {name}: \d+/\d+ \w+ \(\d+%\), \S+/s, ETA \S+, elapsed \d+:\d\d", out.stderr), name
     metrics = json.loads((home / "artifacts" / "MyData" / "evaluate" / "metrics.json").read_text())
     # the run a user starts from the CLI trains as the library run does: far above the label prior
     ds = load_dataset(home / "artifacts" / "MyData" / "ingest" / "dataset", texts=False, features=False)

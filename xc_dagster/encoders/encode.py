@@ -27,11 +27,12 @@ def chunk_tensors(ids: np.ndarray, lengths: np.ndarray, rows: np.ndarray,
 
 
 def encode_tokens(encoder: torch.nn.Module, ids: np.ndarray, lengths: np.ndarray, device: torch.device,
-                  dtype: torch.dtype | None, batch_size: int = 256, progress=None,
+                  dtype: torch.dtype | None, batch_size: int = 256, progress: Callable[[int], None] | None = None,
                   forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> np.ndarray:
     """Embed every row of a token-id array (memmap ok): (N, D) float32, unit rows, input order kept.
 
-    ``forward`` replaces ``encoder(ids, mask)``, e.g. the bag encoder's ``intermediate`` embeddings."""
+    ``forward`` replaces ``encoder(ids, mask)``, e.g. the bag encoder's ``intermediate`` embeddings;
+    ``progress(rows)`` follows each chunk (``xc_dagster.progress.Progress.update``)."""
     n = len(lengths)
     out = np.zeros((n, encoder.dim), dtype=np.float32)
     encoder.eval()
@@ -46,13 +47,17 @@ def encode_tokens(encoder: torch.nn.Module, ids: np.ndarray, lengths: np.ndarray
 
 
 def embed_rows(encoder: torch.nn.Module, ids: np.ndarray, lens: np.ndarray, rows: np.ndarray, chunk_size: int,
-               device: torch.device) -> torch.Tensor:
-    """Embeddings (with grad) of ``rows``, encoded in length-sorted chunks, returned in ``rows`` order."""
+               device: torch.device,
+               forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """Embeddings (with grad) of ``rows``, encoded in length-sorted chunks, returned in ``rows`` order.
+
+    ``forward`` replaces ``encoder(ids, mask)`` per chunk (``xc_dagster.training.grad_cache`` records chunks)."""
+    fn = encoder if forward is None else forward
     sub_lens = lens[rows]
     pieces, where = [], []
     for local in length_sorted_chunks(sub_lens, chunk_size):
         t_ids, mask = chunk_tensors(ids, lens, rows[local], device)
-        pieces.append(encoder(t_ids, mask))
+        pieces.append(fn(t_ids, mask))
         where.append(local)
     emb = torch.cat(pieces)
     order = torch.from_numpy(np.argsort(np.concatenate(where), kind="stable")).to(device)

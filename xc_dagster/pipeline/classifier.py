@@ -193,13 +193,13 @@ def run(ctx: StageContext) -> dict[str, Any]:
     t_train = time.perf_counter()
     deadline = plan.deadline(t_train) if deadline is None else deadline
     if sampled:
-        res = train_end_to_end(point_emb, label_emb, W0, ds.Y_train, rows, p, ctx.device, shortlist=sl,
+        res = train_end_to_end(point_emb, label_emb, W0, ds.Y_train, rows, p, ctx.device, shortlist=sl, report=ctx.info,
                                log_metrics=ctx.log_metrics, checkpoint=ckpt, label_weight=lw, deadline=deadline, **kw)
         W_out, summary, emb = res.W, res.summary, (res.point_emb, res.label_emb)
     else:
         W_out, summary = train_classifiers(point_emb if inter is None else inter, W0, ds.Y_train, sl, rows, p,
                                            ctx.device, ctx.log_metrics, ckpt, encoder=encoder, label_weight=lw,
-                                           deadline=deadline,
+                                           deadline=deadline, report=ctx.info,
                                            label_point_emb=label_emb if label_inter is None else label_inter)
         summary["residual"] = residual_note
     summary["budget"] = plan.summary()

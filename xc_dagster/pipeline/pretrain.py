@@ -83,11 +83,13 @@ def run(ctx: StageContext) -> dict[str, Any]:
     ckpt = Checkpointer(ctx.checkpoint_dir(), key)
     t_train = time.perf_counter()
     res = train_siamese(encoder, pt, lt, ds.Y_train, train_rows, p, ctx.device, dtype, ctx.log_metrics,
-                        checkpoint=ckpt, deadline=plan.deadline(t_train))
+                        checkpoint=ckpt, deadline=plan.deadline(t_train), report=ctx.info)
     ctx.info(f"pretrain {ctx.name}: {res.steps} steps, {res.points} points in {res.seconds:.0f}s")
     t1 = time.perf_counter()
-    point_emb = encode_tokens(encoder, *pt, ctx.device, dtype, p.encode_batch_size)
-    label_emb = encode_tokens(encoder, *lt, ctx.device, dtype, p.encode_batch_size)
+    with ctx.progress("encode train", len(pt[1]), "texts") as prog:
+        point_emb = encode_tokens(encoder, *pt, ctx.device, dtype, p.encode_batch_size, prog.update)
+    with ctx.progress("encode label", len(lt[1]), "texts") as prog:
+        label_emb = encode_tokens(encoder, *lt, ctx.device, dtype, p.encode_batch_size, prog.update)
     encode_s = time.perf_counter() - t1
     W0, warm_labels = None, 0
     if warm is not None:
@@ -98,7 +100,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
                "final_loss": res.final_loss, "encode_seconds": encode_s,
                "texts_per_s": (len(pt[1]) + len(lt[1])) / max(encode_s, 1e-9), "device": str(ctx.device),
                "amp": str(dtype), "dim": encoder.dim, "encoder_type": type(encoder).__name__,
-               "stopped_at_deadline": res.stopped_at_deadline, "budget": plan.summary(),
+               "stopped_at_deadline": res.stopped_at_deadline, "budget": plan.summary(), "memory": res.memory,
                "seconds": time.perf_counter() - started}  # the stage's wall time (what the budget counts)
     with ctx.writing() as out:
         save_encoder(encoder, tokenizer, out / ENCODER)

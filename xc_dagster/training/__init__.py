@@ -30,5 +30,8 @@ learning-rate schedules                                ``schedules``
 Renee / ASTRA: label texts as training points          ``label_points`` (``pretrain.label_points``,
                                                        ``classifier.label_points``)
 per-epoch checkpoints, bit-identical resume            ``checkpoint``
+GradCache (Gao et al. 2021): encoder steps with one    ``grad_cache.StepEmbedder`` (``pretrain.grad_cache``,
+chunk's activations                                    ``classifier.grad_cache``)
+a step's predicted memory: grad caching, chunk size    ``memory.plan_step_memory``
 =====================================================  ==============================================================
 """

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from xc_dagster.config import HardNegativeTrainerParams
 from xc_dagster.encoders.bag import BagOfEmbeddingsEncoder
 from xc_dagster.errors import XCConfigError
+from xc_dagster.progress import Progress, Report
 from xc_dagster.sampling.batches import classifier_batches
 from xc_dagster.sampling.hard_negatives import HARD_NEGATIVE_POOLS, hardest
 from xc_dagster.sampling.labels import sample_positives
@@ -204,7 +205,8 @@ def train_classifiers(point_emb: np.ndarray, label_emb: np.ndarray, Y: sp.csr_ma
                       encoder: BagOfEmbeddingsEncoder | None = None,
                       label_weight: np.ndarray | None = None,
                       deadline: float | None = None,
-                      label_point_emb: np.ndarray | None = None) -> tuple[np.ndarray, dict[str, float]]:
+                      label_point_emb: np.ndarray | None = None,
+                      report: Report | None = None) -> tuple[np.ndarray, dict[str, float]]:
     """Return W (L x D float32) and a summary; ``shortlist[i]`` are point i's mined candidate labels (-1 pad).
 
     ``label_weight`` (L,): a weight on each label's positive terms in the loss (``propensity_label_weights``).
@@ -218,12 +220,13 @@ def train_classifiers(point_emb: np.ndarray, label_emb: np.ndarray, Y: sp.csr_ma
 
     With ``checkpoint``, the state is saved after every epoch and a matching checkpoint is resumed from: the
     result equals an uninterrupted run's (same seed). ``deadline`` (``time.perf_counter()``): no epoch starts
-    after it (the training budget's guard).
+    after it (the training budget's guard). ``report``: where the progress lines go (epochs; ``xc_dagster.progress``).
     """
     trainer = ClassifierTrainer(point_emb, label_emb, Y, shortlist, train_rows, params, device, encoder,
                                 label_weight, label_point_emb)
     t0 = time.perf_counter()
     start = trainer.start(checkpoint)
+    prog = Progress("classifier", trainer.epochs, "epochs", report, log_metrics, initial=start)
     done = trainer.epochs
     for epoch in range(start, trainer.epochs):
         if deadline is not None and time.perf_counter() > deadline:
@@ -235,6 +238,8 @@ def train_classifiers(point_emb: np.ndarray, label_emb: np.ndarray, Y: sp.csr_ma
             checkpoint.save(epoch + 1, trainer.state(), trainer.rng)
         if log_metrics is not None:
             log_metrics(epoch + 1, {"classifier_loss": trainer.last})
+        prog.update(1)
+    prog.close()
     if encoder is not None:
         encoder.eval()
     return trainer.weights(), {"steps": trainer.steps, "seconds": time.perf_counter() - t0,

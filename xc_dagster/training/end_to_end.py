@@ -8,8 +8,10 @@ positives, draw negatives from the ``classifier.negatives`` sampler of
 ``sum_pos log(1 + e^-s) + sum_neg weight * log(1 + e^s)`` (mean over the batch), s = scale * w.x + b with b one
 learned bias shared by all labels (``logit_bias``). W lives in a ``ShardedClassifier`` (one shard per GPU) and
 only the scored rows are touched: SGD (ASTRA) or SparseAdam for W, AdamW for the encoder, one
-cosine-with-warm-up schedule for both, dropout on the query embedding before the classifiers. With
-``checkpoint`` the whole state is saved after every epoch and resumed from.
+cosine-with-warm-up schedule for both, dropout on the query embedding before the classifiers; the encoder's
+chunks gradient-cached when the batch's activations would not fit (``classifier.grad_cache``,
+``xc_dagster.training.grad_cache``). With ``checkpoint`` the whole state is saved after every epoch and
+resumed from.
 """
 
 from __future__ import annotations
@@ -25,14 +27,25 @@ import torch
 import torch.nn.functional as F
 
 from xc_dagster.config import EndToEndTrainerParams
-from xc_dagster.device import adamw, autocast
-from xc_dagster.encoders.encode import embed_rows, encode_tokens
+from xc_dagster.device import adamw
+from xc_dagster.encoders.encode import encode_tokens
 from xc_dagster.errors import XCConfigError
+from xc_dagster.progress import Progress, Report
 from xc_dagster.sampling.batches import RandomBatches
 from xc_dagster.sampling.labels import sample_positives
 from xc_dagster.sampling.negatives import SAMPLED_NEGATIVES, NegativeSample
 from xc_dagster.training.checkpoint import Checkpointer, Resumable, Resumed, restore_rng, to_arrays, to_tensors
+from xc_dagster.training.grad_cache import StepEmbedder
 from xc_dagster.training.losses import masked_bce_loss
+from xc_dagster.training.memory import (
+    GRAD_CACHE_MODES,
+    EncoderShape,
+    MemoryPlan,
+    available_memory,
+    plan_step_memory,
+    step_loss_bytes,
+    text_lengths,
+)
 from xc_dagster.training.schedules import cosine_with_warmup
 from xc_dagster.training.sharded import ShardedClassifier, ShardedOptimizer, shard_devices
 from xc_dagster.training.window import MetricsWindow
@@ -57,6 +70,27 @@ def check_end_to_end_params(params: EndToEndTrainerParams, has_encoder: bool) ->
         raise XCConfigError(f"classifier.dropout: expected in [0, 1), got {params.dropout}")
     if params.refresh_every < 0:
         raise XCConfigError(f"classifier.refresh_every: expected >= 0 epochs, got {params.refresh_every}")
+    if params.grad_cache not in GRAD_CACHE_MODES:
+        raise XCConfigError(f"classifier.grad_cache: expected one of {GRAD_CACHE_MODES}, got {params.grad_cache!r}")
+    if params.chunk_size < 1:
+        raise XCConfigError(f"classifier.chunk_size: expected an int >= 1, got {params.chunk_size!r}")
+
+
+def end_to_end_memory_plan(encoder: torch.nn.Module, point_tokens: Tokens, label_tokens: Tokens,
+                           params: EndToEndTrainerParams, src: np.ndarray, device: torch.device,
+                           dtype: torch.dtype | None) -> MemoryPlan:
+    """Grad caching and the chunk size of the end-to-end steps, from their predicted memory
+    (``xc_dagster.training.memory``): B example texts (``src``: the examples' sources, labels < 0; a batch holds
+    them in proportion), each scored against its positives and negatives."""
+    B = min(params.batch_size, len(src))
+    n_labels = int(round(B * float(np.mean(src < 0)))) if len(src) else 0
+    groups = [(B - n_labels, *text_lengths(point_tokens)), (n_labels, *text_lengths(label_tokens))]
+    pairs = B * (params.num_positives + params.num_hard + params.num_random)
+    loss = step_loss_bytes(B, pairs, encoder.dim) + 12.0 * pairs * encoder.dim  # the scored rows of W, their grads
+    fields = {"classifier.chunk_size": params.chunk_size, "classifier.batch_size": params.batch_size,
+              "tokenize.max_len": point_tokens[0].shape[1]}
+    return plan_step_memory(EncoderShape.of(encoder), groups, dtype, params.grad_cache, params.chunk_size,
+                            available_memory(device), fields, loss, "classifier.grad_cache")
 
 
 def examples(Y: sp.csr_matrix, train_rows: np.ndarray, label_points: bool) -> tuple[np.ndarray, sp.csr_matrix]:
@@ -143,11 +177,14 @@ class EndToEndTrainer(Resumable):
         self.clf = ShardedClassifier(W0, shard_devices(params.shards, device))
         self.w_opt = ShardedOptimizer(self.clf, params.w_optimizer, params.lr, params.weight_decay)
         self.lr_factor = cosine_with_warmup(params.warmup_steps, total)
-        self.enc_opt = self.enc_sched = None
+        self.enc_opt = self.enc_sched = self.memory = self.embedder = None
         if params.train_encoder:
             self.enc_opt = adamw(encoder.parameters(), params.encoder_lr, 0.01)
             self.enc_sched = torch.optim.lr_scheduler.LambdaLR(self.enc_opt, self.lr_factor)
             encoder.train()
+            self.memory = end_to_end_memory_plan(encoder, point_tokens, label_tokens, params, self.src, device,
+                                                 dtype)
+            self.embedder = StepEmbedder(encoder, device, dtype, self.memory.chunk_size, self.memory.grad_cache)
         prior = min(max(self.Yex.nnz / max(n, 1) / max(self.Yex.shape[1], 1), 1e-9), 0.5)
         self.bias = torch.tensor(math.log(prior / (1 - prior)) if params.logit_bias else 0.0, device=device,
                                  requires_grad=params.logit_bias)
@@ -167,9 +204,9 @@ class EndToEndTrainer(Resumable):
         """The BCE of the examples ``batch`` against their positives and sampled negatives."""
         self.sampler.before_step(self.steps, self.clf.snapshot)
         pos = sample_positives(self.Yex, batch, self.params.num_positives, self.rng)
-        if self.params.train_encoder:
-            x = _embed_examples(self.encoder, self.src[batch], self.point_tokens, self.label_tokens, self.params,
-                                self.device, self.dtype)
+        if self.embedder is not None:
+            self.embedder.discard()  # a step's chunks only
+            x = _embed_examples(self.embedder, self.src[batch], self.point_tokens, self.label_tokens)
         else:
             x = torch.from_numpy(self.bank[batch]).to(self.device)
         x_np = x.detach().float().cpu().numpy()
@@ -183,7 +220,10 @@ class EndToEndTrainer(Resumable):
             self.enc_opt.zero_grad(set_to_none=True)
         if self.bias_opt is not None:
             self.bias_opt.zero_grad(set_to_none=True)
-        loss.backward()
+        if self.embedder is not None:
+            self.embedder.backward(loss)  # grad caching: the encoder's chunks re-run here, one at a time
+        else:
+            loss.backward()
         if self.enc_opt is not None:
             torch.nn.utils.clip_grad_norm_(self.encoder.parameters(), 1.0)
             self.enc_opt.step()
@@ -252,7 +292,8 @@ class EndToEndTrainer(Resumable):
                    "shards": len(self.clf.weights), "resumed_from_epoch": resumed_from_epoch,
                    "stopped_at_deadline": self.stopped_at_deadline,
                    "examples_per_s": self.steps * params.batch_size / max(seconds, 1e-9),
-                   "encode_seconds": time.perf_counter() - t1}
+                   "encode_seconds": time.perf_counter() - t1,
+                   "memory": self.memory.summary() if self.memory is not None else {}}
         return EndToEndResult(W.astype(np.float32), p_emb, l_emb, summary)
 
 
@@ -262,7 +303,8 @@ def train_end_to_end(point_emb: np.ndarray, label_emb: np.ndarray, W0: np.ndarra
                      label_tokens: Tokens | None = None, dtype: torch.dtype | None = None,
                      shortlist: np.ndarray | None = None, log_metrics: MetricsFn | None = None,
                      checkpoint: Checkpointer | None = None, log_every: int = 10, reencode: bool = True,
-                     label_weight: np.ndarray | None = None, deadline: float | None = None) -> EndToEndResult:
+                     label_weight: np.ndarray | None = None, deadline: float | None = None,
+                     report: Report | None = None) -> EndToEndResult:
     """Train W (and ``encoder`` in place when ``params.train_encoder``) with the ``params.negatives`` sampler.
 
     ``point_emb``/``label_emb``: the current encoder's embeddings (the stale queries ASTRA starts from, and the
@@ -271,6 +313,7 @@ def train_end_to_end(point_emb: np.ndarray, label_emb: np.ndarray, W0: np.ndarra
     training point and label with the trained encoder afterwards (what the later stages need).
     ``label_weight`` (L,): a weight on each label's positive terms (``propensity_label_weights``).
     ``deadline`` (``time.perf_counter()``): no step starts after it (the training budget's guard).
+    ``report``: where the progress lines go (steps of the planned total; ``xc_dagster.progress``).
     """
     trainer = EndToEndTrainer(point_emb, label_emb, W0, Y, train_rows, params, device, encoder=encoder,
                               point_tokens=point_tokens, label_tokens=label_tokens, dtype=dtype, shortlist=shortlist,
@@ -279,6 +322,8 @@ def train_end_to_end(point_emb: np.ndarray, label_emb: np.ndarray, W0: np.ndarra
     try:
         start = trainer.start(checkpoint)
         window = MetricsWindow()
+        prog = Progress("classifier", max(1, math.ceil(params.epochs * trainer.steps_per_epoch)), "steps", report,
+                        log_metrics, initial=trainer.steps)
         for epoch in range(start, trainer.n_epochs):
             if trainer.stopped_at_deadline:
                 break
@@ -287,6 +332,7 @@ def train_end_to_end(point_emb: np.ndarray, label_emb: np.ndarray, W0: np.ndarra
                     trainer.stopped_at_deadline = True
                     break
                 window.add(trainer.step(batch), params.batch_size)
+                prog.update(1)
                 if log_metrics is not None and trainer.steps % log_every == 0:
                     loss, rate = window.flush()
                     log_metrics(trainer.steps, {"classifier_loss": loss, "classifier_examples_per_s": rate,
@@ -295,22 +341,21 @@ def train_end_to_end(point_emb: np.ndarray, label_emb: np.ndarray, W0: np.ndarra
                 checkpoint.save(epoch + 1, trainer.state(), trainer.rng)
     finally:
         trainer.close()
+    prog.close()
     return trainer.result(time.perf_counter() - t0, start, reencode)
 
 
-def _embed_examples(encoder: torch.nn.Module, src: np.ndarray, point_tokens: Tokens,
-                    label_tokens: Tokens, params: EndToEndTrainerParams, device: torch.device,
-                    dtype: torch.dtype | None) -> torch.Tensor:
-    """Embeddings (with grad) of a batch of examples: point texts and label texts, in batch order."""
+def _embed_examples(embedder: StepEmbedder, src: np.ndarray, point_tokens: Tokens,
+                    label_tokens: Tokens) -> torch.Tensor:
+    """Embeddings (towards the encoder's gradient) of a batch of examples: point and label texts, in batch order."""
     lab = src < 0
     parts, where = [], []
-    with autocast(device, dtype):
-        if (~lab).any():
-            parts.append(embed_rows(encoder, *point_tokens, src[~lab], params.chunk_size, device).float())
-            where.append(np.flatnonzero(~lab))
-        if lab.any():
-            parts.append(embed_rows(encoder, *label_tokens, -1 - src[lab], params.chunk_size, device).float())
-            where.append(np.flatnonzero(lab))
+    if (~lab).any():
+        parts.append(embedder.embed(*point_tokens, src[~lab]).float())
+        where.append(np.flatnonzero(~lab))
+    if lab.any():
+        parts.append(embedder.embed(*label_tokens, -1 - src[lab]).float())
+        where.append(np.flatnonzero(lab))
     x = torch.cat(parts)
-    back = torch.from_numpy(np.argsort(np.concatenate(where), kind="stable")).to(device)
+    back = torch.from_numpy(np.argsort(np.concatenate(where), kind="stable")).to(x.device)
     return x[back]

@@ -8,15 +8,17 @@ label's in-batch negatives are the other labels' points, and a second label repr
 ``centroid_points`` more sampled positives (encoded in the same forward pass), gets the same loss, weighted
 ``centroid_weight``. The loss on the similarity matrix is the ``pretrain.loss`` of
 ``xc_dagster.training.losses.PAIR_LOSSES``. Texts are run through the encoder in length-sorted chunks with
-per-chunk padding, under bf16/fp16 autocast where it pays. With ``pretrain.label_points`` every label's text is
-also a training point whose one positive is that label (``xc_dagster.training.label_points``; point samplers).
+per-chunk padding, under bf16/fp16 autocast where it pays, gradient-cached when the batch's activations would
+not fit (``pretrain.grad_cache``, ``xc_dagster.training.grad_cache``). With ``pretrain.label_points`` every
+label's text is also a training point whose one positive is that label (``xc_dagster.training.label_points``;
+point samplers).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -25,15 +27,26 @@ import torch
 import torch.nn.functional as F
 
 from xc_dagster.config import PretrainParams
-from xc_dagster.device import adamw, autocast
-from xc_dagster.encoders.encode import embed_rows, encode_tokens
+from xc_dagster.device import adamw
+from xc_dagster.encoders.encode import encode_tokens
 from xc_dagster.encoders.transformer import SiameseEncoder
 from xc_dagster.errors import XCConfigError
+from xc_dagster.progress import Progress, Report
 from xc_dagster.sampling.batches import BATCH_SAMPLERS, LabelBatch
 from xc_dagster.sampling.labels import positive_mask, sample_positives
 from xc_dagster.training.checkpoint import Checkpointer, Resumed, restore_rng
+from xc_dagster.training.grad_cache import StepEmbedder
 from xc_dagster.training.label_points import siamese_label_points
 from xc_dagster.training.losses import PAIR_LOSSES, PairLoss
+from xc_dagster.training.memory import (
+    GRAD_CACHE_MODES,
+    EncoderShape,
+    MemoryPlan,
+    available_memory,
+    plan_step_memory,
+    step_loss_bytes,
+    text_lengths,
+)
 from xc_dagster.training.schedules import linear_with_warmup
 from xc_dagster.training.window import MetricsWindow
 
@@ -56,6 +69,8 @@ def check_pretrain_params(params: PretrainParams) -> None:
         (isinstance(params.freeze_layers, int) and params.freeze_layers >= 0, "freeze_layers", "an int >= 0"),
         (not (params.label_points and params.sampler == "siamesexml"), "label_points",
          "false with sampler siamesexml (its label batches draw their points from the training points)"),
+        (params.grad_cache in GRAD_CACHE_MODES, "grad_cache", f"one of {GRAD_CACHE_MODES}"),
+        (params.chunk_size >= 1, "chunk_size", "an int >= 1"),
     ]
     for ok, name, expected in checks:
         if not ok:
@@ -84,6 +99,25 @@ def label_batch_pair_loss(p: torch.Tensor, z: torch.Tensor, where: np.ndarray, m
         w = centroid_weight
         value = (1.0 - w) * value + w * loss(v @ anchors.T, mask_t)
     return value
+
+
+def pretrain_memory_plan(encoder: torch.nn.Module, point_tokens: Tokens, label_tokens: Tokens, n_points: int,
+                         n_labels: int, params: PretrainParams, device: torch.device,
+                         dtype: torch.dtype | None) -> MemoryPlan:
+    """Grad caching and the chunk size of this pretraining's steps, from their predicted memory
+    (``xc_dagster.training.memory``): a step encodes B points and their B labels (siamesexml: B labels, their
+    B anchors and B x centroid_points centroid points)."""
+    label_batches = params.sampler == "siamesexml"
+    B = min(params.batch_size, n_labels if label_batches else n_points)
+    n_point_texts = B * (1 + params.centroid_points) if label_batches else B
+    groups = [(n_point_texts, *text_lengths(point_tokens)), (B, *text_lengths(label_tokens))]
+    fields = {"pretrain.chunk_size": params.chunk_size, "pretrain.batch_size": params.batch_size,
+              "tokenize.max_len": point_tokens[0].shape[1]}
+    if label_tokens[0].shape[1] != point_tokens[0].shape[1]:
+        fields["tokenize.label_max_len"] = label_tokens[0].shape[1]
+    loss = step_loss_bytes(n_point_texts + B, B * B * (2 if label_batches else 1), encoder.dim)
+    return plan_step_memory(EncoderShape.of(encoder), groups, dtype, params.grad_cache, params.chunk_size,
+                            available_memory(device), fields, loss, "pretrain.grad_cache")
 
 
 class SiameseTrainer:
@@ -122,6 +156,11 @@ class SiameseTrainer:
             self.opt, linear_with_warmup(params.warmup_steps, max(self.total_steps, 1)))
         self.steps = self.points = 0
         self._batch_points = 0  # point texts the last batch_loss encoded
+        self.memory = MemoryPlan(False, params.chunk_size, 0.0, 0.0, None)  # grad caching, chunk size
+        if trains:
+            self.memory = pretrain_memory_plan(encoder, point_tokens, label_tokens, len(self.rows), self.Y.shape[1],
+                                               params, device, dtype)
+        self.embedder = StepEmbedder(encoder, device, dtype, self.memory.chunk_size, self.memory.grad_cache)
 
     def start(self, checkpoint: Checkpointer | None = None, log_metrics: MetricsFn | None = None) -> int:
         """Train mode; resume from a matching checkpoint (returns its next epoch), else prepare the sampler
@@ -151,14 +190,14 @@ class SiameseTrainer:
 
     def batch_loss(self, batch: np.ndarray | LabelBatch) -> torch.Tensor:
         """The loss of a batch of point rows or a ``LabelBatch`` (forward pass included)."""
+        self.embedder.discard()  # a step's chunks only
         if isinstance(batch, LabelBatch):
             loss, self._batch_points = self._label_batch_loss(batch)
             return loss
         labels = sample_positives(self.Y, batch, 1, self.rng)[:, 0]
         mask = torch.from_numpy(positive_mask(self.Y, batch, np.broadcast_to(labels, (len(batch), len(labels)))))
-        with autocast(self.device, self.dtype):
-            p = embed_rows(self.encoder, *self.point_tokens, batch, self.params.chunk_size, self.device)
-            z = embed_rows(self.encoder, *self.label_tokens, labels, self.params.chunk_size, self.device)
+        p = self.embedder.embed(*self.point_tokens, batch)
+        z = self.embedder.embed(*self.label_tokens, labels)
         self.sampler.observe(batch, p)
         self._batch_points = len(batch)
         return point_batch_loss(p.float() @ z.float().T, mask.to(self.device), self.pair_loss, self.params.symmetric)
@@ -178,16 +217,15 @@ class SiameseTrainer:
         # a point can be drawn several times (anchor of two labels, centroid of a label with < m + 1 positives):
         # encode each once and gather, gradients accumulate over its uses
         pts, where = np.unique(np.concatenate([batch.anchors, batch.centroid.ravel()]), return_inverse=True)
-        with autocast(self.device, self.dtype):
-            p = embed_rows(self.encoder, *self.point_tokens, pts, self.params.chunk_size, self.device).float()
-            z = embed_rows(self.encoder, *self.label_tokens, batch.labels, self.params.chunk_size, self.device).float()
+        p = self.embedder.embed(*self.point_tokens, pts).float()
+        z = self.embedder.embed(*self.label_tokens, batch.labels).float()
         loss = label_batch_pair_loss(p, z, where, m, mask_t, self.pair_loss, self.params.centroid_weight)
         return loss, len(pts)
 
     def update(self, loss: torch.Tensor) -> float:
         """Backward of the last ``batch_loss``, clip, AdamW and schedule steps; returns the loss value."""
         self.opt.zero_grad(set_to_none=True)
-        loss.backward()
+        self.embedder.backward(loss)  # grad caching: the chunks re-run here, one at a time
         torch.nn.utils.clip_grad_norm_(self.trainable, 1.0)
         self.opt.step()
         self.sched.step()
@@ -221,12 +259,14 @@ class PretrainResult:
     reclusterings: int = 0
     resumed_from_epoch: int = 0
     stopped_at_deadline: bool = False  # the training budget's deadline ended it before its planned steps
+    memory: dict[str, Any] = field(default_factory=dict)  # grad caching, chunk size, predicted / available GiB
 
 
 def train_siamese(encoder: torch.nn.Module, point_tokens: Tokens, label_tokens: Tokens, Y: sp.csr_matrix,
                   train_rows: np.ndarray, params: PretrainParams, device: torch.device, dtype: torch.dtype | None,
                   log_metrics: MetricsFn | None = None, log_every: int = 10,
-                  checkpoint: Checkpointer | None = None, deadline: float | None = None) -> PretrainResult:
+                  checkpoint: Checkpointer | None = None, deadline: float | None = None,
+                  report: Report | None = None) -> PretrainResult:
     """Train ``encoder`` in place for ``params.epochs`` (fractional allowed) over ``train_rows`` with labels.
 
     An epoch is the sampler's batches (one pass over the points; siamesexml: ``ceil(#labels with a training
@@ -234,6 +274,7 @@ def train_siamese(encoder: torch.nn.Module, point_tokens: Tokens, label_tokens: 
     schedule, generators, the sampler's memory bank and clusters) is saved after every epoch and a matching
     checkpoint is resumed from, ending with the same weights as an uninterrupted run. ``deadline``
     (``time.perf_counter()``): no step starts after it (the training budget's guard, xc_dagster.training.budget).
+    ``report``: where the progress lines go (steps of the planned total; ``xc_dagster.progress``).
     """
     trainer = SiameseTrainer(encoder, point_tokens, label_tokens, Y, train_rows, params, device, dtype)
     if trainer.total_steps == 0:
@@ -246,6 +287,7 @@ def train_siamese(encoder: torch.nn.Module, point_tokens: Tokens, label_tokens: 
                                     "pretrain_lr": float(trainer.sched.get_last_lr()[0])})
 
     start = trainer.start(checkpoint, log_metrics)
+    prog = Progress("pretrain", trainer.total_steps, "steps", report, log_metrics, initial=trainer.steps)
     stopped = False
     for epoch in range(start, trainer.n_epochs):
         if stopped:
@@ -256,6 +298,7 @@ def train_siamese(encoder: torch.nn.Module, point_tokens: Tokens, label_tokens: 
                 break
             before = trainer.points
             loss_val = trainer.step(batch)
+            prog.update(1)
             window.add(loss_val, trainer.points - before)
             if log_metrics is not None and trainer.steps % log_every == 0:
                 log_window()
@@ -263,6 +306,7 @@ def train_siamese(encoder: torch.nn.Module, point_tokens: Tokens, label_tokens: 
             checkpoint.save(epoch + 1, trainer.state(), trainer.rng)  # the stage's result
     if log_metrics is not None and window.losses:
         log_window()
+    prog.close()
     encoder.eval()
     return PretrainResult(trainer.steps, trainer.points, time.perf_counter() - t0, loss_val,
-                          trainer.sampler.reclusterings, start, stopped)
+                          trainer.sampler.reclusterings, start, stopped, trainer.memory.summary())
