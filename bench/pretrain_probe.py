@@ -94,7 +94,7 @@ def main() -> None:
         encoder.fit_idf(pt, lt)
     losses: list[float] = []
     res = train_siamese(encoder, pt, lt, ds.Y_train, rows, p, device, dtype,
-                        log_metrics=lambda step, m: losses.append(m["pretrain_loss"]))
+                        log_metrics=lambda step, m: losses.extend(v for k, v in m.items() if k == "pretrain_loss"))
     print(f"trained {res.steps} steps, {res.points} points in {res.seconds:.0f}s "
           f"({res.points / max(res.seconds, 1e-9):.1f} points/s), last loss {res.final_loss:.4f}", flush=True)
     t_enc = time.perf_counter()
