@@ -203,16 +203,17 @@ def run_child(kind: str, case: dict[str, Any]) -> dict[str, Any]:
 
 
 def calibrate_cases() -> list[dict[str, Any]]:
-    """Every shape at 64 and 256 tokens, MiniLM's at 32..256, in both precisions; linearity in the texts."""
+    """16 texts: every shape at 64 and 256 tokens, MiniLM's at 32..256, in both precisions; linearity in the
+    texts on MiniLM's shape: 4 and 48 texts (fp32), 48 texts at 256 tokens (bf16)."""
     cases = []
     for dt in ("fp32", "bf16"):
         for h, layers, heads, inter in SHAPES:
             for T in ((32, 64, 128, 256) if h == 384 else (64, 256)):
                 cases.append({"h": h, "layers": layers, "heads": heads, "inter": inter, "tokens": T, "texts": 16,
                               "dtype": dt})
-        for T, n in ((64, 4), (64, 48), (256, 4), (256, 48)):
-            cases.append({"h": 384, "layers": 6, "heads": 12, "inter": 1536, "tokens": T, "texts": n, "dtype": dt})
-    return cases
+    minilm = {"h": 384, "layers": 6, "heads": 12, "inter": 1536}
+    cases += [{**minilm, "tokens": T, "texts": n, "dtype": "fp32"} for T in (64, 256) for n in (48, 4)]
+    return cases + [{**minilm, "tokens": 256, "texts": 48, "dtype": "bf16"}]
 
 
 def fit(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
