@@ -329,6 +329,16 @@ def ranked_csr(Sb: sp.csr_matrix, pr: np.ndarray, pl: np.ndarray, k: int) -> tup
     return out_i, out_v
 
 
+def check_inv_prop(inv_prop: np.ndarray | None, Y: sp.csr_matrix) -> np.ndarray | None:
+    """``inv_prop`` as float64, one per label of ``Y``, or None."""
+    if inv_prop is None:
+        return None
+    ip = np.asarray(inv_prop, dtype=np.float64).ravel()
+    if ip.shape[0] != Y.shape[1]:
+        raise ValueError(f"inv_prop has length {ip.shape[0]} but Y_true has {Y.shape[1]} labels (shape {Y.shape})")
+    return ip
+
+
 def check_predictions(indices: np.ndarray | sp.spmatrix, scores: np.ndarray | None,
                       Y: sp.csr_matrix) -> np.ndarray | sp.csr_matrix:
     """``indices`` checked against ``Y``: an (n, K) id array (values checked block by block), or a sparse (n, L)

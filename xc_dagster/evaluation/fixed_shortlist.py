@@ -25,6 +25,7 @@ from xc_dagster.evaluation._ranking import (
     _filter_positions,
     as_targets,
     block_pairs,
+    check_inv_prop,
     check_pairs,
     check_predictions,
     dedup,
@@ -171,13 +172,8 @@ class FixedShortlistMetrics:
         self.ks = [int(k) for k in ks]
         if not self.ks or any(k < 1 for k in self.ks):
             raise ValueError(f"ks must be non-empty and all >= 1, got {list(ks)}")
-        ip = None
-        if inv_prop is not None:
-            ip = np.asarray(inv_prop, dtype=np.float64).ravel()
-            if ip.shape[0] != Y.shape[1]:
-                raise ValueError(f"inv_prop has length {ip.shape[0]} but Y_true has {Y.shape[1]} labels "
-                                 f"(shape {Y.shape})")
-        elif any(f in PROPENSITY_FAMILIES for f in families):
+        ip = check_inv_prop(inv_prop, Y)
+        if ip is None and any(f in PROPENSITY_FAMILIES for f in families):
             raise ValueError(f"{', '.join(families)} need inv_prop, the labels' inverse propensities")
         self.families, self.shape = list(families), pred.shape
         self.s = Setup(self.ks, Y.shape[1], ip, Y.nnz)

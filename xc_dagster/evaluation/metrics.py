@@ -45,6 +45,7 @@ from xc_dagster.evaluation._ranking import (
     as_targets,
     block_pairs,
     block_ranker,
+    check_inv_prop,
     check_pairs,
     check_predictions,
     check_targets,
@@ -196,12 +197,7 @@ def _evaluate(families: Sequence[str] | None, indices: np.ndarray | sp.spmatrix,
         raise ValueError(f"block_rows must be >= 1, got {block_rows}")
     if not ks:
         return {}
-    ip = None
-    if inv_prop is not None:
-        ip = np.asarray(inv_prop, dtype=np.float64).ravel()
-        if ip.shape[0] != Y.shape[1]:
-            raise ValueError(f"inv_prop has length {ip.shape[0]} but Y_true has {Y.shape[1]} labels "
-                             f"(shape {Y.shape})")
+    ip = check_inv_prop(inv_prop, Y)
     if families is None:
         families = [f for f in _ALL if ip is not None or f not in PROPENSITY_FAMILIES]
     elif ip is None and any(f in PROPENSITY_FAMILIES for f in families):
