@@ -22,7 +22,8 @@ import time
 
 import dagster as dg
 
-from resources import ClickLogFeedResource, XCHomeResource
+from resources import DATASETS, ClickLogFeedResource, XCHomeResource, registered
+from resources.partitions import sync_catalog
 from xc_dagster.config.env import env_positive
 from xc_dagster.errors import XCError
 from xc_dagster.serving.retraining import (
@@ -70,16 +71,13 @@ def build_click_log_sensor(job: dg.UnresolvedAssetJobDefinition,
         listing = list_feeds(root)
         drops, waiting = pending_drops(listing, seen, now=time.time(), settle_seconds=clicklogs.settle_seconds,
                                        history=clicklogs.history)
-        known = set(partitions.get_partition_keys())
+        known = registered(context.instance)
         notes = [f"{name}: {why}" for name, why in waiting.items()]
         notes += [f"folder {name!r} under {root} ignored: not a valid dataset name" for name in listing.ignored]
         requests: list[dg.RunRequest] = []
         errors: list[str] = []
+        new_partitions: list[str] = []  # feeds seen for the first time: added with the run requests
         for drop in drops:
-            if drop.name not in known:
-                notes.append(f"{drop.name}: a new feed folder, not a partition of the loaded definitions yet; "
-                             "reload the code location (UI: Deployment > Reload) and the drop is taken then")
-                continue
             run_id = active_run(context.instance, drop.name)
             if run_id is not None:
                 notes.append(f"{drop.name}: {len(drop.new)} new file(s) wait for run {run_id} of this "
@@ -93,6 +91,8 @@ def build_click_log_sensor(job: dg.UnresolvedAssetJobDefinition,
                 context.log.error(f"click-log drop of {drop.name} not built: {e}")
                 continue
             seen.setdefault(drop.name, {}).update(drop.consumed())
+            if drop.name not in known:
+                new_partitions.append(drop.name)
             context.log.info(f"{drop.name}: {len(drop.new)} new file(s) -> {info['folder']} ({info['n_train']} "
                              f"train / {info['n_test']} test queries, {info['n_labels']} labels, "
                              f"{info['n_new_labels']} new); catalog entry {info['registered']}")
@@ -106,7 +106,10 @@ def build_click_log_sensor(job: dg.UnresolvedAssetJobDefinition,
             raise XCError("click-log sensor: the drop was not built (fix or remove the file; the drop is "
                           "retried on the next tick): " + " | ".join(errors))
         if requests:
-            return dg.SensorResult(run_requests=requests, cursor=encode_cursor(seen))
+            added = [dg.AddDynamicPartitionsRequest(partitions_def_name=DATASETS.name,
+                                                    partition_keys=new_partitions)] if new_partitions else None
+            return dg.SensorResult(run_requests=requests, dynamic_partitions_requests=added,
+                                   cursor=encode_cursor(seen))
         if not drops and not waiting:
             notes.insert(0, f"no new click-log files under {root}")
         return dg.SensorResult(skip_reason="; ".join(notes), cursor=context.cursor)
@@ -122,12 +125,11 @@ def build_retrain_schedule(job: dg.UnresolvedAssetJobDefinition,
                  description="A pipeline run for every dataset partition whose source changed since its last "
                              f"ingest (cron ${ENV_CRON}, default '{DEFAULT_CRON}').")
     def retrain_schedule(context: dg.ScheduleEvaluationContext, home: XCHomeResource):
-        known = set(partitions.get_partition_keys())
+        h = home.home()
+        sync_catalog(context.instance, h)  # a dataset written to the catalog by hand becomes a partition too
         requests, notes = [], []
-        for change in changed_datasets(home.home()):
-            if change.name not in known:
-                notes.append(f"{change.name}: not a partition of the loaded definitions (reload them)")
-            elif not change.changed:
+        for change in changed_datasets(h):
+            if not change.changed:
                 notes.append(f"{change.name}: {change.reason}")
             elif (run_id := active_run(context.instance, change.name)) is not None:
                 notes.append(f"{change.name}: changed, but run {run_id} of it is queued or in progress")

@@ -4,6 +4,8 @@ click-log feed the retraining sensor watches."""
 from resources.clicklogs import ClickLogFeedResource
 from resources.compute import ComputeResource
 from resources.home import XCHomeResource, dataset_partitions
+from resources.partitions import DATASETS, register, registered, sync_on_load
 from resources.tracking import MLflowResource
 
-__all__ = ["ClickLogFeedResource", "ComputeResource", "MLflowResource", "XCHomeResource", "dataset_partitions"]
+__all__ = ["DATASETS", "ClickLogFeedResource", "ComputeResource", "MLflowResource", "XCHomeResource",
+           "dataset_partitions", "register", "registered", "sync_on_load"]

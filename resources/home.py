@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from pathlib import Path
 
 import dagster as dg
 
+from resources.partitions import DATASETS
 from xc_dagster.catalog import Catalog
 from xc_dagster.home import Home
 from xc_dagster.storage import ArtifactStore
@@ -27,8 +27,6 @@ class XCHomeResource(dg.ConfigurableResource):
         return Catalog(self.home().catalog)
 
 
-def dataset_partitions(home: Home | None = None, extra: Iterable[str] = ()) -> dg.StaticPartitionsDefinition:
-    """One partition per catalog dataset (plus ``extra`` names: the click-log feed's dataset folders, whose
-    catalog entries the sensor creates), read when the code location loads (reload to see new ones)."""
-    home = home or Home.from_env()
-    return dg.StaticPartitionsDefinition(sorted(set(Catalog(home.catalog).names()) | set(extra)))
+def dataset_partitions() -> dg.DynamicPartitionsDefinition:
+    """The dataset partitions: dynamic, their keys in the Dagster instance (``resources.partitions``)."""
+    return DATASETS

@@ -58,10 +58,14 @@ def write_drop(path: Path, day: int, n: int = 12, offset: int = 0) -> Path:
 
 def _tick(defs: dg.Definitions, home: Home, cursor: str | None, instance: dg.DagsterInstance, **feed):
     """One sensor evaluation, as the daemon runs it (run requests resolved against the job's partitions)."""
-    with dg.build_sensor_context(instance=instance, cursor=cursor, definitions=defs,
+    # with the instance's ref, as the daemon builds it: run requests may name partitions the tick adds
+    with dg.build_sensor_context(instance=instance, instance_ref=instance.get_ref(), cursor=cursor, definitions=defs,
                                  resources={"home": XCHomeResource(root=str(home.root)),
                                             "clicklogs": ClickLogFeedResource(**{"settle_seconds": 0, **feed})}) as ctx:
-        return defs.resolve_sensor_def("click_log_sensor").evaluate_tick(ctx)
+        res = defs.resolve_sensor_def("click_log_sensor").evaluate_tick(ctx)
+    for req in res.dynamic_partitions_requests or []:  # as the daemon does, before the run requests
+        instance.add_dynamic_partitions(req.partitions_def_name, list(req.partition_keys))
+    return res
 
 
 # ------------------------------------------------------------------------------------------- sensor
@@ -76,14 +80,18 @@ def test_click_log_sensor_over_two_drops(home):
     (inbox / "shop" / ".2024-01-03.jsonl.part").write_text("half written")
     (inbox / "bad name!").mkdir()
     defs = build_definitions(home)
-    assert defs.resolve_job_def("xc_pipeline").partitions_def.get_partition_keys() == ["shop"]  # the feed folder
+    assert defs.resolve_job_def("xc_pipeline").partitions_def.name == "datasets"  # dynamic: keys in the instance
     sensor = defs.resolve_sensor_def("click_log_sensor")
     assert sensor.default_status == dg.DefaultSensorStatus.STOPPED
-    instance = dg.DagsterInstance.ephemeral()
+    instance = dg.DagsterInstance.local_temp()
 
     # first drop: two files -> one dataset folder, a catalog entry, one run request for the partition
     first = _tick(defs, home, None, instance)
     assert len(first.run_requests) == 1
+    # a feed not yet a partition: its partition is added with the run request (no reload of the definitions)
+    assert [(r.partitions_def_name, list(r.partition_keys)) for r in first.dynamic_partitions_requests] == \
+        [("datasets", ["shop"])]
+    assert instance.get_dynamic_partitions("datasets") == ["shop"]
     req = first.run_requests[0]
     assert req.partition_key == "shop" and req.tags["dagster/partition"] == "shop"
     assert req.tags["xc/trigger"] == "click_log_sensor" and req.tags["xc/new_files"] == "2"
@@ -110,7 +118,7 @@ def test_click_log_sensor_over_two_drops(home):
     f3 = write_drop(inbox / "shop" / "2024-01-03.jsonl", day=3, offset=200)
     os.utime(f3, (1_000_000_000, 1_000_000_000))
     second = _tick(defs, home, first.cursor, instance)
-    assert len(second.run_requests) == 1
+    assert len(second.run_requests) == 1 and not second.dynamic_partitions_requests  # known now
     req2 = second.run_requests[0]
     assert req2.run_key != req.run_key and req2.tags["xc/new_files"] == "1"
     folder2 = Path(req2.tags["xc/clicklog_folder"])
@@ -144,21 +152,20 @@ def test_sensor_waits_for_new_folders_running_partitions_and_settling(home, monk
     inbox = home.root / retraining.INBOX
     write_drop(inbox / "shop" / "a.jsonl", day=1)
     defs = build_definitions(home)
-    instance = dg.DagsterInstance.ephemeral()
-    # a feed folder created after the definitions loaded is not a partition yet: the drop waits for a reload
+    instance = dg.DagsterInstance.local_temp()
+    # a feed folder created after the definitions loaded: taken at once, its partition added by the tick
     write_drop(inbox / "late" / "a.jsonl", day=1)
     # a queued or running run of a partition holds its drops back
     instance.add_run(dg.DagsterRun(job_name="xc_pipeline", run_id="r1", status=dg.DagsterRunStatus.STARTED,
                                    tags={"dagster/partition": "shop"}))
     res = _tick(defs, home, None, instance)
-    assert res.run_requests == [] and res.cursor is None
-    assert "late: a new feed folder" in res.skip_message and "wait for run r1" in res.skip_message
-    assert "late" not in Catalog(home.catalog).load()
-    # after a reload and the run's end, both drops are taken
+    assert [r.partition_key for r in res.run_requests] == ["late"]
+    assert [list(r.partition_keys) for r in res.dynamic_partitions_requests] == [["late"]]
+    assert "late" in Catalog(home.catalog).load() and "shop" not in json.loads(res.cursor)["seen"]
+    # after the run's end, the held drop is taken
     instance.delete_run("r1")
-    defs = build_definitions(home)
-    res = _tick(defs, home, None, instance)
-    assert sorted(r.partition_key for r in res.run_requests) == ["late", "shop"]
+    res = _tick(defs, home, res.cursor, instance)
+    assert [r.partition_key for r in res.run_requests] == ["shop"]
     # files still being written (modified within settle_seconds) wait
     write_drop(inbox / "shop" / "b.jsonl", day=2)
     res2 = _tick(defs, home, res.cursor, instance)  # settle 0: taken
@@ -185,7 +192,7 @@ def test_sensor_reads_an_fsspec_feed_root(home, monkeypatch):
         listing = retraining.list_feeds(root)
         assert list(listing.feeds) == ["remote"] and list(listing.feeds["remote"]) == ["2024/d1.jsonl"]
         defs = build_definitions(home)
-        res = _tick(defs, home, None, dg.DagsterInstance.ephemeral())
+        res = _tick(defs, home, None, dg.DagsterInstance.local_temp())
         assert [r.partition_key for r in res.run_requests] == ["remote"]
         folder = Path(res.run_requests[0].tags["xc/clicklog_folder"])
         assert json.loads((folder / "clicklog.json").read_text())["n_queries"] == 12

@@ -69,16 +69,18 @@ class Daemon:
 
         self.home = home
         self.defs = build_definitions(home)
-        self.instance = dg.DagsterInstance.ephemeral()
+        self.instance = dg.DagsterInstance.local_temp()
         self.cursor: str | None = None
 
     def tick(self) -> dg.SensorResult:
         resources = {"home": XCHomeResource(root=str(self.home.root)),
                      "clicklogs": ClickLogFeedResource(settle_seconds=0)}
-        with dg.build_sensor_context(instance=self.instance, cursor=self.cursor, definitions=self.defs,
-                                     resources=resources) as ctx:
+        with dg.build_sensor_context(instance=self.instance, instance_ref=self.instance.get_ref(),
+                                     cursor=self.cursor, definitions=self.defs, resources=resources) as ctx:
             result = self.defs.resolve_sensor_def("click_log_sensor").evaluate_tick(ctx)
         self.cursor = result.cursor
+        for req in result.dynamic_partitions_requests or []:  # as the daemon does, before the run requests
+            self.instance.add_dynamic_partitions(req.partitions_def_name, list(req.partition_keys))
         return result
 
     def launch(self, req: dg.RunRequest) -> dg.ExecuteInProcessResult:

@@ -10,7 +10,7 @@ import dagster as dg
 import numpy as np
 import pytest
 
-from tests.tinydata import tiny_lf_home, write_lf_dataset, write_tiny_encoder
+from tests.tinydata import dagster_instance, tiny_lf_home, write_lf_dataset, write_tiny_encoder
 from xc_dagster.artifacts import (
     CONTRACT,
     REGISTERED_MODEL,
@@ -177,8 +177,8 @@ def test_rematerializing_the_encoder_marks_every_asset_that_read_it_stale(tmp_pa
     from xc_dagster.definitions import pipeline_resources
 
     home = tiny_lf_home(tmp_path, monkeypatch, TINY, encoder=tiny_encoder)
-    assets = build_assets(dataset_partitions(home))
-    instance = dg.DagsterInstance.ephemeral()
+    assets = build_assets(dataset_partitions())
+    instance = dagster_instance("TinyTitles")
     for selection in (None, ["siamese_encoder"]):
         assert dg.materialize(assets, selection=selection, partition_key="TinyTitles", instance=instance,
                               resources=pipeline_resources(home)).success

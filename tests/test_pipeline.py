@@ -11,7 +11,13 @@ import mlflow
 import numpy as np
 import pytest
 
-from tests.tinydata import label_prior_metrics, tiny_lf_home, write_lf_dataset, write_tiny_encoder
+from tests.tinydata import (
+    dagster_instance,
+    label_prior_metrics,
+    tiny_lf_home,
+    write_lf_dataset,
+    write_tiny_encoder,
+)
 from xc_dagster.catalog import Catalog, DatasetSpec
 from xc_dagster.cli import main as cli_main
 from xc_dagster.data import load_dataset
@@ -100,12 +106,12 @@ def test_materialize_all_assets_through_dagster_and_read_mlflow(tiny_home):
     from resources import dataset_partitions
     from xc_dagster.definitions import pipeline_resources
 
-    assets = build_assets(dataset_partitions(tiny_home))
+    assets = build_assets(dataset_partitions())
     keys = {k.to_user_string() for a in assets for k in a.keys}
     assert keys == {"dataset", "tokens", "siamese_encoder", "negative_shortlist", "classifiers", "ann_index",
                     "fusion", "evaluation"}
     result = dg.materialize(assets, partition_key="TinyTitles", resources=pipeline_resources(tiny_home),
-                            instance=dg.DagsterInstance.ephemeral(),
+                            instance=dagster_instance("TinyTitles"),
                             run_config={"ops": {"classifiers": {"config": {"epochs": 4}}}})
     assert result.success
     mats = {e.asset_key.to_user_string(): e for e in result.get_asset_materialization_events()}
@@ -152,11 +158,11 @@ def test_upstream_run_config_is_what_downstream_runs_log(tiny_home):
     from xc_dagster.definitions import pipeline_resources
     from xc_dagster.evaluation.comparison import comparison_table, differing_params, evaluation_runs
 
-    assets = build_assets(dataset_partitions(tiny_home))
+    assets = build_assets(dataset_partitions())
 
     def materialize(selection=None, run_config=None):
         res = dg.materialize(assets, selection=selection, partition_key="TinyTitles",
-                             resources=pipeline_resources(tiny_home), instance=dg.DagsterInstance.ephemeral(),
+                             resources=pipeline_resources(tiny_home), instance=dagster_instance("TinyTitles"),
                              run_config=run_config)
         assert res.success
         return {e.asset_key.to_user_string(): e.materialization.metadata
@@ -192,16 +198,24 @@ def test_upstream_run_config_is_what_downstream_runs_log(tiny_home):
     assert "fusion.method=tree" in table and "fusion.method=alpha" in table
 
 
-def test_partitions_follow_the_catalog(tiny_home, tmp_path):
+def test_partitions_follow_the_catalog(tiny_home, tmp_path, monkeypatch):
+    """Datasets are dynamic partitions: loading the definitions registers the catalog's datasets with the
+    instance; `datasets add` / `remove` change the partitions of the definitions already loaded (no reload)."""
+    import dagster as dg
+
     from xc_dagster.definitions import build_definitions
 
+    monkeypatch.setenv("DAGSTER_HOME", str(tiny_home.dagster_home))
+    tiny_home.ensure(instance=True)
+    job = build_definitions(tiny_home).resolve_job_def("xc_pipeline")
+
     def keys():
-        job = build_definitions(tiny_home).resolve_job_def("xc_pipeline")
-        return job.partitions_def.get_partition_keys()
+        with dg.DagsterInstance.get() as instance:
+            return job.partitions_def.get_partition_keys(dynamic_partitions_store=instance)
 
     assert keys() == ["TinyTitles"]
     assert cli_main(["datasets", "add", "Other", "--source", str(tmp_path), "--set", "pretrain.epochs=2"]) == 0
-    assert keys() == ["Other", "TinyTitles"]
+    assert sorted(keys()) == ["Other", "TinyTitles"]
     assert Catalog(tiny_home.catalog).get("Other").config().pretrain.epochs == 2.0
     assert cli_main(["datasets", "remove", "Other"]) == 0
     assert keys() == ["TinyTitles"]
@@ -275,9 +289,9 @@ def test_classifier_init_from_text_or_text_plus_centroid(tiny_home):
         run_all(ctx, ("classifier",))
         np.testing.assert_allclose(np.load(ctx.dir("classifier") / "W.npy"), want, atol=1e-5)
     assert np.abs(v).sum() > 0 and not np.allclose(E, want)
-    bad = StageContext(store, spec, spec.config({"classifier.init": "centroid"}), tiny_home.cache)
-    with pytest.raises(XCConfigError, match="classifier.init: expected one of"):
-        run_all(bad, ("classifier",))
+    with pytest.raises(XCConfigError, match=r"'classifier.init': expected one of 'text', 'text\+centroid', "
+                                            r"got 'centroid'"):
+        spec.config({"classifier.init": "centroid"})  # refused when the config is resolved, before any stage
     # classifier.propensity_weight reaches the trainer: one epoch with and without it trains different W
     trained = {}
     for gamma in (0.0, 1.0):

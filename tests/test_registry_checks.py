@@ -16,6 +16,7 @@ import scipy.sparse as sp
 from assets import ingest as ingest_module
 from resources import dataset_partitions
 from tests.test_data import DATA
+from tests.tinydata import dagster_instance
 from xc_dagster.catalog import Catalog, DatasetSpec
 from xc_dagster.cli import main as cli_main
 from xc_dagster.data import read_dataset
@@ -192,14 +193,14 @@ def test_asset_checks_through_dagster(home, tmp_path):
     cat = Catalog(home.catalog)
     cat.add(DatasetSpec("Planted", str(src), text="title"))
     cat.add(DatasetSpec("Bibtex", str(src), text="title"))  # known name, wrong data: count mismatch
-    asset = ingest_module.build(dataset_partitions(home))
+    asset = ingest_module.build(dataset_partitions())
     check_names = {k.name for k in asset.check_keys}
     assert check_names == {"label_ids_in_range", "counts_match", "points_without_labels", "duplicate_point_texts",
                            "train_test_overlap", "filter_pairs_in_range"}
 
     def run(partition: str, **cfg):
         return dg.materialize([asset], partition_key=partition, resources=pipeline_resources(home),
-                              instance=dg.DagsterInstance.ephemeral(), raise_on_error=False,
+                              instance=dagster_instance(partition), raise_on_error=False,
                               run_config={"ops": {"dataset": {"config": cfg}}} if cfg else None)
 
     result = run("Planted")

@@ -24,7 +24,7 @@ import pandas as pd
 import pytest
 
 from tests.test_pipeline import TINY
-from tests.tinydata import stop_process_group, write_lf_dataset, write_tiny_encoder
+from tests.tinydata import dagster_instance, stop_process_group, write_lf_dataset, write_tiny_encoder
 from xc_dagster import tracking
 from xc_dagster.catalog import Catalog, DatasetSpec
 from xc_dagster.data import load_dataset
@@ -230,13 +230,13 @@ def test_registered_model_asset_and_blocking_gate_through_dagster(built):
     assert "registered_model" in {k.to_user_string() for k in defs.resolve_all_asset_keys()}
     assert "registered_model" in {k.to_user_string() for k in defs.resolve_job_def(PIPELINE_JOB).asset_layer
                                   .selected_asset_keys}
-    assets = build_lifecycle_assets(dataset_partitions(home))
+    assets = build_lifecycle_assets(dataset_partitions())
     (spec,) = assets[0].check_specs
     assert spec.name == "champion_gate" and spec.blocking
 
     def materialize(tolerance: float):
         return dg.materialize(assets, partition_key=DATASET, resources=pipeline_resources(home),
-                              instance=dg.DagsterInstance.ephemeral(), raise_on_error=False,
+                              instance=dagster_instance(DATASET), raise_on_error=False,
                               run_config={"ops": {"registered_model": {"config": {"tolerance": tolerance}}}})
 
     res = materialize(0.0)
@@ -283,7 +283,7 @@ def test_gate_tolerance_from_the_catalog_when_the_run_has_no_config(built):
     from xc_dagster.definitions import pipeline_resources
 
     home = built.home
-    assets = build_lifecycle_assets(dataset_partitions(home))
+    assets = build_lifecycle_assets(dataset_partitions())
     cat = Catalog(home.catalog)
     entry = cat.get(DATASET)
     mpath = built.ctx.dir("evaluate") / "metrics.json"
@@ -293,7 +293,7 @@ def test_gate_tolerance_from_the_catalog_when_the_run_has_no_config(built):
     def materialize(psp_drop_pp: float, run_config: dict | None = None):
         save_json(mpath, {**json.loads(original), "psprecision_at_1": psp - psp_drop_pp / 100})
         res = dg.materialize(assets, partition_key=DATASET, resources=pipeline_resources(home),
-                             instance=dg.DagsterInstance.ephemeral(), raise_on_error=False, run_config=run_config)
+                             instance=dagster_instance(DATASET), raise_on_error=False, run_config=run_config)
         (check,) = res.get_asset_check_evaluations()
         return res, {k: v.value for k, v in check.metadata.items()}
 

@@ -11,6 +11,7 @@ import signal
 import threading
 from pathlib import Path
 
+import dagster as dg
 import numpy as np
 
 WORDS = ["apple", "river", "stone", "cloud", "music", "paper", "glass", "horse", "light", "metal",
@@ -156,3 +157,12 @@ def kill_at_marker(proc, marker: str) -> None:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL
+
+
+def dagster_instance(*datasets: str) -> dg.DagsterInstance:
+    """An ephemeral Dagster instance whose dataset partitions (dynamic) are ``datasets``."""
+    from resources.partitions import register
+
+    instance = dg.DagsterInstance.ephemeral()
+    register(instance, datasets)
+    return instance

@@ -8,7 +8,9 @@
   xc-dagster clicks build NAME --logs PATH [--start ISO] [--end ISO] [--previous MAP] [--register]
                                    click logs of a time window -> a dataset (see docs/CLICKLOGS.md)
   xc-dagster quickstart            register the embedded LF-WordNetNouns (Titles) and materialize it
-  xc-dagster materialize NAME      every asset of one partition, through `dagster asset materialize`
+  xc-dagster materialize NAME [--select SEL] [--set stage.field=value ...]
+                                   every asset of one partition (or --select's), through `dagster asset
+                                   materialize`; --set values go to that run's config only
   xc-dagster metrics NAME          the test metrics of the last evaluation
   xc-dagster compare NAME          the dataset's evaluation runs from MLflow, best first, with the papers'
                                    published numbers for it as reference rows
@@ -26,15 +28,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, Mapping
 from urllib.parse import unquote, urlsplit
 from urllib.request import url2pathname
 
 from xc_dagster.artifacts import METRICS
 from xc_dagster.catalog import BUILTIN_PREFIX, LAYOUTS, NAME_RE, TEXT_CHOICES, Catalog, DatasetSpec
 from xc_dagster.config import PRESETS, parse_set_options
+from xc_dagster.config.run_config import run_config_for
 from xc_dagster.data.clicklog import build_click_dataset, parse_time, window_id
 from xc_dagster.errors import XCConfigError, XCDatasetNotFound, XCError
 from xc_dagster.evaluation.comparison import (
@@ -56,11 +61,25 @@ REPORT_METRICS = ("precision_at_1", "precision_at_3", "precision_at_5", "ndcg_at
                   "shortlist_recall")
 
 
+PARTITIONS_CMD = ("import sys; from xc_dagster.project import project_import; "
+                  "sys.exit(project_import('resources.partitions')[0].main(sys.argv[1:]))")
+
+
 def _env(home: Home) -> dict[str, str]:
     env = dict(os.environ)
     env.update({"XC_HOME": str(home.root), "DAGSTER_HOME": str(home.dagster_home),
                 "MLFLOW_TRACKING_URI": home.mlflow_uri})
     return env
+
+
+def dagster_partitions(home: Home, action: str, names: list[str]) -> None:
+    """``add`` / ``remove`` dataset partitions in the home's Dagster instance (``resources.partitions``, run in a
+    process: the library does not import Dagster), so the UI can launch a new dataset without a reload."""
+    out = subprocess.run([sys.executable, "-c", PARTITIONS_CMD, action, *names], env=_env(home), cwd=home.root,
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        raise XCError(f"could not {action} the Dagster partition(s) {', '.join(names)} in the instance at "
+                      f"{home.dagster_home} (exit {out.returncode}): {out.stderr.strip()[-2000:]}")
 
 
 def checked_source(source: str) -> str:
@@ -89,7 +108,15 @@ def cmd_add(args: argparse.Namespace, home: Home) -> int:
                        max_len=args.max_len, propensity_a=pa, propensity_b=pb, strategy=args.strategy,
                        preset=args.preset, overrides=overrides, sha256=args.sha256,
                        gate_tolerance=args.gate_tolerance)
-    Catalog(home.catalog).add(spec, replace=args.replace)
+    catalog = Catalog(home.catalog)
+    existed = args.name in catalog.names()
+    catalog.add(spec, replace=args.replace)
+    try:
+        dagster_partitions(home, "add", [args.name])
+    except XCError:
+        if not existed:  # nothing half-made: the entry goes with the failed registration
+            catalog.remove(args.name)
+        raise
     print(f"added dataset {args.name!r} (text: {spec.text_fields}, strategy: {spec.strategy}, "
           f"preset: {spec.preset}) to {home.catalog}")
     known = spec.known
@@ -117,16 +144,21 @@ def cmd_list(args: argparse.Namespace, home: Home) -> int:
 
 def cmd_remove(args: argparse.Namespace, home: Home) -> int:
     Catalog(home.catalog).remove(args.name)
+    dagster_partitions(home, "remove", [args.name])  # its runs and materializations stay in the instance
     print(f"removed dataset {args.name!r} from {home.catalog} (artifacts under {home.artifacts / args.name} kept)")
     return 0
 
 
-def materialize(home: Home, name: str, select: str = "*") -> int:
-    """Run ``dagster asset materialize`` for one partition with this home's Dagster instance."""
+def materialize(home: Home, name: str, select: str = "*", overrides: Mapping[str, Any] | None = None) -> int:
+    """Run ``dagster asset materialize`` for one partition with this home's Dagster instance; ``overrides``
+    (``stage.field`` -> value, as ``--set`` gives them) go to that run's config only (``--config-json``)."""
     Catalog(home.catalog).get(name)  # clear error before Dagster starts
+    run_config = run_config_for(overrides or {}, select)
     cmd = [venv_executable("dagster"), "asset", "materialize", "-m", "xc_dagster.definitions", "--select", select,
            "--partition", name]
-    print("$ " + " ".join(cmd), flush=True)
+    if run_config:
+        cmd += ["--config-json", json.dumps(run_config)]
+    print("$ " + shlex.join(cmd), flush=True)
     return subprocess.call(cmd, env=_env(home))
 
 
@@ -179,6 +211,7 @@ def cmd_quickstart(args: argparse.Namespace, home: Home) -> int:
 
     Catalog(home.catalog).update(DEFAULT_DATASET, keep_or_add)
     if added[-1]:
+        dagster_partitions(home, "add", [DEFAULT_DATASET])
         print(f"registered the embedded dataset {DEFAULT_DATASET} in {home.catalog}")
     rc = materialize(home, DEFAULT_DATASET)
     if rc != 0:
@@ -205,6 +238,7 @@ def cmd_clicks_build(args: argparse.Namespace, home: Home) -> int:
     print(f"next window's --previous: {out / 'label_map.json'}")
     if args.register:
         _, existed = register_click_dataset(Catalog(home.catalog), args.name, out)
+        dagster_partitions(home, "add", [args.name])
         print(f"{'updated' if existed else 'registered'} dataset {args.name!r} in {home.catalog}; "
               f"materialize it with: xc-dagster materialize {args.name}")
     return 0
@@ -261,6 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     mat = sub.add_parser("materialize", help="materialize assets of one dataset partition")
     mat.add_argument("name")
     mat.add_argument("--select", default="*", help="Dagster asset selection (default: all)")
+    mat.add_argument("--set", action="append", metavar="STAGE.FIELD=VALUE",
+                     help="hyperparameter override for this run only (the stage asset's run config); repeatable")
     met = sub.add_parser("metrics", help="print the last evaluation's test metrics")
     met.add_argument("name")
     cmp_ = sub.add_parser("compare", help="compare the evaluation runs of a dataset (MLflow), best first")
@@ -300,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "quickstart":
             return cmd_quickstart(args, home)
         if args.cmd == "materialize":
-            rc = materialize(home, args.name, args.select)
+            rc = materialize(home, args.name, args.select, parse_set_options(args.set or []))
             if rc == 0 and args.select == "*":
                 print_metrics(home, args.name)
             return rc

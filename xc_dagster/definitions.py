@@ -1,17 +1,28 @@
-"""The Dagster code location: every stage asset partitioned by the catalog's datasets, the resources, the
-job that materializes a whole partition, and the retraining automation on it (``click_log_sensor``,
-``retrain_schedule``; both STOPPED until switched on, see ``docs/AUTOMATION.md``). The only module of the
-library that imports Dagster."""
+"""The Dagster code location: every stage asset partitioned by dataset (dynamic partitions whose keys the
+instance holds and whose options the catalog holds), the resources, the job that materializes a whole partition,
+and the retraining automation on it (``click_log_sensor``, ``retrain_schedule``; both STOPPED until switched on,
+see ``docs/AUTOMATION.md``). The only module of the library that imports Dagster."""
 
 from __future__ import annotations
 
 import dagster as dg
 
-from assets import build_assets, build_lifecycle_assets
-from assets.automation import build_click_log_sensor, build_retrain_schedule
-from resources import ClickLogFeedResource, ComputeResource, MLflowResource, XCHomeResource, dataset_partitions
-from xc_dagster.home import Home
-from xc_dagster.strategies import STRATEGIES
+from xc_dagster.project import project_import
+
+project_import("assets", "assets.automation", "resources")  # ours, whatever the working directory holds
+
+from assets import build_assets, build_lifecycle_assets  # noqa: E402
+from assets.automation import build_click_log_sensor, build_retrain_schedule  # noqa: E402
+from resources import (  # noqa: E402
+    ClickLogFeedResource,
+    ComputeResource,
+    MLflowResource,
+    XCHomeResource,
+    dataset_partitions,
+    sync_on_load,
+)
+from xc_dagster.home import Home  # noqa: E402
+from xc_dagster.strategies import STRATEGIES  # noqa: E402
 
 PIPELINE_JOB = "xc_pipeline"
 JOB_DESCRIPTION = ("Every stage of one dataset partition, ingest to evaluation, then the registered MLflow model "
@@ -26,11 +37,13 @@ def pipeline_resources(home: Home) -> dict[str, object]:
 
 
 def build_definitions(home: Home | None = None) -> dg.Definitions:
-    """Definitions for the catalog under ``home`` (default: ``XC_HOME``); the partitions are the catalog's
-    datasets plus the click-log feed's dataset folders (whose catalog entries the sensor creates)."""
+    """Definitions for the catalog under ``home`` (default: ``XC_HOME``). The partitions are dynamic: loading
+    registers the catalog's datasets and the click-log feed's folders with the instance (``DAGSTER_HOME``) when
+    it lacks them; later ones are added by ``xc-dagster datasets add`` and by the click-log sensor."""
     home = (home or Home.from_env()).ensure()
     clicklogs = ClickLogFeedResource()
-    partitions = dataset_partitions(home, extra=clicklogs.partition_names(home))
+    sync_on_load(home, extra=clicklogs.partition_names(home))
+    partitions = dataset_partitions()
     assets = build_assets(partitions) + build_lifecycle_assets(partitions)
     job = dg.define_asset_job(PIPELINE_JOB, selection=dg.AssetSelection.all(), partitions_def=partitions,
                               description=JOB_DESCRIPTION)

@@ -6,9 +6,14 @@ the CPU). ``PRESETS`` lists the values other presets change (``paper``: the pape
 effective value of a field is, last one wins: dataclass default < preset < strategy < dataset options < catalog
 overrides < run config (``resolve``). Overrides are addressed as ``stage.field`` (``pretrain.epochs=2``);
 ``resolve_config`` checks every name and coerces every value to the field's type, so a typo fails before any work
-with the field named. Every field is described in ``docs/configuration.md``.
+with the field named; a field whose values are a fixed set is typed ``Literal[...]`` (``choices``: the names of the
+component registries) and a value outside it fails listing the allowed ones. ``describe`` says which value each
+preset and strategy gives a field (the launchpad's descriptions). Every field is described in
+``docs/configuration.md``.
 """
 
+from xc_dagster.config.choices import literal_choices
+from xc_dagster.config.describe import describe_default, describe_field, describe_stage, field_defaults
 from xc_dagster.config.params import (
                                       STAGES,
                                       ClassifierCommonParams,
@@ -30,6 +35,7 @@ from xc_dagster.config.params import (
 from xc_dagster.config.resolve import PRESETS, PipelineConfig, apply_overrides, parse_set_options, resolve_config
 
 __all__ = ["STAGES", "PRESETS", "PipelineConfig", "apply_overrides", "parse_set_options", "resolve_config",
+           "literal_choices", "describe_default", "describe_field", "describe_stage", "field_defaults",
            "TrainParams", "IngestParams", "TokenizeParams", "PretrainParams", "MiningParams", "ClassifierParams",
            "ClassifierCommonParams", "HardNegativeParams", "SampledNegativeParams", "EndToEndParams",
            "HardNegativeTrainerParams", "EndToEndTrainerParams", "FusionParams", "IndexParams", "EvaluateParams"]

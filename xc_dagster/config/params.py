@@ -8,6 +8,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from xc_dagster.config.choices import (
+    AmpMode,
+    AnnSource,
+    ClassifierLoss,
+    EncoderNegatives,
+    FitOn,
+    FusionMethod,
+    GradCacheMode,
+    IndexKind,
+    IngestText,
+    LabelRepr,
+    LabelText,
+    Negatives,
+    PairLoss,
+    Pooling,
+    PretrainSampler,
+    RowOptimizer,
+    SamplerIndexKind,
+    Source,
+)
+
 
 @dataclass
 class TrainParams:
@@ -26,8 +47,8 @@ class TrainParams:
 class IngestParams:
     """Dataset ingest: which text fields make a point's text, and the validation split carved from train."""
 
-    text: str = "auto"  # "title" | "title+content" | "auto" (by dataset name: "Titles" -> title)
-    label_text: str = "title"  # label text fields; "same" = as points
+    text: IngestText = "auto"  # "title" | "title+content" | "auto" (by dataset name: "Titles" -> title)
+    label_text: LabelText = "title"  # label text fields; "same" = as points
     valid_fraction: float = 0.05  # fraction of training points held out for fusion fitting
     valid_max: int = 5000  # at most this many validation points
     # a split that would hold fewer points than this is not carved: every training point trains the models and
@@ -69,7 +90,7 @@ class PretrainParams:
     # preset), more teach more per step from a pretrained encoder (docs/decisions.md#pretrain-hard-negatives-k30)
     num_negatives: int = 30
     temperature: float = 0.1  # softmax weighting of violators (NGAME code's OHNM)
-    pooling: str = "mean"  # "mean" | "cls"
+    pooling: Pooling = "mean"  # "mean" | "cls"
     # transformer encoders: keep the input embeddings and the lowest N layers as pretrained (backward stops
     # at layer N: faster steps); 0 trains every layer (docs/decisions.md#pretrain-freeze-layers-off)
     freeze_layers: int = 0
@@ -79,12 +100,12 @@ class PretrainParams:
     # gradient caching (GradCache): embed the batch without autograd, then re-run one chunk at a time for the
     # encoder's gradient, so activations are one chunk's, not the batch's; "auto" = on when the plain step's
     # predicted memory does not fit, "on", "off" (docs/decisions.md#grad-cache)
-    grad_cache: str = "auto"
+    grad_cache: GradCacheMode = "auto"
     # "auto" (CUDA: bf16, else fp16; CPU: bf16 only where it pays, docs/decisions.md#amp-auto-on-cpu) | "bf16" |
     # "fp16" | "off"
-    amp: str = "auto"
+    amp: AmpMode = "auto"
     encode_batch_size: int = 256
-    sampler: str = "random"  # "random" batches | "ngame": unions of clusters of the memory-bank embeddings
+    sampler: PretrainSampler = "random"  # "random" batches | "ngame": unions of clusters of the memory-bank embeddings
     max_cluster_size: int = 64  # ngame: C doubles from 1 at each curriculum epoch, up to this
     # ngame: the epochs where C doubles (an epoch listed n times doubles it n times); the quick preset clusters
     # from epoch 1 with C = 8, after a first epoch of random batches fills the memory bank; the paper preset has
@@ -108,7 +129,7 @@ class PretrainParams:
     centroid_weight: float = 0.3  # 1 - beta: loss = beta * loss(E(z_l)) + (1 - beta) * loss(v_l); paper beta = 0.7
     # "triplet" (NGAME OHNM hinge) | "siamesexml" (probabilistic contrastive, no margin) | "infonce" | "dexml"
     # (DEXML's decoupled softmax: every in-batch positive a target, the other positives out of its denominator)
-    loss: str = "triplet"
+    loss: PairLoss = "triplet"
     contrastive_c: float = 0.9  # siamesexml loss: p(+1, v) = c * exp(d * v) / exp(d); code for Module I: c=0.9
     contrastive_d: float = 1.5  # ... d = 1.5 (Module IV's classifiers use c=0.75, d=3.0)
     infonce_temperature: float = 0.05  # loss "infonce": in-batch softmax at this temperature (MiniLM's: 0.05)
@@ -126,11 +147,11 @@ class MiningParams:
     shortlist_size: int = 100
     # where candidates come from (xc_dagster.retrieval.shortlist.SOURCES): "label" (label text embeddings), "centroid"
     # (label centroids), "knn" (labels of the nearest training points); SiameseXML Module II uses all three
-    sources: tuple[str, ...] = ("label",)
+    sources: tuple[AnnSource, ...] = ("label",)
     knn_weight: float = 0.025  # g: candidates ranked by (1 - g)(s_label + s_centroid) + g * s_knn (SiameseXML)
     # "auto" (exact up to 2^18 vectors, HNSW above: docs/decisions.md#index-auto) | "hnsw" (faiss) | "exact"
     # (blocked matmul in torch) | "ivf"
-    index: str = "auto"
+    index: IndexKind = "auto"
     hnsw_m: int = 32
     hnsw_ef_construction: int = 200
     hnsw_ef_search: int = 200
@@ -146,11 +167,11 @@ class ClassifierCommonParams:
     # w_l starts from the label representation (index.label_repr's values) at unit norm: "text": E(z_l) (NGAME
     # M2, SiameseXML Module III) | "text+centroid": normalise(E(z_l) + v_l) with Module II's centroid v_l (a
     # label's training points; unseen labels keep E(z_l))
-    init: str = "text"
+    init: LabelRepr = "text"
     # which negatives, and so which trainer: the hardest of "shortlist" (mined ANNS) | "in-batch" (NGAME M2) |
     # "both" (xc_dagster.training.classifier); or sampled over all labels with BCE: "uniform" | "astra" (stale W
     # index + uniform) | "mips" (MIPS-s) (xc_dagster.training.end_to_end)
-    negatives: str = "shortlist"
+    negatives: Negatives = "shortlist"
     num_positives: int = 3  # positives sampled per point per step
     # gamma >= 0: a positive of label l weighs (1/p_l)^gamma in the loss (mean 1 over the training positives;
     # propensity-scored loss, Jain et al. 2016). ngame and siamesexml set 1 (strategies.py)
@@ -158,7 +179,7 @@ class ClassifierCommonParams:
     scale: float = 10.0  # bce only: logit = scale * w.x
     normalize: bool = True  # keep every w_l at unit norm (NGAME M2), same scale as embedding scores
     # W's optimizer: "sgd" (ASTRA: SGD for the classifiers) | "sparse-adam" (NGAME); lr = classifier.lr
-    w_optimizer: str = "sparse-adam"
+    w_optimizer: RowOptimizer = "sparse-adam"
     weight_decay: float = 0.0  # classifiers, on the rows a step touches (ASTRA: 1e-4; sampled negatives only)
     label_points: bool = False  # every label also a training point, its one positive itself (ASTRA, Renee)
     seed: int = 0
@@ -168,8 +189,9 @@ class ClassifierCommonParams:
 class HardNegativeParams:
     """The hardest-negative trainer (NGAME M2/M4, SiameseXML Module IV; ``xc_dagster.training.classifier``)."""
 
-    loss: str = "triplet"  # "triplet" (NGAME M2: multi-positive hinge) | "bce" | "siamesexml" (Module IV); the
-    # sampled negatives (uniform/astra/mips) always train with BCE
+    # "triplet" (NGAME M2: multi-positive hinge) | "bce" | "siamesexml" (Module IV); the sampled negatives
+    # (uniform/astra/mips) always train with BCE
+    loss: ClassifierLoss = "triplet"
     num_negatives: int = 50  # hardest negatives (under the current W) per point per step
     cluster_size: int = 0  # >1: batches are unions of clusters of this many points (NGAME); 0/1: random
     margin: float = 0.2  # triplet loss only
@@ -192,7 +214,8 @@ class SampledNegativeParams:
     hard_start: float = 5.0  # astra: tau_s, epochs of uniform-only warm-up (fractions allowed)
     refresh_every: float = 5.0  # astra: tau_r, epochs between index refreshes; mips: P (MIPS-s: 8 per epoch)
     refresh_async: bool = True  # astra: build the next index in the background during the interval before it
-    sampler_index: str = "hnsw"  # index over W: "hnsw" (astra) | "ivf" (mips: ~sqrt(L) k-means partitions) | "exact"
+    # index over W: "hnsw" (astra) | "ivf" (mips: ~sqrt(L) k-means partitions) | "exact"
+    sampler_index: SamplerIndexKind = "hnsw"
     sampler_hnsw_m: int = 32
     sampler_hnsw_ef: int = 100  # efSearch of the stale hard-negative index
     sampler_hnsw_ef_construction: int = 100
@@ -215,11 +238,11 @@ class EndToEndParams:
     # which negatives send gradient to the encoder: "all" (the papers) | "hard" (the uniform draws train W only;
     # the encoder learns from positives and the index's hard negatives, so the many uniform terms -- weighted
     # L / k_r in ASTRA -- cannot push every query away from every classifier)
-    encoder_negatives: str = "all"
+    encoder_negatives: EncoderNegatives = "all"
     warmup_steps: int = 0  # cosine schedule with linear warm-up, for encoder and classifiers
     shards: int = 0  # W sharded by label: 0 = one shard per visible GPU (1 on CPU), n = n shards
     chunk_size: int = 128  # texts per encoder forward chunk (train_encoder); the most, as pretrain.chunk_size
-    grad_cache: str = "auto"  # train_encoder: gradient caching, as pretrain.grad_cache (auto | on | off)
+    grad_cache: GradCacheMode = "auto"  # train_encoder: gradient caching, as pretrain.grad_cache (auto | on | off)
     encode_batch_size: int = 256  # re-encoding after training (train_encoder)
 
 
@@ -249,12 +272,12 @@ class FusionParams:
     classifier, T a depth-7 tree on d = (embedding score, classifier score, inverse propensity).
     """
 
-    method: str = "alpha"  # "alpha" | "tree"
+    method: FusionMethod = "alpha"  # "alpha" | "tree"
     # what the fusion is fitted on: "validation" = the held-out validation points; "cross_fit" = every training
     # point, each scored by classifiers, kNN and lexical neighbours fitted without its fold (the encoder is
     # shared); "auto" = validation when ingest carved a split, else cross-fitting
     # (docs/decisions.md#fusion-cross-fitting)
-    fit_on: str = "auto"
+    fit_on: FitOn = "auto"
     cross_fit_folds: int = 5  # folds of the training points (cross-fitting)
     cross_fit_max_points: int = 20_000  # at most this many out-of-fold points scored (seeded sample)
     # alpha: grid-search target; tree: reported validation objective. A metric of evaluation.metrics.evaluate or
@@ -290,10 +313,10 @@ class FusionParams:
 class IndexParams:
     """ANNS indexes over W and over label embeddings used at inference."""
 
-    kind: str = "auto"  # "auto" (exact up to 2^18 vectors, else hnsw) | "hnsw" | "exact" | "ivf" (per index)
-    sources: tuple[str, ...] = ("W", "label")  # shortlist sources at inference (NGAME: dual MIPS over W and
+    kind: IndexKind = "auto"  # "auto" (exact up to 2^18 vectors, else hnsw) | "hnsw" | "exact" | "ivf" (per index)
+    sources: tuple[Source, ...] = ("W", "label")  # shortlist sources at inference (NGAME: dual MIPS over W and
     # label embeddings; SiameseXML: label, centroid, knn); see xc_dagster.retrieval.shortlist.SOURCES
-    label_repr: str = "text"  # embedding score r_l.e: "text" r_l = E(z_l) | "text+centroid" E(z_l) + v_l
+    label_repr: LabelRepr = "text"  # embedding score r_l.e: "text" r_l = E(z_l) | "text+centroid" E(z_l) + v_l
     hnsw_m: int = 32
     hnsw_ef_construction: int = 200
     hnsw_ef_search: int = 200

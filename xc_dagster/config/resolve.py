@@ -4,9 +4,11 @@ overrides < run config, each ``stage.field`` name checked and each value coerced
 from __future__ import annotations
 
 import dataclasses
+import enum
+import functools
 import typing
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 from xc_dagster.config.params import (
     STAGES,
@@ -66,9 +68,24 @@ class PipelineConfig:
         return out
 
 
+def _choice(value: Any, allowed: tuple[str, ...], where: str, item: bool = False) -> str:
+    """``value`` when it is one of ``allowed`` (an Enum member counts as its value), else raise naming the field
+    and every allowed value (``item``: ``value`` is one item of a tuple field)."""
+    if isinstance(value, enum.Enum):
+        value = value.value
+    if isinstance(value, str) and value.strip() in allowed:
+        return value.strip()
+    expected = "items, each one of" if item else "one of"
+    raise XCConfigError(f"config field {where!r}: expected {expected} {', '.join(map(repr, allowed))}, "
+                        f"got {value!r}")
+
+
 def _coerce(value: Any, typ: Any, where: str) -> Any:
-    """Convert a string or YAML value to the field type, or raise naming the field."""
+    """Convert a string or YAML value to the field type, or raise naming the field (and, for a field whose
+    values are a fixed set, the allowed values)."""
     origin = typing.get_origin(typ)
+    if origin is Literal:
+        return _choice(value, typing.get_args(typ), where)
     try:
         if typ is bool:
             if isinstance(value, bool):
@@ -100,14 +117,19 @@ def _coerce(value: Any, typ: Any, where: str) -> Any:
                 items = [value]  # YAML `knn_grid: 0` means the one-value grid
             else:
                 items = list(value)
+            if typing.get_origin(inner) is Literal:
+                return tuple(_choice(v, typing.get_args(inner), where, item=True) for v in items)
             return tuple(_coerce(v, inner, where) for v in items)
+    except XCConfigError:
+        raise  # an item outside a fixed set: its message lists the allowed values
     except (TypeError, ValueError):
         raise XCConfigError(f"config field {where!r}: expected {getattr(typ, '__name__', typ)}, got {value!r}")
     raise XCConfigError(f"config field {where!r}: unsupported type {typ}")
 
 
+@functools.lru_cache(maxsize=None)
 def _stage_types(name: str) -> dict[str, Any]:
-    return typing.get_type_hints(STAGES[name])
+    return typing.get_type_hints(STAGES[name])  # resolved once: every override of every layer looks it up
 
 
 def apply_overrides(cfg: PipelineConfig, overrides: Mapping[str, Any], source: str,
@@ -133,7 +155,10 @@ def apply_overrides(cfg: PipelineConfig, overrides: Mapping[str, Any], source: s
         if fname not in types:
             raise XCConfigError(
                 f"{source}: unknown field {key!r}; fields of {stage!r} are {', '.join(types)}")
-        coerced = _coerce(value, types[fname], key)
+        try:
+            coerced = _coerce(value, types[fname], key)
+        except XCConfigError as exc:
+            raise XCConfigError(f"{source}: {exc}") from None
         setattr(cfg, stage, dataclasses.replace(cfg.stage(stage), **{fname: coerced}))
         if explicit:
             cfg.explicit = cfg.explicit | {key}
@@ -154,7 +179,9 @@ def resolve_config(preset: str = "quick", strategy: str = "ngame",
 
 
 def parse_set_options(items: list[str] | tuple[str, ...]) -> dict[str, str]:
-    """Parse CLI ``--set stage.field=value`` items, checking names (values are coerced at resolve time)."""
+    """Parse CLI ``--set stage.field=value`` items, checking every name and value now (an unknown field, a value
+    of the wrong type or outside a field's allowed set fails naming the field); the values stay the strings
+    given (they are coerced again at resolve time)."""
     out: dict[str, str] = {}
     for item in items:
         key, sep, value = item.partition("=")

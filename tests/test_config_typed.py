@@ -1,0 +1,184 @@
+"""Enum-like config fields are typed from the component registries: a value outside the allowed set fails at once
+(``--set``, the catalog, the run config and the generated Dagster ``Config`` classes) naming the field and listing
+the allowed values, and the launchpad's descriptions say which value each preset and strategy uses."""
+
+import dataclasses
+import typing
+
+import dagster as dg
+import pydantic
+import pytest
+import torch
+import yaml
+
+from assets.config import CONFIG_CLASSES, make_config_class, run_overrides
+from xc_dagster.catalog import Catalog, DatasetSpec
+from xc_dagster.cli import main as cli_main
+from xc_dagster.config import STAGES, choices, describe_default, literal_choices, parse_set_options, resolve_config
+from xc_dagster.device import amp_dtype
+from xc_dagster.errors import XCConfigError
+from xc_dagster.home import Home
+from xc_dagster.pipeline.cross_fit import FIT_ON
+from xc_dagster.retrieval.ann import KINDS
+from xc_dagster.retrieval.fusion import FUSIONS
+from xc_dagster.retrieval.shortlist import ANN_SOURCES, LABEL_REPRS, SOURCES
+from xc_dagster.sampling.batches import BATCH_SAMPLERS
+from xc_dagster.sampling.hard_negatives import HARD_NEGATIVE_POOLS
+from xc_dagster.sampling.negatives import SAMPLED_NEGATIVES
+from xc_dagster.strategies import STRATEGIES
+from xc_dagster.training.end_to_end import ENCODER_NEGATIVES
+from xc_dagster.training.losses import CLASSIFIER_LOSSES, PAIR_LOSSES
+from xc_dagster.training.memory import GRAD_CACHE_MODES
+from xc_dagster.training.sharded import ROW_OPTIMIZERS
+
+# every enum-like field and its allowed values, as the registries that define them hold them
+REGISTRY_FIELDS = {
+    "pretrain.sampler": tuple(BATCH_SAMPLERS),
+    "pretrain.loss": tuple(PAIR_LOSSES),
+    "pretrain.grad_cache": GRAD_CACHE_MODES,
+    "pretrain.amp": choices.AMP_MODES,
+    "pretrain.pooling": choices.POOLINGS,
+    "mining.sources": ANN_SOURCES,
+    "mining.index": KINDS,
+    "classifier.init": LABEL_REPRS,
+    "classifier.negatives": tuple(HARD_NEGATIVE_POOLS) + tuple(SAMPLED_NEGATIVES),
+    "classifier.w_optimizer": tuple(ROW_OPTIMIZERS),
+    "classifier.loss": tuple(CLASSIFIER_LOSSES),
+    "classifier.sampler_index": tuple(k for k in KINDS if k != "auto"),
+    "classifier.encoder_negatives": ENCODER_NEGATIVES,
+    "classifier.grad_cache": GRAD_CACHE_MODES,
+    "fusion.method": tuple(FUSIONS),
+    "fusion.fit_on": FIT_ON,
+    "index.kind": KINDS,
+    "index.sources": SOURCES,
+    "index.label_repr": LABEL_REPRS,
+    "ingest.text": ("auto", "title", "title+content"),
+    "ingest.label_text": ("title", "title+content", "same"),
+}
+FusionConfig = make_config_class("fusion")
+# the str fields whose values are open: a path or hub name, a folder, a formula of metric names
+FREE_TEXT = {"tokenize.encoder", "pretrain.warm_start", "fusion.objective"}
+
+
+def _hints(stage: str) -> dict[str, typing.Any]:
+    return typing.get_type_hints(STAGES[stage])
+
+
+def test_every_enum_like_field_is_typed_with_exactly_its_registry_names():
+    typed = {f"{s}.{n}": literal_choices(t) for s in STAGES for n, t in _hints(s).items()
+             if literal_choices(t) is not None}
+    assert sorted(typed) == sorted(REGISTRY_FIELDS)
+    for key, names in REGISTRY_FIELDS.items():
+        assert sorted(typed[key]) == sorted(names), key
+    # the str fields left are the open ones (a new enum-like field must be typed, or listed here on purpose)
+    plain = {f"{s}.{n}" for s in STAGES for n, t in _hints(s).items() if t is str}
+    assert plain == FREE_TEXT
+    for mode in choices.AMP_MODES:  # the amp modes are the ones the device accepts
+        amp_dtype(torch.device("cpu"), mode)
+
+
+@pytest.mark.parametrize("item, message", [
+    ("classifier.negatives=bogus", "--set: config field 'classifier.negatives': expected one of 'shortlist', "
+                                   "'in-batch', 'both', 'uniform', 'astra', 'mips', got 'bogus'"),
+    ("fusion.method=Tree", "--set: config field 'fusion.method': expected one of 'alpha', 'tree', got 'Tree'"),
+    ("index.sources=W,bogus", "--set: config field 'index.sources': expected items, each one of 'W', 'label', "
+                              "'centroid', 'knn', 'lexical', got 'bogus'"),
+    ("mining.sources=label,lexical", "--set: config field 'mining.sources': expected items, each one of 'W', "
+                                     "'label', 'centroid', 'knn', got 'lexical'"),
+])
+def test_set_refuses_a_value_outside_the_allowed_set(item, message):
+    with pytest.raises(XCConfigError) as err:
+        parse_set_options([item])
+    assert str(err.value) == message
+
+
+def test_allowed_values_pass_and_resolve_to_plain_strings():
+    sets = parse_set_options(["classifier.negatives= in-batch", "index.sources=W,knn", "fusion.fit_on=cross_fit"])
+    assert sets == {"classifier.negatives": "in-batch", "index.sources": "W,knn", "fusion.fit_on": "cross_fit"}
+    cfg = resolve_config("quick", "ngame", ("--set", sets))
+    assert cfg.classifier.negatives == "in-batch" and type(cfg.classifier.negatives) is str
+    assert cfg.index.sources == ("W", "knn") and cfg.fusion.fit_on == "cross_fit"
+    for name, strategy in STRATEGIES.items():  # every strategy's own values are allowed ones
+        resolve_config("paper", name, ("strategy", strategy.overrides))
+
+
+def test_datasets_add_with_a_bad_value_fails_before_writing_the_catalog(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XC_HOME", str(tmp_path / "home"))
+    src = tmp_path / "src"
+    src.mkdir()
+    rc = cli_main(["datasets", "add", "Bad", "--source", str(src), "--set", "classifier.negatives=bogus"])
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert rc == 2
+    assert err == ("xc-dagster: error: --set: config field 'classifier.negatives': expected one of 'shortlist', "
+                   "'in-batch', 'both', 'uniform', 'astra', 'mips', got 'bogus'")
+    assert not Home.from_env().catalog.exists()
+    with pytest.raises(XCConfigError, match="'pretrain.sampler': expected one of 'random', 'ngame', 'siamesexml'"):
+        Catalog(tmp_path / "cat.yaml").add(DatasetSpec("Bad", str(src), overrides={"pretrain.sampler": "clusters"}))
+    assert not (tmp_path / "cat.yaml").exists()
+
+
+def test_a_catalog_entry_with_a_bad_value_fails_naming_the_file_and_the_allowed_values(tmp_path):
+    path = tmp_path / "catalog.yaml"
+    path.write_text(yaml.safe_dump({"datasets": {"D": {"source": "/d", "overrides": {"fusion.fit_on": "folds"}}}}))
+    with pytest.raises(XCConfigError) as err:
+        Catalog(path).load()
+    assert str(err.value) == (f"{path}: dataset 'D' overrides: config field 'fusion.fit_on': expected one of "
+                              "'auto', 'validation', 'cross_fit', got 'folds'")
+
+
+def test_the_dagster_config_class_refuses_a_bad_value_listing_the_allowed_ones():
+    cls = CONFIG_CLASSES["classifier"]
+    with pytest.raises(pydantic.ValidationError) as err:
+        cls(negatives="bogus")
+    assert ("Input should be 'shortlist', 'in-batch', 'both', 'uniform', 'astra' or 'mips'"
+            in str(err.value))
+    with pytest.raises(pydantic.ValidationError, match="Input should be 'W', 'label', 'centroid', 'knn' or 'lexical'"):
+        CONFIG_CLASSES["index"](sources=["W", "bogus"])
+    assert run_overrides("classifier", cls(negatives="in-batch", epochs=2)) == {
+        "classifier.epochs": 2.0, "classifier.negatives": "in-batch"}
+    assert run_overrides("index", CONFIG_CLASSES["index"](sources=["W", "knn"])) == {"index.sources": ["W", "knn"]}
+    assert resolve_config("quick", "ngame", ("run config", run_overrides(
+        "index", CONFIG_CLASSES["index"](sources=["W", "knn"], kind="exact")))).index.sources == ("W", "knn")
+
+
+def test_dagster_run_config_refuses_a_bad_value_before_the_asset_runs():
+    seen = []
+
+    @dg.asset
+    def fusion(config: FusionConfig):  # type: ignore[valid-type]  (no `from __future__ import annotations` here:
+        # Dagster reads the annotation as a class)
+        seen.append(run_overrides("fusion", config))
+
+    with pytest.raises(dg.DagsterInvalidConfigError, match="not in enum type FusionMethod got stack"):
+        dg.materialize([fusion], run_config={"ops": {"fusion": {"config": {"method": "stack"}}}})
+    assert seen == []
+    res = dg.materialize([fusion], run_config={"ops": {"fusion": {"config": {"method": "tree", "knn_grid": [0.5]}}}})
+    assert res.success and seen == [{"fusion.method": "tree", "fusion.knn_grid": [0.5]}]
+
+
+def test_descriptions_show_each_strategys_value():
+    desc = {s: {n: f.description for n, f in CONFIG_CLASSES[s].model_fields.items()} for s in CONFIG_CLASSES}
+    assert desc["pretrain"]["sampler"] == (
+        "pretrain.sampler for this run only (empty: the dataset's value); one of 'random', 'ngame', 'siamesexml'; "
+        "default ngame: 'ngame', siamesexml: 'siamesexml', astra: 'random', mips: 'random'")
+    assert desc["fusion"]["method"].endswith("; one of 'alpha', 'tree'; default 'alpha'")
+    assert desc["classifier"]["negatives"].endswith(
+        "default ngame: 'shortlist', siamesexml: 'shortlist', astra: 'astra', mips: 'mips'")
+    assert desc["index"]["sources"].endswith("default ngame: 'W,label,knn,lexical', siamesexml: 'label,centroid,knn', "
+                                             "astra: 'W,label,knn', mips: 'W,label,knn'")
+    assert desc["pretrain"]["batch_size"].endswith("default quick preset: 256; paper preset: 1600")
+    assert desc["pretrain"]["epochs"].endswith("default quick preset: ngame: 1.0, siamesexml: 3.0, astra: 0.0, "
+                                               "mips: 0.0; paper preset: ngame: 300.0, siamesexml: 3.0, astra: 0.0, "
+                                               "mips: 0.0")
+    assert "the dataset's options set it" in desc["tokenize"]["max_len"]
+    assert "the dataset's options set it" not in desc["tokenize"]["encoder"]
+    # every field's description is the library's, and each strategy's value under the quick preset is in it
+    quick = {name: resolve_config("quick", name, ("s", s.overrides)) for name, s in STRATEGIES.items()}
+    for stage, params in STAGES.items():
+        for f in dataclasses.fields(params):
+            assert describe_default(stage, f.name) in desc[stage][f.name], (stage, f.name)
+            text = describe_default(stage, f.name).split("; paper preset:")[0]
+            for name, cfg in quick.items():
+                value = getattr(cfg.stage(stage), f.name)
+                shown = repr(",".join(map(str, value))) if isinstance(value, tuple) else repr(value)
+                assert shown in text, (stage, f.name, name)

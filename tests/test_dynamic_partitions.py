@@ -1,0 +1,100 @@
+"""Datasets as dynamic partitions: registration by the CLI and at load, a home from the static-partition days,
+concurrent registration, and a working directory with its own ``assets``/``resources`` packages."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import dagster as dg
+import pytest
+
+from xc_dagster.catalog import Catalog, DatasetSpec
+from xc_dagster.cli import PARTITIONS_CMD
+from xc_dagster.cli import main as cli_main
+from xc_dagster.home import Home, venv_executable
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+@pytest.fixture()
+def home(tmp_path, monkeypatch) -> Home:
+    monkeypatch.setenv("XC_HOME", str(tmp_path / "home"))
+    for var in ("MLFLOW_TRACKING_URI", "DAGSTER_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    h = Home.from_env().ensure(instance=True)
+    monkeypatch.setenv("DAGSTER_HOME", str(h.dagster_home))
+    return h
+
+
+def _partitions() -> list[str]:
+    with dg.DagsterInstance.get() as instance:
+        return sorted(instance.get_dynamic_partitions("datasets"))
+
+
+def test_a_static_partition_home_keeps_its_datasets_and_their_history(home, tmp_path):
+    """A home made when partitions were static (the catalog read at load): its runs are keyed by the partition's
+    name. The first load of the dynamic definitions registers the catalog's datasets; the history still counts."""
+    from xc_dagster.definitions import build_definitions
+
+    Catalog(home.catalog).add(DatasetSpec(name="Old", source=str(tmp_path)))
+
+    @dg.asset(name="dataset", partitions_def=dg.StaticPartitionsDefinition(["Old"]))
+    def old_dataset() -> None:  # what the static definitions materialized
+        return None
+
+    with dg.DagsterInstance.get() as instance:
+        assert dg.materialize([old_dataset], partition_key="Old", instance=instance).success
+    assert _partitions() == []
+    defs = build_definitions(home)
+    assert _partitions() == ["Old"]
+    with dg.DagsterInstance.get() as instance:
+        assert instance.get_materialized_partitions(dg.AssetKey("dataset")) == {"Old"}
+        job = defs.resolve_job_def("xc_pipeline")
+        assert job.partitions_def.get_partition_keys(dynamic_partitions_store=instance) == ["Old"]
+    build_definitions(home)  # loading again adds nothing twice
+    assert _partitions() == ["Old"]
+
+
+def test_concurrent_registrations_lose_nothing_and_add_nothing_twice(home):
+    """Four processes released together, each adding its own name and a shared one, against one SQLite instance."""
+    code = "import time, sys; time.sleep(float(sys.argv[1])); " + PARTITIONS_CMD.replace("sys.argv[1:]",
+                                                                                       "sys.argv[2:]")
+    procs = [subprocess.Popen([sys.executable, "-c", code, "1.5", "add", f"d{i}", "shared"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(4)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, [e[-600:] for _, e in outs]
+    with dg.DagsterInstance.get() as instance:
+        keys = list(instance.get_dynamic_partitions("datasets"))
+    assert sorted(keys) == sorted([f"d{i}" for i in range(4)] + ["shared"])  # each once
+
+
+def test_a_failed_registration_leaves_no_catalog_entry(home, tmp_path, capsys):
+    (home.dagster_home / "dagster.yaml").write_text("storage: [unclosed\n")  # the instance cannot load
+    assert cli_main(["datasets", "add", "New", "--source", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "could not add the Dagster partition(s) New" in err and str(home.dagster_home) in err
+    assert "New" not in Catalog(home.catalog).names()
+
+
+def test_runs_from_a_folder_with_its_own_assets_and_resources_packages(home, tmp_path):
+    """``python -m``/``dagster -m`` put the working directory first on sys.path: a user's own ``assets`` and
+    ``resources`` packages there must not replace the project's."""
+    user = tmp_path / "user_project"
+    for pkg in ("assets", "resources"):
+        (user / pkg).mkdir(parents=True)
+        (user / pkg / "__init__.py").write_text("MINE = True\n")
+    env = {**os.environ, "DAGSTER_HOME": str(home.dagster_home)}
+    add = subprocess.run([sys.executable, "-m", "xc_dagster.cli", "datasets", "add", "Mine", "--source",
+                          str(tmp_path)], cwd=user, env=env, capture_output=True, text=True)
+    assert add.returncode == 0, add.stderr[-2000:]
+    assert _partitions() == ["Mine"]
+    listed = subprocess.run([venv_executable("dagster"), "asset", "list", "-m", "xc_dagster.definitions"], cwd=user,
+                            env=env, capture_output=True, text=True)
+    assert listed.returncode == 0, listed.stderr[-2000:]
+    assert {"dataset", "evaluation", "registered_model"} <= set(listed.stdout.split())
+    # a foreign package already imported under that name is refused by name, not loaded over
+    probe = subprocess.run([sys.executable, "-c", "import assets; import xc_dagster.definitions"], cwd=user, env=env,
+                           capture_output=True, text=True)
+    assert probe.returncode != 0 and "a package named 'assets' from" in probe.stderr
