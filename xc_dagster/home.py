@@ -4,31 +4,84 @@
 ``DAGSTER_HOME`` the CLI wrappers export), so runs from the CLI and from the UI share one history.
 
 First use of a home creates its stores (``dagster.yaml``, the MLflow database and its schema migrations, the
-Dagster instance's SQLite storages) once, under an exclusive ``flock`` on ``.home.lock``, and records what it made
+Dagster instance's storages) once, under an exclusive ``flock`` on ``.home.lock``, and records what it made
 in ``.home-ready.json``: processes that start together on a fresh home would otherwise race on the migrations and
-fail, or leave the MLflow store broken for good (docs/decisions.md#home-first-use-lock).
+fail, or leave the MLflow store broken for good (docs/decisions.md#home-first-use-lock). A PostgreSQL tracking
+store or Dagster database, which processes of other hosts share, is created under a PostgreSQL advisory lock too.
+
+``dagster.yaml`` is rendered from the environment (:func:`render_dagster_yaml`): SQLite storages under the home by
+default, PostgreSQL when ``XC_DAGSTER_POSTGRES_URL`` is set (the file names the variable, not the password), and the
+limit of the training assets' concurrency pool. A file that starts with one of our header lines is ours and is
+rewritten when the environment renders it otherwise (a home made by an older release is migrated so); any other file
+is the user's own and is left as it is.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from xc_dagster.errors import XCError
+from xc_dagster.errors import XCConfigError, XCError
+from xc_dagster.postgres import advisory_lock, check_url, is_postgres_uri, redact
 from xc_dagster.storage import atomic_write_text, file_lock
 from xc_dagster.tracking import is_sqlite_uri, prepare_tracking_store
 
 READY = ".home-ready.json"  # what the first use made: {"made": ["dagster.yaml", "mlflow:<uri>", "dagster-instance"]}
 LOCK = ".home.lock"  # held exclusively while the home's first use creates its stores
-DAGSTER_YAML = ("# Dagster instance of xc-dagster (runs, event logs, schedules) under XC_HOME\n"
-                "telemetry:\n  enabled: false\n")
 INSTANCE = "dagster-instance"
+DAGSTER_POSTGRES_URL = "XC_DAGSTER_POSTGRES_URL"  # set: Dagster's storages in that PostgreSQL database
+TRAINING_CONCURRENCY = "XC_TRAINING_CONCURRENCY"  # how many training steps may run at once, over all runs
+TRAINING_POOL = "xc_training"  # the Dagster concurrency pool the training assets declare
+DEFAULT_TRAINING_CONCURRENCY = 1
+MAX_CONCURRENCY = 1000  # Dagster's largest pool limit (DAGSTER_MAX_GLOBAL_OP_CONCURRENCY_LIMIT's default)
+YAML_HEADER = ("# Dagster instance of xc-dagster, written from XC_DAGSTER_POSTGRES_URL and XC_TRAINING_CONCURRENCY "
+               "and rewritten when they change; remove this line to keep your own edits")
+OLD_YAML_HEADERS = ("# Dagster instance of xc-dagster (runs, event logs, schedules) under XC_HOME",)  # rewritten too
+MLFLOW_SCHEMA_LOCK = 0x78632D6D6C666C77  # advisory lock key of an MLflow database's first use ("xc-mlflw")
+DAGSTER_SCHEMA_LOCK = 0x78632D6461677374  # and of a Dagster database's ("xc-dagst")
+
+
+def training_concurrency(environ: Mapping[str, str] | None = None) -> int:
+    """``XC_TRAINING_CONCURRENCY`` (default 1): a whole number from 1 to 1000, else XCConfigError."""
+    raw = (os.environ if environ is None else environ).get(TRAINING_CONCURRENCY, "").strip()
+    if not raw:
+        return DEFAULT_TRAINING_CONCURRENCY
+    if not raw.isdigit() or not 1 <= int(raw) <= MAX_CONCURRENCY:
+        raise XCConfigError(f"{TRAINING_CONCURRENCY}: expected how many training steps may run at once, a whole "
+                            f"number from 1 to {MAX_CONCURRENCY}, got {raw!r}")
+    return int(raw)
+
+
+def render_dagster_yaml(environ: Mapping[str, str] | None = None) -> str:
+    """The home's ``dagster.yaml`` for an environment (default ``os.environ``): telemetry off; with
+    ``XC_DAGSTER_POSTGRES_URL`` the ``dagster_postgres`` storages, read from that variable when Dagster loads the
+    instance (the password is never written); the concurrency pools' default limit, ``XC_TRAINING_CONCURRENCY``,
+    which applies to the training assets' pool ``xc_training`` (the only pool; a limit set for it by
+    ``dagster instance concurrency set xc_training N`` takes precedence)."""
+    env = os.environ if environ is None else environ
+    lines = [YAML_HEADER, "telemetry:", "  enabled: false"]
+    url = env.get(DAGSTER_POSTGRES_URL, "").strip()
+    if url:
+        check_url(DAGSTER_POSTGRES_URL, url)
+        lines += ["storage:", "  postgres:", "    postgres_url:", f"      env: {DAGSTER_POSTGRES_URL}"]
+    lines += ["concurrency:", "  pools:",
+              f"    default_limit: {training_concurrency(env)}  # every pool without a limit of its own: "
+              f"{TRAINING_POOL}, the training assets'"]
+    return "\n".join(lines) + "\n"
+
+
+def is_our_yaml(text: str) -> bool:
+    """Whether a ``dagster.yaml`` was written by xc-dagster (this release or an older one): by its first line."""
+    first = text.split("\n", 1)[0].rstrip()
+    return first == YAML_HEADER or first in OLD_YAML_HEADERS
 
 
 def xc_home() -> Path:
@@ -88,22 +141,58 @@ class Home:
             return self
         with file_lock(self.root / LOCK):
             made = self._made()
-            if not (self.dagster_home / "dagster.yaml").exists():
-                atomic_write_text(self.dagster_home / "dagster.yaml", DAGSTER_YAML)
+            wanted = self._wanted_yaml()
+            if wanted is not None:
+                atomic_write_text(self.dagster_yaml, wanted)
             if not _has_store(made, uri):
-                prepare_tracking_store(uri)
-                made.add(f"mlflow:{uri}")
-            if instance and INSTANCE not in made:
-                self._prepare_instance()
-                made.add(INSTANCE)
+                with _first_use_lock(uri):
+                    prepare_tracking_store(uri)
+                made.add(_store_key(uri))
+            if instance and self._instance_key() not in made:
+                with self._instance_lock():
+                    self._prepare_instance()
+                made.add(self._instance_key())
             atomic_write_text(self.root / READY, json.dumps({"made": sorted(made)}, indent=1) + "\n")
         return self
 
     def is_prepared(self, instance: bool = False, tracking_uri: str | None = None) -> bool:
-        """Whether the first use is done: ``dagster.yaml``, the tracking URI's store (and the Dagster instance)."""
+        """Whether the first use is done: ``dagster.yaml`` as the environment renders it (or the user's own), the
+        tracking URI's store (and the Dagster instance of the yaml's storage)."""
         made = self._made()
-        return ((self.dagster_home / "dagster.yaml").exists() and _has_store(made, tracking_uri or self.mlflow_uri)
-                and (not instance or INSTANCE in made))
+        return (self._wanted_yaml() is None and _has_store(made, tracking_uri or self.mlflow_uri)
+                and (not instance or self._instance_key() in made))
+
+    @property
+    def dagster_yaml(self) -> Path:
+        return self.dagster_home / "dagster.yaml"
+
+    def _wanted_yaml(self) -> str | None:
+        """The ``dagster.yaml`` to write: the rendered one when there is none or ours says otherwise; None when the
+        file is current or the user's own."""
+        try:
+            text = self.dagster_yaml.read_text()
+        except FileNotFoundError:
+            return render_dagster_yaml()
+        if not is_our_yaml(text):
+            return None
+        wanted = render_dagster_yaml()
+        return None if text == wanted else wanted
+
+    def _instance_key(self) -> str:
+        """What the marker calls the Dagster instance: ``dagster-instance`` (SQLite under the home, or the user's
+        own yaml), ``dagster-instance:<URL without password>`` for our yaml on PostgreSQL (made again when the
+        storage changes)."""
+        url = os.environ.get(DAGSTER_POSTGRES_URL, "").strip()
+        if not url or not self.dagster_yaml.exists() or not is_our_yaml(self.dagster_yaml.read_text()):
+            return INSTANCE
+        return f"{INSTANCE}:{redact(url)}"
+
+    def _instance_lock(self) -> contextlib.AbstractContextManager:
+        """For our yaml on PostgreSQL, the Dagster database's advisory lock while the instance is migrated (the
+        code location, webserver and daemon of other hosts may start together)."""
+        if self._instance_key() == INSTANCE:
+            return contextlib.nullcontext()
+        return advisory_lock(DAGSTER_POSTGRES_URL, os.environ[DAGSTER_POSTGRES_URL].strip(), DAGSTER_SCHEMA_LOCK)
 
     def _made(self) -> set[str]:
         try:
@@ -122,10 +211,25 @@ class Home:
                           f"(dagster instance migrate, exit {out.returncode}): {out.stderr.strip()[-2000:]}")
 
 
+def _store_key(uri: str) -> str:
+    """What the marker calls a tracking store: ``mlflow:<URI>``, a PostgreSQL URI without its password."""
+    return f"mlflow:{redact(uri) if is_postgres_uri(uri) else uri}"
+
+
 def _has_store(made: set[str], uri: str) -> bool:
-    """Whether the URI's store is made: always for a store not made here (server, database: nor is its URI, which
-    may hold a password, written down); for a SQLite file, when the marker lists it and the file is still there."""
+    """Whether the URI's store is made: always for a store not made here (tracking server, other databases); for
+    PostgreSQL when the marker lists it; for a SQLite file, when the marker lists it and the file is still there."""
+    if is_postgres_uri(uri):
+        return _store_key(uri) in made
     if not is_sqlite_uri(uri):
         return True
     path = urlsplit(uri).path[1:]  # sqlite:///rel.db -> rel.db, sqlite:////abs.db -> /abs.db
-    return path in ("", ":memory:") or (f"mlflow:{uri}" in made and Path(path).exists())
+    return path in ("", ":memory:") or (_store_key(uri) in made and Path(path).exists())
+
+
+def _first_use_lock(uri: str) -> contextlib.AbstractContextManager:
+    """Beside the home's flock: for a PostgreSQL store, its database's advisory lock (other hosts' processes share
+    the store, and MLflow's check-then-create of its tables races)."""
+    if is_postgres_uri(uri):
+        return advisory_lock("MLFLOW_TRACKING_URI", uri, MLFLOW_SCHEMA_LOCK)
+    return contextlib.nullcontext()

@@ -58,10 +58,12 @@ def is_sqlite_uri(uri: str) -> bool:
 
 
 def prepare_tracking_store(uri: str) -> None:
-    """Create a SQLite tracking store's tables and run its schema migrations, what MLflow does on a store's first
-    use, by opening it through the public client (the home calls this once, under its first-use lock). Other stores
-    are left alone: a tracking server migrates its own, a shared database is migrated by its operator."""
-    if is_sqlite_uri(uri):
+    """Create a SQLite or PostgreSQL tracking store's tables and run its schema migrations, what MLflow does on a
+    store's first use, by opening it through the public client. MLflow checks for its tables then creates them, which
+    races: the home calls this once, under its first-use lock and, for PostgreSQL (shared by other hosts), under the
+    database's advisory lock. Other stores are left alone: a tracking server migrates its own, another database
+    (MySQL, MSSQL) is migrated by its operator."""
+    if is_sqlite_uri(uri) or urlsplit(uri).scheme.split("+")[0] == "postgresql":
         MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
 
 

@@ -1,0 +1,270 @@
+"""PostgreSQL stores: ``deploy/postgres.sh`` starts a throwaway server for these tests; a tiny dataset partition
+is materialized through the CLI with the home's Dagster storages and MLflow tracking store in it; processes of
+different homes (as on different hosts) first-use one fresh MLflow database together; the home's ``dagster.yaml``
+is rendered for SQLite and PostgreSQL, an older one is migrated and a user's own is kept."""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from tests.tinydata import write_lf_dataset, write_tiny_encoder
+from xc_dagster.errors import XCConfigError
+from xc_dagster.home import OLD_YAML_HEADERS, YAML_HEADER, Home, render_dagster_yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "deploy" / "postgres.sh"
+PG_URL = "XC_DAGSTER_POSTGRES_URL"
+
+
+def _has_binaries() -> bool:
+    return bool(os.environ.get("PG_BIN") or shutil.which("initdb") or glob.glob("/usr/lib/postgresql/*/bin/initdb"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _script(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout)
+
+
+def _exports(stdout: str) -> dict[str, str]:
+    return dict(ln.removeprefix("export ").split("=", 1) for ln in stdout.splitlines() if ln.startswith("export "))
+
+
+@pytest.fixture(scope="module")  # the only module that uses it
+def pg_server():
+    """A server of its own in a fresh folder under the system temp folder (reachable by the `postgres` user when
+    the tests run as root, unlike pytest's 0700 tmp_path), on a free port; stopped and removed at the end."""
+    if not _has_binaries():
+        pytest.skip("PostgreSQL's initdb not found ($PG_BIN, PATH, /usr/lib/postgresql/*/bin): the PostgreSQL store "
+                    "tests need a local PostgreSQL installation")
+    base = Path(tempfile.mkdtemp(prefix="xc-pg-"))
+    base.chmod(0o711)
+    folder = base / "pg"
+    out = _script("start", str(folder), "--port", str(_free_port()))
+    if out.returncode == 3:
+        shutil.rmtree(base, ignore_errors=True)
+        pytest.skip(f"the PostgreSQL server could not start: {out.stderr.strip()[-1500:]}")
+    assert out.returncode == 0, out.stderr
+    try:
+        yield {"folder": folder, "stdout": out.stdout, **_exports(out.stdout)}
+    finally:
+        _script("stop", str(folder))
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _rows(url: str, sql: str) -> list[tuple]:
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    try:
+        with engine.connect() as conn:
+            return [tuple(r) for r in conn.execute(sa.text(sql))]
+    finally:
+        engine.dispose()
+
+
+def _admin(server: dict, sql: str) -> None:
+    """Run SQL as the server's superuser, through its socket (as the server's OS user)."""
+    folder, port = server["folder"], server["XC_DAGSTER_POSTGRES_URL"].rsplit(":", 1)[1].split("/")[0]
+    psql = str(Path(os.environ.get("PG_BIN") or Path(shutil.which("initdb") or glob.glob(
+        "/usr/lib/postgresql/*/bin/initdb")[-1]).resolve().parent) / "psql")
+    cmd = [psql, "-X", "-q", "-v", "ON_ERROR_STOP=1", "-h", str(folder / "run"), "-p", port, "-d", "postgres",
+           "-c", sql]
+    if os.geteuid() == 0:
+        cmd = ["runuser", "-u", "postgres", "--", *cmd]
+    subprocess.run(cmd, check=True, capture_output=True, text=True, cwd="/")
+
+
+def test_the_script_is_idempotent_and_each_tool_has_its_own_database(pg_server):
+    urls = {PG_URL: pg_server[PG_URL], "MLFLOW_TRACKING_URI": pg_server["MLFLOW_TRACKING_URI"]}
+    assert set(_exports(pg_server["stdout"])) == set(urls)
+    port = urls[PG_URL].rsplit(":", 1)[1].split("/")[0]
+    assert urls[PG_URL].startswith("postgresql+psycopg2://dagster:")
+    assert urls[PG_URL].endswith(f"@127.0.0.1:{port}/dagster")
+    assert urls["MLFLOW_TRACKING_URI"].startswith("postgresql+psycopg2://mlflow:")
+    again = _script("start", str(pg_server["folder"]))  # running: same port and passwords, nothing made again
+    assert again.returncode == 0 and again.stdout == pg_server["stdout"] and "already running" in again.stderr
+    assert _script("url", str(pg_server["folder"])).stdout == pg_server["stdout"]
+    env_file = pg_server["folder"] / "server.env"
+    assert stat.S_IMODE(env_file.stat().st_mode) == 0o600
+    assert _rows(urls[PG_URL], "SELECT current_user, current_database()") == [("dagster", "dagster")]
+    assert _rows(urls[PG_URL], "SHOW listen_addresses") == [("127.0.0.1",)]
+    cross = urls["MLFLOW_TRACKING_URI"].rsplit("/", 1)[0] + "/dagster"  # the mlflow user on dagster's database
+    with pytest.raises(sa.exc.OperationalError, match='permission denied for database "dagster"'):
+        _rows(cross, "SELECT 1")
+    bad = _script("start", str(pg_server["folder"]), "--port", "http")
+    assert bad.returncode == 2 and "--port: expected a port number 1-65535, got 'http'" in bad.stderr
+
+
+@pytest.fixture(scope="module")
+def tiny_encoder(tmp_path_factory):
+    return write_tiny_encoder(tmp_path_factory.mktemp("enc") / "tiny-bert")
+
+
+def test_a_partition_materialized_with_both_stores_in_postgres(pg_server, tmp_path, tiny_encoder, monkeypatch):
+    """`xc-dagster datasets add` then `xc-dagster materialize --select dataset,tokens` in fresh processes, as a
+    user runs them with the URLs the script printed: the run and its materializations are rows of the Dagster
+    database, the stages' MLflow runs rows of the MLflow database, and the home holds no SQLite store."""
+    import dagster as dg
+    from dagster_postgres import PostgresRunStorage
+
+    home = tmp_path / "home"
+    env = {**os.environ, "XC_HOME": str(home), PG_URL: pg_server[PG_URL],
+           "MLFLOW_TRACKING_URI": pg_server["MLFLOW_TRACKING_URI"], "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    src = write_lf_dataset(tmp_path / "PgData")
+    cli = [sys.executable, "-m", "xc_dagster.cli"]
+    add = subprocess.run(cli + ["datasets", "add", "PgData", "--source", f"file://{src}", "--text", "title",
+                                "--set", f"tokenize.encoder={tiny_encoder}"], env=env, capture_output=True, text=True)
+    assert add.returncode == 0, add.stdout[-2000:] + add.stderr[-2000:]
+    out = subprocess.run(cli + ["materialize", "PgData", "--select", "dataset,tokens"], env=env, capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+
+    dagster_url, mlflow_url = pg_server[PG_URL], pg_server["MLFLOW_TRACKING_URI"]
+    assert _rows(dagster_url, "SELECT status, partition FROM runs") == [("SUCCESS", "PgData")]
+    mats = _rows(dagster_url, "SELECT DISTINCT asset_key FROM event_logs WHERE dagster_event_type = "
+                              "'ASSET_MATERIALIZATION' ORDER BY asset_key")
+    assert mats == [('["dataset"]',), ('["tokens"]',)]
+    runs = _rows(mlflow_url, "SELECT t.value, r.status FROM runs r JOIN tags t ON t.run_uuid = r.run_uuid "
+                             "JOIN experiments e ON e.experiment_id = r.experiment_id "
+                             "WHERE t.key = 'asset' AND e.name = 'xc-dagster/PgData' ORDER BY t.value")
+    assert runs == [("ingest", "FINISHED"), ("tokenize", "FINISHED")]
+    assert not (home / "mlflow.db").exists() and not list((home / "dagster").rglob("*.db"))
+    yaml = (home / "dagster" / "dagster.yaml").read_text()
+    assert "env: XC_DAGSTER_POSTGRES_URL" in yaml and dagster_url.split(":")[2].split("@")[0] not in yaml
+    monkeypatch.setenv(PG_URL, dagster_url)
+    with dg.DagsterInstance.from_config(str(home / "dagster")) as instance:  # the UI's and daemon's view of it
+        assert isinstance(instance.run_storage, PostgresRunStorage)
+        (record,) = instance.get_run_records()
+        assert record.dagster_run.tags["dagster/partition"] == "PgData"
+        assert instance.get_concurrency_config().pool_config.default_pool_limit == 1
+
+
+# one host's first use of the tracking store: import, say ready, wait for the start signal, prepare a home of its
+# own (other hosts share no flock) and log a run
+CHILD = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from xc_dagster.home import Home
+    from xc_dagster.tracking import Tracker
+
+    ready, go, i = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+    ready.touch()
+    deadline = time.monotonic() + 120
+    while not go.exists():
+        if time.monotonic() > deadline:
+            sys.exit("no start signal")
+        time.sleep(0.002)
+    home = Home(Path(sys.argv[4])).ensure()
+    with Tracker(home.mlflow_uri, home.mlflow_artifacts).run("Race", "ingest", {"i": i}, {}) as run:
+        run.log_final({"value": float(i)})
+""")
+
+
+def test_hosts_first_using_one_fresh_mlflow_database_together_all_succeed(pg_server, tmp_path):
+    """Three processes with homes of their own start together on an empty MLflow database: MLflow's
+    check-then-create of its tables would race; the advisory lock lets one create them and the others wait."""
+    _admin(pg_server, "DROP DATABASE IF EXISTS mlflow_race")
+    _admin(pg_server, "CREATE DATABASE mlflow_race OWNER mlflow")
+    uri = pg_server["MLFLOW_TRACKING_URI"].rsplit("/", 1)[0] + "/mlflow_race"
+    env = {**{k: v for k, v in os.environ.items() if k != PG_URL}, "MLFLOW_TRACKING_URI": uri,
+           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    go, n = tmp_path / "go", 3
+    ready = [tmp_path / f"ready-{i}" for i in range(n)]
+    procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(r), str(go), str(i), str(tmp_path / f"home-{i}")],
+                              env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i, r in enumerate(ready)]
+    deadline = time.monotonic() + 120
+    while not all(r.exists() for r in ready) and time.monotonic() < deadline and all(p.poll() is None for p in procs):
+        time.sleep(0.01)
+    go.touch()
+    errors = []
+    for p in procs:
+        _, stderr = p.communicate(timeout=180)
+        if p.returncode != 0:
+            errors.append(stderr.strip().splitlines()[-1] if stderr.strip() else f"exit {p.returncode}")
+    assert errors == []
+    values = _rows(uri, "SELECT m.value FROM metrics m JOIN runs r ON r.run_uuid = m.run_uuid "
+                        "WHERE m.key = 'value' ORDER BY m.value")
+    assert values == [(float(i),) for i in range(n)]
+    for i in range(n):  # each home records the store without its password
+        ready_file = (tmp_path / f"home-{i}" / ".home-ready.json").read_text()
+        assert "mlflow:postgresql+psycopg2://mlflow@127.0.0.1:" in ready_file and uri.split(":")[2] not in ready_file
+
+
+# --- dagster.yaml: rendering, migration of an older one, a user's own kept ---------------------------------------
+
+SQLITE_YAML = (YAML_HEADER + "\ntelemetry:\n  enabled: false\nconcurrency:\n  pools:\n"
+               "    default_limit: 1  # every pool without a limit of its own: xc_training, the training assets'\n")
+
+
+def test_dagster_yaml_for_sqlite_and_postgres(tmp_path, monkeypatch):
+    import dagster as dg
+
+    monkeypatch.delenv(PG_URL, raising=False)
+    monkeypatch.delenv("XC_TRAINING_CONCURRENCY", raising=False)
+    assert render_dagster_yaml() == SQLITE_YAML
+    url = "postgresql+psycopg2://dagster:s3cret@db.internal:5433/dagster"
+    assert render_dagster_yaml({PG_URL: url, "XC_TRAINING_CONCURRENCY": "3"}) == (
+        YAML_HEADER + "\ntelemetry:\n  enabled: false\n"
+        "storage:\n  postgres:\n    postgres_url:\n      env: XC_DAGSTER_POSTGRES_URL\n"
+        "concurrency:\n  pools:\n"
+        "    default_limit: 3  # every pool without a limit of its own: xc_training, the training assets'\n")
+    for value, msg in (("0", "XC_TRAINING_CONCURRENCY: expected .* from 1 to 1000, got '0'"),
+                       ("two", "XC_TRAINING_CONCURRENCY: expected .* got 'two'")):
+        with pytest.raises(XCConfigError, match=msg):
+            render_dagster_yaml({"XC_TRAINING_CONCURRENCY": value})
+    with pytest.raises(XCConfigError, match=r"XC_DAGSTER_POSTGRES_URL: expected a PostgreSQL URL .*"
+                                            r"'mysql://dagster@db:3306/dagster'"):
+        render_dagster_yaml({PG_URL: "mysql://dagster:pw@db:3306/dagster"})  # the password is not echoed
+    with pytest.raises(XCConfigError, match="XC_DAGSTER_POSTGRES_URL: .*'postgresql\\+nodriver://dagster@db/x'"):
+        render_dagster_yaml({PG_URL: "postgresql+nodriver://dagster:pw@db/x"})
+
+    # Dagster reads what the home writes: SQLite storages under the home, the pools' default limit
+    monkeypatch.setenv("XC_TRAINING_CONCURRENCY", "2")
+    home = Home(tmp_path / "home").ensure()
+    assert home.dagster_yaml.read_text() == SQLITE_YAML.replace("default_limit: 1", "default_limit: 2")
+    with dg.DagsterInstance.from_config(str(home.dagster_home)) as instance:
+        assert type(instance.run_storage).__name__ == "SqliteRunStorage"
+        assert instance.get_concurrency_config().pool_config.default_pool_limit == 2
+
+
+def test_an_older_yaml_is_migrated_and_a_users_own_is_kept(tmp_path, monkeypatch):
+    monkeypatch.delenv(PG_URL, raising=False)
+    monkeypatch.delenv("XC_TRAINING_CONCURRENCY", raising=False)
+    home = Home(tmp_path / "home").ensure()
+    old = OLD_YAML_HEADERS[0] + "\ntelemetry:\n  enabled: false\n"  # what releases before this one wrote
+    home.dagster_yaml.write_text(old)
+    assert not home.is_prepared()
+    home.ensure()
+    assert home.dagster_yaml.read_text() == SQLITE_YAML and home.is_prepared()
+
+    monkeypatch.setenv("XC_TRAINING_CONCURRENCY", "4")  # ours follows the environment
+    assert not home.is_prepared()
+    assert "default_limit: 4" in Home(home.root).ensure().dagster_yaml.read_text()
+
+    own = "# my instance\ntelemetry:\n  enabled: true\nconcurrency:\n  pools:\n    default_limit: 7\n"
+    home.dagster_yaml.write_text(own)
+    monkeypatch.setenv(PG_URL, "postgresql+psycopg2://dagster:pw@db:5432/dagster")
+    assert home.is_prepared()  # nothing of ours to write
+    home.ensure()
+    assert home.dagster_yaml.read_text() == own
+    home.dagster_yaml.unlink()  # a removed yaml is written again
+    monkeypatch.delenv(PG_URL)
+    assert home.ensure().dagster_yaml.read_text() == SQLITE_YAML.replace("default_limit: 1", "default_limit: 4")
