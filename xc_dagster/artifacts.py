@@ -164,7 +164,7 @@ class ArtifactReader:
 
     def summary(self, stage: str, missing_ok: bool = False) -> dict[str, Any] | None:
         """The summary ``stage`` recorded; with ``missing_ok``, None when the stage is not materialized."""
-        if missing_ok and not self.store.stage_dir(self.dataset_name, stage).is_dir():
+        if missing_ok and not self.store.sync(self.dataset_name, stage):  # local, or fetched from a remote root
             return None
         return load_json(self.path(stage, SUMMARY))
 

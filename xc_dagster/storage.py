@@ -8,6 +8,11 @@ changes what the link names. Writers hold a shared lock on ``.<stage>.lock`` whi
 other writer (the exclusive lock is free) first sweeps what killed writers left: version folders the link does not
 name, temporary links, and the ``.tmp-*`` / ``.old-*`` folders of the earlier rename-away scheme. A store's write
 sweeps every stage of its dataset so (docs/decisions.md#stage-versions-behind-a-symlink).
+
+With a remote artifact root (``XC_ARTIFACT_ROOT``, :mod:`xc_dagster.remote_store`) these folders are the local cache
+of the published stages: :meth:`ArtifactStore.publish` uploads a written stage, and :meth:`ArtifactStore.sync`
+(which ``require`` runs) replaces a stage whose local copy is missing or not the remote manifest's version by that
+version, downloaded and verified into a new version folder switched in as a write is.
 """
 
 from __future__ import annotations
@@ -19,11 +24,12 @@ import re
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Literal
 
 import numpy as np
 
 from xc_dagster.errors import XCError
+from xc_dagster.remote_store import Manifest, RemoteStore
 
 try:
     import fcntl
@@ -33,6 +39,7 @@ except ImportError:  # pragma: no cover - Windows: no advisory locks, the lock i
 VERSION, LINK = "v-", "link-"  # name parts of a stage's version folders and of its not yet switched links
 LEFTOVER_PARTS = (VERSION, LINK, "tmp-", "old-")  # tmp- / old-: folders of the earlier rename-away scheme
 LEFTOVER_RE = re.compile(r"^\.(?P<stage>.+)\.(?:v|link|tmp|old)-[0-9a-f]+$")  # the stage a leftover belongs to
+REMOTE_DIR = "_remote"  # <root>/<dataset>/_remote/<stage>.json: the remote version the local stage folder holds
 
 
 class MissingArtifact(XCError, FileNotFoundError):
@@ -178,19 +185,27 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 class ArtifactStore:
-    """Paths of every stage's artifacts under ``root/<dataset>/<stage>`` (see the module docstring)."""
+    """Paths of every stage's artifacts under ``root/<dataset>/<stage>`` (see the module docstring).
 
-    def __init__(self, root: Path):
+    ``remote``: the published stages this local tree caches; ``"env"`` (default) reads ``XC_ARTIFACT_ROOT``,
+    None keeps every artifact local. A stage is checked against the remote manifest once per store object.
+    """
+
+    def __init__(self, root: Path, remote: RemoteStore | None | Literal["env"] = "env"):
         self.root = Path(root)
+        self.remote = RemoteStore.from_env() if remote == "env" else remote
+        self._checked: set[tuple[str, str]] = set()
 
     def stage_dir(self, dataset: str, stage: str) -> Path:
         return self.root / dataset / stage
 
     def require(self, dataset: str, stage: str) -> Path:
+        self.sync(dataset, stage)
         d = self.stage_dir(dataset, stage)
         if not d.is_dir():
+            where = f" nor under {self.remote.uri(self.remote.stage_key(dataset, stage))}" if self.remote else ""
             raise MissingArtifact(
-                f"dataset {dataset!r}: stage {stage!r} has no artifacts at {d}; materialize it first")
+                f"dataset {dataset!r}: stage {stage!r} has no artifacts at {d}{where}; materialize it first")
         return d
 
     def sweep(self, dataset: str) -> list[Path]:
@@ -207,6 +222,64 @@ class ArtifactStore:
         self.sweep(dataset)
         with atomic_dir(self.stage_dir(dataset, stage)) as tmp:
             yield tmp
+
+    # ---- the remote root: publish after a write, fetch before a read
+    def _marker(self, dataset: str, stage: str) -> Path:
+        return self.root / dataset / REMOTE_DIR / f"{stage}.json"
+
+    def _local_version(self, dataset: str, stage: str) -> str | None:
+        """The remote version the local stage folder holds: the marker's, if it was written for this remote root
+        and the version folder the stage link names now (a later local write or fetch makes it stale)."""
+        d = self.stage_dir(dataset, stage)
+        try:
+            mark = load_json(self._marker(dataset, stage))
+            here = os.readlink(d)
+        except (OSError, ValueError):
+            return None
+        if not isinstance(mark, dict) or mark.get("root") != self.remote.root or mark.get("local") != here:
+            return None
+        return mark.get("version")
+
+    def _mark(self, dataset: str, stage: str, version: str, local: str) -> None:
+        atomic_write_text(self._marker(dataset, stage),
+                          json.dumps({"root": self.remote.root, "version": version, "local": local}) + "\n")
+        self._checked.add((dataset, stage))
+
+    def sync(self, dataset: str, stage: str) -> bool:
+        """Bring the local copy of a stage to the remote manifest's version when it is missing or another one
+        (downloaded, checked against the manifest, switched in like a write); returns whether the stage is
+        materialized locally now. Without a remote root, or already checked by this store, only the latter."""
+        d = self.stage_dir(dataset, stage)
+        if self.remote is None or (dataset, stage) in self._checked:
+            return d.is_dir()
+        manifest = self.remote.manifest(dataset, stage)
+        if manifest is not None and self._local_version(dataset, stage) != manifest.version:
+            lock = self._marker(dataset, stage).with_suffix(".lock")
+            with file_lock(lock):  # one fetch of a stage at a time on this tree; the next finds it fresh
+                if self._local_version(dataset, stage) != manifest.version:
+                    with self.writing(dataset, stage) as tmp:
+                        self.remote.download(manifest, tmp)
+                    self._mark(dataset, stage, manifest.version, os.readlink(d))
+        self._checked.add((dataset, stage))
+        return d.is_dir()
+
+    def publish(self, dataset: str, stage: str) -> Manifest | None:
+        """Upload the stage's complete local folder as the remote's new current version (None: no remote root).
+        A concurrent local rewrite of the stage fails the upload (its folder is removed) rather than mixing two."""
+        if self.remote is None:
+            return None
+        local = os.readlink(self.require_local(dataset, stage))
+        manifest = self.remote.publish(dataset, stage, self.root / dataset / local)
+        self._mark(dataset, stage, manifest.version, local)
+        return manifest
+
+    def require_local(self, dataset: str, stage: str) -> Path:
+        """The stage's local folder, written by this tree's versioned writes (a symlink), without a remote check."""
+        d = self.stage_dir(dataset, stage)
+        if not d.is_symlink() or not d.is_dir():
+            raise MissingArtifact(f"dataset {dataset!r}: stage {stage!r} has no local artifacts to publish at {d} "
+                                  f"(a versioned stage folder, written by ArtifactStore.writing, expected)")
+        return d
 
 
 def save_json(path: Path, obj: Any) -> None:

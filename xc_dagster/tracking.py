@@ -102,18 +102,29 @@ class RunLogger:
 class Tracker:
     """Creates runs in ``experiment_name(dataset)`` on the given tracking store."""
 
-    def __init__(self, tracking_uri: str, artifact_root: Path | None = None):
+    def __init__(self, tracking_uri: str, artifact_root: Path | None = None, remote_root: str | None = None):
+        """``artifact_root``: the local folder of new experiments' artifacts (a folder per dataset).
+        ``remote_root``: the artifact root that replaces it, default ``XC_ARTIFACT_ROOT``
+        (:data:`xc_dagster.remote_store.ROOT_ENV`; '' or unset: none), any URI MLflow writes (s3://, gs://, a path);
+        new experiments then keep their artifacts under ``<remote_root>/mlflow/<dataset>``."""
         self.tracking_uri = tracking_uri
         self.artifact_root = Path(artifact_root) if artifact_root else None
+        remote = os.environ.get("XC_ARTIFACT_ROOT", "") if remote_root is None else remote_root
+        self.remote_root = remote.strip().rstrip("/") or None
         self.client = MlflowClient(tracking_uri=tracking_uri)
 
     def experiment_id(self, dataset: str) -> str:
+        """The dataset's experiment, created on first use with its artifact location under the remote root, else
+        the local artifact root, else the tracking store's default (an existing experiment keeps its own)."""
         name = experiment_name(dataset)
         exp = self.client.get_experiment_by_name(name)
         if exp is not None:
             return exp.experiment_id
         location = None
-        if self.artifact_root is not None and "://" not in str(self.artifact_root):
+        if self.remote_root is not None:
+            location = (f"{self.remote_root}/mlflow/{dataset}" if "://" in self.remote_root
+                        else (Path(self.remote_root) / "mlflow" / dataset).resolve().as_uri())
+        elif self.artifact_root is not None and "://" not in str(self.artifact_root):
             location = (self.artifact_root / dataset).resolve().as_uri()
         try:
             return self.client.create_experiment(name, artifact_location=location)

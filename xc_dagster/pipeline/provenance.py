@@ -73,6 +73,7 @@ def with_upstream_params(cfg: PipelineConfig, store: ArtifactStore, dataset: str
     out = copy.deepcopy(cfg)
     result = UpstreamConfig(out)
     for stage in upstream:
+        store.sync(dataset, stage)  # with a remote artifact root: the published version's record
         rec = recorded_params(store, dataset, stage)
         if rec is None:
             if store.stage_dir(dataset, stage).is_dir():

@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Any, Callable
 
-from xc_dagster.artifacts import STAGE_ORDER
+from xc_dagster.artifacts import CONTRACT, STAGE_ORDER
 from xc_dagster.errors import XCConfigError
 from xc_dagster.pipeline import classifier, evaluate, fusion, index, ingest, mining, pretrain, tokenize
 from xc_dagster.pipeline.context import StageContext
@@ -22,9 +22,17 @@ STAGES: dict[str, Stage] = {
 
 
 def run_stage(ctx: StageContext, stage: str) -> dict[str, Any]:
-    """Run one stage with ``ctx`` bound to it, then record the config it ran with next to its artifacts."""
+    """Run one stage with ``ctx`` bound to it, then record the config it ran with next to its artifacts.
+
+    With a remote artifact root (``XC_ARTIFACT_ROOT``) the stages it reads are first brought to their published
+    versions, and its complete folder (the record included) is published after it: the run fails if that fails."""
+    for upstream in CONTRACT[stage].reads:
+        ctx.store.sync(ctx.name, upstream)
     summary = STAGES[stage](ctx.for_stage(stage))
     record_params(ctx.store, ctx.name, stage, ctx.cfg)
+    published = ctx.store.publish(ctx.name, stage)
+    if published is not None:  # in the MLflow run's <stage>_summary.json: which remote version this run made
+        summary["published_version"] = published.version
     summary["peak_rss_mb"] = peak_rss_mb()  # the step's own peak under Dagster's multiprocess executor
     return summary
 

@@ -1,0 +1,259 @@
+"""Artifacts on a remote root (``XC_ARTIFACT_ROOT``) against a real S3 API: moto's server on a free local port.
+
+Publish then fetch into an empty cache; a publisher SIGKILLed halfway leaves the previous version whole; a changed
+object is refused on fetch; MLflow's run artifacts and a logged model go to the bucket; a tiny partition end to end,
+then read from a second home whose cache is empty."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import boto3
+import mlflow
+import numpy as np
+import pytest
+from moto.server import ThreadedMotoServer
+from s3fs import S3FileSystem
+
+from tests.test_pipeline import tiny_encoder, tiny_home  # noqa: F401  (fixtures)
+from tests.tinydata import kill_at_marker
+from xc_dagster.artifacts import METRICS, PREDICTIONS, STAGE_ORDER, ArtifactReader
+from xc_dagster.catalog import Catalog
+from xc_dagster.pipeline import StageContext, run_all
+from xc_dagster.remote_store import ROOT_ENV, RemoteArtifactError, RemoteStore
+from xc_dagster.storage import ArtifactStore, MissingArtifact, load_json
+from xc_dagster.tracking import Tracker, use_tracking_uri
+
+BUCKET = "xc-artifacts"
+DUMMY_AWS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+@pytest.fixture(scope="module")  # one server for the module's tests (only this module uses it)
+def s3_endpoint():
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    url = f"http://{host}:{port}"
+    boto3.client("s3", endpoint_url=url, **{k.lower(): v for k, v in DUMMY_AWS.items()
+                                            if k != "AWS_DEFAULT_REGION"},
+                 region_name="us-east-1").create_bucket(Bucket=BUCKET)
+    yield url
+    S3FileSystem.clear_instance_cache()  # its clients name this server's endpoint
+    server.stop()
+
+
+@pytest.fixture
+def s3(s3_endpoint, monkeypatch):
+    """Dummy credentials and the endpoint for botocore (s3fs reads AWS_ENDPOINT_URL) and MLflow; the S3 client."""
+    for key in ("AWS_PROFILE", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE", ROOT_ENV):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in {**DUMMY_AWS, "AWS_ENDPOINT_URL": s3_endpoint, "MLFLOW_S3_ENDPOINT_URL": s3_endpoint}.items():
+        monkeypatch.setenv(key, value)
+    return boto3.client("s3", endpoint_url=s3_endpoint)
+
+
+def keys(client, prefix: str) -> list[str]:
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+    return sorted(o["Key"] for page in pages for o in page.get("Contents", []))
+
+
+def write_stage(store: ArtifactStore, files: dict[str, bytes], empty_dirs: tuple[str, ...] = (),
+                dataset: str = "D", stage: str = "ingest") -> Path:
+    with store.writing(dataset, stage) as out:
+        for rel, data in files.items():
+            (out / rel).parent.mkdir(parents=True, exist_ok=True)
+            (out / rel).write_bytes(data)
+        for rel in empty_dirs:
+            (out / rel).mkdir(parents=True)
+    return store.stage_dir(dataset, stage)
+
+
+def tree(folder: Path) -> dict[str, bytes | None]:
+    """Every file's bytes and every folder (None) under ``folder``, by relative path."""
+    return {p.relative_to(folder).as_posix(): (p.read_bytes() if p.is_file() else None)
+            for p in sorted(folder.rglob("*"))}
+
+
+FILES = {"summary.json": b'{"n": 3}\n', "dataset/train.npy": bytes(range(256)) * 40,
+         "dataset/texts/label.txt": "étiquette\n".encode(), "checks.json": b""}
+
+
+def test_the_root_comes_from_the_environment_and_unset_keeps_everything_local(s3, tmp_path, monkeypatch):
+    assert ArtifactStore(tmp_path).remote is None and Tracker("sqlite:///:memory:").remote_root is None
+    monkeypatch.setenv(ROOT_ENV, f"s3://{BUCKET}/env/")
+    store = ArtifactStore(tmp_path)
+    assert store.remote.root == f"s3://{BUCKET}/env" and Tracker("sqlite:///:memory:").remote_root == store.remote.root
+    assert ArtifactStore(tmp_path, remote=None).remote is None
+    with pytest.raises(MissingArtifact, match=f"nor under s3://{BUCKET}/env/D/ingest; materialize it first"):
+        store.require("D", "ingest")
+    local = ArtifactStore(tmp_path / "local", remote=None)
+    write_stage(local, FILES)
+    assert local.publish("D", "ingest") is None and not (tmp_path / "local" / "D" / "_remote").exists()
+
+
+def test_publish_then_fetch_into_an_empty_cache_gives_identical_files(s3, tmp_path):
+    root = f"s3://{BUCKET}/roundtrip"
+    a = ArtifactStore(tmp_path / "a", RemoteStore(root))
+    src = write_stage(a, FILES, empty_dirs=("dataset/empty",))
+    manifest = a.publish("D", "ingest")
+    base = f"roundtrip/D/ingest/versions/{manifest.version}"
+    assert keys(s3, "roundtrip/") == sorted(["roundtrip/D/ingest/MANIFEST.json"]
+                                            + [f"{base}/{rel}" for rel in FILES])
+    body = json.loads(s3.get_object(Bucket=BUCKET, Key="roundtrip/D/ingest/MANIFEST.json")["Body"].read())
+    assert body["version"] == manifest.version and body["dirs"] == ["dataset/empty"]
+    assert body["files"] == {rel: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+                             for rel, data in FILES.items()}
+
+    b = ArtifactStore(tmp_path / "b", RemoteStore(root))
+    got = b.require("D", "ingest")
+    assert tree(got) == tree(src) and tree(got)["dataset/train.npy"] == FILES["dataset/train.npy"]
+    link = os.readlink(got)
+    assert ArtifactStore(tmp_path / "b", RemoteStore(root)).require("D", "ingest") == got
+    assert os.readlink(got) == link  # the same version is not fetched again
+
+    write_stage(a, {**FILES, "summary.json": b'{"n": 4}\n'})  # machine a materializes the stage again
+    a.publish("D", "ingest")
+    again = ArtifactStore(tmp_path / "b", RemoteStore(root))
+    assert (again.require("D", "ingest") / "summary.json").read_bytes() == b'{"n": 4}\n'
+    assert os.readlink(got) != link and sorted(p.name for p in (tmp_path / "b" / "D").iterdir()) == sorted(
+        [".ingest.lock", os.readlink(got), "_remote", "ingest"])  # the replaced version is gone
+    assert len(keys(s3, "roundtrip/D/ingest/versions/")) == 2 * len(FILES)  # old versions are kept
+
+
+# publishes the stage of the tree in argv[1] to argv[2], printing "halfway" after argv[3] uploads and waiting there
+PUBLISHER = """
+import sys, time
+from pathlib import Path
+from xc_dagster.remote_store import RemoteStore
+from xc_dagster.storage import ArtifactStore
+upload, done = RemoteStore._upload, []
+def counting(self, src, key):
+    out = upload(self, src, key)
+    done.append(key)
+    if len(done) == int(sys.argv[3]):
+        print("halfway", flush=True)
+        time.sleep(600)
+    return out
+RemoteStore._upload = counting
+ArtifactStore(Path(sys.argv[1]), RemoteStore(sys.argv[2])).publish("D", "ingest")
+"""
+
+
+def test_a_publish_killed_halfway_leaves_the_previous_version_whole(s3, s3_endpoint, tmp_path):
+    root = f"s3://{BUCKET}/killed"
+    old = {f"part{i}.bin": f"old {i}\n".encode() * 100 for i in range(6)}
+    new = {f"part{i}.bin": f"new {i}\n".encode() * 150 for i in range(6)}
+    writer = ArtifactStore(tmp_path / "w", RemoteStore(root))
+    write_stage(writer, old)
+    v1 = writer.publish("D", "ingest").version
+    write_stage(writer, new)  # the new version, complete locally; a child process publishes it
+    env = {k: v for k, v in os.environ.items() if k not in ("AWS_ENDPOINT_URL", "MLFLOW_S3_ENDPOINT_URL")}
+    child = subprocess.Popen([sys.executable, "-c", PUBLISHER, str(tmp_path / "w"), root, "3"],
+                             stdout=subprocess.PIPE, text=True,
+                             env={**env, "FSSPEC_S3_ENDPOINT_URL": s3_endpoint})  # fsspec's variable alone
+    kill_at_marker(child, "halfway")
+
+    versions = {k.split("/")[4] for k in keys(s3, "killed/D/ingest/versions/")}
+    partial = versions - {v1}
+    assert len(partial) == 1 and len(keys(s3, f"killed/D/ingest/versions/{partial.pop()}/")) == 3
+    assert RemoteStore(root).manifest("D", "ingest").version == v1
+    reader = ArtifactStore(tmp_path / "r", RemoteStore(root))
+    assert tree(reader.require("D", "ingest")) == old
+    # the writer's own unpublished copy is not what the root names: a fresh look there reads the published one too
+    assert tree(ArtifactStore(tmp_path / "w", RemoteStore(root)).require("D", "ingest")) == old
+
+
+def test_a_changed_missing_or_hostile_remote_object_is_refused_and_nothing_is_cached(s3, tmp_path):
+    root = f"s3://{BUCKET}/tampered"
+    a = ArtifactStore(tmp_path / "a", RemoteStore(root))
+    write_stage(a, FILES)
+    version = a.publish("D", "ingest").version
+    key = f"tampered/D/ingest/versions/{version}/dataset/train.npy"
+    data = bytearray(FILES["dataset/train.npy"])
+    data[1000] ^= 1  # one bit: the same size
+    s3.put_object(Bucket=BUCKET, Key=key, Body=bytes(data))
+    b = tmp_path / "b"
+    with pytest.raises(RemoteArtifactError, match=rf"^s3://{BUCKET}/{key}: size 10240 sha256 [0-9a-f]{{64}}, but the "
+                                                  rf"manifest s3://{BUCKET}/tampered/D/ingest/MANIFEST.json says"):
+        ArtifactStore(b, RemoteStore(root)).require("D", "ingest")
+    assert sorted(p.name for p in (b / "D").iterdir()) == [".ingest.lock", "_remote"]  # no stage, no leftover
+
+    s3.put_object(Bucket=BUCKET, Key=key, Body=FILES["dataset/train.npy"] + b"more")
+    with pytest.raises(RemoteArtifactError, match=f"{key}: size over 10240 sha256 \\(not read to its end\\), but"):
+        ArtifactStore(b, RemoteStore(root)).require("D", "ingest")
+    s3.delete_object(Bucket=BUCKET, Key=key)
+    with pytest.raises(RemoteArtifactError, match=f"{key}: missing, though the manifest .* names it"):
+        ArtifactStore(b, RemoteStore(root)).require("D", "ingest")
+
+    manifest = json.loads(s3.get_object(Bucket=BUCKET, Key="tampered/D/ingest/MANIFEST.json")["Body"].read())
+    manifest["files"]["../../escape.txt"] = manifest["files"].pop("summary.json")
+    s3.put_object(Bucket=BUCKET, Key="tampered/D/ingest/MANIFEST.json", Body=json.dumps(manifest).encode())
+    with pytest.raises(RemoteArtifactError, match="MANIFEST.json: field 'files'/'dirs': expected relative paths "
+                                                  "inside the version, got '../../escape.txt'"):
+        ArtifactStore(b, RemoteStore(root)).require("D", "ingest")
+    assert not (b / "D" / "ingest").exists() and not (tmp_path / "escape.txt").exists()
+
+    manifest["files"]["summary.json"] = manifest["files"].pop("../../escape.txt")
+    manifest["stage"] = "evaluate"  # another stage's manifest copied here
+    s3.put_object(Bucket=BUCKET, Key="tampered/D/ingest/MANIFEST.json", Body=json.dumps(manifest).encode())
+    with pytest.raises(RemoteArtifactError, match="MANIFEST.json: field 'stage': expected 'ingest', got 'evaluate'"):
+        ArtifactStore(b, RemoteStore(root)).require("D", "ingest")
+
+
+def test_a_local_folder_root_publishes_by_rename(tmp_path):
+    root = tmp_path / "shared"  # a mounted file system: the manifest is written to a temporary file and renamed
+    a = ArtifactStore(tmp_path / "a", RemoteStore(str(root)))
+    write_stage(a, FILES)
+    version = a.publish("D", "ingest").version
+    assert sorted(p.name for p in (root / "D" / "ingest").iterdir()) == ["MANIFEST.json", "versions"]
+    assert json.loads((root / "D" / "ingest" / "MANIFEST.json").read_text())["version"] == version
+    assert tree(ArtifactStore(tmp_path / "b", RemoteStore(f"file://{root}")).require("D", "ingest")) == tree(
+        a.stage_dir("D", "ingest"))
+
+
+class Doubler(mlflow.pyfunc.PythonModel):
+    def predict(self, context, model_input: list[int], params=None) -> list[int]:
+        return [2 * x for x in model_input]
+
+
+def test_mlflow_run_artifacts_and_a_logged_model_go_to_the_bucket_and_load_back(s3, tmp_path, monkeypatch):
+    monkeypatch.setenv(ROOT_ENV, f"s3://{BUCKET}/team")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "mlartifacts")
+    exp = tracker.client.get_experiment(tracker.experiment_id("D"))
+    assert exp.artifact_location == f"s3://{BUCKET}/team/mlflow/D"
+    with tracker.run("D", "evaluate", {"k": 5}, {}) as run:
+        run.log_dict({"p@1": 0.5}, "metrics/summary.json")
+        with use_tracking_uri(tracker.tracking_uri), mlflow.start_run(run_id=run.run_id):
+            info = mlflow.pyfunc.log_model(name="model", python_model=Doubler(), pip_requirements=["mlflow"])
+    stored = keys(s3, "team/mlflow/D/")
+    assert f"team/mlflow/D/{run.run_id}/artifacts/metrics/summary.json" in stored
+    assert f"team/mlflow/D/models/{info.model_id}/artifacts/MLmodel" in stored
+    assert not any((tmp_path / "mlartifacts").rglob("*.json"))
+    with use_tracking_uri(tracker.tracking_uri):
+        assert mlflow.artifacts.load_dict(f"runs:/{run.run_id}/metrics/summary.json") == {"p@1": 0.5}
+        assert mlflow.pyfunc.load_model(info.model_uri).predict([1, 2, 3]) == [2, 4, 6]
+
+
+def test_a_partition_end_to_end_on_the_bucket_is_read_by_a_second_home(s3, tiny_home, tmp_path,  # noqa: F811
+                                                                        monkeypatch):
+    monkeypatch.setenv(ROOT_ENV, f"s3://{BUCKET}/e2e")
+    spec = Catalog(tiny_home.catalog).get("TinyTitles")
+    first = ArtifactStore(tiny_home.artifacts)
+    out = run_all(StageContext(first, spec, spec.config({"pretrain.epochs": 1}), tiny_home.cache))
+    assert {s: out[s]["published_version"] for s in STAGE_ORDER} == {
+        s: RemoteStore(f"s3://{BUCKET}/e2e").manifest("TinyTitles", s).version for s in STAGE_ORDER}
+
+    second = ArtifactStore(tmp_path / "home2" / "artifacts")  # another machine: an empty cache, the same root
+    read = ArtifactReader(second, "TinyTitles")
+    assert load_json(read.path("evaluate", METRICS)) == load_json(first.stage_dir("TinyTitles", "evaluate") / METRICS)
+    ours, theirs = (np.load(s.stage_dir("TinyTitles", "evaluate") / PREDICTIONS) for s in (first, second))
+    assert sorted(ours.files) == sorted(theirs.files)
+    assert all(np.array_equal(ours[k], theirs[k]) for k in ours.files)
+    assert sorted(p.name for p in (tmp_path / "home2" / "artifacts" / "TinyTitles").iterdir()
+                  if not p.name.startswith(".")) == ["_remote", "evaluate"]  # only what was read was fetched
