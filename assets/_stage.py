@@ -17,6 +17,7 @@ from xc_dagster.artifacts import CONTRACT, StageArtifacts
 from xc_dagster.pipeline import STAGE_ORDER, StageContext, run_stage
 from xc_dagster.pipeline.provenance import with_upstream_params
 from xc_dagster.strategies import STRATEGIES
+from xc_dagster.tracking import mlflow_dataset
 
 
 def _flat_numbers(d: dict[str, Any], prefix: str = "") -> dict[str, float]:
@@ -58,6 +59,10 @@ def materialize_stage(context: dg.AssetExecutionContext, stage: str, config: dg.
                            device=compute.torch_device(), log_metrics=log_metrics, info=context.log.info,
                            tracking_uri=tracker.tracking_uri, stage=stage)
         summary = run_stage(ctx, stage)
+        ingest = summary if stage == "ingest" else ctx.read.summary("ingest", missing_ok=True)
+        if ingest and ingest.get("source_fingerprint"):  # the data the run read, as MLflow's dataset input
+            run.log_dataset(mlflow_dataset(dataset, ingest["source_fingerprint"], spec.source),
+                            "test" if stage == "evaluate" else "train")
         numbers = _flat_numbers(summary)
         run.log_final(numbers)
         run.log_dict(summary, f"{stage}_summary.json")
@@ -76,6 +81,8 @@ def materialize_stage(context: dg.AssetExecutionContext, stage: str, config: dg.
             "config": dg.MetadataValue.json(json.loads(json.dumps(
                 {k: v for k, v in cfg.flat().items() if k.startswith(stage + ".")}, default=str))),
         })
+        if summary.get("published_version"):  # XC_ARTIFACT_ROOT: the remote version this materialization made
+            metadata["published_version"] = dg.MetadataValue.text(str(summary["published_version"]))
         if upstream.differs:
             metadata["config_from_upstream"] = dg.MetadataValue.json(
                 json.loads(json.dumps(upstream.differs, default=str)))

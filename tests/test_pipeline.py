@@ -123,12 +123,27 @@ def test_materialize_all_assets_through_dagster_and_read_mlflow(tiny_home):
 
     mlflow.set_tracking_uri(tiny_home.mlflow_uri)
     runs = mlflow.search_runs(experiment_names=[experiment_name("TinyTitles")], output_format="list")
-    by_asset = {r.data.tags["asset"]: r for r in runs}
+    # one parent run for the Dagster run, a nested run per stage; the parent ends with the run and shows the
+    # evaluation's numbers and the dataset
+    parents = [r for r in runs if r.data.tags.get("xc.kind") == "pipeline"]
+    assert len(parents) == 1 and parents[0].data.tags["dagster_run_id"] == result.run_id
+    parent = parents[0]
+    assert parent.info.status == "FINISHED" and parent.data.tags["strategy"] == "ngame"
+    by_asset = {r.data.tags["asset"]: r for r in runs if r is not parent}
     assert set(by_asset) == set(STAGE_ORDER)
+    assert {r.data.tags["mlflow.parentRunId"] for r in by_asset.values()} == {parent.info.run_id}
     ev = by_asset["evaluate"]
     assert ev.data.tags["dataset"] == "TinyTitles" and ev.data.tags["dagster_run_id"] == result.run_id
     assert ev.data.metrics["precision_at_1"] == pytest.approx(p1 / 100)
+    assert parent.data.metrics["precision_at_1"] == ev.data.metrics["precision_at_1"]
     assert ev.info.run_id == ev_meta["mlflow_run_id"].value
+    digest = json.loads((tiny_home.artifacts / "TinyTitles" / "ingest" / "summary.json").read_text())[
+        "source_fingerprint"][:32]
+    for run, context in ((ev, "test"), (by_asset["classifier"], "train")):
+        (inp,) = run.inputs.dataset_inputs  # mlflow.data: name, digest, source
+        assert (inp.dataset.name, inp.dataset.digest, inp.dataset.source_type) == ("TinyTitles", digest, "local")
+        assert {t.key: t.value for t in inp.tags}["mlflow.data.context"] == context
+    assert {i.dataset.digest for i in parent.inputs.dataset_inputs} == {digest}
     # run config overrode one value for that run only; params hold the full effective config
     assert float(by_asset["classifier"].data.params["classifier.epochs"]) == 4  # a float field: "4.0"
     assert by_asset["pretrain"].data.params["pretrain.epochs"] == "2.0"

@@ -169,6 +169,14 @@ def test_register_pyfunc_and_champion_challenger(built, tmp_path):
     assert run.data.tags["asset"] == "registered_model" and run.data.tags["dataset"] == DATASET
     assert client.get_experiment(run.info.experiment_id).name == experiment_name(DATASET)
     assert run.data.metrics["precision_at_1"] == pytest.approx(built.metrics["precision_at_1"])
+    # MLflow 3: the metrics belong to the LoggedModel too (the Models view), measured on the test split's dataset
+    model = client.get_logged_model(r1["model_id"])
+    by_key = {m.key: m for m in model.metrics}
+    assert by_key["precision_at_1"].value == pytest.approx(built.metrics["precision_at_1"])
+    assert (by_key["precision_at_1"].dataset_name, by_key["precision_at_1"].dataset_digest) == \
+        (DATASET, r1["test_split"][:32])
+    (inp,) = run.inputs.dataset_inputs
+    assert inp.dataset.digest == r1["test_split"][:32] and {t.value for t in inp.tags} == {"test"}
     mv = client.get_model_version(NAME, "1")
     assert float(mv.tags["precision_at_1"]) == built.metrics["precision_at_1"]
     assert float(mv.tags["psprecision_at_1"]) == built.metrics["psprecision_at_1"]

@@ -15,14 +15,17 @@ import os
 import re
 import socket
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Iterator
 from urllib.parse import urlsplit
 
 import mlflow
-from mlflow.entities import Metric, Param
+from mlflow.data.dataset_source_registry import resolve_dataset_source
+from mlflow.data.http_dataset_source import HTTPDatasetSource
+from mlflow.data.meta_dataset import MetaDataset
+from mlflow.entities import InputTag, Metric, Param
 from mlflow.tracking import MlflowClient
-from mlflow.tracking._tracking_service import utils as tracking_utils
 
 _log = logging.getLogger(__name__)
 
@@ -40,17 +43,30 @@ def use_tracking_uri(uri: str) -> Iterator[None]:
     ``mlflow.set_tracking_uri`` also exports ``MLFLOW_TRACKING_URI`` (MLflow 3), which would outlive the
     call and redirect every later tracker of the process (``Home.mlflow_uri`` reads it): both are restored.
     """
-    old_uri = getattr(tracking_utils, "_tracking_uri", None)
     old_env = os.environ.get("MLFLOW_TRACKING_URI")
+    old_uri = mlflow.get_tracking_uri() if mlflow.tracking.is_tracking_uri_set() else None
+    old_uri = None if old_uri == old_env else old_uri  # a URI the variable gave: left to the variable again
     mlflow.set_tracking_uri(uri)
     try:
         yield
     finally:
-        tracking_utils.set_tracking_uri(old_uri)  # None unsets the fluent URI (and the variable)
+        mlflow.set_tracking_uri(old_uri)  # None unsets the fluent URI (and the variable)
         if old_env is None:
             os.environ.pop("MLFLOW_TRACKING_URI", None)
         else:
             os.environ["MLFLOW_TRACKING_URI"] = old_env
+
+
+@contextlib.contextmanager
+def fluent_run(run_id: str) -> Iterator[None]:
+    """Make ``run_id`` MLflow's active fluent run for the block (``log_model`` logs into it), unless it already is
+    (the system-metrics sampler of :meth:`Tracker.run` resumes it too)."""
+    active = mlflow.active_run()
+    if active is not None and active.info.run_id == run_id:
+        yield
+        return
+    with mlflow.start_run(run_id=run_id):
+        yield
 
 
 def is_sqlite_uri(uri: str) -> bool:
@@ -71,12 +87,33 @@ def experiment_name(dataset: str) -> str:
     return f"xc-dagster/{dataset}"
 
 
-class RunLogger:
-    """Handle on an active MLflow run: step metrics, final metrics, artifacts."""
+PARENT_TAG = "xc.dagster_run_id"  # on the parent run of one Dagster run's stage runs
+PARENT_STAGES = ("evaluate",)  # stages whose final numbers the parent run shows too (compare pipelines at a glance)
+SYSTEM_METRICS_ENV = "XC_MLFLOW_SYSTEM_METRICS"  # 1: MLflow samples CPU/GPU/memory into each stage run (psutil)
+DATA_CONTEXT = "mlflow.data.context"
+PARENT_TAGS = ("strategy", "preset")  # a stage run's tags its parent run takes
 
-    def __init__(self, client: MlflowClient, run_id: str):
+
+def mlflow_dataset(name: str, digest: str, source: str) -> MetaDataset:
+    """The dataset as MLflow's Dataset: its catalog name, a digest of its data and where it was read from (a local
+    path, an http(s) URL, any URI MLflow resolves; another source is recorded as a URL-like string)."""
+    with warnings.catch_warnings():  # "can be interpreted in multiple ways": MLflow picks one, which is fine here
+        warnings.simplefilter("ignore", UserWarning)
+        try:
+            src = resolve_dataset_source(source)
+        except mlflow.exceptions.MlflowException:
+            src = HTTPDatasetSource(source)
+    return MetaDataset(src, name=name, digest=digest[:32])  # MLflow keeps at most 36 characters of a digest
+
+
+class RunLogger:
+    """Handle on an active MLflow run: step metrics, final metrics, artifacts, its dataset."""
+
+    def __init__(self, client: MlflowClient, run_id: str, parent_id: str | None = None, mirror: bool = False):
         self.client = client
         self.run_id = run_id
+        self.parent_id = parent_id  # the Dagster run's parent run, if any
+        self.mirror = mirror  # final numbers go to the parent run too
 
     def log_metrics(self, step: int, values: dict[str, float]) -> None:
         ts = int(time.time() * 1000)
@@ -86,8 +123,16 @@ class RunLogger:
             self.client.log_batch(self.run_id, metrics=ms)
 
     def log_final(self, values: dict[str, Any]) -> None:
-        self.log_metrics(0, {k: v for k, v in values.items() if isinstance(v, (int, float))
-                             and not isinstance(v, bool)})
+        numbers = {k: v for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        self.log_metrics(0, numbers)
+        if self.mirror and self.parent_id:
+            RunLogger(self.client, self.parent_id).log_metrics(0, numbers)
+
+    def log_dataset(self, dataset: MetaDataset, context: str) -> None:
+        """Record ``dataset`` as this run's (and its parent's) input, with MLflow's context tag (train, test)."""
+        entity = mlflow.data.DatasetEntity(**dataset.to_dict())
+        for rid in filter(None, (self.run_id, self.parent_id)):
+            self.client.log_inputs(rid, [mlflow.data.DatasetInput(entity, tags=[InputTag(DATA_CONTEXT, context)])])
 
     def log_artifact(self, path: Path, subdir: str | None = None) -> None:
         self.client.log_artifact(self.run_id, str(path), subdir)
@@ -131,27 +176,69 @@ class Tracker:
         except mlflow.exceptions.MlflowException:  # created concurrently
             return self.client.get_experiment_by_name(name).experiment_id
 
+    def _log_params(self, run_id: str, params: dict[str, Any]) -> None:
+        items = [Param(k, _param_str(v)) for k, v in params.items()]
+        for i in range(0, len(items), 100):
+            self.client.log_batch(run_id, params=items[i:i + 100])
+
+    def parent_run(self, experiment_id: str, dataset: str, dagster_run_id: str, tags: dict[str, str]) -> str:
+        """The parent run of one Dagster run (tag :data:`PARENT_TAG`), created by its first stage with ``tags``
+        (no params: a stage's run config changes its own section only, so the stage runs hold the params). Steps
+        of a run may start together in several processes: each creator then looks again, all keep the oldest, and
+        a creator whose run is not it deletes its own."""
+        flt = f"tags.`{PARENT_TAG}` = '{dagster_run_id}'"
+        found = self.client.search_runs([experiment_id], flt, max_results=50)
+        if not found:
+            mine = self.client.create_run(experiment_id, tags={
+                **tags, PARENT_TAG: dagster_run_id, "dagster_run_id": dagster_run_id, "dataset": dataset,
+                "xc.kind": "pipeline", "mlflow.runName": f"dagster-{dagster_run_id[:8]}"})
+            found = self.client.search_runs([experiment_id], flt, max_results=50)
+            keep = min(found, key=lambda r: (r.info.start_time, r.info.run_id))
+            if keep.info.run_id != mine.info.run_id:
+                self.client.delete_run(mine.info.run_id)
+            return keep.info.run_id
+        return min(found, key=lambda r: (r.info.start_time, r.info.run_id)).info.run_id
+
     @contextlib.contextmanager
     def run(self, dataset: str, stage: str, params: dict[str, Any], tags: dict[str, str]) -> Iterator[RunLogger]:
         """Open a run tagged with dataset, stage and its owner process; FAILED status if the body raises. First ends
-        the runs of this host whose owner process died (:func:`end_dead_runs`)."""
+        the runs of this host whose owner process died (:func:`end_dead_runs`).
+
+        With a ``dagster_run_id`` tag the run is nested (``mlflow.parentRunId``) under that Dagster run's parent
+        run, which is RUNNING while a stage runs and ends with the last stage's status. With
+        ``$XC_MLFLOW_SYSTEM_METRICS=1`` MLflow samples the system's metrics into the run while it is open."""
         try:
             end_dead_runs(self.client)
         except mlflow.exceptions.MlflowException as exc:  # a courtesy to killed runs: never fails this one
             _log.warning("could not end the runs of dead processes: %s", exc)
         exp = self.experiment_id(dataset)
-        all_tags = {"dataset": dataset, "asset": stage, "mlflow.runName": f"{stage}", **tags, **owner_tags()}
-        run = self.client.create_run(exp, tags=all_tags)
-        rid = run.info.run_id
-        items = [Param(k, _param_str(v)) for k, v in params.items()]
-        for i in range(0, len(items), 100):
-            self.client.log_batch(rid, params=items[i:i + 100])
+        parent = (self.parent_run(exp, dataset, tags["dagster_run_id"], {k: tags[k] for k in PARENT_TAGS if k in tags})
+                  if tags.get("dagster_run_id") else None)
+        all_tags = {"dataset": dataset, "asset": stage, "mlflow.runName": f"{stage}", **tags, **owner_tags(),
+                    **({"mlflow.parentRunId": parent} if parent else {})}
+        rid = self.client.create_run(exp, tags=all_tags).info.run_id
+        self._log_params(rid, params)
+        if parent:
+            self.client.update_run(parent, status="RUNNING")
+        status = "FAILED"
         try:
-            yield RunLogger(self.client, rid)
-        except BaseException:
-            self.client.set_terminated(rid, "FAILED")
-            raise
-        self.client.set_terminated(rid, "FINISHED")
+            with self._system_metrics(rid):
+                yield RunLogger(self.client, rid, parent, mirror=stage in PARENT_STAGES)
+            status = "FINISHED"
+        finally:
+            self.client.set_terminated(rid, status)
+            if parent:
+                self.client.set_terminated(parent, status)
+
+    @contextlib.contextmanager
+    def _system_metrics(self, run_id: str) -> Iterator[None]:
+        """MLflow's system-metrics sampler on the run while the block runs, when switched on (public API: the
+        fluent run, resumed for the block)."""
+        if os.environ.get(SYSTEM_METRICS_ENV, "").strip().lower() not in ("1", "true", "yes", "on"):
+            yield
+            return
+        with use_tracking_uri(self.tracking_uri), mlflow.start_run(run_id=run_id, log_system_metrics=True):
+            yield
 
 
 def _param_str(v: Any) -> str:

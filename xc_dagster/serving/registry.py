@@ -32,7 +32,7 @@ from xc_dagster.errors import XCError
 from xc_dagster.evaluation.metrics import evaluate, remove_filtered
 from xc_dagster.serving.bundle import ServingBundle, load_bundle, predict_topk, predictions_frame, write_bundle
 from xc_dagster.serving.limits import has_content
-from xc_dagster.tracking import model_name, use_tracking_uri
+from xc_dagster.tracking import fluent_run, mlflow_dataset, model_name, use_tracking_uri
 
 if TYPE_CHECKING:  # pragma: no cover
     from mlflow.tracking import MlflowClient
@@ -171,7 +171,7 @@ def register_model(ctx: "StageContext", tracker: "Tracker", tags: Mapping[str, s
                 **dict(tags or {})}
     with tempfile.TemporaryDirectory(prefix="xc-bundle-") as tmp, \
             tracker.run(ctx.name, ASSET_TAG, params, run_tags) as run, use_tracking_uri(tracker.tracking_uri), \
-            mlflow.start_run(run_id=run.run_id):
+            fluent_run(run.run_id):
         bundle_dir = Path(tmp) / "bundle"
         info = write_bundle(ctx, bundle_dir, default_k, shortlist_size, ef_search)
         if not info["as_evaluated"]:  # the served settings' own numbers
@@ -180,7 +180,11 @@ def register_model(ctx: "StageContext", tracker: "Tracker", tags: Mapping[str, s
         model_info = log_pyfunc(bundle_dir, example, default_k, bundle_code, registered_model_name=name,
                                 device=device)
         version = str(model_info.registered_model_version)
-        run.log_final({m: float(metrics[m]) for m in RUN_METRICS if m in metrics})
+        test_split = mlflow_dataset(ctx.name, fp, ctx.spec.source)  # digest: what the test metrics depend on
+        run.log_dataset(test_split, "test")
+        # on the run and on the LoggedModel (MLflow 3's Models view), measured on that dataset
+        mlflow.log_metrics({m: float(metrics[m]) for m in RUN_METRICS if m in metrics and math.isfinite(metrics[m])},
+                           step=0, model_id=model_info.model_id, dataset=test_split)
         run.log_dict(info, "serving.json")
         alias = CHALLENGER if CHAMPION in _aliases(client, name) else CHAMPION
         client.set_registered_model_alias(name, alias, version)
