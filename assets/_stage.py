@@ -105,19 +105,22 @@ def asset_deps(entry: StageArtifacts) -> list[str]:
 def stage_asset(stage: str, group: str, kinds: set[str], description: str,
                 extra_metadata: ExtraMetadata | None = None,
                 check_specs: CheckSpecs | None = None,
-                check_results: CheckResults | None = None) -> Callable[[dg.PartitionsDefinition], dg.AssetsDefinition]:
+                check_results: CheckResults | None = None,
+                pool: str | None = None) -> Callable[[dg.PartitionsDefinition], dg.AssetsDefinition]:
     """A builder of the asset of library stage ``stage`` (its name and deps from the artifact contract) for the
     given dataset partitions.
 
     ``check_specs(partitions)`` declares asset checks on it (partitioned like the asset);
     ``check_results(ctx, summary)`` reports them with the materialization (one result per spec).
+    ``pool``: the Dagster concurrency pool its step takes a slot of (the training stages: ``xc_training``, whose
+    limit the instance's ``dagster.yaml`` sets), None for none.
     """
     config_cls = CONFIG_CLASSES[stage]
 
     def build(partitions: dg.PartitionsDefinition) -> dg.AssetsDefinition:
         @dg.asset(name=CONTRACT[stage].asset, deps=asset_deps(CONTRACT[stage]), partitions_def=partitions,
                   group_name=group, kinds=kinds, description=description,
-                  check_specs=list(check_specs(partitions)) if check_specs is not None else None)
+                  check_specs=list(check_specs(partitions)) if check_specs is not None else None, pool=pool)
         def _asset(context: dg.AssetExecutionContext, config: config_cls, home: XCHomeResource,  # type: ignore[valid-type]
                    mlflow: MLflowResource, compute: ComputeResource) -> dg.MaterializeResult:
             return materialize_stage(context, stage, config, home, mlflow, compute, extra_metadata, check_results)

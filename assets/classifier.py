@@ -4,5 +4,6 @@ from a stale index over W with the encoder fine-tuned end to end; sparse updates
 (end to end), the encoder and its embeddings, and the mined shortlist."""
 
 from assets._stage import stage_asset
+from xc_dagster.home import TRAINING_POOL
 
-build = stage_asset("classifier", group="training", kinds={"pytorch"}, description=__doc__)
+build = stage_asset("classifier", group="training", kinds={"pytorch"}, description=__doc__, pool=TRAINING_POOL)

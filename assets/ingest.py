@@ -1,4 +1,6 @@
-"""Dataset ingest: the source (local, file://, http(s):// with resume and SHA-256, fsspec) parsed from its XC layout into canonical tables -- point and label texts, train/test label matrices (CSR), filter pairs, BoW features -- plus the validation split carved from train. Known public datasets are checked against their published counts. Asset checks: label ids in range, counts match, points without labels, duplicate texts, train/test overlap, filter pairs in range; the label-frequency plot is in the metadata and MLflow."""
+"""Dataset ingest: the source (local, file://, http(s):// with resume and SHA-256, fsspec) parsed from its XC layout into canonical tables -- point and label texts, train/test label matrices (CSR), filter pairs, BoW features -- plus the validation split carved from train. Known public datasets are checked against their published counts. Asset checks: label ids in range, counts match, points without labels, duplicate texts, train/test overlap, filter pairs in range; the label-frequency plot is in the metadata and MLflow.
+The ERROR checks (label ids, counts, filter pairs) are blocking: one that fails fails the step, and the partition's
+downstream stages do not run."""
 
 import base64
 import json
@@ -10,31 +12,34 @@ import dagster as dg
 from assets._stage import stage_asset
 from xc_dagster.artifacts import CHECKS as CHECKS_FILE
 from xc_dagster.artifacts import CONTRACT, LABEL_FREQ_PLOT
-from xc_dagster.data.checks import CHECKS
+from xc_dagster.data.checks import CHECKS, ERROR, WARN
 from xc_dagster.pipeline import StageContext
 from xc_dagster.storage import load_json
 
 STAGE = "ingest"
 ASSET = CONTRACT[STAGE].asset
-_SEVERITY = {"ERROR": dg.AssetCheckSeverity.ERROR, "WARN": dg.AssetCheckSeverity.WARN}
+_SEVERITY = {ERROR: dg.AssetCheckSeverity.ERROR, WARN: dg.AssetCheckSeverity.WARN}
 
 
 def _check_specs(partitions: dg.PartitionsDefinition) -> list[dg.AssetCheckSpec]:
     """One spec per library check, partitioned like the asset so each dataset keeps its own results.
 
+    The ERROR checks are blocking: when one fails, Dagster records the materialization and the check results,
+    then fails the step (``DagsterAssetCheckFailedError``), so the run fails and the partition's downstream
+    stages are skipped; a failed WARN check is reported and blocks nothing.
     Partitioned check specs are a Dagster preview feature (pinned 1.13.x): its PreviewWarning is silenced
     here, and a Dagster without it gets unpartitioned checks (the latest materialized partition's results).
     """
     specs = []
     for name, (sev, desc) in CHECKS.items():
-        description = f"{desc} (failure severity {sev})"
+        description = f"{desc} (failure severity {sev}{', blocks the downstream stages' if sev == ERROR else ''})"
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", getattr(dg, "PreviewWarning", Warning))
                 specs.append(dg.AssetCheckSpec(name, asset=ASSET, partitions_def=partitions,
-                                               description=description))
+                                               description=description, blocking=sev == ERROR))
         except TypeError:
-            specs.append(dg.AssetCheckSpec(name, asset=ASSET, description=description))
+            specs.append(dg.AssetCheckSpec(name, asset=ASSET, description=description, blocking=sev == ERROR))
     return specs
 
 

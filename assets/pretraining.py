@@ -4,5 +4,7 @@ cluster batches) or label batches (SiameseXML); writes the encoder (safetensors)
 point and label. Reads the dataset's labels and validation split and the tokens."""
 
 from assets._stage import stage_asset
+from xc_dagster.home import TRAINING_POOL  # the instance's dagster.yaml limits its steps over all runs
 
-build = stage_asset("pretrain", group="training", kinds={"pytorch", "huggingface"}, description=__doc__)
+build = stage_asset("pretrain", group="training", kinds={"pytorch", "huggingface"}, description=__doc__,
+                    pool=TRAINING_POOL)

@@ -224,8 +224,8 @@ def test_asset_checks_through_dagster(home, tmp_path):
     bad = run("Bibtex")  # verify_counts (default on): the materialization fails, naming the mismatch
     assert not bad.success
     assert "n_train: expected 4880, got 8" in str(bad.get_step_failure_events()[0].event_specific_data.error)
-    skipped = run("Bibtex", verify_counts=False)  # skipped: the ERROR check reports it instead
-    assert skipped.success
+    skipped = run("Bibtex", verify_counts=False)  # ingested; the blocking ERROR check fails the step
+    assert not skipped.success and skipped.get_failed_step_keys() == {"dataset"}
     evs = {e.check_name: e for e in skipped.get_asset_check_evaluations()}
     assert not evs["counts_match"].passed and evs["counts_match"].severity == dg.AssetCheckSeverity.ERROR
     assert evs["counts_match"].metadata["n_mismatches"].value == 3  # n_features: the LF data has none

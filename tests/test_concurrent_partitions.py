@@ -1,0 +1,123 @@
+"""Two dataset partitions materialized at the same time on one home with the embedded SQLite stores, as two
+`xc-dagster materialize` processes (each a Dagster run, multiprocess executor); and the training assets' pool."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import dagster as dg
+import mlflow
+import numpy as np
+import pytest
+
+from assets import build_assets, build_lifecycle_assets
+from resources import dataset_partitions
+from tests.test_pipeline import TINY
+from tests.tinydata import write_lf_dataset, write_tiny_encoder
+from xc_dagster.artifacts import CONTRACT, PARAMS, STAGE_ORDER, SUMMARY
+from xc_dagster.data import load_dataset
+from xc_dagster.home import TRAINING_POOL
+from xc_dagster.storage import load_json
+from xc_dagster.tracking import experiment_name
+
+# two datasets of different sizes (and seeds): a file or run of one landing in the other's place shows
+SIZES = {"TinyA": (120, 40, 0), "TinyB": (90, 30, 1)}  # name -> (n_train, n_test, data seed)
+TRAINING_ASSETS = {"siamese_encoder", "classifiers", "fusion"}  # pretrain, classifier, fusion (cross-fitting)
+
+
+def test_training_assets_take_a_slot_of_the_training_pool():
+    assets = build_assets(dataset_partitions()) + build_lifecycle_assets(dataset_partitions())
+    pools = {k.to_user_string(): a.op.pool for a in assets for k in a.keys}
+    assert {k: p for k, p in pools.items() if p is not None} == {k: "xc_training" for k in TRAINING_ASSETS}
+    assert set(pools) - TRAINING_ASSETS == {"dataset", "tokens", "negative_shortlist", "ann_index", "evaluation",
+                                             "registered_model"}
+
+
+def training_spans(instance: dg.DagsterInstance, run_id: str) -> list[tuple[float, float, str]]:
+    """(start, end, step) of the run's training steps, from its STEP_START / STEP_SUCCESS events."""
+    times: dict[str, list[float]] = {}
+    for e in instance.all_logs(run_id, of_type={dg.DagsterEventType.STEP_START, dg.DagsterEventType.STEP_SUCCESS}):
+        if e.step_key in TRAINING_ASSETS:
+            times.setdefault(e.step_key, []).append(e.timestamp)
+    return [(t[0], t[-1], step) for step, t in times.items()]
+
+
+@pytest.fixture
+def two_datasets(tmp_path):
+    """A fresh home holding TinyA and TinyB (added with the CLI, the tiny encoder and TINY's fast settings)."""
+    # one torch thread per process: two runs share the machine's cores without oversubscribing them
+    env = {**os.environ, "XC_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
+    for var in ("MLFLOW_TRACKING_URI", "DAGSTER_HOME", "XC_TRAINING_CONCURRENCY"):  # the default: 1
+        env.pop(var, None)
+    encoder = write_tiny_encoder(tmp_path / "tiny-bert")
+    sets = [a for k, v in {**TINY, "tokenize.encoder": str(encoder)}.items() for a in ("--set", f"{k}={v}")]
+    for name, (n_train, n_test, seed) in SIZES.items():
+        src = write_lf_dataset(tmp_path / "src" / name, n_train=n_train, n_test=n_test, seed=seed)
+        subprocess.run([sys.executable, "-m", "xc_dagster.cli", "datasets", "add", name, "--source", str(src),
+                        "--text", "title"] + sets, env=env, check=True, capture_output=True)
+    return tmp_path / "home", env
+
+
+def test_two_partitions_materialized_at_once_on_sqlite(two_datasets, tmp_path):
+    home, env = two_datasets
+    t0 = time.perf_counter()
+    procs = {}
+    for name in SIZES:
+        log = open(tmp_path / f"{name}.log", "w")
+        procs[name] = subprocess.Popen([sys.executable, "-m", "xc_dagster.cli", "materialize", name], env=env,
+                                       stdout=log, stderr=subprocess.STDOUT, text=True)
+        log.close()
+    for name, proc in procs.items():
+        proc.wait(timeout=900)
+    seconds = time.perf_counter() - t0
+    print(f"two partitions materialized at once in {seconds:.0f} s")
+    for name, proc in procs.items():
+        out = (tmp_path / f"{name}.log").read_text()
+        assert proc.returncode == 0, (name, out[-4000:])
+        assert "database is locked" not in out.lower(), name
+        assert f"Test metrics for {name}" in out
+
+    # two Dagster runs, one per partition, both successful, and they did overlap in time; the training steps
+    # (pool xc_training, default limit 1) ran one at a time over both runs
+    with dg.DagsterInstance.from_config(str(home / "dagster")) as instance:
+        records = instance.get_run_records()
+        assert instance.event_log_storage.get_concurrency_info(TRAINING_POOL).slot_count == 1
+        spans = sorted(s for r in records for s in training_spans(instance, r.dagster_run.run_id))
+    runs = {r.dagster_run.tags["dagster/partition"]: r for r in records}
+    assert len(records) == 2 and set(runs) == set(SIZES)
+    assert all(r.dagster_run.status == dg.DagsterRunStatus.SUCCESS for r in records)
+    assert max(r.start_time for r in records) < min(r.end_time for r in records)
+    assert len(spans) == 2 * len(TRAINING_ASSETS)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans
+
+    # every stage's MLflow run of both datasets, FINISHED, tagged with its own partition's Dagster run
+    client = mlflow.MlflowClient(f"sqlite:///{home / 'mlflow.db'}")
+    for name in SIZES:
+        exp = client.get_experiment_by_name(experiment_name(name))
+        mruns = client.search_runs([exp.experiment_id])  # the stages' runs (tag asset) and any run grouping them
+        assert sorted(r.data.tags["asset"] for r in mruns if "asset" in r.data.tags) == sorted(
+            [*STAGE_ORDER, "registered_model"])
+        assert {r.info.status for r in mruns} == {"FINISHED"}
+        assert {r.data.tags["dagster_run_id"] for r in mruns} == {runs[name].dagster_run.run_id}
+        assert str(client.get_model_version_by_alias(f"xc-{name}", "champion").version) == "1"
+
+    # the artifacts of both are complete and each is its own dataset's
+    for name, (n_train, n_test, _) in SIZES.items():
+        root = home / "artifacts" / name
+        for stage in STAGE_ORDER:  # each stage's folder holds its summary and params, and only declared names
+            names = {p.name for p in (root / stage).iterdir()}
+            assert {SUMMARY, PARAMS} <= names <= set(CONTRACT[stage].writes), (name, stage, names)
+            assert load_json(root / stage / SUMMARY), (name, stage)
+        ds = load_dataset(root / "ingest" / "dataset", texts=False, features=False)
+        assert (ds.num_train, ds.num_test, ds.num_labels) == (n_train, n_test, 20)
+        assert np.load(root / "tokenize" / "train_ids.npy", mmap_mode="r").shape == (n_train, 32)
+        assert (root / "pretrain" / "encoder" / "model.safetensors").is_file()
+        assert np.load(root / "pretrain" / "train_emb.npy", mmap_mode="r").shape == (n_train, 32)
+        assert np.load(root / "mining" / "shortlist.npy").shape == (n_train, 8)
+        assert np.load(root / "classifier" / "W.npy").shape == (20, 32)
+        assert 0.0 <= load_json(root / "fusion" / "fusion.json")["alpha"] <= 1.0
+        assert np.load(root / "evaluate" / "predictions.npz")["ids"].shape == (n_test, 10)
+        assert 0.0 <= load_json(root / "evaluate" / "metrics.json")["precision_at_1"] <= 1.0
