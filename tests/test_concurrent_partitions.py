@@ -11,7 +11,6 @@ import time
 import dagster as dg
 import mlflow
 import numpy as np
-import pytest
 
 from assets import build_assets, build_lifecycle_assets
 from resources import dataset_partitions
@@ -45,13 +44,14 @@ def training_spans(instance: dg.DagsterInstance, run_id: str) -> list[tuple[floa
     return [(t[0], t[-1], step) for step, t in times.items()]
 
 
-@pytest.fixture
-def two_datasets(tmp_path):
-    """A fresh home holding TinyA and TinyB (added with the CLI, the tiny encoder and TINY's fast settings)."""
+def add_two_datasets(tmp_path, stores: dict[str, str] | None = None) -> tuple:
+    """A fresh home holding TinyA and TinyB (added with the CLI, the tiny encoder and TINY's fast settings), its
+    stores SQLite under the home or those ``stores`` names (XC_DAGSTER_POSTGRES_URL, MLFLOW_TRACKING_URI)."""
     # one torch thread per process: two runs share the machine's cores without oversubscribing them
     env = {**os.environ, "XC_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
-    for var in ("MLFLOW_TRACKING_URI", "DAGSTER_HOME", "XC_TRAINING_CONCURRENCY"):  # the default: 1
-        env.pop(var, None)
+    for var in ("MLFLOW_TRACKING_URI", "DAGSTER_HOME", "XC_TRAINING_CONCURRENCY", "XC_DAGSTER_POSTGRES_URL"):
+        env.pop(var, None)  # the default pool limit: 1
+    env.update(stores or {})
     encoder = write_tiny_encoder(tmp_path / "tiny-bert")
     sets = [a for k, v in {**TINY, "tokenize.encoder": str(encoder)}.items() for a in ("--set", f"{k}={v}")]
     for name, (n_train, n_test, seed) in SIZES.items():
@@ -61,8 +61,14 @@ def two_datasets(tmp_path):
     return tmp_path / "home", env
 
 
-def test_two_partitions_materialized_at_once_on_sqlite(two_datasets, tmp_path):
-    home, env = two_datasets
+def test_two_partitions_materialized_at_once_on_sqlite(tmp_path):
+    home, env = add_two_datasets(tmp_path)
+    materialize_two_at_once(home, env, tmp_path, f"sqlite:///{home / 'mlflow.db'}")
+
+
+def materialize_two_at_once(home, env: dict[str, str], tmp_path, mlflow_uri: str) -> None:
+    """Both partitions materialized by two `xc-dagster materialize` processes started together (environment
+    ``env``); every Dagster run, MLflow run (store ``mlflow_uri``) and artifact checked."""
     t0 = time.perf_counter()
     procs = {}
     for name in SIZES:
@@ -82,7 +88,7 @@ def test_two_partitions_materialized_at_once_on_sqlite(two_datasets, tmp_path):
 
     # two Dagster runs, one per partition, both successful, and they did overlap in time; the training steps
     # (pool xc_training, default limit 1) ran one at a time over both runs
-    with dg.DagsterInstance.from_config(str(home / "dagster")) as instance:
+    with dg.DagsterInstance.from_config(str(home / "dagster")) as instance:  # Postgres: URL in this process's env
         records = instance.get_run_records()
         assert instance.event_log_storage.get_concurrency_info(TRAINING_POOL).slot_count == 1
         spans = sorted(s for r in records for s in training_spans(instance, r.dagster_run.run_id))
@@ -94,7 +100,7 @@ def test_two_partitions_materialized_at_once_on_sqlite(two_datasets, tmp_path):
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans
 
     # every stage's MLflow run of both datasets, FINISHED, tagged with its own partition's Dagster run
-    client = mlflow.MlflowClient(f"sqlite:///{home / 'mlflow.db'}")
+    client = mlflow.MlflowClient(mlflow_uri)
     for name in SIZES:
         exp = client.get_experiment_by_name(experiment_name(name))
         mruns = client.search_runs([exp.experiment_id])  # the stages' runs (tag asset) and any run grouping them

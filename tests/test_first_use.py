@@ -10,32 +10,25 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import mlflow
 
+from tests.tinydata import release_together
 from xc_dagster.home import Home
 from xc_dagster.tracking import Tracker, experiment_name
 
 ROOT = Path(__file__).resolve().parent.parent
 N_PROCESSES = 4
 
-# one process's first use: import, say ready, wait for the start signal, then prepare the home and use both stores
-CHILD = textwrap.dedent("""
-    import sys, time
-    from pathlib import Path
+# one process's first use: import, say ready, wait for the start signal (WAIT_FOR_GO), then prepare the home and
+# use both stores
+IMPORTS = textwrap.dedent("""
     import dagster as dg
     from xc_dagster.home import Home
     from xc_dagster.tracking import Tracker
-
-    ready, go, i = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
-    ready.touch()
-    deadline = time.monotonic() + 120
-    while not go.exists():
-        if time.monotonic() > deadline:
-            sys.exit("no start signal")
-        time.sleep(0.002)
+""")
+CHILD = textwrap.dedent("""
     home = Home.from_env().ensure(instance=True)
     with Tracker(home.mlflow_uri, home.mlflow_artifacts).run("FirstUse", "ingest", {"i": i}, {}) as run:
         run.log_final({"value": float(i)})
@@ -55,20 +48,7 @@ def _env(home: Path) -> dict[str, str]:
 
 def _release_together(tmp: Path, home: Path) -> list[subprocess.CompletedProcess]:
     """Start the children, wait until each has imported and is waiting, then release them at once."""
-    go = tmp / "go"
-    ready = [tmp / f"ready-{i}" for i in range(N_PROCESSES)]
-    procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(r), str(go), str(i)], env=_env(home), cwd=tmp,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i, r in enumerate(ready)]
-    deadline = time.monotonic() + 120
-    while not all(r.exists() for r in ready) and time.monotonic() < deadline and all(p.poll() is None for p in procs):
-        time.sleep(0.01)
-    go.touch()
-    out = []
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=180)
-        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
-    return out
+    return release_together(IMPORTS, CHILD, N_PROCESSES, tmp, _env(home))
 
 
 def _error_line(stderr: str) -> str:

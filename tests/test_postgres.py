@@ -14,13 +14,12 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 
-from tests.tinydata import write_lf_dataset, write_tiny_encoder
+from tests.tinydata import release_together, write_lf_dataset, write_tiny_encoder
 from xc_dagster.errors import XCConfigError
 from xc_dagster.home import OLD_YAML_HEADERS, YAML_HEADER, Home, render_dagster_yaml
 
@@ -156,21 +155,27 @@ def test_a_partition_materialized_with_both_stores_in_postgres(pg_server, tmp_pa
         assert instance.get_concurrency_config().pool_config.default_pool_limit == 1
 
 
-# one host's first use of the tracking store: import, say ready, wait for the start signal, prepare a home of its
-# own (other hosts share no flock) and log a run
-CHILD = textwrap.dedent("""
-    import sys, time
-    from pathlib import Path
+def test_two_partitions_materialized_at_once_on_postgres(pg_server, tmp_path, monkeypatch):
+    """The SQLite test of tests/test_concurrent_partitions.py with both stores in fresh PostgreSQL databases."""
+    from tests.test_concurrent_partitions import add_two_datasets, materialize_two_at_once
+
+    _admin(pg_server, "CREATE DATABASE dagster_two OWNER dagster")
+    _admin(pg_server, "CREATE DATABASE mlflow_two OWNER mlflow")
+    stores = {PG_URL: pg_server[PG_URL].rsplit("/", 1)[0] + "/dagster_two",
+              "MLFLOW_TRACKING_URI": pg_server["MLFLOW_TRACKING_URI"].rsplit("/", 1)[0] + "/mlflow_two"}
+    home, env = add_two_datasets(tmp_path, stores)
+    monkeypatch.setenv(PG_URL, stores[PG_URL])  # the home's dagster.yaml reads it when the test opens the instance
+    materialize_two_at_once(home, env, tmp_path, stores["MLFLOW_TRACKING_URI"])
+    assert not (home / "mlflow.db").exists() and not list((home / "dagster").rglob("*.db"))
+
+
+# one host's first use of the tracking store: import, say ready, wait for the start signal (WAIT_FOR_GO), prepare
+# a home of its own (other hosts share no flock) and log a run
+IMPORTS = textwrap.dedent("""
     from xc_dagster.home import Home
     from xc_dagster.tracking import Tracker
-
-    ready, go, i = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
-    ready.touch()
-    deadline = time.monotonic() + 120
-    while not go.exists():
-        if time.monotonic() > deadline:
-            sys.exit("no start signal")
-        time.sleep(0.002)
+""")
+CHILD = textwrap.dedent("""
     home = Home(Path(sys.argv[4])).ensure()
     with Tracker(home.mlflow_uri, home.mlflow_artifacts).run("Race", "ingest", {"i": i}, {}) as run:
         run.log_final({"value": float(i)})
@@ -185,20 +190,10 @@ def test_hosts_first_using_one_fresh_mlflow_database_together_all_succeed(pg_ser
     uri = pg_server["MLFLOW_TRACKING_URI"].rsplit("/", 1)[0] + "/mlflow_race"
     env = {**{k: v for k, v in os.environ.items() if k != PG_URL}, "MLFLOW_TRACKING_URI": uri,
            "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    go, n = tmp_path / "go", 3
-    ready = [tmp_path / f"ready-{i}" for i in range(n)]
-    procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(r), str(go), str(i), str(tmp_path / f"home-{i}")],
-                              env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i, r in enumerate(ready)]
-    deadline = time.monotonic() + 120
-    while not all(r.exists() for r in ready) and time.monotonic() < deadline and all(p.poll() is None for p in procs):
-        time.sleep(0.01)
-    go.touch()
-    errors = []
-    for p in procs:
-        _, stderr = p.communicate(timeout=180)
-        if p.returncode != 0:
-            errors.append(stderr.strip().splitlines()[-1] if stderr.strip() else f"exit {p.returncode}")
+    n = 3
+    procs = release_together(IMPORTS, CHILD, n, tmp_path, env, args=lambda i: [str(tmp_path / f"home-{i}")])
+    errors = [(p.stderr.strip().splitlines()[-1] if p.stderr.strip() else f"exit {p.returncode}")
+              for p in procs if p.returncode != 0]
     assert errors == []
     values = _rows(uri, "SELECT m.value FROM metrics m JOIN runs r ON r.run_uuid = m.run_uuid "
                         "WHERE m.key = 'value' ORDER BY m.value")

@@ -8,7 +8,11 @@ import http.server
 import json
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import threading
+import time
 from pathlib import Path
 
 import dagster as dg
@@ -166,3 +170,38 @@ def dagster_instance(*datasets: str) -> dg.DagsterInstance:
     instance = dg.DagsterInstance.ephemeral()
     register(instance, datasets)
     return instance
+
+
+# a child's start: say ready (argv[1]), wait for the start signal (argv[2]); argv[3] is its index
+WAIT_FOR_GO = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+
+    ready, go, i = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+    ready.touch()
+    deadline = time.monotonic() + 120
+    while not go.exists():
+        if time.monotonic() > deadline:
+            sys.exit("no start signal")
+        time.sleep(0.002)
+""")
+
+
+def release_together(imports: str, body: str, n: int, tmp: Path, env: dict[str, str],
+                     args=lambda i: []) -> list[subprocess.CompletedProcess]:
+    """Start ``n`` children running ``imports + WAIT_FOR_GO + body`` (extra arguments ``args(i)``), wait until each
+    has imported and is waiting, then release them at once; their completed processes."""
+    go = tmp / "go"
+    ready = [tmp / f"ready-{i}" for i in range(n)]
+    procs = [subprocess.Popen([sys.executable, "-c", imports + WAIT_FOR_GO + body, str(r), str(go), str(i), *args(i)],
+                              env=env, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i, r in enumerate(ready)]
+    deadline = time.monotonic() + 120
+    while not all(r.exists() for r in ready) and time.monotonic() < deadline and all(p.poll() is None for p in procs):
+        time.sleep(0.01)
+    go.touch()
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=180)
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    return out

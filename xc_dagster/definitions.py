@@ -25,6 +25,10 @@ from xc_dagster.home import Home  # noqa: E402
 from xc_dagster.strategies import STRATEGIES  # noqa: E402
 
 PIPELINE_JOB = "xc_pipeline"
+# Each step process forks from a server that imported the code location (torch, transformers, the pipeline, the
+# definitions) once, instead of importing it all again (docs/decisions.md#forkserver-steps).
+EXECUTOR = dg.multiprocess_executor.configured(
+    {"start_method": {"forkserver": {"preload_modules": ["xc_dagster.definitions"]}}}, name="multiprocess")
 JOB_DESCRIPTION = ("Every stage of one dataset partition, ingest to evaluation, then the registered MLflow model "
                    "and its champion gate. The dataset's catalog entry picks the strategy (`xc-dagster strategies` "
                    "prints each one's settings):\n\n"
@@ -53,6 +57,7 @@ def build_definitions(home: Home | None = None) -> dg.Definitions:
         sensors=[build_click_log_sensor(job, partitions)],
         schedules=[build_retrain_schedule(job, partitions)],
         resources={**pipeline_resources(home), "clicklogs": clicklogs},
+        executor=EXECUTOR,
     )
 
 
