@@ -106,7 +106,8 @@ def materialize_two_at_once(home, env: dict[str, str], tmp_path, mlflow_uri: str
         mruns = client.search_runs([exp.experiment_id])  # the stages' runs (tag asset) and any run grouping them
         assert sorted(r.data.tags["asset"] for r in mruns if "asset" in r.data.tags) == sorted(
             [*STAGE_ORDER, "registered_model"])
-        assert {r.info.status for r in mruns} == {"FINISHED"}
+        assert {r.info.status for r in mruns} == {"FINISHED"}, [
+            (r.data.tags.get("asset", r.info.run_name), r.info.status, r.data.tags.get("xc.ended_by")) for r in mruns]
         assert {r.data.tags["dagster_run_id"] for r in mruns} == {runs[name].dagster_run.run_id}
         assert str(client.get_model_version_by_alias(f"xc-{name}", "champion").version) == "1"
 

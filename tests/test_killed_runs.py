@@ -87,3 +87,22 @@ def test_owner_of_a_run_is_judged_by_its_process_not_only_its_pid():
         assert tracking.owner_alive({**me, tracking.OWNER_PROCESS: f"{rebooted}/{ticks}"}) is False
     assert tracking.owner_alive({**me, tracking.OWNER_HOST: "elsewhere.example"}) is None  # cannot tell
     assert tracking.owner_alive({}) is None  # a run from before owners were recorded
+
+
+def test_a_run_its_owner_ended_before_exiting_is_not_marked_killed(tmp_path, monkeypatch):
+    """The sweep's search saw the run RUNNING; its owner then ended it FINISHED and exited before the sweep
+    checked the owner: the sweep reads the run again once the owner is gone and leaves it FINISHED."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = mlflow.MlflowClient(uri)
+    exp = client.create_experiment("Race")
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(gone.stdout)  # a process that has exited (its pid not reused within the test, or reused: another start)
+    run = client.create_run(exp, tags={**tracking.owner_tags(os.getpid()), tracking.OWNER_PID: str(pid),
+                                       tracking.OWNER_PROCESS: tracking.owner_tags(os.getpid())[tracking.OWNER_PROCESS]
+                                       .rsplit("/", 1)[0] + "/1"})
+    stale = client.get_run(run.info.run_id)  # what the search returned: RUNNING
+    client.set_terminated(run.info.run_id, "FINISHED")  # the owner's last write before it exited
+    monkeypatch.setattr(tracking, "_running_runs", lambda c: iter([stale]))
+    assert tracking.owner_alive(stale.data.tags) is False
+    assert tracking.end_dead_runs(client) == []
+    assert client.get_run(run.info.run_id).info.status == "FINISHED"

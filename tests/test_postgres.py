@@ -263,3 +263,35 @@ def test_an_older_yaml_is_migrated_and_a_users_own_is_kept(tmp_path, monkeypatch
     home.dagster_yaml.unlink()  # a removed yaml is written again
     monkeypatch.delenv(PG_URL)
     assert home.ensure().dagster_yaml.read_text() == SQLITE_YAML.replace("default_limit: 1", "default_limit: 4")
+
+
+def test_the_training_pool_row_is_made_at_load_and_follows_the_default(pg_server, tmp_path, monkeypatch):
+    """Dagster makes a pool's row when a run first claims it, racing other runs (on PostgreSQL the loser fails);
+    `resources.pools.ensure_pool` makes it when the definitions load, follows a changed default and keeps a limit
+    set by hand."""
+    import dagster as dg
+
+    from resources.pools import ensure_pool
+
+    _admin(pg_server, "CREATE DATABASE dagster_pool OWNER dagster")
+    monkeypatch.setenv(PG_URL, pg_server[PG_URL].rsplit("/", 1)[0] + "/dagster_pool")
+    monkeypatch.setenv("XC_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+
+    def limits() -> list[tuple]:
+        with dg.DagsterInstance.from_config(str(home.dagster_home)) as instance:
+            return [(p.name, p.limit, p.from_default) for p in instance.event_log_storage.get_pool_limits()]
+
+    def ensure() -> bool:
+        with dg.DagsterInstance.from_config(str(home.dagster_home)) as instance:
+            return ensure_pool(instance)
+
+    home = Home.from_env().ensure(instance=True)
+    assert limits() == [] and ensure() and limits() == [("xc_training", 1, True)]
+    assert not ensure()  # made once
+    monkeypatch.setenv("XC_TRAINING_CONCURRENCY", "3")
+    home = Home.from_env().ensure(instance=True)  # the yaml rendered again with the new default
+    assert ensure() and limits() == [("xc_training", 3, True)]
+    with dg.DagsterInstance.from_config(str(home.dagster_home)) as instance:
+        instance.event_log_storage.set_concurrency_slots("xc_training", 5)  # `dagster instance concurrency set`
+    assert not ensure() and limits() == [("xc_training", 5, False)]

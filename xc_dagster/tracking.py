@@ -337,6 +337,10 @@ def end_dead_runs(client: MlflowClient) -> list[str]:
         tags = run.data.tags
         if owner_alive(tags) is False:
             rid = run.info.run_id
+            # read again now that the owner is gone: a run it ended between the search and its exit stays as it
+            # ended it (an owner that is gone writes nothing more, so this read is its last word)
+            if client.get_run(rid).info.status != "RUNNING":
+                continue
             client.set_tag(rid, ENDED_BY, f"owner process {tags[OWNER_PID]} on {tags[OWNER_HOST]} was gone "
                                           f"(ended by process {os.getpid()})")
             client.set_terminated(rid, "KILLED")
