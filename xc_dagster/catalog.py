@@ -25,8 +25,9 @@ from xc_dagster.config import PRESETS, PipelineConfig, apply_overrides, resolve_
 from xc_dagster.data.layouts import LAYOUTS as DATA_LAYOUTS
 from xc_dagster.data.registry import KnownDataset, lookup
 from xc_dagster.data.sources import normalize_sha256
+from xc_dagster.durable import atomic_write_text
 from xc_dagster.errors import XCConfigError, XCDatasetNotFound
-from xc_dagster.storage import atomic_write_text, file_lock
+from xc_dagster.storage import file_lock
 from xc_dagster.strategies import STRATEGIES
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")

@@ -29,9 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from xc_dagster.durable import atomic_write_text
 from xc_dagster.errors import XCConfigError, XCError
 from xc_dagster.postgres import advisory_lock, check_url, is_postgres_uri, redact
-from xc_dagster.storage import atomic_write_text, file_lock
+from xc_dagster.storage import file_lock
 from xc_dagster.tracking import is_sqlite_uri, prepare_tracking_store
 
 READY = ".home-ready.json"  # what the first use made: {"made": ["dagster.yaml", "mlflow:<uri>", "dagster-instance"]}

@@ -34,6 +34,7 @@ from typing import Any, Iterator, Mapping
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from xc_dagster.durable import atomic_write_text
 from xc_dagster.errors import XCConfigError, XCError
 
 ROOT_ENV = "XC_ARTIFACT_ROOT"  # the remote artifact root; unset or empty: artifacts stay local
@@ -230,16 +231,7 @@ class RemoteStore:
         if not self.local:
             self.fs.pipe_file(self._key(key), data)
             return
-        tmp = f"{key}.tmp-{uuid.uuid4().hex[:8]}"  # a killed write leaves it beside the manifest, never read
-        with self._open_out(tmp) as out:
-            out.write(data)
-            self._flush(out)
-        os.replace(self._key(tmp), self._key(key))
-        fd = os.open(Path(self._key(key)).parent, os.O_RDONLY)  # the rename itself durable
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        atomic_write_text(Path(self._key(key)), data.decode("utf-8"))
 
     def download(self, manifest: Manifest, dest: Path) -> None:
         """Copy ``manifest``'s version into the empty folder ``dest``, checking each file's size and sha256;

@@ -28,6 +28,7 @@ from typing import Any, Iterator, Literal
 
 import numpy as np
 
+from xc_dagster.durable import atomic_write_text, fsync_dir, fsync_file
 from xc_dagster.errors import XCError
 from xc_dagster.remote_store import Manifest, RemoteStore
 
@@ -65,22 +66,6 @@ def file_lock(path: Path, shared: bool = False, blocking: bool = True) -> Iterat
         yield True
     finally:
         os.close(fd)  # closing the last descriptor releases the lock
-
-
-def fsync_file(path: Path) -> None:
-    """Flush a written file's data, or a folder's entries (a rename or a new file in it), to the disk (any
-    descriptor of it will do)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(folder: Path) -> None:
-    """Make a folder's entries (a rename or a new file in it) durable."""
-    if os.name != "nt":  # Windows cannot open a folder to fsync it
-        fsync_file(folder)
 
 
 def fsync_tree(folder: Path) -> None:
@@ -165,23 +150,6 @@ def atomic_dir(final: Path) -> Iterator[Path]:
             shutil.rmtree(version, ignore_errors=True)
             raise
         _switch(final, version)  # a failure in it leaves a leftover for the next sweep, never a current version
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write a file by temp + fsync + rename: a reader or a crash sees the old or the new content, whole."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
 
 
 class ArtifactStore:

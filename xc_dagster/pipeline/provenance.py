@@ -21,8 +21,9 @@ from typing import Any, Sequence
 
 from xc_dagster.artifacts import PARAMS
 from xc_dagster.config import STAGES, PipelineConfig, apply_overrides
+from xc_dagster.durable import atomic_write_text
 from xc_dagster.errors import XCConfigError
-from xc_dagster.storage import ArtifactStore, atomic_write_text
+from xc_dagster.storage import ArtifactStore
 
 PARAMS_FILE = PARAMS
 

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from xc_dagster.storage import fsync_dir, fsync_file
+from xc_dagster.durable import fsync_dir, fsync_file
 
 log = logging.getLogger("xc_dagster")
 STATE, CORRUPT = "state.pt", "state.pt.corrupt"
