@@ -35,7 +35,8 @@ def register(instance: dg.DagsterInstance, names: Iterable[str]) -> list[str]:
     instance's unique index refuses a duplicate, and the add is retried with what is then missing."""
     wanted = sorted(set(names))
     for attempt in range(5):
-        missing = [n for n in wanted if not instance.has_dynamic_partition(PARTITIONS_NAME, n)]
+        known = registered(instance)  # one query, whatever the catalog's size (every load of the definitions)
+        missing = [n for n in wanted if n not in known]
         if not missing:
             return []
         try:
