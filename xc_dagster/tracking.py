@@ -27,6 +27,8 @@ from mlflow.data.meta_dataset import MetaDataset
 from mlflow.entities import InputTag, Metric, Param
 from mlflow.tracking import MlflowClient
 
+from xc_dagster.remote_store import ROOT_ENV
+
 _log = logging.getLogger(__name__)
 
 
@@ -154,7 +156,7 @@ class Tracker:
         new experiments then keep their artifacts under ``<remote_root>/mlflow/<dataset>``."""
         self.tracking_uri = tracking_uri
         self.artifact_root = Path(artifact_root) if artifact_root else None
-        remote = os.environ.get("XC_ARTIFACT_ROOT", "") if remote_root is None else remote_root
+        remote = os.environ.get(ROOT_ENV, "") if remote_root is None else remote_root
         self.remote_root = remote.strip().rstrip("/") or None
         self.client = MlflowClient(tracking_uri=tracking_uri)
 
