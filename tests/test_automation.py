@@ -7,12 +7,9 @@ from __future__ import annotations
 import gzip
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import dagster as dg
@@ -21,7 +18,7 @@ import pandas as pd
 import pytest
 
 from resources import ClickLogFeedResource, XCHomeResource
-from tests.tinydata import stop_process_group, write_lf_dataset
+from tests.tinydata import free_port, graphql, stop_process_group, wait_for, write_lf_dataset
 from xc_dagster.catalog import Catalog, DatasetSpec
 from xc_dagster.cli import main as cli_main
 from xc_dagster.errors import XCError
@@ -307,43 +304,13 @@ LAUNCH = """mutation($p: ExecutionParams!) { launchPipelineExecution(executionPa
 RUN = """query($id: ID!) { runOrError(runId: $id) { __typename ... on Run { status tags { key value } } } }"""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _graphql(port: int, query: str, variables: dict | None = None) -> dict:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/graphql", method="POST",
-                                 data=json.dumps({"query": query, "variables": variables or {}}).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as r:
-        body = json.loads(r.read())
-    assert "errors" not in body, body["errors"]
-    return body["data"]
-
-
-def _wait(what: str, fn, timeout: float, log: Path, proc: subprocess.Popen):
-    deadline = time.monotonic() + timeout
-    while True:
-        assert proc.poll() is None, f"dagster dev exited ({proc.returncode})\n" + log.read_text()[-4000:]
-        try:
-            value = fn()
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            value = None
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f} s\n" + log.read_text()[-4000:]
-        time.sleep(0.5)
-
-
 def test_ui_launches_a_partitioned_materialization(home, tmp_path):
     """`dagster dev` (webserver + daemon) on a free local port, against a temporary DAGSTER_HOME and XC_HOME:
     the sensor and the schedule are listed STOPPED; the `dataset` asset of one partition is materialized
     through the GraphQL API (launchPipelineExecution with the partition tag, as the UI's Materialize
     button does) and the run ends SUCCESS."""
     Catalog(home.catalog).add(DatasetSpec("TinyUI", str(write_lf_dataset(tmp_path / "src", 30, 10)), text="title"))
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "XC_HOME": str(home.root), "DAGSTER_HOME": str(home.dagster_home)}
     env.pop("MLFLOW_TRACKING_URI", None)
     exe = Path(sys.executable).parent / "dagster"
@@ -356,13 +323,13 @@ def test_ui_launches_a_partitioned_materialization(home, tmp_path):
         mlflow.MlflowClient(home.mlflow_uri).search_experiments()
 
         def loaded():
-            entries = _graphql(port, LOCATIONS)["workspaceOrError"]["locationEntries"]
+            entries = graphql(port, LOCATIONS)["workspaceOrError"]["locationEntries"]
             loc = entries[0]["locationOrLoadError"] if entries else None
             if loc and loc["__typename"] == "PythonError":
                 raise AssertionError(loc["message"])
             return loc if loc and loc["__typename"] == "RepositoryLocation" else None
 
-        loc = _wait("code location loaded", loaded, 180, log_path, proc)
+        loc = wait_for("code location loaded", loaded, 180, log_path, proc)
         repo = loc["repositories"][0]
         assert {s["name"]: s["sensorState"]["status"] for s in repo["sensors"]} == {"click_log_sensor": "STOPPED"}
         assert [(s["name"], s["cronSchedule"], s["scheduleState"]["status"]) for s in repo["schedules"]] == [
@@ -371,15 +338,15 @@ def test_ui_launches_a_partitioned_materialization(home, tmp_path):
                                "jobName": "__ASSET_JOB", "assetSelection": [{"path": ["dataset"]}]},
                   "executionMetadata": {"tags": [{"key": "dagster/partition", "value": "TinyUI"}]},
                   "runConfigData": {"execution": {"config": {"in_process": {}}}}}  # one process: faster
-        launched = _graphql(port, LAUNCH, {"p": params})["launchPipelineExecution"]
+        launched = graphql(port, LAUNCH, {"p": params})["launchPipelineExecution"]
         assert launched["__typename"] == "LaunchRunSuccess", launched
         run_id = launched["run"]["runId"]
 
         def finished():
-            run = _graphql(port, RUN, {"id": run_id})["runOrError"]
+            run = graphql(port, RUN, {"id": run_id})["runOrError"]
             return run if run["status"] in ("SUCCESS", "FAILURE", "CANCELED") else None
 
-        run = _wait("run finished", finished, 240, log_path, proc)
+        run = wait_for("run finished", finished, 240, log_path, proc)
         assert run["status"] == "SUCCESS", log_path.read_text()[-4000:]
         assert {"key": "dagster/partition", "value": "TinyUI"} in run["tags"]
     finally:

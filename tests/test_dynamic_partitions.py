@@ -3,20 +3,16 @@ concurrent registration, and a working directory with its own ``assets``/``resou
 
 from __future__ import annotations
 
-import json
 import os
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 
 import dagster as dg
 import pytest
 from dagster import DagsterRunStatus
 from dagster_graphql import DagsterGraphQLClient
 
-from tests.tinydata import stop_process_group, write_lf_dataset
+from tests.tinydata import free_port, graphql, stop_process_group, wait_for, write_lf_dataset
 from xc_dagster.catalog import Catalog, DatasetSpec
 from xc_dagster.cli import PARTITIONS_CMD
 from xc_dagster.cli import main as cli_main
@@ -107,48 +103,31 @@ def test_runs_from_a_folder_with_its_own_assets_and_resources_packages(home, tmp
     assert probe.returncode != 0 and "a package named 'assets' from" in probe.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _graphql(port: int, query: str) -> dict:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/graphql", data=json.dumps({"query": query}).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as r:
-        return json.loads(r.read())
-
-
 def test_a_dataset_added_while_dagster_dev_runs_is_launchable_without_a_reload(home, tmp_path):
     """`dagster dev` (webserver + daemon) loaded before the dataset exists: `datasets add` makes it a partition
     the running UI lists, and a run of it launched through the UI's GraphQL API succeeds; nothing reloaded."""
     write_lf_dataset(tmp_path / "src")
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "DAGSTER_HOME": str(home.dagster_home)}
-    dev = subprocess.Popen([venv_executable("dagster"), "dev", "-m", "xc_dagster.definitions", "-p", str(port)],
-                           cwd=home.root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                           start_new_session=True)
-    query = '{ assetNodes(assetKeys: [{path: ["dataset"]}]) { partitionKeys } }'
+    log_path = tmp_path / "dagster-dev.log"
+    with open(log_path, "wb") as log:
+        dev = subprocess.Popen([venv_executable("dagster"), "dev", "-m", "xc_dagster.definitions", "-p", str(port)],
+                               cwd=home.root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def dataset_node():
+        nodes = graphql(port, '{ assetNodes(assetKeys: [{path: ["dataset"]}]) { partitionKeys } }')["assetNodes"]
+        return nodes[0] if nodes else None  # none until the code location has loaded
+
     try:
-        deadline = time.time() + 180
-        while True:
-            try:
-                keys = _graphql(port, query)["data"]["assetNodes"][0]["partitionKeys"]
-                break
-            except (OSError, KeyError, IndexError, TypeError):
-                assert time.time() < deadline and dev.poll() is None, "dagster dev did not come up"
-                time.sleep(1)
-        assert keys == []
+        assert wait_for("code location loaded", dataset_node, 180, log_path, dev)["partitionKeys"] == []
         assert cli_main(["datasets", "add", "Late", "--source", str(tmp_path / "src"), "--text", "title"]) == 0
-        assert _graphql(port, query)["data"]["assetNodes"][0]["partitionKeys"] == ["Late"]
+        assert dataset_node()["partitionKeys"] == ["Late"]
         client = DagsterGraphQLClient("127.0.0.1", port_number=port)
         run_id = client.submit_job_execution("xc_pipeline", tags={"dagster/partition": "Late"},
                                              asset_selection=["dataset"])
-        while (status := client.get_run_status(run_id)) not in (DagsterRunStatus.SUCCESS, DagsterRunStatus.FAILURE,
-                                                                 DagsterRunStatus.CANCELED):
-            assert time.time() < deadline + 120, f"run {run_id} still {status}"
-            time.sleep(1)
+        ended = (DagsterRunStatus.SUCCESS, DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED)
+        status = wait_for("run ended", lambda: (st := client.get_run_status(run_id)) in ended and st, 240, log_path,
+                          dev)
         assert status == DagsterRunStatus.SUCCESS
         assert (home.artifacts / "Late" / "ingest" / "summary.json").is_file()
     finally:

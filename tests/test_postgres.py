@@ -8,7 +8,6 @@ from __future__ import annotations
 import glob
 import os
 import shutil
-import socket
 import stat
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from tests.tinydata import release_together, write_lf_dataset, write_tiny_encoder
+from tests.tinydata import free_port, release_together, write_lf_dataset, write_tiny_encoder
 from xc_dagster.errors import XCConfigError
 from xc_dagster.home import OLD_YAML_HEADERS, YAML_HEADER, Home, render_dagster_yaml
 
@@ -30,12 +29,6 @@ PG_URL = "XC_DAGSTER_POSTGRES_URL"
 
 def _has_binaries() -> bool:
     return bool(os.environ.get("PG_BIN") or shutil.which("initdb") or glob.glob("/usr/lib/postgresql/*/bin/initdb"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _script(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -56,7 +49,7 @@ def pg_server():
     base = Path(tempfile.mkdtemp(prefix="xc-pg-"))
     base.chmod(0o711)
     folder = base / "pg"
-    out = _script("start", str(folder), "--port", str(_free_port()))
+    out = _script("start", str(folder), "--port", str(free_port()))
     if out.returncode == 3:
         shutil.rmtree(base, ignore_errors=True)
         pytest.skip(f"the PostgreSQL server could not start: {out.stderr.strip()[-1500:]}")

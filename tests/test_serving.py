@@ -9,7 +9,6 @@ import dataclasses
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -24,7 +23,7 @@ import pandas as pd
 import pytest
 
 from tests.test_pipeline import TINY
-from tests.tinydata import dagster_instance, stop_process_group, write_lf_dataset, write_tiny_encoder
+from tests.tinydata import dagster_instance, free_port, stop_process_group, write_lf_dataset, write_tiny_encoder
 from xc_dagster import tracking
 from xc_dagster.catalog import Catalog, DatasetSpec
 from xc_dagster.data import load_dataset
@@ -336,12 +335,6 @@ def test_gate_tolerance_from_the_catalog_when_the_run_has_no_config(built):
 
 # ------------------------------------------------------------------------------------- HTTP serving
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get(url: str) -> int:
     try:
         with urllib.request.urlopen(url, timeout=2) as r:
@@ -364,7 +357,7 @@ def test_mlflow_models_serve_answers_scoring_requests(built, tmp_path):
     texts = built.ds.test_texts[:2]
     expected, _ = serving_bundle.predict_topk(texts, bundle, 3)
 
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "MLFLOW_TRACKING_URI": home.mlflow_uri, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
     log = open(tmp_path / "serve.log", "wb")
     proc = subprocess.Popen([str(exe), "models", "serve", "-m", f"models:/{NAME}@champion", "--env-manager",

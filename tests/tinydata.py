@@ -8,11 +8,14 @@ import http.server
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import dagster as dg
@@ -205,3 +208,37 @@ def release_together(imports: str, body: str, n: int, tmp: Path, env: dict[str, 
         stdout, stderr = p.communicate(timeout=180)
         out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
     return out
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 free now (for a server a test starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def graphql(port: int, query: str, variables: dict | None = None) -> dict:
+    """The ``data`` of a GraphQL request to the Dagster webserver on ``port`` (errors fail the test)."""
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/graphql", method="POST",
+                                 data=json.dumps({"query": query, "variables": variables or {}}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        body = json.loads(r.read())
+    assert "errors" not in body, body["errors"]
+    return body["data"]
+
+
+def wait_for(what: str, fn, timeout: float, log: Path, proc: subprocess.Popen):
+    """Poll ``fn`` until it returns something true (a server not answering yet counts as not yet), while ``proc``
+    (the server, writing ``log``) runs; fails naming ``what`` and the log's tail."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, f"server exited ({proc.returncode})\n" + log.read_text()[-4000:]
+        try:
+            value = fn()
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            value = None
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f} s\n" + log.read_text()[-4000:]
+        time.sleep(0.5)
