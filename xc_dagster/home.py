@@ -29,8 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from xc_dagster.config.env import env_positive
 from xc_dagster.durable import atomic_write_text
-from xc_dagster.errors import XCConfigError, XCError
+from xc_dagster.errors import XCError
 from xc_dagster.postgres import advisory_lock, check_url, is_postgres_uri, redact
 from xc_dagster.storage import file_lock
 from xc_dagster.tracking import is_sqlite_uri, prepare_tracking_store
@@ -52,13 +53,7 @@ DAGSTER_SCHEMA_LOCK = 0x78632D6461677374  # and of a Dagster database's ("xc-dag
 
 def training_concurrency(environ: Mapping[str, str] | None = None) -> int:
     """``XC_TRAINING_CONCURRENCY`` (default 1): a whole number from 1 to 1000, else XCConfigError."""
-    raw = (os.environ if environ is None else environ).get(TRAINING_CONCURRENCY, "").strip()
-    if not raw:
-        return DEFAULT_TRAINING_CONCURRENCY
-    if not raw.isdigit() or not 1 <= int(raw) <= MAX_CONCURRENCY:
-        raise XCConfigError(f"{TRAINING_CONCURRENCY}: expected how many training steps may run at once, a whole "
-                            f"number from 1 to {MAX_CONCURRENCY}, got {raw!r}")
-    return int(raw)
+    return int(env_positive(TRAINING_CONCURRENCY, DEFAULT_TRAINING_CONCURRENCY, int, MAX_CONCURRENCY, environ))
 
 
 def render_dagster_yaml(environ: Mapping[str, str] | None = None) -> str:
