@@ -27,6 +27,7 @@ from mlflow.data.meta_dataset import MetaDataset
 from mlflow.entities import InputTag, Metric, Param
 from mlflow.tracking import MlflowClient
 
+from xc_dagster.postgres import is_postgres_uri
 from xc_dagster.remote_store import ROOT_ENV
 
 _log = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ def prepare_tracking_store(uri: str) -> None:
     races: the home calls this once, under its first-use lock and, for PostgreSQL (shared by other hosts), under the
     database's advisory lock. Other stores are left alone: a tracking server migrates its own, another database
     (MySQL, MSSQL) is migrated by its operator."""
-    if is_sqlite_uri(uri) or urlsplit(uri).scheme.split("+")[0] == "postgresql":
+    if is_sqlite_uri(uri) or is_postgres_uri(uri):
         MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
 
 
