@@ -6,10 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import scipy.sparse as sp
+import torch
 
 from tests.test_pipeline import TINY
 from tests.tinydata import tiny_lf_home
 from xc_dagster.catalog import Catalog
+from xc_dagster.errors import XCConfigError
 from xc_dagster.pipeline import StageContext, run_all
 from xc_dagster.pipeline import evaluate as evaluate_stage
 from xc_dagster.pipeline import mining as mining_stage
@@ -110,6 +112,10 @@ def test_capped_index_round_trips_its_cap(tmp_path):
 
 def test_auto_kind_is_exact_up_to_the_threshold_then_hnsw(monkeypatch, tmp_path):
     monkeypatch.setattr(ann, "EXACT_MAX_VECTORS", 100)
+    monkeypatch.setattr(ann, "EXACT_MAX_VECTORS_BF16", 200)
+    monkeypatch.setenv("XC_EXACT_PRECISION", "bf16")  # bf16 scoring: the higher threshold
+    assert resolve_kind("auto", 200) == "exact" and resolve_kind("auto", 201) == "hnsw"
+    monkeypatch.setenv("XC_EXACT_PRECISION", "fp32")
     assert resolve_kind("auto", 100) == "exact" and resolve_kind("auto", 101) == "hnsw"
     assert resolve_kind("hnsw", 5) == "hnsw"
     rng = np.random.default_rng(0)
@@ -124,8 +130,11 @@ def test_auto_kind_is_exact_up_to_the_threshold_then_hnsw(monkeypatch, tmp_path)
         np.testing.assert_array_equal(back.search(q, 5)[1], ix.search(q, 5)[1])
 
 
-def test_exact_search_blocks_bound_the_score_matrix(monkeypatch):
-    """At most EXACT_BLOCK_ENTRIES scores at once, the same top-k as one block."""
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_exact_search_blocks_bound_the_score_matrix(monkeypatch, precision):
+    """At most EXACT_BLOCK_ENTRIES scores at once, the same top-k as one block (bf16 scoring: its re-rank's top-k
+    are over the candidates only)."""
+    monkeypatch.setenv("XC_EXACT_PRECISION", precision)
     rng = np.random.default_rng(1)
     keys, q = rng.normal(size=(1000, 8)).astype(np.float32), rng.normal(size=(64, 8)).astype(np.float32)
     want = exact_topk(q, keys, 7)
@@ -133,7 +142,8 @@ def test_exact_search_blocks_bound_the_score_matrix(monkeypatch):
     real_topk = ann.torch.topk
 
     def spy(t, *a, **kw):
-        seen.append(t.shape[0] * t.shape[1])
+        if t.shape[1] == len(keys):  # the pass over every key, not the re-rank of its candidates
+            seen.append(t.shape[0] * t.shape[1])
         return real_topk(t, *a, **kw)
 
     monkeypatch.setattr(ann, "EXACT_BLOCK_ENTRIES", 5000)
@@ -142,6 +152,49 @@ def test_exact_search_blocks_bound_the_score_matrix(monkeypatch):
     assert max(seen) <= 5000 and len(seen) == 13  # 5 queries x 1,000 keys per block
     np.testing.assert_array_equal(got[1], want[1])
     np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+
+
+def test_bf16_exact_search_returns_the_fp32_top_k_and_scores(monkeypatch):
+    """bf16 scoring with the fp32 re-rank returns fp32's top k and fp32 scores (bf16's own are off by ~1e-3): on
+    spread-out vectors every query is certified by the bf16 pass; in tight clusters (near-ties below bf16's
+    resolution) the uncertified queries are searched again in fp32, still exact. Excluded keys never return; a
+    bad setting fails naming the variable."""
+    rng = np.random.default_rng(3)
+    spread = rng.normal(size=(4000, 32))
+    centres = rng.normal(size=(20, 32))
+    tight = centres[rng.integers(0, 20, 4000)] + 0.05 * rng.normal(size=(4000, 32))
+    real_topk = ann.torch.topk
+    for keys, redone in ((spread, False), (tight, True)):
+        keys = (keys / np.linalg.norm(keys, axis=1, keepdims=True)).astype(np.float32)
+        q = keys[rng.choice(4000, 300, replace=False)] + 0.01 * rng.normal(size=(300, 32)).astype(np.float32)
+        want_s, want = exact_topk(q, keys, 50, precision="fp32")
+        full_passes = []
+
+        def spy(t, *a, **kw):
+            if t.shape[1] == len(keys):
+                full_passes.append(t.dtype)
+            return real_topk(t, *a, **kw)
+
+        monkeypatch.setattr(ann.torch, "topk", spy)
+        got_s, got = exact_topk(q, keys, 50, precision="bf16", block=64)
+        monkeypatch.setattr(ann.torch, "topk", real_topk)
+        assert full_passes.count(torch.bfloat16) == 5  # 300 queries in blocks of 64
+        assert (torch.float32 in full_passes) == redone  # the fp32 pass of uncertified queries
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_allclose(got_s, want_s, atol=2e-6)
+        assert np.abs(got_s - torch.tensor(got_s).bfloat16().float().numpy()).max() > 1e-4  # not bf16 values
+        drop = want[:, 0]
+        _, ids = exact_topk(q, keys, 50, precision="bf16", exclude=drop)
+        np.testing.assert_array_equal(ids, exact_topk(q, keys, 50, precision="fp32", exclude=drop)[1])
+        assert not np.isin(ids, drop).any()
+    # an index whose queries mostly need the second search switches to fp32 after FP32_SWITCH_MIN_QUERIES
+    cache, q2 = {}, np.repeat(q, 4, axis=0)
+    _, ids = exact_topk(q2, keys, 50, precision="bf16", block=64, cache=cache)
+    np.testing.assert_array_equal(ids, np.repeat(want, 4, axis=0))
+    assert cache["fp32_only"] and cache["bf16_searched"] == ann.FP32_SWITCH_MIN_QUERIES  # 16 blocks of 64
+    monkeypatch.setenv("XC_EXACT_PRECISION", "fp16")
+    with pytest.raises(XCConfigError, match="XC_EXACT_PRECISION"):
+        exact_topk(q, keys, 5)
 
 
 def test_evaluation_streamed_in_blocks_equals_one_block(tmp_path, monkeypatch):

@@ -149,7 +149,7 @@ class MiningParams:
     # (label centroids), "knn" (labels of the nearest training points); SiameseXML Module II uses all three
     sources: tuple[AnnSource, ...] = ("label",)
     knn_weight: float = 0.025  # g: candidates ranked by (1 - g)(s_label + s_centroid) + g * s_knn (SiameseXML)
-    # "auto" (exact up to 2^18 vectors, HNSW above: docs/decisions.md#index-auto) | "hnsw" (faiss) | "exact"
+    # "auto" (exact up to 2^18 vectors, 2^19 with bf16 scoring, HNSW above: decisions.md#index-auto) | "hnsw" | "exact"
     # (blocked matmul in torch) | "ivf"
     index: IndexKind = "auto"
     hnsw_m: int = 32
@@ -313,7 +313,7 @@ class FusionParams:
 class IndexParams:
     """ANNS indexes over W and over label embeddings used at inference."""
 
-    kind: IndexKind = "auto"  # "auto" (exact up to 2^18 vectors, else hnsw) | "hnsw" | "exact" | "ivf" (per index)
+    kind: IndexKind = "auto"  # "auto" (exact up to 2^18 / 2^19 (bf16) vectors, else hnsw) | "hnsw" | "exact" | "ivf"
     sources: tuple[Source, ...] = ("W", "label")  # shortlist sources at inference (NGAME: dual MIPS over W and
     # label embeddings; SiameseXML: label, centroid, knn); see xc_dagster.retrieval.shortlist.SOURCES
     label_repr: LabelRepr = "text"  # embedding score r_l.e: "text" r_l = E(z_l) | "text+centroid" E(z_l) + v_l
