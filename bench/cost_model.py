@@ -10,7 +10,7 @@ summaries) and the step's peak RSS (``peak_rss_mb``, logged to MLflow by every s
 least squares on logs (b: the measured exponent; 1 is linear in N and L together) and prints the fit, and with
 ``--predict S`` the extrapolation to S x the shape (e.g. 7.62: the 1.3M shape's 2,248,619 training points against
 the 131K shape's 294,805). An extrapolation holds only while each stage keeps its algorithm: index kinds switch
-from exact search to HNSW at 2^18 vectors (``xc_dagster.retrieval.ann.EXACT_MAX_VECTORS``).
+from exact search to HNSW at 2^18 vectors, 2^19 where exact search scores in bf16 (``xc_dagster.retrieval.ann``).
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ whose centroids score highest (MIPS-s's clustering-based MIPS, O(nprobe * L / nl
 blocked matrix product in torch (on the GPU when there is one), the reference that recall is measured against;
 ``auto`` is ``exact`` up to ``EXACT_MAX_VECTORS`` vectors (twice that where exact search scores in bf16) and
 ``hnsw`` above: below it a matrix product over every vector costs less than building the graph and walking it
-(bench/SCALE.md#index-choice), above it the per-query cost stays O(log L). All return the top-k (scores, ids) per query, ids -1 where fewer than k exist (exact: ties broken by smaller id).
+(bench/SCALE.md#index-choice), above it the per-query cost stays O(log L). All return the top-k (scores, ids) per
+query, ids -1 where fewer than k exist (exact: ties broken by smaller id).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ KINDS = ("hnsw", "ivf", "exact", "auto")
 FP32_AFTER_REDONE = 0.5  # bf16 exact search: with more of its queries searched again in fp32, an index switches
 FP32_SWITCH_MIN_QUERIES = 1024  # to fp32 for good, once it has searched at least this many queries in bf16
 PRECISIONS = ("auto", "fp32", "bf16")  # exact search's scoring pass (XC_EXACT_PRECISION)
-EXACT_MAX_VECTORS = 1 << 18  # kind "auto": exact search up to this many vectors, HNSW above (docs/decisions.md#index-auto)
+EXACT_MAX_VECTORS = 1 << 18  # kind "auto": exact search up to this many vectors, HNSW above (decisions.md#index-auto)
 EXACT_MAX_VECTORS_BF16 = 1 << 19  # the same where exact search scores in bf16, ~1.8x cheaper (decisions.md#exact-bf16)
 EXACT_BLOCK_ENTRIES = 1 << 25  # exact search: at most this many query x key scores held at once (128 MiB float32)
 _NPY_MAGIC = b"\x93NUMPY"  # an exact index's file (np.save); faiss files start otherwise
@@ -59,14 +60,16 @@ def exact_dtype(device: torch.device, precision: str | None = None) -> torch.dty
 
 def exact_topk(queries: np.ndarray, keys: np.ndarray, k: int, block: int = 4096,
                device: torch.device | None = None, exclude: np.ndarray | None = None,
-               precision: str | None = None, cache: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
+               precision: str | None = None, cache: dict | None = None,
+               certify: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Exact top-k inner products, in blocks of at most ``block`` queries and EXACT_BLOCK_ENTRIES scores, so memory
     stays bounded at any L; ``exclude``: key rows never returned. Where bf16 pays (``exact_dtype``) the product
     over every key runs in bf16, its top ``rerank_width(k)`` are re-scored in fp32, and a query whose k-th fp32
     score is not clear of the bf16 error bound above every other key is searched again in fp32 (``_certified``):
     the top k and the scores returned are fp32's either way. Once more than FP32_AFTER_REDONE of the queries
     searched on ``cache``'s keys were searched again (keys closer than bf16 resolves), later blocks and calls go
-    straight to fp32. ``cache``: keeps the keys' tensors (and those counts) between calls."""
+    straight to fp32. ``cache``: keeps the keys' tensors (and those counts) between calls. ``certify=False``
+    skips the second search (the run planner times the common path with it; near-ties may then be missed)."""
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     low = exact_dtype(device, precision)
     n, L = len(queries), len(keys)
@@ -86,7 +89,8 @@ def exact_topk(queries: np.ndarray, keys: np.ndarray, k: int, block: int = 4096,
         if low is not None:
             floor = top_s.min(dim=1).values.float()  # no key outside the candidates scored above this in bf16
             top_s, top_i = _rerank(Q, K, top_s, top_i, kk)
-            redo = (~_certified(top_s, floor, Q, cache["max_norm"])).nonzero()[:, 0] if width < L else []
+            uncertain = ~_certified(top_s, floor, Q, cache["max_norm"])
+            redo = uncertain.nonzero()[:, 0] if width < L and certify else []
             if len(redo):
                 top_s[redo], top_i[redo] = _scored_topk(Q[redo], K, drop, kk, sorted=False)
             # keys too close for bf16 (most queries searched twice): fp32 from here on, for these keys
