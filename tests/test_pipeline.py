@@ -25,7 +25,7 @@ from xc_dagster.errors import XCConfigError
 from xc_dagster.home import Home
 from xc_dagster.pipeline import STAGE_ORDER, StageContext, run_all
 from xc_dagster.storage import ArtifactStore
-from xc_dagster.tracking import experiment_name
+from xc_dagster.tracking import experiment_name, use_tracking_uri
 
 TINY = {
     "pretrain.epochs": 2, "pretrain.batch_size": 16, "pretrain.chunk_size": 8, "pretrain.warmup_steps": 2,
@@ -121,8 +121,8 @@ def test_materialize_all_assets_through_dagster_and_read_mlflow(tiny_home):
     assert ev_meta["decile_plot"].value.startswith("![")  # an inline PNG the UI renders
     p1 = ev_meta["P@1"].value
 
-    mlflow.set_tracking_uri(tiny_home.mlflow_uri)
-    runs = mlflow.search_runs(experiment_names=[experiment_name("TinyTitles")], output_format="list")
+    with use_tracking_uri(tiny_home.mlflow_uri):  # mlflow.set_tracking_uri alone would export the URI to later tests
+        runs = mlflow.search_runs(experiment_names=[experiment_name("TinyTitles")], output_format="list")
     # one parent run for the Dagster run, a nested run per stage; the parent ends with the run and shows the
     # evaluation's numbers and the dataset
     parents = [r for r in runs if r.data.tags.get("xc.kind") == "pipeline"]

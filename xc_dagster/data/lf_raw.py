@@ -75,8 +75,9 @@ def read_jsonl_fast(path: Path, fields: Sequence[str], n_labels: int | None,
                 if acc is not None:
                     _targets(batch, acc)
     except (pa.ArrowException, OSError, EOFError, zlib.error, UnicodeDecodeError, ValueError) as e:
-        if grown.total > grown.cap:  # the stream passed its expansion cap: no fallback re-reads it
-            raise grown.error() from None
+        # the line-by-line reader words the error, also past the expansion cap (it re-reads at most up to the cap):
+        # Arrow's threads read ahead by a varying amount, so which of a long line and the cap it meets first here
+        # depends on the machine's load, and the user should get the same error for the same file
         raise FastPathFailed from e
     return texts, acc
 
