@@ -11,6 +11,10 @@
   xc-dagster materialize NAME [--select SEL] [--set stage.field=value ...]
                                    every asset of one partition (or --select's), through `dagster asset
                                    materialize`; --set values go to that run's config only
+  xc-dagster plan NAME [--set stage.field=value ...] [--points N --test-points N --labels L
+                  --labels-per-point X --tokens T] [--json] [--recalibrate]
+                                   each stage's predicted seconds and peak memory on this machine, before a
+                                   run (docs/planning.md)
   xc-dagster metrics NAME          the test metrics of the last evaluation
   xc-dagster compare NAME          the dataset's evaluation runs from MLflow, best first, with the papers'
                                    published numbers for it as reference rows
@@ -50,6 +54,7 @@ from xc_dagster.evaluation.comparison import (
     reference_rows,
 )
 from xc_dagster.home import Home, venv_executable
+from xc_dagster.planning import format_plan, plan_run
 from xc_dagster.serving.retraining import feed_root, list_feeds, register_click_dataset
 from xc_dagster.serving.source_changes import changed_datasets
 from xc_dagster.strategies import STRATEGIES, strategy_help
@@ -160,6 +165,17 @@ def materialize(home: Home, name: str, select: str = "*", overrides: Mapping[str
         cmd += ["--config-json", json.dumps(run_config)]
     print("$ " + shlex.join(cmd), flush=True)
     return subprocess.call(cmd, env=_env(home))
+
+
+def cmd_plan(args: argparse.Namespace, home: Home) -> int:
+    """Each stage's predicted seconds and peak memory for a run of NAME with ``--set`` (as ``materialize`` would
+    resolve its config), the shape from the ingest/tokenize summaries or the shape options."""
+    cfg = Catalog(home.catalog).get(args.name).config(parse_set_options(args.set or []))
+    given = {"n_train": args.points, "n_test": args.test_points, "n_labels": args.labels,
+             "labels_per_point": args.labels_per_point, "tokens": args.tokens}
+    plan = plan_run(home.cache, home.artifacts, args.name, cfg, given, recalibrate=args.recalibrate)
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
+    return 0
 
 
 def print_metrics(home: Home, name: str) -> int:
@@ -297,6 +313,17 @@ def build_parser() -> argparse.ArgumentParser:
     mat.add_argument("--select", default="*", help="Dagster asset selection (default: all)")
     mat.add_argument("--set", action="append", metavar="STAGE.FIELD=VALUE",
                      help="hyperparameter override for this run only (the stage asset's run config); repeatable")
+    pl = sub.add_parser("plan", help="predict each stage's seconds and peak memory on this machine, before a run")
+    pl.add_argument("name")
+    pl.add_argument("--set", action="append", metavar="STAGE.FIELD=VALUE",
+                    help="hyperparameter override, as materialize --set takes it; repeatable")
+    pl.add_argument("--points", type=int, help="training points (default: the ingest summary's)")
+    pl.add_argument("--test-points", type=int, help="test points (default: the ingest summary's)")
+    pl.add_argument("--labels", type=int, help="labels (default: the ingest summary's)")
+    pl.add_argument("--labels-per-point", type=float, help="mean labels per training point (default: ingest's)")
+    pl.add_argument("--tokens", type=float, help="mean tokens per text (default: the tokenize summary's)")
+    pl.add_argument("--json", action="store_true", help="machine-readable output")
+    pl.add_argument("--recalibrate", action="store_true", help="measure this machine's unit costs again")
     met = sub.add_parser("metrics", help="print the last evaluation's test metrics")
     met.add_argument("name")
     cmp_ = sub.add_parser("compare", help="compare the evaluation runs of a dataset (MLflow), best first")
@@ -342,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
             return rc
         if args.cmd == "metrics":
             return print_metrics(home, args.name)
+        if args.cmd == "plan":
+            return cmd_plan(args, home)
         if args.cmd == "compare":
             return cmd_compare(args, home)
         if args.cmd == "clicks":
