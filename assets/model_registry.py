@@ -44,6 +44,9 @@ class RegisteredModelConfig(dg.Config):
         default=0, ge=0, description="neighbours per index when serving (0 = index.shortlist_size, as evaluated); "
                                      "another value re-evaluates the model so the gate sees the served numbers")
     ef_search: int = pydantic.Field(default=0, ge=0, description="HNSW efSearch when serving (0 = as evaluated)")
+    graph_above: int = pydantic.Field(
+        default=0, ge=0, description="serve each exact index of more vectors than this from an HNSW graph built at "
+                                     "registration (single-query latency); 0 = as evaluated. Re-evaluates the model")
 
 
 def _check_spec(partitions: dg.PartitionsDefinition) -> dg.AssetCheckSpec:
@@ -108,7 +111,8 @@ def build(partitions: dg.PartitionsDefinition) -> dg.AssetsDefinition:
         reg = register_model(ctx, tracker, {"dagster_run_id": context.run_id, "strategy": cfg.strategy,
                                             "preset": cfg.preset},
                              default_k=config.default_k, bundle_code=config.bundle_code, device=device,
-                             shortlist_size=config.shortlist_size, ef_search=config.ef_search)
+                             shortlist_size=config.shortlist_size, ef_search=config.ef_search,
+                             graph_above=config.graph_above)
         tolerance, tolerance_source = spec.champion_tolerance(config.tolerance)
         decision = champion_gate(ctx, tracker, reg, tolerance, device=device)
         decision["tolerance_source"] = tolerance_source

@@ -31,6 +31,7 @@ from xc_dagster.errors import XCConfigError
 from xc_dagster.evaluation.metrics import remove_filtered
 from xc_dagster.home import Home
 from xc_dagster.pipeline import StageContext, run_all
+from xc_dagster.retrieval.ann import saved_kind
 from xc_dagster.serving import bundle as serving_bundle
 from xc_dagster.serving import registry
 from xc_dagster.storage import ArtifactStore, load_json, save_json
@@ -150,6 +151,29 @@ def test_bundle_reproduces_the_evaluation(built, tmp_path):
     ids_fast, _ = serving_bundle.predict_topk(built.ds.test_texts, serving_bundle.load_bundle(tmp_path / "fast", "cpu"), 10)
     width = 3 * len(fast["sources"])  # at most 3 candidates from each source (ngame: W, label, knn)
     assert ((ids_fast >= 0).sum(1) <= width).all() and ((ids_fast >= 0).sum(1) >= 3).all()
+
+
+def test_large_exact_indexes_are_served_from_graphs(built, tmp_path):
+    """``graph_above``: each exact index of more vectors is written as an HNSW graph (the rest linked as they
+    are), recorded in serving.json and as not as evaluated; its answers equal the exact bundle's on this small set
+    (HNSW with efSearch above the vectors finds every neighbour)."""
+    exact = serving_bundle.write_bundle(built.ctx, tmp_path / "exact")
+    sizes = {name: len(np.load(tmp_path / "exact" / name)) for name in ("W.index", "label_emb.index", "knn.index")}
+    above = min(sizes.values())  # the smaller indexes stay exact, the larger become graphs
+    info = serving_bundle.write_bundle(built.ctx, tmp_path / "graph", graph_above=above)
+    want = sorted(name for name, n in sizes.items() if n > above)
+    assert want and info["graph_indexes"] == sorted(info["graph_indexes"]) == want
+    assert info["as_evaluated"] is False and exact["as_evaluated"] is True and exact["graph_indexes"] == []
+    for name, n in sizes.items():
+        assert saved_kind(tmp_path / "graph" / name) == ("hnsw" if n > above else "exact")
+    graph = serving_bundle.load_bundle(tmp_path / "graph", "cpu")
+    ids, scores = serving_bundle.predict_topk(built.ds.test_texts, graph, 10)
+    want_ids, want_scores = serving_bundle.predict_topk(
+        built.ds.test_texts, serving_bundle.load_bundle(tmp_path / "exact", "cpu"), 10)
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_allclose(scores, want_scores, rtol=1e-5, atol=1e-6)
+    with pytest.raises(XCConfigError, match="graph_above"):
+        serving_bundle.write_bundle(built.ctx, tmp_path / "bad", graph_above=-1)
 
 
 # ---------------------------------------------------------------------------- registry and promotion

@@ -159,6 +159,12 @@ def _rerank(Q: torch.Tensor, K: torch.Tensor, low_s: torch.Tensor, cand: torch.T
     return torch.cat(out_s), torch.cat(out_i)
 
 
+def saved_kind(path: Path) -> str:
+    """What ``LabelIndex.save`` wrote at ``path``: ``exact`` (.npy vectors) or ``hnsw`` (a faiss file)."""
+    with open(path, "rb") as fh:
+        return "exact" if fh.read(len(_NPY_MAGIC)) == _NPY_MAGIC else "hnsw"
+
+
 class LabelIndex:
     """A MIPS index over L label vectors (rows of W or label embeddings)."""
 
@@ -228,8 +234,7 @@ class LabelIndex:
     def load(cls, path: Path, kind: str, ef_search: int = 200, nprobe: int = 64) -> "LabelIndex":
         """The index ``save`` wrote; ``auto``: exact or faiss as the file says."""
         if kind == "auto":
-            with open(path, "rb") as fh:
-                kind = "exact" if fh.read(len(_NPY_MAGIC)) == _NPY_MAGIC else "hnsw"
+            kind = saved_kind(path)
         if kind != "exact":
             return cls(kind, faiss_index=faiss.read_index(str(path)), ef_search=ef_search, nprobe=nprobe)
         with open(path, "rb") as fh:

@@ -52,6 +52,7 @@ from xc_dagster.encoders.encode import encode_tokens
 from xc_dagster.encoders.loading import load_encoder
 from xc_dagster.encoders.tokenizer import load_tokenizer, tokenize_texts
 from xc_dagster.errors import XCConfigError, XCError
+from xc_dagster.retrieval.ann import LabelIndex, saved_kind
 from xc_dagster.retrieval.fusion import load_fusion
 from xc_dagster.retrieval.lexical import LEXICAL_DIR, read_config
 from xc_dagster.retrieval.shortlist import (
@@ -124,21 +125,36 @@ def _link_tree(src: Path, dst: Path) -> None:
             _link_or_copy(f, dst / f.relative_to(src))
 
 
+def _graph_copy(src: Path, dst: Path, graph_above: int, ctx: "StageContext") -> bool:
+    """Write to ``dst`` an HNSW graph (``index.hnsw_m`` / ``hnsw_ef_construction``) of the exact index ``src`` when it
+    holds more than ``graph_above`` vectors (0: never), for single-query latency: exact search reads every vector
+    per query (8 ms at 131K, docs/decisions.md#exact-bf16), the graph a few hundred. True when it did."""
+    if graph_above <= 0 or saved_kind(src) != "exact":
+        return False
+    vectors = np.load(src, mmap_mode="r", allow_pickle=False)
+    if len(vectors) <= graph_above:
+        return False
+    p = ctx.cfg.index
+    LabelIndex("hnsw", np.asarray(vectors), m=p.hnsw_m, ef_construction=p.hnsw_ef_construction).save(dst)
+    return True
+
+
 def write_bundle(ctx: "StageContext", out: Path, default_k: int = 10, shortlist_size: int = 0,
-                 ef_search: int = 0) -> dict[str, Any]:
+                 ef_search: int = 0, graph_above: int = 0) -> dict[str, Any]:
     """Assemble the serving bundle of ``ctx``'s dataset from the stages' artifacts into ``out``.
 
     Reads what the artifact contract declares for the registered model: the deployed encoder and its label
     embeddings (pretrain's, or classifier's when it fine-tuned the encoder), W, the index stage's files, the fitted
     fusion and the ingested label texts; computes the inverse propensities as evaluation does.
     ``shortlist_size`` / ``ef_search`` > 0 override the evaluated ``index.shortlist_size`` /
-    ``index.hnsw_ef_search`` (a faster, slightly less exact serving setting). Returns ``serving.json``.
+    ``index.hnsw_ef_search`` (a faster, slightly less exact serving setting); ``graph_above`` > 0 serves each exact
+    index of more vectors from an HNSW graph built here (``_graph_copy``). Returns ``serving.json``.
     """
     if default_k < 1:
         raise XCConfigError(f"serving default_k: expected >= 1, got {default_k}")
-    if shortlist_size < 0 or ef_search < 0:
-        raise XCConfigError(f"serving shortlist_size / ef_search: expected >= 0 (0 = as evaluated), got "
-                            f"{shortlist_size} / {ef_search}")
+    if shortlist_size < 0 or ef_search < 0 or graph_above < 0:
+        raise XCConfigError(f"serving shortlist_size / ef_search / graph_above: expected >= 0 (0 = as evaluated), "
+                            f"got {shortlist_size} / {ef_search} / {graph_above}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     read = ctx.read
@@ -148,8 +164,10 @@ def write_bundle(ctx: "StageContext", out: Path, default_k: int = 10, shortlist_
     _link_or_copy(read.path("classifier", W), out / "W.npy")
     idx_summary = read.summary("index")
     sources = idx_summary.get("sources", ["W", "label"])
+    graphs = [INDEX_FILES[n] for n in sources if n in INDEX_FILES and (idx / INDEX_FILES[n]).exists()
+              and _graph_copy(idx / INDEX_FILES[n], out / INDEX_FILES[n], graph_above, ctx)]
     for name in [INDEX_FILES[n] for n in sources if n in INDEX_FILES] + [KNN_LABELS_FILE, CENTROID_FILE]:
-        if (idx / name).exists():
+        if (idx / name).exists() and name not in graphs:
             _link_or_copy(idx / name, out / name)
     if "lexical" in sources:
         lexical = read_config(idx / LEXICAL_DIR)
@@ -171,12 +189,12 @@ def write_bundle(ctx: "StageContext", out: Path, default_k: int = 10, shortlist_
         "pooling": pre_summary.get("pooling", ctx.cfg.pretrain.pooling),
         "max_len": int(tok_summary.get("max_len", ctx.cfg.tokenize.max_len)),
         "amp": ctx.cfg.pretrain.amp, "encode_batch_size": int(ctx.cfg.pretrain.encode_batch_size),
-        "index_kind": idx_summary["kind"], "sources": list(sources),
+        "index_kind": "auto" if graphs else idx_summary["kind"], "graph_indexes": graphs, "sources": list(sources),
         "label_repr": idx_summary.get("label_repr", "text"),
         "knn_neighbours": int(idx_summary.get("knn_neighbours", 0)), "ef_search": int(ef_search or ctx.cfg.index.hnsw_ef_search),
         "shortlist_size": int(shortlist_size or ctx.cfg.index.shortlist_size), "fusion": fusion_method,
         "as_evaluated": (not shortlist_size or shortlist_size == ctx.cfg.index.shortlist_size)
-                        and (not ef_search or ef_search == ctx.cfg.index.hnsw_ef_search),
+                        and (not ef_search or ef_search == ctx.cfg.index.hnsw_ef_search) and not graphs,
         "num_labels": int(idx_summary["labels"]), "dim": int(idx_summary["dim"]), "default_k": int(default_k),
         "propensity_a": ctx.cfg.evaluate.propensity_a, "propensity_b": ctx.cfg.evaluate.propensity_b,
     }

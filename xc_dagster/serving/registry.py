@@ -143,12 +143,13 @@ def _aliases(client: "MlflowClient", name: str) -> dict[str, str]:
 
 def register_model(ctx: "StageContext", tracker: "Tracker", tags: Mapping[str, str] | None = None,
                    default_k: int = 10, bundle_code: bool = True, device: str | torch.device | None = None,
-                   shortlist_size: int = 0, ef_search: int = 0) -> dict[str, Any]:
+                   shortlist_size: int = 0, ef_search: int = 0, graph_above: int = 0) -> dict[str, Any]:
     """Log the dataset's model (one run tagged ``asset=registered_model`` in the dataset's experiment) and
     register it as ``xc-<dataset>``; alias ``champion`` if the model has none, else ``challenger``.
 
     The version's tags hold its test ``precision_at_1`` / ``psprecision_at_1`` (from the evaluation stage's
-    ``metrics.json``; with a serving ``shortlist_size`` / ``ef_search`` other than the evaluated ones, from
+    ``metrics.json``; with a serving ``shortlist_size`` / ``ef_search`` other than the evaluated ones, or exact
+    indexes served as HNSW graphs (``graph_above``, ``serving.bundle.write_bundle``), from
     a re-evaluation of the bundle on the test split, so they are the served model's numbers), the split
     fingerprint and the evaluation run id, so the gate reads both sides.
     Returns name, version, alias, URIs, run and model ids, metrics (and their source) and fingerprint.
@@ -166,17 +167,18 @@ def register_model(ctx: "StageContext", tracker: "Tracker", tags: Mapping[str, s
     ds = ctx.read.dataset(features=False)
     example = [t for t in ds.test_texts[:2] if t] or [t for t in ds.label_texts[:2] if t] or ["example"]
     params = {**ctx.cfg.flat(), "serving.default_k": default_k, "serving.bundle_code": bundle_code,
-              "serving.shortlist_size": shortlist_size, "serving.ef_search": ef_search}
+              "serving.shortlist_size": shortlist_size, "serving.ef_search": ef_search,
+              "serving.graph_above": graph_above}
     run_tags = {"registered_model": name, **({"evaluation_run_id": eval_run} if eval_run else {}),
                 **dict(tags or {})}
     with tempfile.TemporaryDirectory(prefix="xc-bundle-") as tmp, \
             tracker.run(ctx.name, ASSET_TAG, params, run_tags) as run, use_tracking_uri(tracker.tracking_uri), \
             fluent_run(run.run_id):
         bundle_dir = Path(tmp) / "bundle"
-        info = write_bundle(ctx, bundle_dir, default_k, shortlist_size, ef_search)
+        info = write_bundle(ctx, bundle_dir, default_k, shortlist_size, ef_search, graph_above)
         if not info["as_evaluated"]:  # the served settings' own numbers
             metrics = evaluate_bundle(load_bundle(bundle_dir, device), ctx)
-            metrics_source = "re-evaluated with the serving shortlist/efSearch"
+            metrics_source = "re-evaluated with the serving shortlist/efSearch/graphs"
         model_info = log_pyfunc(bundle_dir, example, default_k, bundle_code, registered_model_name=name,
                                 device=device)
         version = str(model_info.registered_model_version)
