@@ -99,6 +99,17 @@ def test_hnsw_above_the_exact_limit_scales_with_log_n(monkeypatch):
     assert stages["evaluate"].parts["knn search (hnsw, 1,000)"] == pytest.approx(1000 * math.log(400_000) * 1e-5)
 
 
+def test_classifier_calibration_follows_the_labels_up_to_its_cap():
+    """The classifier's calibration runs with the shape's L rounded up to a power of two (its step cost grows
+    with the distinct W rows a batch touches), at least 1,024, at most CLASSIFIER_MAX_LABELS (CLASSIFIER_LABELS
+    when the trainer also trains the encoder)."""
+    assert calibration.classifier_labels(300, False) == 1024
+    assert calibration.classifier_labels(20_000, False) == 32_768
+    assert calibration.classifier_labels(32_768, False) == 32_768
+    assert calibration.classifier_labels(131_073, False) == calibration.CLASSIFIER_MAX_LABELS == 65_536
+    assert calibration.classifier_labels(131_073, True) == calibration.CLASSIFIER_LABELS
+
+
 def test_shape_from_summaries_and_missing_options(tmp_path):
     cfg = resolve_config()
     with pytest.raises(XCConfigError) as e:

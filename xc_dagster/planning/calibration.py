@@ -50,6 +50,16 @@ EXACT_QUERIES, EXACT_KEYS = 2048, 32_768
 HNSW_VECTORS, HNSW_QUERIES = 10_000, 1000
 ENCODE_TEXTS = 1024
 CLASSIFIER_POINTS, CLASSIFIER_LABELS = 8192, 16_384
+# a classifier step's cost grows with the distinct rows of W it touches, which grow with L until the batch's
+# candidates bound them (bench/SCALE.md: 24.7K rows at 32K labels, 34.2K at 65K): its calibration takes the
+# shape's L, rounded up to a power of two, up to this many labels (the encoder-training trainers: CLASSIFIER_LABELS)
+CLASSIFIER_MAX_LABELS = 65_536
+
+
+def classifier_labels(n_labels: int, train_encoder: bool) -> int:
+    """The labels a classifier calibration runs with for a dataset of ``n_labels``."""
+    cap = CLASSIFIER_LABELS if train_encoder else CLASSIFIER_MAX_LABELS
+    return min(max(1024, 1 << max(int(n_labels) - 1, 1).bit_length()), cap)
 FUSION_POINTS, FUSION_WIDTH = 2000, 400
 LEXICAL_QUERIES = 2000
 TRAINER_REPS = 2  # calibrations of a trainer's steps, the least kept
@@ -238,12 +248,13 @@ def encoder_units(cfg: PipelineConfig, mean_len: float, label_len: float, per_po
 
 
 def classifier_unit(cfg: PipelineConfig, dim: int, k: int, per_point: float, mean_len: float,
-                    device: torch.device) -> dict[str, float]:
+                    device: torch.device, labels: int = CLASSIFIER_LABELS) -> dict[str, float]:
     """Seconds per step of the configured classifier trainer (hardest negatives, or BCE over sampled negatives
-    with the encoder when ``classifier.train_encoder``) on random unit embeddings and a random shortlist."""
+    with the encoder when ``classifier.train_encoder``) on random unit embeddings of ``labels`` labels and a random
+    shortlist."""
     p = dataclasses.replace(cfg.classifier, epochs=1.0)
     rng = np.random.default_rng(0)
-    n, L = CLASSIFIER_POINTS, CLASSIFIER_LABELS
+    n, L = CLASSIFIER_POINTS, labels
     X, E = unit_vectors(rng, n, dim), unit_vectors(rng, L, dim)
     Y = random_targets(rng, n, L, per_point)
     sl = rng.integers(0, L, (n, k)).astype(np.int32)

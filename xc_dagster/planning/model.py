@@ -16,6 +16,7 @@ from xc_dagster.device import amp_dtype
 from xc_dagster.errors import XCConfigError
 from xc_dagster.planning.calibration import (
     UnitCosts,
+    classifier_labels,
     classifier_unit,
     encoder_units,
     exact_unit,
@@ -111,13 +112,15 @@ class Costs:
 
     def classifier_step_s(self) -> float:
         c = self.cfg.classifier
+        labels = classifier_labels(self.shape.n_labels, c.train_encoder)
         settings = {"dim": self.dim, "k": self.cfg.mining.shortlist_size, "encoder": self.cfg.tokenize.encoder,
+                    "labels": labels,
                     "classifier": _fields(c, "batch_size", "negatives", "num_positives", "num_negatives", "loss",
                                           "w_optimizer", "train_encoder", "num_hard", "num_random", "sampler_index",
                                           "propensity_weight", "cluster_size", "chunk_size")}
         return self.u.get("classifier", settings, lambda: classifier_unit(
             self.cfg, self.dim, self.cfg.mining.shortlist_size, self.shape.labels_per_point, self.shape.tokens,
-            self.device))["step_s"]
+            self.device, labels))["step_s"]
 
     def fusion(self, knn: bool, lexical: bool) -> dict[str, float]:
         f = self.cfg.fusion
