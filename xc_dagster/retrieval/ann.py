@@ -19,7 +19,7 @@ import faiss
 import numpy as np
 import torch
 
-from xc_dagster.device import amp_dtype
+from xc_dagster.device import amp_dtype, resolve_device
 from xc_dagster.errors import XCConfigError
 
 KINDS = ("hnsw", "ivf", "exact", "auto")
@@ -39,8 +39,7 @@ def resolve_kind(kind: str, n: int) -> str:
         raise XCConfigError(f"index kind: expected one of {'|'.join(KINDS)}, got {kind!r}")
     if kind != "auto":
         return kind
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    limit = EXACT_MAX_VECTORS if exact_dtype(device) is None else EXACT_MAX_VECTORS_BF16
+    limit = EXACT_MAX_VECTORS if exact_dtype(resolve_device("auto")) is None else EXACT_MAX_VECTORS_BF16
     return "exact" if n <= limit else "hnsw"
 
 
@@ -70,7 +69,7 @@ def exact_topk(queries: np.ndarray, keys: np.ndarray, k: int, block: int = 4096,
     searched on ``cache``'s keys were searched again (keys closer than bf16 resolves), later blocks and calls go
     straight to fp32. ``cache``: keeps the keys' tensors (and those counts) between calls. ``certify=False``
     skips the second search (the run planner times the common path with it; near-ties may then be missed)."""
-    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = device or resolve_device("auto")
     low = exact_dtype(device, precision)
     n, L = len(queries), len(keys)
     block = max(1, min(block, EXACT_BLOCK_ENTRIES // max(L, 1)))
@@ -89,8 +88,7 @@ def exact_topk(queries: np.ndarray, keys: np.ndarray, k: int, block: int = 4096,
         if low is not None:
             floor = top_s.min(dim=1).values.float()  # no key outside the candidates scored above this in bf16
             top_s, top_i = _rerank(Q, K, top_s, top_i, kk)
-            uncertain = ~_certified(top_s, floor, Q, cache["max_norm"])
-            redo = uncertain.nonzero()[:, 0] if width < L and certify else []
+            redo = (~_certified(top_s, floor, Q, cache["max_norm"])).nonzero()[:, 0] if width < L and certify else []
             if len(redo):
                 top_s[redo], top_i[redo] = _scored_topk(Q[redo], K, drop, kk, sorted=False)
             # keys too close for bf16 (most queries searched twice): fp32 from here on, for these keys
