@@ -25,6 +25,7 @@ import scipy.sparse as sp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from xc_dagster.config import FusionParams  # noqa: E402
+from xc_dagster.planning.calibration import best_seconds  # noqa: E402
 from xc_dagster.retrieval.fusion import alpha  # noqa: E402
 from xc_dagster.retrieval.fusion.objective import ObjectiveOnShortlist  # noqa: E402
 from xc_dagster.retrieval.shortlist import Shortlist, fuse  # noqa: E402
@@ -97,13 +98,7 @@ def timed_fit(sl: Shortlist, Y: sp.csr_matrix, inv_prop: np.ndarray, filter_pair
 
 def best_ms(f, repeats: int) -> float:
     """The fastest of ``repeats`` calls of ``f`` in ms (the least disturbed by other work on the machine)."""
-    f()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * min(times)
+    return 1e3 * best_seconds(f, repeats)
 
 
 def per_call(sl: Shortlist, Y: sp.csr_matrix, inv_prop: np.ndarray, filter_pairs: np.ndarray,

@@ -141,7 +141,7 @@ def _generated_sample() -> dict[str, Any]:
     return {"ds": ds, "ingest_s_per_text": ingest_s / texts}
 
 
-def _best(fn: Callable[[], Any], reps: int = 3) -> float:
+def best_seconds(fn: Callable[[], Any], reps: int = 3) -> float:
     """The least wall seconds of ``reps`` calls of ``fn`` after one untimed call: the machine's speed when
     other work leaves it alone (the least is the least disturbed)."""
     fn()
@@ -174,7 +174,7 @@ def exact_unit(dim: int, k: int, device: torch.device) -> dict[str, float]:
     rng = np.random.default_rng(0)
     q, keys = unit_vectors(rng, EXACT_QUERIES, dim), unit_vectors(rng, EXACT_KEYS, dim)
     cache: dict = {}
-    sec = _best(lambda: exact_topk(q, keys, k, device=device, cache=cache, certify=False), reps=4)
+    sec = best_seconds(lambda: exact_topk(q, keys, k, device=device, cache=cache, certify=False), reps=4)
     return {"pair_s": sec / (EXACT_QUERIES * EXACT_KEYS)}
 
 
@@ -189,7 +189,7 @@ def hnsw_unit(dim: int, m: int, ef_construction: int, ef_search: int, k: int) ->
     idx.add(x)
     build = time.perf_counter() - t0
     idx.hnsw.efSearch = max(ef_search, k)
-    search = _best(lambda: idx.search(q, k), reps=1)
+    search = best_seconds(lambda: idx.search(q, k), reps=1)
     log_n = math.log(HNSW_VECTORS)
     return {"build_s_per_vector_log": build / HNSW_VECTORS / log_n,
             "search_s_per_query_log": search / HNSW_QUERIES / log_n}
@@ -233,7 +233,7 @@ def encoder_units(cfg: PipelineConfig, mean_len: float, label_len: float, per_po
     rng = np.random.default_rng(0)
     pt = synthetic_tokens(rng, ENCODE_TEXTS, mean_len, t.max_len, vocab)
     lt = synthetic_tokens(rng, ENCODE_TEXTS, label_len, t.label_max_len or t.max_len, vocab)
-    enc_s = _best(lambda: encode_tokens(encoder, *pt, device, dtype, p.encode_batch_size))
+    enc_s = best_seconds(lambda: encode_tokens(encoder, *pt, device, dtype, p.encode_batch_size))
     out = {"dim": float(encoder.dim), "encode_texts_per_s": ENCODE_TEXTS / enc_s, "pretrain_step_s": 0.0,
            **{f"shape_{k}": float(v) for k, v in dataclasses.asdict(EncoderShape.of(encoder)).items()}}
     if p.epochs > 0:
@@ -284,14 +284,14 @@ def text_units(costs: UnitCosts, cfg: PipelineConfig) -> dict[str, float]:
     ds = s["ds"]
     tok = load_tokenizer(cfg.tokenize.encoder)
     texts = list(ds.train_texts)
-    tok_s = _best(lambda: tokenize_texts(tok, texts[:4096], cfg.tokenize.max_len))
+    tok_s = best_seconds(lambda: tokenize_texts(tok, texts[:4096], cfg.tokenize.max_len))
     p = cfg.index
     t0 = time.perf_counter()
     lex = LexicalIndex.fit(texts, list(ds.label_texts), ds.Y_train, p.lexical_neighbours, p.lexical_min_df,
                            max_postings=p.lexical_max_postings if len(texts) > p.lexical_exact_points else 0)
     fit_s = time.perf_counter() - t0
     queries = list(ds.test_texts)[:LEXICAL_QUERIES]
-    score_s = _best(lambda: lex.scores(lex.transform(queries)), reps=2)
+    score_s = best_seconds(lambda: lex.scores(lex.transform(queries)), reps=2)
     return {"ingest_s_per_text": s["ingest_s_per_text"], "tokenize_texts_per_s": 4096 / tok_s,
             "lexical_fit_s_per_text": fit_s / (len(texts) + ds.num_labels),
             "lexical_query_s": score_s / len(queries), "lexical_points": float(len(texts))}
@@ -313,7 +313,7 @@ def fusion_unit(cfg: PipelineConfig, knn: bool, lexical: bool) -> dict[str, floa
     t0 = time.perf_counter()
     fit_fusion(sl, Y, p, inv, None)
     sec = time.perf_counter() - t0
-    rank = _best(lambda: topk_from_scores(ids, sl.emb, 100))
+    rank = best_seconds(lambda: topk_from_scores(ids, sl.emb, 100))
     return {"s_per_entry": sec / (grid_points(cfg, knn, lexical) * n * w), "rank_s_per_entry": rank / (n * w)}
 
 
@@ -324,7 +324,7 @@ def retrieve_unit(dim: int, k: int, pair_s: float) -> dict[str, float]:
     n, L = 4096, max(2 * k, 2048)
     W, E, q = unit_vectors(rng, L, dim), unit_vectors(rng, L, dim), unit_vectors(rng, n, dim)
     src = build_sources(("W", "label"), W, E, None, None, None, "text", "exact", 32, 200, 200)
-    sec = _best(lambda: retrieve(q, src, k), reps=2)
+    sec = best_seconds(lambda: retrieve(q, src, k), reps=2)
     return {"s_per_entry": max(sec - 2 * n * L * pair_s, 0.0) / (n * 2 * k)}
 
 
