@@ -77,8 +77,13 @@ def test_work_counts_of_a_hand_computed_shape(monkeypatch):
     assert cls.memory["W and its start"] == 2 * 300 * 8 * 4
     index = stages["index"]
     assert index.kinds == {"W": "exact", "label": "exact", "knn": "exact"}  # lexical: no ANNS index
-    assert index.memory["W index"] == 300 * 8 * 4  # L x D float32 (no bf16 copy in fp32)
-    assert index.memory["knn index"] == 1000 * 8 * 4  # with include_validation every training point
+    # one part at a time: the peak is the largest part, here the lexical index of 1,300 texts of 6 tokens (TF-IDF
+    # entries and the texts), over the kNN index of every training point (include_validation) and its vectors
+    lexical, knn = 1300 * (2 * 6 * 24 + 60 + 5 * 6), 2 * 1000 * 8 * 4
+    assert index.memory == {"lexical index and texts (the largest part; one at a time)": lexical} and lexical > knn
+    wide = {p.name: p for p in plan_stages(Costs(FixedUnits(), cfg, s), _ngame(**{"index.sources": ["W", "knn"]}),
+                                           s, None)}["index"]
+    assert wide.memory == {"knn index and its vectors (the largest part; one at a time)": knn}
     ev = stages["evaluate"]
     assert ev.parts["W search (exact, 200 x 300)"] == pytest.approx(200 * 300 * 1e-9)
     assert ev.parts["knn search (exact, 200 x 1,000)"] == pytest.approx(200 * 1000 * 1e-9)

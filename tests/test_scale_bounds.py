@@ -217,3 +217,4 @@ def test_evaluation_streamed_in_blocks_equals_one_block(tmp_path, monkeypatch):
     np.testing.assert_array_equal(first, again)
     assert many["metrics"] == one["metrics"]
     assert not (first[0] == 19).any() and not (first[3] == 18).any()  # the filter pairs stay out
+

@@ -48,7 +48,29 @@ def test_label_centroids_hand_computed():
     b = np.array([1, 2]) / math.sqrt(5)  # (0,1)+(1,1) = (1,2)
     assert C[1] == pytest.approx(b)
     assert C[2] == pytest.approx([0, 0])  # no non-validation point: zero vector, scores 0
-    assert np.allclose(label_centroids(X, Y, rows=np.array([0, 1, 2]), block=1), C)  # streamed the same
+    assert np.allclose(label_centroids(X, Y, rows=np.array([0, 1, 2]), block_entries=1), C)  # streamed the same
+
+
+def test_label_centroids_blocks_hold_only_their_labels(monkeypatch):
+    """Each block's product is taken over only the labels in the block (a dense L x D product per block held
+    4 GB at 1.3M labels) and the result equals the dense computation."""
+    widths = []
+    real = sp.csc_matrix.__matmul__
+
+    def spy(a, b):
+        widths.append(a.shape[0])  # the block's Y^T: its labels x its rows
+        return real(a, b)
+
+    rng = np.random.default_rng(0)
+    L, n = 5000, 400
+    Y = sp.random(n, L, density=3 / L, format="csr", random_state=1, dtype=np.float32)
+    Y.data[:] = 1
+    E = rng.standard_normal((n, 8)).astype(np.float32)
+    dense = np.asarray(Y.T @ E.astype(np.float64))
+    dense /= np.maximum(np.linalg.norm(dense, axis=1, keepdims=True), 1e-30)
+    monkeypatch.setattr(sp.csc_matrix, "__matmul__", spy)
+    np.testing.assert_allclose(label_centroids(E, Y, block_entries=64), dense, atol=1e-5)
+    assert len(widths) >= n * 3 // 64 // 2 and max(widths) <= 64 < L  # no block's sums span every label
 
 
 def test_knn_label_scores_sum_similarities_and_rank():
@@ -274,3 +296,24 @@ def test_knn_score_from_the_k_nearest_neighbours_only():
         want = (X[order] @ X[i]) @ Yd[order] / K
         ok = sl.ids[i] >= 0
         assert sl.knn[i][ok] == pytest.approx(want[sl.ids[i][ok]], abs=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["exact", "hnsw"])
+def test_loaded_sources_score_with_the_vectors_their_indexes_hold(tmp_path, kind):
+    """W and the label embeddings are in memory once when evaluating: the W / label indexes' own vectors (an
+    HNSW graph's flat storage, viewed without a copy, the view keeping the index alive), equal to the files."""
+    import gc
+
+    rng = np.random.default_rng(3)
+    W, E = _unit(rng.standard_normal((300, 16))), _unit(rng.standard_normal((300, 16)))
+    save_sources(build_sources(("W", "label"), W, E, None, None, None, "text", kind, 8, 40, 40), tmp_path, None)
+    np.save(tmp_path / "W.npy", W)
+    src = load_sources(tmp_path, ("W", "label"), "text", kind, 40, np.load(tmp_path / "W.npy", mmap_mode="r"), E)
+    assert not isinstance(src.W, np.memmap) and src.W.dtype == np.float32
+    np.testing.assert_array_equal(src.W, W)
+    np.testing.assert_array_equal(src.label_repr, E)
+    assert np.shares_memory(src.W, src.indexes["W"].stored_vectors())
+    view = src.indexes["W"].stored_vectors()
+    del src
+    gc.collect()
+    np.testing.assert_array_equal(view, W)  # the index lives as long as a view of its vectors

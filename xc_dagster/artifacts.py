@@ -237,8 +237,8 @@ class ArtifactReader:
     def mining_centroids(self) -> np.ndarray:
         return np.load(self.path("mining", CENTROID_FILE))
 
-    def W(self) -> np.ndarray:
-        return np.load(self.path("classifier", W))
+    def W(self, mmap: bool = False) -> np.ndarray:
+        return np.load(self.path("classifier", W), mmap_mode="r" if mmap else None)
 
     def shortlist_sources(self, ef_search: int, heldout: bool = False) -> ShortlistSources:
         """W, the label representation and the indexes, as the index stage recorded them (kind, sources).
@@ -249,7 +249,7 @@ class ArtifactReader:
         info = self.summary("index")
         points = d / HELDOUT if heldout and (d / HELDOUT).is_dir() else None
         return load_sources(d, tuple(info.get("sources", ("W", "label"))), info.get("label_repr", "text"),
-                            info["kind"], ef_search, self.W(), self.embeddings("label"),
+                            info["kind"], ef_search, self.W(mmap=True), self.embeddings("label", mmap=True),
                             int(info.get("knn_neighbours", 0)), points)
 
     def lexical_queries(self, sources: ShortlistSources, split: str,

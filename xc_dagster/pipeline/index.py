@@ -5,23 +5,26 @@ source's TF-IDF index (``xc_dagster.retrieval.lexical``) when the sources name i
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import scipy.sparse as sp
 
 from xc_dagster.artifacts import HELDOUT, SUMMARY
 from xc_dagster.errors import XCConfigError
 from xc_dagster.pipeline.context import StageContext
+from xc_dagster.progress import in_one_call
 from xc_dagster.retrieval.ann import LabelIndex
-from xc_dagster.retrieval.lexical import LexicalIndex
+from xc_dagster.retrieval.lexical import LEXICAL_DIR, LexicalIndex
 from xc_dagster.retrieval.shortlist import (
+    CENTROID_FILE,
+    INDEX_FILES,
     KNN_EXCLUDED_FILE,
-    build_sources,
+    KNN_LABELS_FILE,
     check_label_repr,
     check_sources,
     label_centroids,
-    save_parts,
-    save_sources,
 )
 from xc_dagster.storage import save_json
 
@@ -76,60 +79,80 @@ def _lexical_or_note(ctx: StageContext, rows: np.ndarray, Y_train: Any,
         return None, str(e)
 
 
+def _build(ctx: StageContext, name: str, vectors: np.ndarray, out: Path) -> str:
+    """Build one source's index, write it to ``out`` and let it go (one index in memory at a time: at 1.3M
+    labels and 2.25M points all of them together with their vectors held ~20 GB); returns its kind."""
+    p = ctx.cfg.index
+    with in_one_call(f"index {name}", len(vectors), "vectors", ctx.info, f"{p.kind} build"):
+        index = LabelIndex(p.kind, vectors, m=p.hnsw_m, ef_construction=p.hnsw_ef_construction,
+                           ef_search=p.hnsw_ef_search)
+    index.save(out / INDEX_FILES[name])
+    return index.kind
+
+
 def run(ctx: StageContext) -> dict[str, Any]:
-    """Build and save the indexes; with ``index.include_validation`` the deployed kNN index and centroids hold
-    every training point, and ``heldout/`` what the fusion is fitted with: the centroids without the validation
-    points and the kNN rows to exclude (the deployed kNN index searched without them: no second build)."""
+    """Build and save the indexes, one at a time; with ``index.include_validation`` the deployed kNN index and
+    centroids hold every training point, and ``heldout/`` what the fusion is fitted with: the centroids without
+    the validation points and the kNN rows to exclude (the deployed kNN index searched without them: no second
+    build)."""
     p = ctx.cfg.index
     _check(p)
     t0 = time.perf_counter()
-    W = ctx.read.W()
-    label_emb = ctx.read.embeddings("label")
+    W = ctx.read.W(mmap=True)
     need_centroids = "centroid" in p.sources or p.label_repr == "text+centroid"
-    centroids = point_emb = knn_labels = h_centroids = lexical = None
-    note = ""
-    heldout = False  # the fusion is fitted without the validation points (index/heldout/)
     points_knn = "knn" in p.sources or "lexical" in p.sources  # a kNN over training points, held out by rows
-    if need_centroids or points_knn:
-        ds = ctx.read.labels()
-        rows = ctx.read.train_rows(ds.num_train)
-        # from the deployed encoder's embeddings: mining's centroids are stale once ASTRA/MIPS-s fine-tuned it
-        train_emb = ctx.read.embeddings("train", mmap=True)
-        heldout = p.include_validation and len(rows) < ds.num_train
-        deployed = np.arange(ds.num_train) if heldout else rows
-        if need_centroids:
-            centroids = label_centroids(train_emb, ds.Y_train, deployed)
-            h_centroids = label_centroids(train_emb, ds.Y_train, rows) if heldout else None
-        if "knn" in p.sources:
-            point_emb, knn_labels = np.asarray(train_emb[deployed]), ds.Y_train[deployed]
-        if "lexical" in p.sources:
-            lexical, note = _lexical_or_note(ctx, deployed, ds.Y_train, rows)
-    sources = tuple(s for s in p.sources if s != "lexical" or lexical is not None)
-    src = build_sources(sources, W, label_emb, centroids, point_emb, knn_labels, p.label_repr, p.kind,
-                        p.hnsw_m, p.hnsw_ef_construction, p.hnsw_ef_search, lexical, report=ctx.info)
+    kinds: dict[str, str] = {}
+    note, heldout, knn_points, lexical_summary = "", False, 0, None
     with ctx.writing() as out:
-        save_sources(src, out, centroids)
-        summary = {"kind": p.kind, "kinds": {n: ix.kind for n, ix in src.indexes.items()},
+        if need_centroids or points_knn:
+            ds = ctx.read.labels()
+            rows = ctx.read.train_rows(ds.num_train)
+            # from the deployed encoder's embeddings: mining's centroids are stale once ASTRA/MIPS-s fine-tuned it
+            train_emb = ctx.read.embeddings("train", mmap=True)
+            heldout = p.include_validation and len(rows) < ds.num_train
+            deployed = np.arange(ds.num_train) if heldout else rows
+            if "lexical" in p.sources:
+                lexical, note = _lexical_or_note(ctx, deployed, ds.Y_train, rows)
+                if lexical is not None:
+                    lexical.save(out / LEXICAL_DIR)
+                    lexical_summary = {"input": lexical.input, "points": lexical.num_points,
+                                       "terms": int(lexical.points.shape[1]), "neighbours": lexical.neighbours,
+                                       "max_postings": lexical.max_postings, "label_text": lexical.labels is not None,
+                                       "feature_words": lexical.words is not None}
+                del lexical
+            if need_centroids:
+                centroids = label_centroids(train_emb, ds.Y_train, deployed)
+                if "centroid" in p.sources:
+                    kinds["centroid"] = _build(ctx, "centroid", centroids, out)
+                np.save(out / CENTROID_FILE, centroids)
+                del centroids
+            if "knn" in p.sources:
+                kinds["knn"] = _build(ctx, "knn", train_emb[deployed], out)
+                sp.save_npz(out / KNN_LABELS_FILE, ds.Y_train[deployed].tocsr().astype(np.float32))
+                knn_points = len(deployed)
+        for name, read in (("W", lambda: W), ("label", lambda: ctx.read.embeddings("label", mmap=True))):
+            if name in p.sources:
+                kinds[name] = _build(ctx, name, read(), out)
+        if heldout:  # what the fusion is fitted with: the same parts without the validation points
+            held = out / HELDOUT
+            held.mkdir(parents=True, exist_ok=True)
+            if need_centroids:
+                h_centroids = label_centroids(train_emb, ds.Y_train, rows)
+                if "centroid" in p.sources:
+                    _build(ctx, "centroid", h_centroids, held)
+                np.save(held / CENTROID_FILE, h_centroids)
+            if points_knn:  # the validation rows, excluded from the deployed kNN and lexical neighbours
+                np.save(held / KNN_EXCLUDED_FILE, np.setdiff1d(np.arange(ds.num_train), rows))
+        sources = tuple(s for s in p.sources if s != "lexical" or lexical_summary is not None)
+        summary = {"kind": p.kind, "kinds": {n: kinds[n] for n in sources if n in kinds},
                    "sources": list(sources), "label_repr": p.label_repr,
-                   "labels": int(len(W)), "dim": int(W.shape[1]),
-                   "knn_points": int(point_emb.shape[0]) if point_emb is not None else 0,
+                   "labels": int(len(W)), "dim": int(W.shape[1]), "knn_points": knn_points,
                    "knn_neighbours": int(p.knn_neighbours) if "knn" in p.sources else 0}
         if note:
             summary["lexical_left_out"] = note
-        if lexical is not None:
-            summary["lexical"] = {"input": lexical.input, "points": lexical.num_points,
-                                  "terms": int(lexical.points.shape[1]), "neighbours": lexical.neighbours,
-                                  "max_postings": lexical.max_postings,
-                                  "label_text": lexical.labels is not None,
-                                  "feature_words": lexical.words is not None}
-        if heldout:  # what the fusion is fitted with: the same parts without the validation points
-            held = out / HELDOUT
-            save_parts(held, {"centroid": LabelIndex(p.kind, h_centroids, m=p.hnsw_m,
-                                                     ef_construction=p.hnsw_ef_construction,
-                                                     ef_search=p.hnsw_ef_search)} if "centroid" in p.sources else {},
-                       None, h_centroids)
-            if points_knn:  # the validation rows, excluded from the deployed kNN and lexical neighbours
-                np.save(held / KNN_EXCLUDED_FILE, np.setdiff1d(np.arange(ds.num_train), rows))
+        if lexical_summary is not None:
+            summary["lexical"] = lexical_summary
+        if heldout:
             summary["heldout_knn_points"] = int(len(rows)) if points_knn else 0
         summary["seconds"] = time.perf_counter() - t0
         save_json(out / SUMMARY, summary)

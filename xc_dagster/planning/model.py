@@ -149,7 +149,8 @@ def index_work(c: Costs, plan: StagePlan, name: str, kind: str, keys: int, queri
             plan.parts[f"{name} search (exact, {queries:,} x {keys:,})"] = queries * keys * c.exact_pair_s(k)
         low = 2 if exact_dtype(c.device) is not None else 0
         plan.memory[f"{name} index"] = keys * c.dim * (F32 + low)
-        plan.memory.setdefault("exact search block", EXACT_BLOCK_ENTRIES * F32)
+        if queries:
+            plan.memory.setdefault("exact search block", EXACT_BLOCK_ENTRIES * F32)
         return
     if kind == "ivf":
         plan.notes.append(f"{name}: an ivf index is planned as an exact scan of the keys (an upper bound)")
@@ -298,23 +299,32 @@ def knn_points(cfg: PipelineConfig, s: Shape) -> int:
 
 
 def stage_index(c: Costs, cfg: PipelineConfig, s: Shape) -> StagePlan:
+    """Each part is built, written and let go in turn: the peak is the largest part (an index with the copy of
+    the vectors it is built from, or the lexical index with its texts), not their sum."""
     p = cfg.index
     plan = StagePlan("index")
     keys = {"W": s.n_labels, "label": s.n_labels, "centroid": s.n_labels, "knn": knn_points(cfg, s)}
-    for name in p.sources:
-        if name != "lexical":
-            index_work(c, plan, name, p.kind, keys[name], 0, p.shortlist_size,
-                       (p.hnsw_m, p.hnsw_ef_construction, p.hnsw_ef_search))
-    if "centroid" in p.sources and cfg.index.include_validation and s.n_valid:
-        index_work(c, plan, "held-out centroid", p.kind, s.n_labels, 0, p.shortlist_size,
-                   (p.hnsw_m, p.hnsw_ef_construction, p.hnsw_ef_search))
+    hnsw = (p.hnsw_m, p.hnsw_ef_construction, p.hnsw_ef_search)
+    parts = {}
+    held_out = "centroid" in p.sources and cfg.index.include_validation and s.n_valid
+    builds = [(n, keys[n]) for n in p.sources if n != "lexical"] + [("centroid", s.n_labels)] * bool(held_out)
+    for name, n in builds:
+        part = StagePlan("index")
+        index_work(c, part, name, p.kind, n, 0, p.shortlist_size, hnsw)
+        label = name if name not in plan.kinds else f"held-out {name}"
+        plan.kinds.setdefault(name, part.kinds[name])
+        plan.parts.update({k.replace(name, label, 1): v for k, v in part.parts.items()})
+        parts[f"{label} index and its vectors"] = sum(part.memory.values()) + n * c.dim * F32
     if "lexical" in p.sources:
         n = keys["knn"] + s.n_labels
         plan.parts[f"lexical TF-IDF fit, {n:,} texts"] = n * c.text()["lexical_fit_s_per_text"]
-        plan.memory["lexical index"] = 2 * n * s.tokens * LEXICAL_BYTES_PER_TOKEN
-        plan.memory["texts"] = n * (TEXT_BYTES + TEXT_BYTES_PER_TOKEN * s.tokens)
-    plan.memory["W, label embeddings, centroids"] = 4 * s.n_labels * c.dim * F32
-    plan.memory["training point embeddings"] = s.n_train * c.dim * F32
+        parts["lexical index and texts"] = n * (2 * s.tokens * LEXICAL_BYTES_PER_TOKEN + TEXT_BYTES
+                                                + TEXT_BYTES_PER_TOKEN * s.tokens)
+    if cfg.index.label_repr == "text+centroid":
+        parts["label centroids"] = s.n_labels * c.dim * F32  # computed and written before the indexes
+    if parts:
+        largest = max(parts, key=parts.get)
+        plan.memory[f"{largest} (the largest part; one at a time)"] = parts[largest]
     return plan
 
 
@@ -338,7 +348,10 @@ def inference_work(c: Costs, cfg: PipelineConfig, s: Shape, plan: StagePlan, que
     width = p.shortlist_size * len(p.sources)
     plan.parts["merge and score the shortlists"] = queries * width * c.retrieve_entry_s(p.shortlist_size)
     shortlist_memory(plan, queries, width, c.dim, 2 + ("knn" in p.sources) + ("lexical" in p.sources))
-    plan.memory["W, label embeddings, centroids"] = 3 * s.n_labels * c.dim * F32
+    # W and the label embeddings are scored from their indexes' copies (exact, HNSW), else read in
+    apart = sum(n not in p.sources or plan.kinds.get(n) == "ivf" for n in ("W", "label"))
+    apart += p.label_repr == "text+centroid"  # E(z_l) + v_l (the centroids it is made from are let go)
+    plan.memory["W, label embeddings, centroids (besides the indexes)"] = apart * s.n_labels * c.dim * F32
     return width
 
 

@@ -163,6 +163,14 @@ def saved_kind(path: Path) -> str:
         return "exact" if fh.read(len(_NPY_MAGIC)) == _NPY_MAGIC else "hnsw"
 
 
+class _Owned:
+    """An array view of memory that ``owner`` holds: ``np.asarray`` of it keeps ``owner`` alive with the view."""
+
+    def __init__(self, view: np.ndarray, owner: object):
+        self.__array_interface__ = view.__array_interface__
+        self.owner = owner
+
+
 class LabelIndex:
     """A MIPS index over L label vectors (rows of W or label embeddings)."""
 
@@ -192,12 +200,27 @@ class LabelIndex:
                 idx.train(self._vectors)
             idx.add(self._vectors)
             self._index = idx
+        if self._index is not None:
+            self._vectors = None  # the faiss index holds its own copy: the caller's array can be freed
         if self._index is not None and kind == "hnsw":
             self._index.hnsw.efSearch = ef_search
 
     @property
     def size(self) -> int:
         return int(self._index.ntotal) if self._index is not None else len(self._vectors)
+
+    def stored_vectors(self) -> np.ndarray | None:
+        """The indexed vectors as the index holds them, without a copy (exact: its array; HNSW: a view of the
+        graph's flat storage, which keeps the index alive); None for IVF, whose lists hold them scattered."""
+        if self.kind == "exact":
+            return self._vectors
+        if self.kind != "hnsw":
+            return None
+        flat = faiss.downcast_index(self._index.storage)
+        n, d = int(flat.ntotal), int(flat.d)
+        if not isinstance(flat, faiss.IndexFlat) or n == 0:
+            return None
+        return np.asarray(_Owned(faiss.rev_swig_ptr(flat.get_xb(), n * d).reshape(n, d), self._index))
 
     def search(self, queries: np.ndarray, k: int,
                exclude: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:

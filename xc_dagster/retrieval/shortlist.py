@@ -31,13 +31,14 @@ from xc_dagster.errors import XCConfigError
 from xc_dagster.progress import Advance, Report, in_one_call
 from xc_dagster.retrieval.ann import LabelIndex
 from xc_dagster.retrieval.lexical import LEXICAL_DIR, LexicalIndex
-from xc_dagster.retrieval.sparse_rows import sparse_lookup, sparse_topk
+from xc_dagster.retrieval.sparse_rows import sparse_lookup, sparse_topk, work_blocks
 from xc_dagster.sampling.labels import dedupe_rows
 
 SOURCES = ("W", "label", "centroid", "knn", "lexical")
 ANN_SOURCES = SOURCES[:4]  # searched with embeddings in an ANNS index; "lexical" with TF-IDF rows
 POINT_SOURCES = ("centroid", "knn")  # built from training points; "W" and "label" from the labels
 LABEL_REPRS = ("text", "text+centroid")
+CENTROID_BLOCK_ENTRIES = 1 << 17  # label_centroids: label entries per block (its float64 sums: <= 400 MB at D 384)
 
 
 @dataclass
@@ -93,19 +94,25 @@ def check_label_repr(label_repr: str, where: str) -> None:
 
 
 def label_centroids(point_emb: np.ndarray, Y: sp.csr_matrix, rows: np.ndarray | None = None,
-                    block: int = 65536) -> np.ndarray:
+                    block_entries: int = CENTROID_BLOCK_ENTRIES) -> np.ndarray:
     """v_l = normalise(mean of E(x_i) over training points i with y_il = 1) (SiameseXML); 0 for unseen labels.
 
-    O(nnz(Y) * D), streamed over row blocks so ``point_emb`` may be a memmap.
+    O(nnz(Y) * D), streamed over blocks of rows holding about ``block_entries`` label entries, so ``point_emb``
+    may be a memmap and memory is L x D float32 plus one block's sums: each block's product is taken over only
+    the labels it has (a dense L x D product per block held 4 GB at 1.3M labels), in float64, then added.
     """
     Y = Y.tocsr()
     rows = np.arange(Y.shape[0]) if rows is None else np.asarray(rows, dtype=np.int64)
-    acc = np.zeros((Y.shape[1], point_emb.shape[1]), dtype=np.float64)
-    for s in range(0, len(rows), block):
-        r = rows[s:s + block]
-        acc += np.asarray(Y[r].T @ np.asarray(point_emb[r], dtype=np.float64))
+    acc = np.zeros((Y.shape[1], point_emb.shape[1]), dtype=np.float32)
+    for s, e in work_blocks(np.diff(Y.indptr)[rows], block_entries, len(rows)):
+        r = rows[s:e]
+        Yr = Y[r]
+        cols, inv = np.unique(Yr.indices, return_inverse=True)
+        sub = sp.csr_matrix((Yr.data.astype(np.float64), inv.ravel(), Yr.indptr), shape=(len(r), len(cols)))
+        acc[cols] += sub.T @ np.asarray(point_emb[r], dtype=np.float64)
     norm = np.linalg.norm(acc, axis=1, keepdims=True)
-    return np.divide(acc, norm, out=np.zeros_like(acc), where=norm > 0).astype(np.float32)
+    np.divide(acc, norm, out=acc, where=norm > 0)  # rows of unseen labels stay 0
+    return acc
 
 
 def knn_label_scores(nbr_ids: np.ndarray, nbr_sims: np.ndarray, knn_labels: sp.csr_matrix,
@@ -294,6 +301,7 @@ def load_sources(folder, sources: tuple[str, ...], label_repr: str, kind: str, e
 
     indexes = {name: LabelIndex.load(where(INDEX_FILES[name], name in POINT_SOURCES), kind, ef_search)
                for name in sources if name != "lexical"}
+    W, label_emb = _held_by(indexes.get("W"), W), _held_by(indexes.get("label"), label_emb)
     knn = excluded = None
     if "knn" in sources:
         knn = sp.load_npz(where(KNN_LABELS_FILE)).tocsr()
@@ -305,6 +313,17 @@ def load_sources(folder, sources: tuple[str, ...], label_repr: str, kind: str, e
     centroids = np.load(path, allow_pickle=False) if path.exists() else None
     return ShortlistSources(W, label_representation(label_emb, centroids, label_repr), indexes, knn, knn_neighbours,
                             excluded, lexical)
+
+
+def _held_by(index: LabelIndex | None, vectors: np.ndarray) -> np.ndarray:
+    """``vectors`` (e.g. a memmap of W) as the index over them stores them, so they are in memory once (at 1.3M
+    labels W and the label embeddings are 2 GB each), else read into memory."""
+    held = None if index is None else index.stored_vectors()
+    if held is not None and held.shape == vectors.shape:
+        return held
+    if isinstance(vectors, np.memmap):
+        return np.array(vectors, dtype=np.float32)  # into memory: a writable array, read once
+    return np.asarray(vectors, dtype=np.float32)
 
 
 def shortlist(queries: np.ndarray, W: np.ndarray, label_emb: np.ndarray, w_index: LabelIndex,

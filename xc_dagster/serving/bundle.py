@@ -222,13 +222,13 @@ def load_bundle(folder: str | Path, device: str | torch.device | None = None) ->
     kind, efs = info["index_kind"], int(info["ef_search"])
     labels = pq.read_table(folder / "labels.parquet", columns=["text"]).column("text").to_pylist()
     label_texts = np.array(["" if t is None else t for t in labels], dtype=object)
-    W = np.load(folder / "W.npy", allow_pickle=False)
+    W = np.load(folder / "W.npy", allow_pickle=False, mmap_mode="r")  # served from the W index's copy when it has one
     if len(label_texts) != len(W):
         raise XCError(f"serving bundle {folder}: {len(label_texts)} label texts for {len(W)} classifiers")
     return ServingBundle(
         encoder=encoder, tokenizer=tokenizer, max_len=int(info["max_len"]),
         sources=load_sources(folder, tuple(info.get("sources", ("W", "label"))), info.get("label_repr", "text"),
-                             kind, efs, W, np.load(folder / "label_emb.npy", allow_pickle=False),
+                             kind, efs, W, np.load(folder / "label_emb.npy", allow_pickle=False, mmap_mode="r"),
                              int(info.get("knn_neighbours", 0))),
         fusion=load_fusion(load_json(folder / "fusion.json")),
         inv_prop=np.load(folder / "inv_prop.npy", allow_pickle=False), label_texts=label_texts,
