@@ -68,6 +68,7 @@ LABEL_EMB = "label_emb.npy"
 CLASSIFIER_INIT = "classifier_init.npy"  # a warm start's W (pretrain.warm_start)
 # mining
 SHORTLIST = "shortlist.npy"
+MINING_LABEL_INDEX = "label_emb.index"  # mining's graph over the pretrained label embeddings, reused by the index stage
 SHORTLIST_SCORES = "shortlist_scores.npy"
 # classifier
 W = "W.npy"
@@ -106,10 +107,11 @@ CONTRACT: dict[str, StageArtifacts] = {s.stage: s for s in (
     _stage("ingest", "dataset", (), DATASET, VALID_ROWS, CHECKS, LABEL_FREQ, LABEL_FREQ_PLOT),
     _stage("tokenize", "tokens", ("ingest",), *(f for s in TOKEN_SPLITS for f in token_files(s))),
     _stage("pretrain", "siamese_encoder", ("ingest", "tokenize"), ENCODER, TRAIN_EMB, LABEL_EMB, CLASSIFIER_INIT),
-    _stage("mining", "negative_shortlist", ("ingest", "pretrain"), SHORTLIST, SHORTLIST_SCORES, CENTROID_FILE),
+    _stage("mining", "negative_shortlist", ("ingest", "pretrain"), SHORTLIST, SHORTLIST_SCORES, CENTROID_FILE,
+           MINING_LABEL_INDEX),
     _stage("classifier", "classifiers", ("ingest", "tokenize", "pretrain", "mining"), W, ENCODER, TRAIN_EMB,
            LABEL_EMB),
-    _stage("index", "ann_index", ("ingest", "pretrain", "classifier"), *INDEX_FILES.values(), KNN_LABELS_FILE,
+    _stage("index", "ann_index", ("ingest", "pretrain", "mining", "classifier"), *INDEX_FILES.values(), KNN_LABELS_FILE,
            CENTROID_FILE, LEXICAL_DIR, HELDOUT),
     _stage("fusion", "fusion", ("ingest", "pretrain", "mining", "classifier", "index"), FUSION),
     _stage("evaluate", "evaluation", ("ingest", "tokenize", "pretrain", "mining", "classifier", "index", "fusion"),

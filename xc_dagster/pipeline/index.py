@@ -4,6 +4,7 @@ source's TF-IDF index (``xc_dagster.retrieval.lexical``) when the sources name i
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -11,11 +12,11 @@ from typing import Any
 import numpy as np
 import scipy.sparse as sp
 
-from xc_dagster.artifacts import HELDOUT, SUMMARY
+from xc_dagster.artifacts import HELDOUT, MINING_LABEL_INDEX, SUMMARY
 from xc_dagster.errors import XCConfigError
 from xc_dagster.pipeline.context import StageContext
 from xc_dagster.progress import in_one_call
-from xc_dagster.retrieval.ann import LabelIndex
+from xc_dagster.retrieval.ann import LabelIndex, resolve_kind
 from xc_dagster.retrieval.lexical import LEXICAL_DIR, LexicalIndex
 from xc_dagster.retrieval.shortlist import (
     CENTROID_FILE,
@@ -25,6 +26,7 @@ from xc_dagster.retrieval.shortlist import (
     check_label_repr,
     check_sources,
     label_centroids,
+    label_index_settings,
 )
 from xc_dagster.storage import save_json
 
@@ -79,10 +81,30 @@ def _lexical_or_note(ctx: StageContext, rows: np.ndarray, Y_train: Any,
         return None, str(e)
 
 
+def _mining_label_index(ctx: StageContext, n_labels: int) -> Path | None:
+    """Mining's index over the label embeddings when it is the one this stage would build: the deployed encoder
+    is the pretrained one (the same embeddings) and the kind and graph settings match."""
+    p = ctx.cfg.index
+    if ctx.read.model_dir() != ctx.dir("pretrain"):
+        return None
+    want = label_index_settings(resolve_kind(p.kind, n_labels), p.hnsw_m, p.hnsw_ef_construction)
+    path = ctx.read.path("mining", MINING_LABEL_INDEX)
+    if ctx.read.summary("mining").get("label_index") != want or not path.exists():
+        return None
+    return path
+
+
 def _build(ctx: StageContext, name: str, vectors: np.ndarray, out: Path) -> str:
     """Build one source's index, write it to ``out`` and let it go (one index in memory at a time: at 1.3M
-    labels and 2.25M points all of them together with their vectors held ~20 GB); returns its kind."""
+    labels and 2.25M points all of them together with their vectors held ~20 GB); returns its kind. The label
+    graph mining built over the same embeddings is copied instead (a 1.3M-label graph takes ~20 minutes)."""
     p = ctx.cfg.index
+    built = _mining_label_index(ctx, len(vectors)) if name == "label" else None
+    if built is not None:
+        kind = resolve_kind(p.kind, len(vectors))
+        shutil.copyfile(built, out / INDEX_FILES[name])
+        ctx.info(f"index {name}: mining's {kind} index over the same label embeddings, copied")
+        return kind
     with in_one_call(f"index {name}", len(vectors), "vectors", ctx.info, f"{p.kind} build"):
         index = LabelIndex(p.kind, vectors, m=p.hnsw_m, ef_construction=p.hnsw_ef_construction,
                            ef_search=p.hnsw_ef_search)

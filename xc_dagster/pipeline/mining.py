@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from xc_dagster.artifacts import LABEL_EMB, SHORTLIST, SHORTLIST_SCORES, SUMMARY, TRAIN_EMB
+from xc_dagster.artifacts import LABEL_EMB, MINING_LABEL_INDEX, SHORTLIST, SHORTLIST_SCORES, SUMMARY, TRAIN_EMB
 from xc_dagster.evaluation.metrics import recall_at
 from xc_dagster.pipeline.context import StageContext
 from xc_dagster.retrieval.shortlist import (
@@ -18,6 +18,7 @@ from xc_dagster.retrieval.shortlist import (
     build_sources,
     check_sources,
     label_centroids,
+    label_index_settings,
     retrieve,
     topk_from_scores,
 )
@@ -55,9 +56,13 @@ def run(ctx: StageContext) -> dict[str, Any]:
             ids[s:e], scores[s:e] = top
     recall = recall_at(ids, ds.Y_train)
     summary = {"shortlist_size": k, "sources": list(p.sources), "train_recall": recall,
-               "kinds": {n: ix.kind for n, ix in src.indexes.items()},
-               "seconds": time.perf_counter() - t0}
+               "kinds": {n: ix.kind for n, ix in src.indexes.items()}}
+    label = src.indexes.get("label")
     with ctx.writing() as out:
+        if label is not None and label.kind != "exact":  # a graph the index stage reuses while the encoder is
+            label.save(out / MINING_LABEL_INDEX)          # the pretrained one (nothing to reuse in an exact one)
+            summary["label_index"] = label_index_settings(label.kind, p.hnsw_m, p.hnsw_ef_construction)
+        summary["seconds"] = time.perf_counter() - t0
         np.save(out / SHORTLIST, ids)
         np.save(out / SHORTLIST_SCORES, scores)
         np.save(out / CENTROID_FILE, centroids)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import scipy.sparse as sp
@@ -262,6 +263,11 @@ def build_sources(sources: tuple[str, ...], W: np.ndarray, label_emb: np.ndarray
     return ShortlistSources(W, label_representation(label_emb, centroids, label_repr), indexes,
                             knn_labels.tocsr() if knn_labels is not None else None,
                             lexical=lexical if "lexical" in sources else None)
+
+
+def label_index_settings(kind: str, m: int, ef_construction: int) -> dict[str, Any]:
+    """What decides a built label index's graph (the index stage reuses mining's when they match)."""
+    return {"kind": kind, "m": int(m), "ef_construction": int(ef_construction)}
 
 
 def save_sources(src: ShortlistSources, folder, centroids: np.ndarray | None) -> None:
