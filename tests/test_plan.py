@@ -188,3 +188,19 @@ def test_calibration_is_cached_and_recalibrate_measures_again(tmp_path, monkeypa
     assert [s.seconds for s in second.stages] == [s.seconds for s in first.stages]
     with pytest.raises(AssertionError, match="measured although cached"):
         plan_run(home.cache, home.artifacts, "TinyTitles", cfg, given, recalibrate=True)
+
+
+def test_hnsw_graphs_of_millions_are_flagged_as_beyond_the_ln_n_model(monkeypatch):
+    """Above 2^19 vectors the ln n scaling of a 10,000-vector calibration under-predicted the 1.3M shape's graphs
+    3-6x (memory-bound): the plan says so for each such index, and not below."""
+    from xc_dagster.planning.model import HNSW_LOG_MODEL_UP_TO
+
+    monkeypatch.setenv("XC_EXACT_PRECISION", "fp32")
+    cfg = _ngame(**{"train.budget_minutes": 0})
+    big = Shape(2_248_619, 1000, 1_305_265, 22.0, 6.0, 6.0, 5000)
+    stages = {p.name: p for p in plan_stages(Costs(FixedUnits(), cfg, big), cfg, big, None)}
+    notes = [n for n in stages["index"].notes if "memory-bound" in n]
+    assert [n.split(":")[0] for n in notes] == ["W", "label", "knn"] and HNSW_LOG_MODEL_UP_TO == 1 << 19
+    small = Shape(400_000, 1000, 300, 2.0, 6.0, 6.0, 5000)
+    stages = {p.name: p for p in plan_stages(Costs(FixedUnits(), cfg, small), cfg, small, None)}
+    assert stages["index"].kinds["knn"] == "hnsw" and not any("memory-bound" in n for n in stages["index"].notes)

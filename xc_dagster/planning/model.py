@@ -15,6 +15,7 @@ from xc_dagster.config import PipelineConfig
 from xc_dagster.device import amp_dtype
 from xc_dagster.errors import XCConfigError
 from xc_dagster.planning.calibration import (
+    HNSW_VECTORS,
     UnitCosts,
     classifier_labels,
     classifier_unit,
@@ -32,6 +33,7 @@ from xc_dagster.sampling.negatives import SAMPLERS
 from xc_dagster.training.memory import EncoderShape, plan_step_memory, step_loss_bytes
 
 F32 = 4
+HNSW_LOG_MODEL_UP_TO = 1 << 19  # HNSW graphs measured within ~1.5x of the ln n model up to here (bench/SCALE.md)
 TEXT_BYTES, TEXT_BYTES_PER_TOKEN = 60, 5  # a Python str of a title: header + characters
 LEXICAL_BYTES_PER_TOKEN = 2 * 12  # TF-IDF entries (word 1-2 grams) per token, index and value (float32, int64)
 
@@ -159,6 +161,10 @@ def index_work(c: Costs, plan: StagePlan, name: str, kind: str, keys: int, queri
         return
     u = c.hnsw(*hnsw, k)
     log_n = math.log(max(keys, 2))
+    if keys > HNSW_LOG_MODEL_UP_TO:
+        plan.notes.append(f"{name}: HNSW over {keys:,} vectors is planned from {HNSW_VECTORS:,} vectors scaled by "
+                          "ln n; graphs of millions of vectors are memory-bound and were measured 3-6x slower than "
+                          "such a plan (bench/SCALE.md#hnsw-at-a-million-vectors-measured-against-the-plan)")
     if build:
         plan.parts[f"{name} build (hnsw, {keys:,})"] = keys * log_n * u["build_s_per_vector_log"]
     if queries:
@@ -314,6 +320,7 @@ def stage_index(c: Costs, cfg: PipelineConfig, s: Shape) -> StagePlan:
         label = name if name not in plan.kinds else f"held-out {name}"
         plan.kinds.setdefault(name, part.kinds[name])
         plan.parts.update({k.replace(name, label, 1): v for k, v in part.parts.items()})
+        plan.notes += [n.replace(name, label, 1) for n in part.notes]
         parts[f"{label} index and its vectors"] = sum(part.memory.values()) + n * c.dim * F32
     if "lexical" in p.sources:
         n = keys["knn"] + s.n_labels
