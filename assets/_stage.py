@@ -4,6 +4,10 @@ Assets stay thin: each asset module declares the asset (group, kinds, descriptio
 ``materialize_stage``; the work itself is ``xc_dagster.pipeline.STAGES[stage]``. The asset's name and its
 ``deps`` come from the artifact contract (``xc_dagster.artifacts.CONTRACT``): an asset depends on exactly the
 stages whose artifacts it reads, so the asset graph is the data flow.
+
+The training stages run out of the step's process when the compute resource's ``launcher`` says so
+(``launch_stage``: ``python -m xc_dagster.training.launch`` in a subprocess or a Kubernetes pod, through Dagster
+Pipes); the MLflow run, the metadata and the checks stay here either way.
 """
 
 import json
@@ -14,10 +18,13 @@ import dagster as dg
 from assets.config import CONFIG_CLASSES, run_overrides
 from resources import ComputeResource, MLflowResource, XCHomeResource
 from xc_dagster.artifacts import CONTRACT, StageArtifacts
+from xc_dagster.device import resolve_device
+from xc_dagster.home import Home
 from xc_dagster.pipeline import STAGE_ORDER, StageContext, run_stage
 from xc_dagster.pipeline.provenance import with_upstream_params
 from xc_dagster.strategies import STRATEGIES
-from xc_dagster.tracking import mlflow_dataset
+from xc_dagster.tracking import RunLogger, Tracker, mlflow_dataset
+from xc_dagster.training.launch import HOME_ENV, RUN_ID_ENV, TRACKING_URI_ENV, LaunchRequest, launched_summary
 
 
 def _flat_numbers(d: dict[str, Any], prefix: str = "") -> dict[str, float]:
@@ -48,6 +55,7 @@ def materialize_stage(context: dg.AssetExecutionContext, stage: str, config: dg.
     for key, v in upstream.differs.items():
         context.log.info(f"{key} = {v['recorded']!r} as the upstream artifacts were built (this run's "
                          f"catalog/preset value: {v['resolved']!r})")
+    launched = compute.launches(stage)  # a training stage out of this process (compute.launcher)
     tracker = mlflow.tracker(h)
     tags = {"dagster_run_id": context.run_id, "strategy": cfg.strategy, "preset": cfg.preset}
     with tracker.run(dataset, stage, cfg.flat(), tags) as run:
@@ -56,9 +64,10 @@ def materialize_stage(context: dg.AssetExecutionContext, stage: str, config: dg.
             context.log.info(f"{stage} step {step}: " + ", ".join(f"{k}={v:.4g}" for k, v in values.items()))
 
         ctx = StageContext(store=store, spec=spec, cfg=cfg, cache_dir=h.cache,
-                           device=compute.torch_device(), log_metrics=log_metrics, info=context.log.info,
+                           device=resolve_device("cpu") if launched else compute.torch_device(),
+                           log_metrics=log_metrics, info=context.log.info,
                            tracking_uri=tracker.tracking_uri, stage=stage)
-        summary = run_stage(ctx, stage)
+        summary = launch_stage(context, compute, ctx, h, tracker, run) if launched else run_stage(ctx, stage)
         ingest = summary if stage == "ingest" else ctx.read.summary("ingest", missing_ok=True)
         if ingest and ingest.get("source_fingerprint"):  # the data the run read, as MLflow's dataset input
             run.log_dataset(mlflow_dataset(dataset, ingest["source_fingerprint"], spec.source),
@@ -90,6 +99,19 @@ def materialize_stage(context: dg.AssetExecutionContext, stage: str, config: dg.
             metadata.update(extra_metadata(ctx, summary, run))
         checks = check_results(ctx, summary) if check_results is not None else None
     return dg.MaterializeResult(metadata=metadata, check_results=checks)
+
+
+def launch_stage(context: dg.AssetExecutionContext, compute: ComputeResource, ctx: StageContext, home: Home,
+                 tracker: Tracker, run: RunLogger) -> dict[str, Any]:
+    """Run ``ctx``'s training stage with the compute resource's launcher (``python -m xc_dagster.training.launch``
+    through Dagster Pipes) with exactly ``ctx.cfg``; the child logs its step metrics into ``run`` and its lines to
+    this step's log. Returns the summary it wrote to the artifact store (with the numbers it reported of its run)."""
+    stage = str(ctx.stage)
+    request = LaunchRequest(stage, ctx.spec, ctx.cfg, compute.device, compute.threads)
+    env = {HOME_ENV: str(home.root), TRACKING_URI_ENV: tracker.tracking_uri, RUN_ID_ENV: run.run_id}
+    context.log.info(f"{stage} {ctx.name}: launching the stage with compute.launcher={compute.launcher}")
+    reported = compute.launch(context, request, env)
+    return launched_summary(ctx.store, ctx.name, stage, reported)
 
 
 ExtraMetadata = Callable[[StageContext, dict[str, Any], Any], dict[str, Any]]

@@ -140,15 +140,45 @@ def test_imports_sit_at_the_top_of_the_library_modules():
     assert found == []
 
 
+# the one Dagster package the library may import, in the one module that may: dagster_pipes, the dependency-free
+# protocol package meant for external processes, in the training stages' entry point (its docstring says why)
+PIPES_PACKAGE = "dagster_pipes"
+PIPES_MODULE = "xc_dagster.training.launch"
+
+
+def _dagster_package(name: str) -> str | None:
+    """The Dagster distribution package a module name belongs to (dagster, dagster_pipes, dagster_k8s, ...)."""
+    top = name.split(".")[0]
+    return top if top == "dagster" or top.startswith("dagster_") else None
+
+
 def test_importing_the_library_imports_no_dagster():
+    """Only dagster_pipes, which imports no other Dagster package."""
     code = ("import importlib, pkgutil, sys, xc_dagster\n"
             "for m in pkgutil.walk_packages(xc_dagster.__path__, 'xc_dagster.'):\n"
             "    if m.name != 'xc_dagster.definitions':\n"
             "        importlib.import_module(m.name)\n"
-            "print(sorted(n for n in sys.modules if n == 'dagster' or n.startswith('dagster.')))\n")
+            "print(sorted({n.split('.')[0] for n in sys.modules if n.split('.')[0] == 'dagster' "
+            "or n.startswith('dagster_')}))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "[]"
+    assert out.stdout.strip() == repr([PIPES_PACKAGE])
+
+
+def test_only_the_launch_module_imports_a_dagster_package():
+    found: dict[str, set[str]] = {}
+    for name, path in _library_modules().items():
+        if name == "xc_dagster.definitions":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            found.setdefault(name, set()).update(filter(None, map(_dagster_package, names)))
+    assert {k: v for k, v in found.items() if v} == {PIPES_MODULE: {PIPES_PACKAGE}}
 
 
 def _python_files():

@@ -147,11 +147,9 @@ def index_work(c: Costs, plan: StagePlan, name: str, kind: str, keys: int, queri
     kind = resolve_kind(kind, keys)
     plan.kinds[name] = kind
     if kind == "exact":
+        plan.memory[f"{name} index"] = keys * c.dim * (F32 + (2 if exact_dtype(c.device) is not None else 0))
         if queries:
             plan.parts[f"{name} search (exact, {queries:,} x {keys:,})"] = queries * keys * c.exact_pair_s(k)
-        low = 2 if exact_dtype(c.device) is not None else 0
-        plan.memory[f"{name} index"] = keys * c.dim * (F32 + low)
-        if queries:
             plan.memory.setdefault("exact search block", EXACT_BLOCK_ENTRIES * F32)
         return
     if kind == "ivf":
@@ -159,8 +157,7 @@ def index_work(c: Costs, plan: StagePlan, name: str, kind: str, keys: int, queri
         index_work(c, plan, name, "exact", keys, queries, k, hnsw, build)
         plan.kinds[name] = "ivf"
         return
-    u = c.hnsw(*hnsw, k)
-    log_n = math.log(max(keys, 2))
+    u, log_n = c.hnsw(*hnsw, k), math.log(max(keys, 2))
     if keys > HNSW_LOG_MODEL_UP_TO:
         plan.notes.append(f"{name}: HNSW over {keys:,} vectors is planned from {HNSW_VECTORS:,} vectors scaled by "
                           "ln n; graphs of millions of vectors are memory-bound and were measured 3-6x slower than "
@@ -299,19 +296,17 @@ def stage_classifier(c: Costs, cfg: PipelineConfig, s: Shape, spent: float) -> S
     return plan
 
 
-def knn_points(cfg: PipelineConfig, s: Shape) -> int:
-    """The deployed kNN index's points: every training point with ``index.include_validation``, else the rows."""
-    return s.n_train if cfg.index.include_validation and s.n_valid else s.rows
+def source_keys(cfg: PipelineConfig, s: Shape) -> dict[str, int]:
+    """Vectors per source's index: L; the kNN index every training point with include_validation, else rows."""
+    knn = s.n_train if cfg.index.include_validation and s.n_valid else s.rows
+    return {"W": s.n_labels, "label": s.n_labels, "centroid": s.n_labels, "knn": knn}
 
 
 def stage_index(c: Costs, cfg: PipelineConfig, s: Shape) -> StagePlan:
     """Each part is built, written and let go in turn: the peak is the largest part (an index with the copy of
     the vectors it is built from, or the lexical index with its texts), not their sum."""
-    p = cfg.index
-    plan = StagePlan("index")
-    keys = {"W": s.n_labels, "label": s.n_labels, "centroid": s.n_labels, "knn": knn_points(cfg, s)}
+    p, plan, keys, parts = cfg.index, StagePlan("index"), source_keys(cfg, s), {}
     hnsw = (p.hnsw_m, p.hnsw_ef_construction, p.hnsw_ef_search)
-    parts = {}
     held_out = "centroid" in p.sources and cfg.index.include_validation and s.n_valid
     builds = [(n, keys[n]) for n in p.sources if n != "lexical"] + [("centroid", s.n_labels)] * bool(held_out)
     for name, n in builds:
@@ -320,17 +315,17 @@ def stage_index(c: Costs, cfg: PipelineConfig, s: Shape) -> StagePlan:
         label = name if name not in plan.kinds else f"held-out {name}"
         plan.kinds.setdefault(name, part.kinds[name])
         plan.parts.update({k.replace(name, label, 1): v for k, v in part.parts.items()})
-        plan.notes += [n.replace(name, label, 1) for n in part.notes]
+        plan.notes += [t.replace(name, label, 1) for t in part.notes]
         parts[f"{label} index and its vectors"] = sum(part.memory.values()) + n * c.dim * F32
     if "lexical" in p.sources:
         n = keys["knn"] + s.n_labels
         plan.parts[f"lexical TF-IDF fit, {n:,} texts"] = n * c.text()["lexical_fit_s_per_text"]
-        parts["lexical index and texts"] = n * (2 * s.tokens * LEXICAL_BYTES_PER_TOKEN + TEXT_BYTES
-                                                + TEXT_BYTES_PER_TOKEN * s.tokens)
+        per_token = 2 * LEXICAL_BYTES_PER_TOKEN + TEXT_BYTES_PER_TOKEN
+        parts["lexical index and texts"] = n * (s.tokens * per_token + TEXT_BYTES)
     if cfg.index.label_repr == "text+centroid":
         parts["label centroids"] = s.n_labels * c.dim * F32  # computed and written before the indexes
-    if parts:
-        largest = max(parts, key=parts.get)
+    largest = max(parts, key=parts.get, default=None)
+    if largest is not None:
         plan.memory[f"{largest} (the largest part; one at a time)"] = parts[largest]
     return plan
 
@@ -339,7 +334,7 @@ def inference_work(c: Costs, cfg: PipelineConfig, s: Shape, plan: StagePlan, que
     """Shortlisting ``queries`` points from every ``index.sources`` source (searches, lexical scoring, merging
     and scoring the candidates), as ``retrieve`` does; returns the shortlist's width."""
     p = cfg.index
-    keys = {"W": s.n_labels, "label": s.n_labels, "centroid": s.n_labels, "knn": knn_points(cfg, s)}
+    keys = source_keys(cfg, s)
     hnsw = (p.hnsw_m, p.hnsw_ef_construction, p.hnsw_ef_search)
     for name in p.sources:
         if name != "lexical":
