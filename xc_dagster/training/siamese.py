@@ -12,6 +12,14 @@ per-chunk padding, under bf16/fp16 autocast where it pays, gradient-cached when 
 not fit (``pretrain.grad_cache``, ``xc_dagster.training.grad_cache``). With ``pretrain.label_points`` every
 label's text is also a training point whose one positive is that label (``xc_dagster.training.label_points``;
 point samplers).
+
+With a ``DistEnv`` of several ranks (torchrun) the step is data parallel (xc_dagster.training.data_parallel):
+every rank draws the same global batches from the same seeded generator and sampler state (checked each epoch),
+embeds its ``rank_rows`` share of the batch's texts (point batches: its points and their sampled labels; label
+batches: its labels and its share of the batch's distinct anchor and centroid points), all-gathers them with
+autograd, computes the loss of the global batch (in-batch negatives across ranks) and applies the gradients
+averaged over the ranks: the one-process update of the global batch. Rank 0 writes the checkpoints (world-size
+independent: the whole state), every rank reads them.
 """
 
 from __future__ import annotations
@@ -35,6 +43,15 @@ from xc_dagster.progress import Progress, Report
 from xc_dagster.sampling.batches import BATCH_SAMPLERS, LabelBatch
 from xc_dagster.sampling.labels import positive_mask, sample_positives
 from xc_dagster.training.checkpoint import Checkpointer, Resumed, restore_rng
+from xc_dagster.training.data_parallel import (
+    any_rank,
+    average_gradients,
+    broadcast_module,
+    check_group,
+    check_same,
+    digest,
+)
+from xc_dagster.training.distributed import DistEnv, gather_rows, gather_with_grad, rank_rows
 from xc_dagster.training.grad_cache import StepEmbedder
 from xc_dagster.training.label_points import siamese_label_points
 from xc_dagster.training.losses import PAIR_LOSSES, PairLoss
@@ -103,14 +120,16 @@ def label_batch_pair_loss(p: torch.Tensor, z: torch.Tensor, where: np.ndarray, m
 
 def pretrain_memory_plan(encoder: torch.nn.Module, point_tokens: Tokens, label_tokens: Tokens, n_points: int,
                          n_labels: int, params: PretrainParams, device: torch.device,
-                         dtype: torch.dtype | None) -> MemoryPlan:
+                         dtype: torch.dtype | None, world: int = 1) -> MemoryPlan:
     """Grad caching and the chunk size of this pretraining's steps, from their predicted memory
     (``xc_dagster.training.memory``): a step encodes B points and their B labels (siamesexml: B labels, their
-    B anchors and B x centroid_points centroid points)."""
+    B anchors and B x centroid_points centroid points), a rank of ``world`` its share of them; the loss is the
+    global batch's on every rank."""
     label_batches = params.sampler == "siamesexml"
     B = min(params.batch_size, n_labels if label_batches else n_points)
     n_point_texts = B * (1 + params.centroid_points) if label_batches else B
-    groups = [(n_point_texts, *text_lengths(point_tokens)), (B, *text_lengths(label_tokens))]
+    groups = [(math.ceil(n_point_texts / world), *text_lengths(point_tokens)),
+              (math.ceil(B / world), *text_lengths(label_tokens))]
     fields = {"pretrain.chunk_size": params.chunk_size, "pretrain.batch_size": params.batch_size,
               "tokenize.max_len": point_tokens[0].shape[1]}
     if label_tokens[0].shape[1] != point_tokens[0].shape[1]:
@@ -125,12 +144,16 @@ class SiameseTrainer:
 
     ``step(batch)`` is ``update(batch_loss(batch))``: the batch's forward pass and loss, then backward, gradient
     clipping at 1.0 and the optimizer and schedule steps. ``start`` (once, before the first step) resumes from a
-    checkpoint or prepares the sampler; ``state`` is what a checkpoint keeps.
+    checkpoint or prepares the sampler; ``state`` is what a checkpoint keeps. ``env``: this rank of a data-parallel
+    world (default: one process).
     """
 
     def __init__(self, encoder: torch.nn.Module, point_tokens: Tokens, label_tokens: Tokens, Y: sp.csr_matrix,
-                 train_rows: np.ndarray, params: PretrainParams, device: torch.device, dtype: torch.dtype | None):
+                 train_rows: np.ndarray, params: PretrainParams, device: torch.device, dtype: torch.dtype | None,
+                 env: DistEnv | None = None):
         check_pretrain_params(params)
+        self.env = DistEnv() if env is None else env
+        check_group(self.env, "pretraining")
         self.encoder, self.params, self.device, self.dtype = encoder, params, device, dtype
         if params.label_points:  # Renee: label l's text is point N + l, with l its one positive
             point_tokens, Y, train_rows = siamese_label_points(point_tokens, label_tokens, Y, train_rows)
@@ -159,14 +182,19 @@ class SiameseTrainer:
         self.memory = MemoryPlan(False, params.chunk_size, 0.0, 0.0, None)  # grad caching, chunk size
         if trains:
             self.memory = pretrain_memory_plan(encoder, point_tokens, label_tokens, len(self.rows), self.Y.shape[1],
-                                               params, device, dtype)
+                                               params, device, dtype, self.env.world_size)
         self.embedder = StepEmbedder(encoder, device, dtype, self.memory.chunk_size, self.memory.grad_cache)
 
     def start(self, checkpoint: Checkpointer | None = None, log_metrics: MetricsFn | None = None) -> int:
         """Train mode; resume from a matching checkpoint (returns its next epoch), else prepare the sampler
-        with the starting encoder (returns 0)."""
+        with the starting encoder (returns 0). Several ranks: each reads the checkpoint, they must agree on it, and
+        every rank's encoder starts as rank 0's."""
         self.encoder.train()
         resumed = checkpoint.load() if checkpoint is not None else None
+        where = checkpoint.folder if checkpoint is not None else None
+        check_same(-1 if resumed is None else resumed.epoch, f"the checkpoint resumed from in {where} (its next "
+                   "epoch; -1: none)", self.env)
+        broadcast_module(self.encoder, self.env)
         if resumed is not None:
             self.load_state(resumed)
             return resumed.epoch
@@ -176,9 +204,19 @@ class SiameseTrainer:
         return 0
 
     def _encode_points(self, rows: np.ndarray) -> np.ndarray:
+        """Embeddings of ``rows`` (no autograd); several ranks encode a share each and all-gather them, so every
+        rank gets the same values."""
         ids, lens = self.point_tokens
-        emb = encode_tokens(self.encoder, ids[rows], lens[rows], self.device, self.dtype, self.params.encode_batch_size)
+        env = self.env
+        mine = rank_rows(rows, env.rank, env.world_size)
+        emb = np.zeros((0, self.encoder.dim), dtype=np.float32)
+        if len(mine):
+            emb = encode_tokens(self.encoder, ids[mine], lens[mine], self.device, self.dtype,
+                                self.params.encode_batch_size)
         self.encoder.train()
+        if env.world_size > 1:
+            emb = gather_rows(torch.from_numpy(np.ascontiguousarray(emb, dtype=np.float32)).to(env.device))[0]
+            emb = emb.cpu().numpy()
         return emb
 
     def epoch_batches(self, epoch: int) -> list[Any]:
@@ -186,7 +224,23 @@ class SiameseTrainer:
         batches = self.sampler.epoch(epoch, self.rng)
         if epoch == self.n_epochs - 1 and self.params.epochs < self.n_epochs:
             batches = batches[:max(1, math.ceil((self.params.epochs - epoch) * len(batches)))]
+        if self.env.world_size > 1:  # the ranks' sampler states and generators must not have drifted apart
+            arrays = [a for b in batches for a in ((b.labels, b.anchors, b.centroid) if isinstance(b, LabelBatch)
+                                                   else (b,))]
+            check_same(digest(arrays, self.rng.bit_generator.state), f"the batches of epoch {epoch}", self.env)
         return batches
+
+    def _embed_global(self, tokens: Tokens, rows: np.ndarray) -> torch.Tensor:
+        """Embeddings of ``rows`` of the global batch: this rank embeds its ``rank_rows``, gathered with autograd."""
+        env = self.env
+        if env.world_size == 1:
+            return self.embedder.embed(*tokens, rows)
+        mine = rank_rows(rows, env.rank, env.world_size)
+        if len(mine) == 0:  # more ranks than rows: an empty part (the gather's backward still runs here)
+            part = torch.zeros((0, self.encoder.dim), device=self.device, requires_grad=True)
+        else:
+            part = self.embedder.embed(*tokens, mine).float()
+        return gather_with_grad(part)
 
     def batch_loss(self, batch: np.ndarray | LabelBatch) -> torch.Tensor:
         """The loss of a batch of point rows or a ``LabelBatch`` (forward pass included)."""
@@ -196,8 +250,8 @@ class SiameseTrainer:
             return loss
         labels = sample_positives(self.Y, batch, 1, self.rng)[:, 0]
         mask = torch.from_numpy(positive_mask(self.Y, batch, np.broadcast_to(labels, (len(batch), len(labels)))))
-        p = self.embedder.embed(*self.point_tokens, batch)
-        z = self.embedder.embed(*self.label_tokens, labels)
+        p = self._embed_global(self.point_tokens, batch)
+        z = self._embed_global(self.label_tokens, labels)
         self.sampler.observe(batch, p)
         self._batch_points = len(batch)
         return point_batch_loss(p.float() @ z.float().T, mask.to(self.device), self.pair_loss, self.params.symmetric)
@@ -217,8 +271,8 @@ class SiameseTrainer:
         # a point can be drawn several times (anchor of two labels, centroid of a label with < m + 1 positives):
         # encode each once and gather, gradients accumulate over its uses
         pts, where = np.unique(np.concatenate([batch.anchors, batch.centroid.ravel()]), return_inverse=True)
-        p = self.embedder.embed(*self.point_tokens, pts).float()
-        z = self.embedder.embed(*self.label_tokens, batch.labels).float()
+        p = self._embed_global(self.point_tokens, pts).float()
+        z = self._embed_global(self.label_tokens, batch.labels).float()
         loss = label_batch_pair_loss(p, z, where, m, mask_t, self.pair_loss, self.params.centroid_weight)
         return loss, len(pts)
 
@@ -226,9 +280,11 @@ class SiameseTrainer:
         """Backward of the last ``batch_loss``, clip, AdamW and schedule steps; returns the loss value."""
         self.opt.zero_grad(set_to_none=True)
         self.embedder.backward(loss)  # grad caching: the chunks re-run here, one at a time
+        average_gradients(self.trainable, self.env)  # several ranks: the global batch's gradient on each
         torch.nn.utils.clip_grad_norm_(self.trainable, 1.0)
         self.opt.step()
         self.sched.step()
+        broadcast_module(self.encoder, self.env, parameters=False)  # buffers a forward updates (spectral norm)
         self.steps += 1
         self.points += self._batch_points
         return float(loss.detach())
@@ -266,7 +322,7 @@ def train_siamese(encoder: torch.nn.Module, point_tokens: Tokens, label_tokens: 
                   train_rows: np.ndarray, params: PretrainParams, device: torch.device, dtype: torch.dtype | None,
                   log_metrics: MetricsFn | None = None, log_every: int = 10,
                   checkpoint: Checkpointer | None = None, deadline: float | None = None,
-                  report: Report | None = None) -> PretrainResult:
+                  report: Report | None = None, env: DistEnv | None = None) -> PretrainResult:
     """Train ``encoder`` in place for ``params.epochs`` (fractional allowed) over ``train_rows`` with labels.
 
     An epoch is the sampler's batches (one pass over the points; siamesexml: ``ceil(#labels with a training
@@ -274,9 +330,14 @@ def train_siamese(encoder: torch.nn.Module, point_tokens: Tokens, label_tokens: 
     schedule, generators, the sampler's memory bank and clusters) is saved after every epoch and a matching
     checkpoint is resumed from, ending with the same weights as an uninterrupted run. ``deadline``
     (``time.perf_counter()``): no step starts after it (the training budget's guard, xc_dagster.training.budget).
-    ``report``: where the progress lines go (steps of the planned total; ``xc_dagster.progress``).
+    ``report``: where the progress lines go (steps of the planned total; ``xc_dagster.progress``). ``env``: this
+    rank of a data-parallel world (every rank calls this with the same arguments): rank 0 alone logs, reports and
+    writes the checkpoint, and the ranks stop at the deadline together.
     """
-    trainer = SiameseTrainer(encoder, point_tokens, label_tokens, Y, train_rows, params, device, dtype)
+    trainer = SiameseTrainer(encoder, point_tokens, label_tokens, Y, train_rows, params, device, dtype, env)
+    env = trainer.env
+    if not env.is_main:
+        log_metrics = report = None
     if trainer.total_steps == 0:
         return PretrainResult(0, 0, 0.0, float("nan"))
     t0, loss_val, window = time.perf_counter(), float("nan"), MetricsWindow()
@@ -287,13 +348,14 @@ def train_siamese(encoder: torch.nn.Module, point_tokens: Tokens, label_tokens: 
                                     "pretrain_lr": float(trainer.sched.get_last_lr()[0])})
 
     start = trainer.start(checkpoint, log_metrics)
-    prog = Progress("pretrain", trainer.total_steps, "steps", report, log_metrics, initial=trainer.steps)
+    prog = Progress("pretrain", trainer.total_steps, "steps", report, log_metrics, initial=trainer.steps,
+                    bar=None if env.is_main else False)
     stopped = False
     for epoch in range(start, trainer.n_epochs):
         if stopped:
             break
         for batch in trainer.epoch_batches(epoch):
-            if deadline is not None and time.perf_counter() > deadline:
+            if deadline is not None and any_rank(time.perf_counter() > deadline, env):
                 stopped = True
                 break
             before = trainer.points
@@ -302,8 +364,8 @@ def train_siamese(encoder: torch.nn.Module, point_tokens: Tokens, label_tokens: 
             window.add(loss_val, trainer.points - before)
             if log_metrics is not None and trainer.steps % log_every == 0:
                 log_window()
-        if checkpoint is not None and epoch + 1 < trainer.n_epochs and not stopped:  # the last epoch's state is
-            checkpoint.save(epoch + 1, trainer.state(), trainer.rng)  # the stage's result
+        if checkpoint is not None and epoch + 1 < trainer.n_epochs and not stopped and env.is_main:  # the last
+            checkpoint.save(epoch + 1, trainer.state(), trainer.rng)  # epoch's state is the stage's result
     if log_metrics is not None and window.losses:
         log_window()
     prog.close()
