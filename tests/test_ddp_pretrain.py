@@ -13,6 +13,7 @@ computed and the tests compare it with the single-process runs.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import signal
@@ -28,10 +29,15 @@ import torch
 import torch.distributed as dist
 from transformers import BertConfig, BertModel
 
+from xc_dagster.artifacts import ENCODER, PARAMS, SUMMARY, TRAIN_EMB
+from xc_dagster.catalog import Catalog
 from xc_dagster.config import PretrainParams
 from xc_dagster.encoders.bag import create_bag_encoder
 from xc_dagster.encoders.transformer import SiameseEncoder
-from xc_dagster.errors import XCError
+from xc_dagster.errors import XCConfigError, XCError
+from xc_dagster.pipeline import StageContext, run_all
+from xc_dagster.storage import ArtifactStore, stage_leftovers
+from xc_dagster.training import launch
 from xc_dagster.training.checkpoint import Checkpointer
 from xc_dagster.training.data_parallel import average_gradients
 from xc_dagster.training.distributed import DistEnv
@@ -45,7 +51,7 @@ KEY = "ddp-pretrain-test"
 WEIGHT_ATOL = 1e-5  # weights after 6-7 AdamW steps (lr 1e-3): only the gradients' summation order differs
 LOSS_RTOL = 1e-5
 
-PARAMS = {
+SCENARIOS = {
     # 2 epochs of clustered batches (clusters of 3 of the seeded bank, then of the bank the training filled),
     # batches of 14-15 points: unequal parts on the two ranks
     "ngame": dict(sampler="ngame", curriculum=(0,), seed_bank=True, max_cluster_size=4, cluster_every=1,
@@ -81,7 +87,7 @@ def _encoder(name: str) -> torch.nn.Module:
 
 def _params(name: str) -> PretrainParams:
     return dataclasses.replace(PretrainParams(), **{"epochs": 2, "amp": "off", "warmup_steps": 2, "lr": 1e-3,
-                                                    "num_negatives": 4, **PARAMS[name]})
+                                                    "num_negatives": 4, **SCENARIOS[name]})
 
 
 def _train(name: str, env: DistEnv | None = None, ckpt: Path | None = None) -> dict[str, np.ndarray]:
@@ -152,6 +158,25 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+def _torchrun(args: list[str], env: dict[str, str]) -> str:
+    """2 ranks of ``args`` under torchrun (one thread each, no GPU); its output, the test failed on an error."""
+    env = {**env, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
+           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            process_group=0)  # its own group, killed whole on a timeout
+    try:
+        log, _ = proc.communicate(timeout=TORCHRUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        pytest.fail(f"torchrun did not finish in {TORCHRUN_TIMEOUT_S} s:\n{log[-3000:]}")
+    assert proc.returncode == 0, log[-3000:]
+    return log
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -175,20 +200,8 @@ def runs(tmp_path_factory) -> dict:
     finally:
         torch.set_num_threads(n)
     (out / "empty").mkdir()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
-           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(Path(__file__).resolve()), str(out)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            process_group=0)  # its own group, killed whole on a timeout
-    try:
-        log, _ = proc.communicate(timeout=TORCHRUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        pytest.fail(f"torchrun did not finish in {TORCHRUN_TIMEOUT_S} s:\n{log[-3000:]}")
-    assert proc.returncode == 0, log[-3000:]
+    env = dict(os.environ)
+    _torchrun([str(Path(__file__).resolve()), str(out)], env)
     shutil.copytree(out / "ckpt2", out / "ckpt2_for_one")
     torch.set_num_threads(1)
     try:
@@ -269,6 +282,57 @@ def test_ranks_that_found_different_checkpoints_stop_with_an_error(runs):
         msg = runs["two"][f"disagree{r}"]
         assert "the checkpoint resumed from in" in msg and "differs between the ranks" in msg, msg
         assert "{0: 1, 1: -1}" in msg
+
+
+# --------------------------------------------------------------------------- the launched pretrain stage
+
+def _no_dropout_bert(folder: Path) -> Path:
+    """The tiny random BERT of tests/tinydata.py with dropout 0 (with dropout, ranks draw their own masks)."""
+    from transformers import AutoTokenizer  # noqa: PLC0415  (as tests/tinydata.py: loaded only here)
+
+    from xc_dagster.encoders.names import resolve_encoder_path  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(resolve_encoder_path("minilm"))
+    cfg = BertConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=64, max_position_embeddings=128, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0)
+    BertModel(cfg).save_pretrained(folder, safe_serialization=True)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def test_the_launched_pretrain_stage_trains_with_two_ranks_and_rank_0_writes(tmp_path, monkeypatch):
+    """``torchrun -m xc_dagster.training.launch`` with 2 ranks: the stage's artifacts equal one process's,
+    written once (by rank 0), recorded, its checkpoint cleared; another stage is refused with WORLD_SIZE 2."""
+    from tinydata import tiny_lf_home  # noqa: PLC0415  (keeps dagster out of the torchrun ranks' imports)
+
+    overrides = {"pretrain.epochs": 2, "pretrain.batch_size": 16, "pretrain.chunk_size": 8, "pretrain.lr": 1e-3,
+                 "pretrain.warmup_steps": 2, "pretrain.amp": "off", "pretrain.grad_cache": "on"}
+    home = tiny_lf_home(tmp_path, monkeypatch, overrides, encoder=_no_dropout_bert(tmp_path / "bert"))
+    spec = Catalog(home.catalog).get("TinyTitles")
+    store, cfg = ArtifactStore(home.artifacts), spec.config()
+    ctx = StageContext(store, spec, cfg, home.cache, device=CPU)
+    one = run_all(ctx, ("ingest", "tokenize", "pretrain"))["pretrain"]
+    stage = store.stage_dir(spec.name, "pretrain")
+    want, first = np.load(stage / TRAIN_EMB), os.readlink(stage)
+
+    payload = launch.LaunchRequest("pretrain", spec, cfg, "cpu", 1).payload()
+    log = _torchrun(["-m", launch.MODULE, "--payload", payload], {**os.environ, "XC_HOME": str(home.root)})
+    assert "rank 1 of 2 launched" in log and "rank 0 of 2 launched" in log
+    summary = json.loads((stage / SUMMARY).read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == one["steps"] and summary["points"] == one["points"]
+    assert summary["final_loss"] == pytest.approx(one["final_loss"], rel=1e-5)
+    assert os.readlink(stage) != first and (stage / PARAMS).is_file() and (stage / ENCODER).is_dir()
+    np.testing.assert_allclose(np.load(stage / TRAIN_EMB), want, atol=1e-5)
+    versions = [d.name for d in stage.parent.iterdir() if d.name.startswith("pretrain") and not d.is_symlink()]
+    assert len(versions) <= 2, versions  # the in-process run's and rank 0's: rank 1 wrote none
+    assert stage_leftovers(stage) == [] and not ctx.checkpoint_dir("pretrain").exists()
+
+    other = launch.LaunchRequest("classifier", spec, cfg, "cpu", 1).payload()
+    with pytest.raises(XCConfigError, match=r"WORLD_SIZE = 2: .* only stage\(s\) pretrain train with several "
+                                            r"processes, the payload's stage is 'classifier'"):
+        launch.read_request(other, {"WORLD_SIZE": "2", "RANK": "1"})
 
 
 # ------------------------------------------------------------------------------------ without processes

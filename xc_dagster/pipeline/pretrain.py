@@ -1,5 +1,10 @@
 """Stage ``pretrain``: Siamese pretraining of the shared encoder (NGAME M1, SiameseXML Module I), then the
-embeddings of every training point and label with the trained encoder."""
+embeddings of every training point and label with the trained encoder.
+
+Data parallel with a ``DistEnv`` of several ranks (``python -m xc_dagster.training.launch`` under torchrun): every
+rank trains (xc_dagster.training.siamese), rank 0 alone encodes and writes the stage's artifacts and clears the
+checkpoint; the other ranks write nothing.
+"""
 
 from __future__ import annotations
 
@@ -15,11 +20,13 @@ from xc_dagster.encoders.encode import encode_tokens
 from xc_dagster.encoders.loading import load_encoder, save_encoder
 from xc_dagster.encoders.names import parse_bag_name
 from xc_dagster.encoders.tokenizer import load_tokenizer
+from xc_dagster.errors import XCConfigError
 from xc_dagster.pipeline.context import StageContext
 from xc_dagster.serving.warm_start import check_same_vocabulary, classifier_init, resolve_warm_start
 from xc_dagster.storage import save_json
 from xc_dagster.training.budget import BUDGET_PLAN, BudgetPlan, calibrate, check_train_params, encode_rate, plan_epochs
 from xc_dagster.training.checkpoint import Checkpointer, fingerprint, fingerprint_files
+from xc_dagster.training.distributed import DistEnv
 from xc_dagster.training.siamese import SiameseTrainer, train_siamese
 
 
@@ -51,12 +58,30 @@ def plan_pretraining(ctx: StageContext, encoder: Any, pt: Any, lt: Any, Y: Any, 
     return plan
 
 
-def run(ctx: StageContext) -> dict[str, Any]:
+def check_data_parallel(ctx: StageContext, env: DistEnv) -> None:
+    """Refuse what several ranks cannot share yet: a warm start (resolved and copied per process) and a training
+    budget (calibrated on one process; the ranks would plan different epochs)."""
+    if env.world_size == 1:
+        return
+    p, b = ctx.cfg.pretrain, ctx.cfg.train
+    if p.warm_start:
+        raise XCConfigError(f"pretrain.warm_start: expected '' with WORLD_SIZE={env.world_size} (several training "
+                            f"processes start from the configured encoder only), got {p.warm_start!r}")
+    if b.budget_minutes > 0 and "pretrain.epochs" not in ctx.cfg.explicit and p.epochs > 0:
+        raise XCConfigError(f"train.budget_minutes: expected 0, or pretrain.epochs set explicitly, with WORLD_SIZE="
+                            f"{env.world_size} (the budget's epochs are planned from one process's timed steps), "
+                            f"got {b.budget_minutes}")
+
+
+def run(ctx: StageContext, env: DistEnv | None = None) -> dict[str, Any]:
     """Siamese pretraining (M1); then embeddings of every training point and label with the trained encoder.
 
     With ``pretrain.warm_start`` the encoder starts from a previous model's, and the classifiers' start
-    (``classifier_init.npy``) takes that model's W for the labels it knows."""
+    (``classifier_init.npy``) takes that model's W for the labels it knows. ``env``: this rank of a data-parallel
+    world (default: one process); a rank other than 0 returns the training's numbers and writes nothing."""
     started = time.perf_counter()
+    env = DistEnv() if env is None else env
+    check_data_parallel(ctx, env)
     p = ctx.cfg.pretrain
     seed_everything(p.seed)
     ds = ctx.read.labels()
@@ -83,8 +108,12 @@ def run(ctx: StageContext) -> dict[str, Any]:
     ckpt = Checkpointer(ctx.checkpoint_dir(), key)
     t_train = time.perf_counter()
     res = train_siamese(encoder, pt, lt, ds.Y_train, train_rows, p, ctx.device, dtype, ctx.log_metrics,
-                        checkpoint=ckpt, deadline=plan.deadline(t_train), report=ctx.info)
-    ctx.info(f"pretrain {ctx.name}: {res.steps} steps, {res.points} points in {res.seconds:.0f}s")
+                        checkpoint=ckpt, deadline=plan.deadline(t_train), report=ctx.info, env=env)
+    ctx.info(f"pretrain {ctx.name}: {res.steps} steps, {res.points} points in {res.seconds:.0f}s"
+             + (f" (rank {env.rank} of {env.world_size})" if env.world_size > 1 else ""))
+    if not env.is_main:
+        return {"steps": res.steps, "points": res.points, "train_seconds": res.seconds, "final_loss": res.final_loss,
+                "rank": env.rank, "world_size": env.world_size}
     t1 = time.perf_counter()
     with ctx.progress("encode train", len(pt[1]), "texts") as prog:
         point_emb = encode_tokens(encoder, *pt, ctx.device, dtype, p.encode_batch_size, prog.update)
@@ -102,6 +131,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
                "amp": str(dtype), "dim": encoder.dim, "encoder_type": type(encoder).__name__,
                "stopped_at_deadline": res.stopped_at_deadline, "budget": plan.summary(), "memory": res.memory,
                "seconds": time.perf_counter() - started}  # the stage's wall time (what the budget counts)
+    if env.world_size > 1:
+        summary["world_size"] = env.world_size
     with ctx.writing() as out:
         save_encoder(encoder, tokenizer, out / ENCODER)
         np.save(out / TRAIN_EMB, point_emb)

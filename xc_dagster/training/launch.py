@@ -14,9 +14,12 @@ MLflow run with MLflow's client (no run of its own) and, under Pipes, sends its 
 in-process path logs, the stage's own lines) with ``pipes.log`` and, at the end, its summary as a custom message.
 The parent then reads the summary the child wrote to the artifact store.
 
-One process only for now: with ``WORLD_SIZE`` > 1 (torchrun) it refuses with an :class:`XCConfigError`, as the
-parent refuses ``nproc_per_node`` > 1: the trainers are not distributed yet (xc_dagster/training/distributed.py
-holds the building blocks).
+Several processes (``torchrun --nproc_per_node N -m xc_dagster.training.launch --payload ...``: torchrun's
+``WORLD_SIZE`` > 1) train the ``pretrain`` stage data parallel (xc_dagster/training/data_parallel.py): every rank
+joins the process group, brings the stage's inputs to its local store and trains; rank 0 alone writes the stage's
+artifacts, records and publishes them and reports through Pipes, the other ranks write and report nothing. Any
+other stage with ``WORLD_SIZE`` > 1 is refused with an :class:`XCConfigError`, as the parent refuses
+``nproc_per_node`` > 1 (its launchers start one process).
 
 ``dagster_pipes`` is the one Dagster package the library imports, and only in this module: the dependency-free
 protocol package meant for external processes (it imports no ``dagster``); tests/test_architecture.py allows
@@ -39,16 +42,19 @@ import torch
 from dagster_pipes import PipesEnvVarParamsLoader, open_dagster_pipes
 from mlflow.tracking import MlflowClient
 
-from xc_dagster.artifacts import ArtifactReader
+from xc_dagster.artifacts import CONTRACT, ArtifactReader
 from xc_dagster.catalog import DatasetSpec
 from xc_dagster.config import PipelineConfig, apply_overrides
 from xc_dagster.device import resolve_device
 from xc_dagster.errors import XCConfigError, XCError
 from xc_dagster.home import Home
+from xc_dagster.pipeline import pretrain
 from xc_dagster.pipeline.context import StageContext
-from xc_dagster.pipeline.run import run_stage
+from xc_dagster.pipeline.provenance import record_params
+from xc_dagster.pipeline.run import peak_rss_mb, run_stage
 from xc_dagster.storage import ArtifactStore
 from xc_dagster.tracking import RunLogger
+from xc_dagster.training.distributed import DistEnv
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +66,7 @@ HOME_ENV = "XC_HOME"
 NOT_DISTRIBUTED = ("multi-process training of the stages is not available yet (the trainers are not distributed "
                    "yet); use 1")
 SUMMARY_MESSAGE = "summary"  # the key of the child's last Pipes custom message: its run_stage summary
+DATA_PARALLEL_STAGES = ("pretrain",)  # the stages that train with several processes (WORLD_SIZE > 1)
 
 
 def check_single_process(n: int, where: str) -> None:
@@ -188,13 +195,54 @@ def run_request(request: LaunchRequest, environ: Mapping[str, str], info: Callab
     ctx = StageContext(store=ArtifactStore(home.artifacts), spec=request.spec, cfg=request.cfg, cache_dir=home.cache,
                        device=resolve_device(request.device), log_metrics=step_logger(request.stage, info, run),
                        info=info, tracking_uri=uri, stage=request.stage)
+    if world_size(environ) > 1:
+        return run_data_parallel(ctx, request, environ)
     info(f"{request.stage} {request.spec.name}: launched in process {os.getpid()} on {ctx.device}")
     return run_stage(ctx, request.stage)
 
 
+def rank_env(request: LaunchRequest, environ: Mapping[str, str]) -> DistEnv:
+    """This process's rank from torchrun's variables, on the request's device (``auto``: ``cuda:LOCAL_RANK`` when
+    CUDA is available, else the CPU)."""
+    return DistEnv.from_env(environ, device=None if request.device == "auto" else request.device)
+
+
+def run_data_parallel(ctx: StageContext, request: LaunchRequest, environ: Mapping[str, str]) -> dict[str, Any]:
+    """``run_stage`` of the ``pretrain`` stage as one rank of torchrun's world: every rank trains, rank 0 records
+    and publishes the artifacts it wrote; returns the stage's summary (rank 0) or the rank's training numbers."""
+    env = rank_env(request, environ).init()
+    try:
+        ctx = dataclasses.replace(ctx, device=env.device,
+                                  log_metrics=ctx.log_metrics if env.is_main else None).for_stage(request.stage)
+        ctx.info(f"{request.stage} {request.spec.name}: rank {env.rank} of {env.world_size} launched in process "
+                 f"{os.getpid()} on {env.device}")
+        for upstream in CONTRACT[request.stage].reads:  # file-locked: ranks sharing a store fetch a stage once
+            ctx.store.sync(ctx.name, upstream)
+        summary = pretrain.run(ctx, env)
+        if env.is_main:
+            record_params(ctx.store, ctx.name, request.stage, ctx.cfg)
+            published = ctx.store.publish(ctx.name, request.stage)
+            if published is not None:
+                summary["published_version"] = published.version
+        summary["peak_rss_mb"] = peak_rss_mb()
+        return summary
+    finally:
+        env.close()
+
+
 def read_request(payload: str, environ: Mapping[str, str]) -> LaunchRequest:
-    """The request to run, refused in a world of several processes (torchrun's WORLD_SIZE > 1)."""
-    check_single_process(world_size(environ), "WORLD_SIZE")
+    """The request to run; in a world of several processes (torchrun's WORLD_SIZE > 1) only a data-parallel
+    stage's."""
+    n = world_size(environ)
+    if n == 1:
+        return LaunchRequest.from_payload(payload)
+    try:
+        stage = json.loads(payload).get("stage")
+    except (ValueError, AttributeError):
+        stage = None
+    if stage not in DATA_PARALLEL_STAGES:
+        raise XCConfigError(f"WORLD_SIZE = {n}: {NOT_DISTRIBUTED} -- only stage(s) {', '.join(DATA_PARALLEL_STAGES)} "
+                            f"train with several processes, the payload's stage is {stage!r}")
     return LaunchRequest.from_payload(payload)
 
 
@@ -205,7 +253,8 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     parser = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n\n")[0])
     parser.add_argument("--payload", required=True, help="the launch request (JSON: stage, dataset, config)")
     args = parser.parse_args(argv)
-    if not PipesEnvVarParamsLoader().is_dagster_pipes_process():  # started by hand
+    rank = environ.get("RANK", "0").strip() or "0"
+    if not PipesEnvVarParamsLoader().is_dagster_pipes_process() or rank != "0":  # by hand; a rank other than 0
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
         run_request(read_request(args.payload, environ), environ, log.info)
         return 0
