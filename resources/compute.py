@@ -1,6 +1,7 @@
 """The compute the stages run on: the device (CUDA with AMP when present, CPU otherwise), the CPU thread count, and
 where the training stages run: in the Dagster step's process (default), or out of it through Dagster Pipes in a
-subprocess or a Kubernetes pod (``launcher``), the entry point ``python -m xc_dagster.training.launch``.
+subprocess, under torchrun (several data-parallel processes) or in a Kubernetes pod (``launcher``), the entry point
+``python -m xc_dagster.training.launch``.
 
 ``dagster-k8s`` is the ``k8s`` extra of the package (``pip install 'xc-dagster[k8s]'``), imported only when a
 stage is launched with ``launcher: k8s``.
@@ -21,9 +22,15 @@ import torch
 from xc_dagster.device import resolve_device
 from xc_dagster.errors import XCConfigError, XCError
 from xc_dagster.remote_store import ROOT_ENV
-from xc_dagster.training.launch import LAUNCHED_STAGES, LaunchRequest, check_single_process, reported_summary
+from xc_dagster.training.launch import (
+    DATA_PARALLEL_STAGES,
+    LAUNCHED_STAGES,
+    NOT_DISTRIBUTED,
+    LaunchRequest,
+    reported_summary,
+)
 
-LAUNCHERS = ("in_process", "subprocess", "k8s")
+LAUNCHERS = ("in_process", "subprocess", "torchrun", "k8s")
 K8S_CONTAINER = "xc-train"  # the pod's one container
 K8S_PYTHON = "python"  # the interpreter of the image, on its PATH
 GPU_RESOURCE = "nvidia.com/gpu"  # the NVIDIA device plugin's extended resource
@@ -56,10 +63,10 @@ class ComputeResource(dg.ConfigurableResource):
     """``device``: auto | cpu | cuda | cuda:N. ``threads``: torch CPU threads (0 = torch's default).
 
     ``launcher``: where the training stages (pretrain, classifier) run: ``in_process`` (the step's process),
-    ``subprocess`` (a child process on the same machine) or ``k8s`` (a pod: ``image``, ``namespace`` (empty: the
-    current one, else ``default``), ``gpus_per_pod`` (0: no GPU limit), ``k8s_env``: more environment variables).
-    The other stages always run in the step's process. ``nproc_per_node``: training processes per machine, for
-    torchrun later; only 1 is available now."""
+    ``subprocess`` (a child process on the same machine), ``torchrun`` (``nproc_per_node`` processes on this
+    machine: the pretrain stage data parallel, the classifier stage still one process) or ``k8s`` (a pod:
+    ``image``, ``namespace`` (empty: the current one, else ``default``), ``gpus_per_pod`` (0: no GPU limit),
+    ``k8s_env``: more environment variables). The other stages always run in the step's process."""
 
     device: str = "auto"
     threads: int = 0
@@ -105,12 +112,20 @@ class ComputeResource(dg.ConfigurableResource):
         return resolve_device(self.device)
 
     def launches(self, stage: str) -> bool:
-        """Whether ``stage`` runs out of the step's process. A training stage with ``nproc_per_node`` > 1 is refused
-        here, whatever the launcher: its trainers run one process."""
+        """Whether ``stage`` runs out of the step's process. ``nproc_per_node`` > 1 needs the ``torchrun`` launcher
+        (refused here otherwise, before anything runs)."""
         if stage not in LAUNCHED_STAGES:
             return False
-        check_single_process(self.nproc_per_node, _field("nproc_per_node"))
+        if self.nproc_per_node > 1 and self.launcher != "torchrun":
+            raise XCConfigError(f"{_field('nproc_per_node')} = {self.nproc_per_node}: several training processes "
+                                f"need launcher 'torchrun', got {self.launcher!r}")
         return self.launcher != "in_process"
+
+    def processes(self, stage: str) -> int:
+        """Training processes of ``stage``: ``nproc_per_node`` under torchrun for the data-parallel stages
+        (pretrain), else one (the classifier stage is not distributed yet)."""
+        data_parallel = self.launcher == "torchrun" and stage in DATA_PARALLEL_STAGES
+        return self.nproc_per_node if data_parallel else 1
 
     def launch(self, context: dg.AssetExecutionContext, request: LaunchRequest,
                env: Mapping[str, str]) -> dict[str, Any] | None:
@@ -119,8 +134,12 @@ class ComputeResource(dg.ConfigurableResource):
         stage and the signal or exit code."""
         dataset = request.spec.name
         try:
-            if self.launcher == "subprocess":
-                invocation = dg.PipesSubprocessClient().run(context=context, command=request.command(), env=env)
+            if self.launcher in ("subprocess", "torchrun"):
+                n = self.processes(request.stage)
+                if n < self.nproc_per_node:
+                    context.log.info(f"{request.stage}: one training process ({NOT_DISTRIBUTED})")
+                invocation = dg.PipesSubprocessClient().run(context=context, command=request.command(nproc=n),
+                                                            env=env)
             elif self.launcher == "k8s":
                 client = self._k8s_module().PipesK8sClient()
                 invocation = client.run(context=context, namespace=self.namespace or None,

@@ -29,3 +29,13 @@ def _no_leaked_store_variables():
         else:
             os.environ[var] = value
     assert after == before, f"the test left environment variables changed: {after} (before: {before})"
+
+
+@pytest.fixture
+def one_torch_thread():
+    """One torch thread for the test: tiny matrices run faster, and the sums' order is fixed."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+

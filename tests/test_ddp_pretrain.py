@@ -16,9 +16,6 @@ import dataclasses
 import json
 import os
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -29,6 +26,7 @@ import torch
 import torch.distributed as dist
 from transformers import BertConfig, BertModel
 
+from tests.torchrun import run_torchrun
 from xc_dagster.artifacts import ENCODER, PARAMS, SUMMARY, TRAIN_EMB
 from xc_dagster.catalog import Catalog
 from xc_dagster.config import PretrainParams
@@ -43,9 +41,7 @@ from xc_dagster.training.data_parallel import average_gradients
 from xc_dagster.training.distributed import DistEnv
 from xc_dagster.training.siamese import SiameseTrainer, train_siamese
 
-ROOT = Path(__file__).resolve().parent.parent
 CPU = torch.device("cpu")
-TORCHRUN_TIMEOUT_S = 120  # a hung rank fails the fixture instead of hanging the suite
 VOCAB, N, L, T = 300, 45, 12, 12
 KEY = "ddp-pretrain-test"
 WEIGHT_ATOL = 1e-5  # weights after 6-7 AdamW steps (lr 1e-3): only the gradients' summation order differs
@@ -150,37 +146,11 @@ def _worker(out: Path) -> None:
 
 # ----------------------------------------------------------------------------------------------- the fixture
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _torchrun(args: list[str], env: dict[str, str]) -> str:
-    """2 ranks of ``args`` under torchrun (one thread each, no GPU); its output, the test failed on an error."""
-    env = {**env, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
-           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), *args]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            process_group=0)  # its own group, killed whole on a timeout
-    try:
-        log, _ = proc.communicate(timeout=TORCHRUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        pytest.fail(f"torchrun did not finish in {TORCHRUN_TIMEOUT_S} s:\n{log[-3000:]}")
-    assert proc.returncode == 0, log[-3000:]
-    return log
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return run_torchrun(args, env)
 
 
 def _load(path: Path) -> dict[str, np.ndarray]:
@@ -330,8 +300,9 @@ def test_the_launched_pretrain_stage_trains_with_two_ranks_and_rank_0_writes(tmp
     assert stage_leftovers(stage) == [] and not ctx.checkpoint_dir("pretrain").exists()
 
     other = launch.LaunchRequest("classifier", spec, cfg, "cpu", 1).payload()
-    with pytest.raises(XCConfigError, match=r"WORLD_SIZE = 2: .* only stage\(s\) pretrain train with several "
-                                            r"processes, the payload's stage is 'classifier'"):
+    with pytest.raises(XCConfigError, match=r"WORLD_SIZE = 2: only the pretrain stage trains with several "
+                                            r"processes \(data parallel\); the others run in one; the payload's "
+                                            r"stage is 'classifier'"):
         launch.read_request(other, {"WORLD_SIZE": "2", "RANK": "1"})
 
 

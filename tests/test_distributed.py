@@ -7,10 +7,6 @@ torchrun, is the worker; each rank saves what it computed and the tests compare 
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from tests.torchrun import run_torchrun
 from xc_dagster.errors import XCConfigError
 from xc_dagster.training.distributed import (
     DistEnv,
@@ -35,9 +32,7 @@ from xc_dagster.training.distributed import (
 from xc_dagster.training.losses import masked_bce_loss
 from xc_dagster.training.sharded import ShardedClassifier, ShardedOptimizer
 
-ROOT = Path(__file__).resolve().parent.parent
 LR, WD = 0.5, 0.1
-TORCHRUN_TIMEOUT_S = 120  # a hung rank fails the fixture instead of hanging the suite
 
 
 @dataclass
@@ -142,30 +137,11 @@ def _worker(out: Path) -> None:
 
 # ----------------------------------------------------------------------------------------------- the fixture
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("two_ranks")
     np.save(out / "w1.npy", _one_rank_trained_w(_problem()))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
-           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(Path(__file__).resolve()), str(out)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            process_group=0)  # its own group, killed whole on a timeout
-    try:
-        log, _ = proc.communicate(timeout=TORCHRUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        pytest.fail(f"torchrun did not finish in {TORCHRUN_TIMEOUT_S} s:\n{log[-3000:]}")
-    assert proc.returncode == 0, log[-3000:]
+    run_torchrun([str(Path(__file__).resolve()), str(out)])
     return {"W1": np.load(out / "w1.npy"), **{r: dict(np.load(out / f"rank{r}.npz")) for r in (0, 1)}}
 
 

@@ -32,13 +32,7 @@ GRAD_TOL = 1e-5
 WEIGHT_ATOL = 1e-5  # after a seeded run of 12 AdamW steps
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matrices: one torch thread is faster and the sums' order fixed."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def tiny_bert(seed: int = 0) -> SiameseEncoder:

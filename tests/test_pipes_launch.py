@@ -1,7 +1,8 @@
-"""The training stages launched out of the Dagster step's process (``compute.launcher: subprocess``) through Dagster
-Pipes: the same artifacts and MLflow step metrics as in process, the child's lines in the Dagster event log; a child
-killed mid-stage fails the step naming the stage and the signal and leaves no half-written stage folder; one process
-only (``nproc_per_node``, WORLD_SIZE); bad compute fields named; the Kubernetes pod spec, rendered only."""
+"""The training stages launched out of the Dagster step's process (``compute.launcher``: subprocess, torchrun)
+through Dagster Pipes: the same artifacts and MLflow step metrics as in process, the child's lines in the Dagster
+event log; a child killed mid-stage fails the step naming the stage and the signal and leaves no half-written stage
+folder; several processes only under torchrun and for pretraining (``nproc_per_node``, WORLD_SIZE); bad compute
+fields named; the Kubernetes pod spec, rendered only."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import torch
 from assets import build_assets
 from resources import ComputeResource, dataset_partitions
 from resources.compute import exit_message
+from tests.test_ddp_pretrain import _no_dropout_bert
 from tests.test_pipeline import TINY
 from tests.tinydata import dagster_instance, write_lf_dataset, write_tiny_encoder
 from xc_dagster.artifacts import LABEL_EMB, PARAMS, SUMMARY, TRAIN_EMB, W
@@ -177,18 +179,21 @@ def test_one_training_process_only(home):
     out = subprocess.run([sys.executable, "-m", launch.MODULE, "--payload", "{}"], env=env, capture_output=True,
                          text=True, cwd=ROOT, timeout=300)
     assert out.returncode != 0
-    assert ("XCConfigError: WORLD_SIZE = 2: multi-process training of the stages is not available yet (the trainers "
-            "are not distributed yet); use 1") in out.stderr
+    assert ("XCConfigError: WORLD_SIZE = 2: only the pretrain stage trains with several processes (data parallel); "
+            "the others run in one; the payload's stage is None") in out.stderr
     with pytest.raises(XCConfigError, match="WORLD_SIZE: expected an integer >= 1"):
         launch.main(["--payload", "{}"], environ={"WORLD_SIZE": "two"})
     # nproc_per_node > 1: refused for the training stages at launch, whatever the launcher; other stages run
     compute = ComputeResource(launcher="subprocess", nproc_per_node=2)
-    with pytest.raises(XCConfigError, match=r"^compute resource field 'nproc_per_node' = 2: multi-process training "
-                                            r"of the stages is not available yet \(the trainers are not distributed"):
+    with pytest.raises(XCConfigError, match=r"^compute resource field 'nproc_per_node' = 2: several training "
+                                            r"processes need launcher 'torchrun', got 'subprocess'$"):
         compute.launches("classifier")
+    torchrun = ComputeResource(launcher="torchrun", nproc_per_node=2)
+    assert torchrun.launches("classifier") and torchrun.processes("pretrain") == 2
+    assert torchrun.processes("classifier") == 1  # not distributed yet: one process
     assert compute.launches("index") is False and ComputeResource(nproc_per_node=2).launches("ingest") is False
     failed = materialize(home, ["siamese_encoder"], "subprocess", nproc_per_node=2)
-    assert not failed.success and "'nproc_per_node' = 2: multi-process training" in failure_text(failed)
+    assert not failed.success and "'nproc_per_node' = 2: several training processes" in failure_text(failed)
     client = mlflow.MlflowClient(home.mlflow_uri)  # refused before the MLflow run opened
     assert client.get_experiment_by_name(f"xc-dagster/{DATASET}") is None
 
@@ -203,8 +208,8 @@ def test_one_training_process_only(home):
 
 
 @pytest.mark.parametrize("fields, field, expected", [
-    ({"launcher": "docker"}, "launcher", "expected one of 'in_process', 'subprocess', 'k8s', got 'docker'"),
-    ({"launcher": ""}, "launcher", "expected one of 'in_process', 'subprocess', 'k8s', got ''"),
+    ({"launcher": "docker"}, "launcher", "expected one of 'in_process', 'subprocess', 'torchrun', 'k8s', got 'docker'"),
+    ({"launcher": ""}, "launcher", "expected one of 'in_process', 'subprocess', 'torchrun', 'k8s', got ''"),
     ({"nproc_per_node": 0}, "nproc_per_node", "expected an integer >= 1, got 0"),
     ({"gpus_per_pod": -1}, "gpus_per_pod", "expected an integer >= 0 (0: no GPU), got -1"),
     ({"launcher": "k8s"}, "image", "expected the container image the k8s launcher runs the training stages in"),
@@ -312,3 +317,33 @@ def test_the_k8s_launcher_runs_the_rendered_pod(monkeypatch):
                                       r"\(Pod did not exit successfully: container exited with 137\)"):
         ComputeResource(launcher="k8s", image="img", namespace="ml").launch(context, request, env)
     assert _FakePipesK8sClient.calls[-1]["namespace"] == "ml"
+
+def test_the_torchrun_launcher_trains_pretraining_with_two_processes(tmp_path, monkeypatch):
+    """``compute: launcher: torchrun, nproc_per_node: 2`` from Dagster: pretraining runs as 2 data-parallel ranks
+    (the same embeddings as in process, to 1e-5; one MLflow run with the step metrics), the classifier stage in one
+    process (said in the step's log), and the pipeline's later stages read the result as usual."""
+    monkeypatch.setenv("XC_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    h = Home.from_env().ensure()
+    src = write_lf_dataset(tmp_path / "src" / DATASET, n_train=60, n_test=20)
+    encoder = _no_dropout_bert(tmp_path / "bert")  # dropout masks differ per rank: equal only in distribution
+    Catalog(h.catalog).add(DatasetSpec(DATASET, str(src), overrides={**SETTINGS, "tokenize.encoder": str(encoder),
+                                                                       "pretrain.amp": "off"}))
+    first = materialize(h, ALL_TRAINING)
+    assert first.success, failure_text(first)
+    store = ArtifactStore(h.artifacts)
+    want = arrays(store)
+    instance = dagster_instance(DATASET)
+    ranks = materialize(h, TRAINING, "torchrun", instance, nproc_per_node=2)
+    assert ranks.success, failure_text(ranks)
+    got = arrays(store)
+    summary = json.loads((store.stage_dir(DATASET, "pretrain") / SUMMARY).read_text())
+    assert summary["world_size"] == 2
+    np.testing.assert_allclose(got["train_emb"], want["train_emb"], atol=1e-5)
+    np.testing.assert_allclose(got["W"], want["W"], atol=1e-4)
+    runs = mlflow_runs(ranks)
+    assert set(runs) == set(TRAINING) and step_history(runs["siamese_encoder"], "pretrain_loss")
+    logs = [e.user_message for e in instance.all_logs(ranks.run_id)]
+    assert any(m.startswith("classifier: one training process (only the pretrain stage") for m in logs)
+    assert any("rank 1 of 2 launched" in m for m in logs) is False  # rank 1 logs to stderr, rank 0 through Pipes
+    assert any("rank 0 of 2 launched" in m for m in logs)

@@ -11,7 +11,7 @@ every rank.
 The gradients are combined after the step's backward, not by torch's ``DistributedDataParallel``: DDP reduces
 from per-parameter hooks that must fire once per backward, while a Siamese step calls the encoder once per chunk
 (points, labels, centroid points) and a gradient-cached step backpropagates chunk by chunk, a different number of
-times on each rank.
+times on each rank (docs/decisions.md#ddp-pretrain).
 
 Collectives here are no-ops in a world of one process, so single-process training runs unchanged.
 """

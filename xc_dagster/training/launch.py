@@ -63,16 +63,9 @@ LAUNCHED_STAGES = ("pretrain", "classifier")  # the training stages; every other
 RUN_ID_ENV = "MLFLOW_RUN_ID"  # the parent's MLflow run of the stage, which the child logs its step metrics into
 TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
 HOME_ENV = "XC_HOME"
-NOT_DISTRIBUTED = ("multi-process training of the stages is not available yet (the trainers are not distributed "
-                   "yet); use 1")
+NOT_DISTRIBUTED = "only the pretrain stage trains with several processes (data parallel); the others run in one"
 SUMMARY_MESSAGE = "summary"  # the key of the child's last Pipes custom message: its run_stage summary
 DATA_PARALLEL_STAGES = ("pretrain",)  # the stages that train with several processes (WORLD_SIZE > 1)
-
-
-def check_single_process(n: int, where: str) -> None:
-    """Refuse ``n`` > 1 training processes (``where`` names the setting: WORLD_SIZE, nproc_per_node)."""
-    if n > 1:
-        raise XCConfigError(f"{where} = {n}: {NOT_DISTRIBUTED}")
 
 
 def world_size(environ: Mapping[str, str]) -> int:
@@ -149,9 +142,11 @@ class LaunchRequest:
         cfg = config_from_flat(d["config"], d.get("explicit") or [], where)
         return cls(stage, spec, cfg, str(d.get("device") or "auto"), int(d.get("threads") or 0))
 
-    def command(self, python: str = sys.executable) -> list[str]:
-        """The child's command line (``python``: the interpreter; a container's own ``python`` under k8s)."""
-        return [python, "-m", MODULE, "--payload", self.payload()]
+    def command(self, python: str = sys.executable, nproc: int = 1) -> list[str]:
+        """The child's command line (``python``: the interpreter; a container's own ``python`` under k8s); with
+        ``nproc`` > 1 under torchrun (one machine, a free rendezvous port), one rank per process."""
+        torchrun = ["-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc_per_node", str(nproc)]
+        return [python, *(torchrun if nproc > 1 else []), "-m", MODULE, "--payload", self.payload()]
 
 
 def launched_summary(store: ArtifactStore, dataset: str, stage: str,
@@ -241,8 +236,7 @@ def read_request(payload: str, environ: Mapping[str, str]) -> LaunchRequest:
     except (ValueError, AttributeError):
         stage = None
     if stage not in DATA_PARALLEL_STAGES:
-        raise XCConfigError(f"WORLD_SIZE = {n}: {NOT_DISTRIBUTED} -- only stage(s) {', '.join(DATA_PARALLEL_STAGES)} "
-                            f"train with several processes, the payload's stage is {stage!r}")
+        raise XCConfigError(f"WORLD_SIZE = {n}: {NOT_DISTRIBUTED}; the payload's stage is {stage!r}")
     return LaunchRequest.from_payload(payload)
 
 
