@@ -24,7 +24,14 @@ from xc_dagster.pipeline import STAGE_ORDER, StageContext, run_stage
 from xc_dagster.pipeline.provenance import with_upstream_params
 from xc_dagster.strategies import STRATEGIES
 from xc_dagster.tracking import RunLogger, Tracker, mlflow_dataset
-from xc_dagster.training.launch import HOME_ENV, RUN_ID_ENV, TRACKING_URI_ENV, LaunchRequest, launched_summary
+from xc_dagster.training.launch import (
+    HOME_ENV,
+    RUN_ID_ENV,
+    TRACKING_URI_ENV,
+    LaunchRequest,
+    launched_summary,
+    step_logger,
+)
 
 
 def _flat_numbers(d: dict[str, Any], prefix: str = "") -> dict[str, float]:
@@ -59,10 +66,7 @@ def materialize_stage(context: dg.AssetExecutionContext, stage: str, config: dg.
     tracker = mlflow.tracker(h)
     tags = {"dagster_run_id": context.run_id, "strategy": cfg.strategy, "preset": cfg.preset}
     with tracker.run(dataset, stage, cfg.flat(), tags) as run:
-        def log_metrics(step: int, values: dict[str, float]) -> None:
-            run.log_metrics(step, values)
-            context.log.info(f"{stage} step {step}: " + ", ".join(f"{k}={v:.4g}" for k, v in values.items()))
-
+        log_metrics = step_logger(stage, context.log.info, run)  # the same step lines as a launched stage's
         ctx = StageContext(store=store, spec=spec, cfg=cfg, cache_dir=h.cache,
                            device=resolve_device("cpu") if launched else compute.torch_device(),
                            log_metrics=log_metrics, info=context.log.info,

@@ -198,15 +198,6 @@ def test_bad_pretrain_values_name_the_field(field, value):
 
 # ---------------------------------------------------------------------------------- end to end
 
-@pytest.fixture
-def one_thread():
-    """Tiny matrices: one torch thread is faster (no spin-waiting on a busy machine) and reproducible."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A tiny random BERT and a learnable toy problem: 12 labels (words), 60 points naming their labels."""
@@ -246,7 +237,7 @@ def _run(tiny, **kw):
     return res, before, _margin(enc, pt, lt, Y)
 
 
-def test_train_siamese_with_label_batches_learns_and_is_deterministic(tiny, one_thread):
+def test_train_siamese_with_label_batches_learns_and_is_deterministic(tiny, one_torch_thread):
     res, before, after = _run(tiny, epochs=10)
     assert res.steps == 10 * math.ceil(12 / 8)  # an epoch = ceil(labels with a train point / batch_size)
     assert res.points > 0 and math.isfinite(res.final_loss)
@@ -255,7 +246,7 @@ def test_train_siamese_with_label_batches_learns_and_is_deterministic(tiny, one_
     assert again.final_loss == pytest.approx(res.final_loss, abs=1e-6) and after2 == pytest.approx(after, abs=1e-6)
 
 
-def test_train_siamese_label_batches_without_centroid_and_with_triplet(tiny, one_thread):
+def test_train_siamese_label_batches_without_centroid_and_with_triplet(tiny, one_torch_thread):
     res, _, _ = _run(tiny, epochs=1, centroid_points=0)
     assert res.steps == 2 and res.points <= 2 * 8  # anchors only (8 per batch), each encoded once
     res, _, _ = _run(tiny, epochs=0.5, loss="triplet")
@@ -267,7 +258,7 @@ def test_train_siamese_label_batches_without_centroid_and_with_triplet(tiny, one
     assert res.steps == 7 and math.isfinite(res.final_loss)
 
 
-def test_freeze_layers_trains_only_the_layers_above(tiny, one_thread):
+def test_freeze_layers_trains_only_the_layers_above(tiny, one_torch_thread):
     """pretrain.freeze_layers = 1 on the 2-layer BERT: embeddings and layer 0 end bit-identical, layer 1 moves,
     and the encoder still learns; more layers than the model has, or a bag encoder, is a config error."""
     path, pt, lt, Y = tiny
