@@ -17,6 +17,7 @@ import dagster as dg
 
 from assets.config import CONFIG_CLASSES, run_overrides
 from resources import ComputeResource, MLflowResource, XCHomeResource
+from resources.pools import record_run_owner
 from xc_dagster.artifacts import CONTRACT, StageArtifacts
 from xc_dagster.device import resolve_device
 from xc_dagster.home import Home
@@ -51,6 +52,7 @@ def materialize_stage(context: dg.AssetExecutionContext, stage: str, config: dg.
                       check_results: Callable[[StageContext, dict[str, Any]], list[dg.AssetCheckResult]] | None = None,
                       ) -> dg.MaterializeResult:
     dataset = context.partition_key
+    record_run_owner(context.instance, context.run_id)  # so a later load can tell this run's process is gone
     h = home.home()
     spec = home.catalog().get(dataset)
     store = home.store()

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 import dagster as dg
 from sqlalchemy.exc import IntegrityError
 
-from resources.pools import ensure_pool
+from resources.pools import ensure_pool, release_dead_runs
 from xc_dagster.catalog import Catalog
 from xc_dagster.home import Home
 
@@ -67,7 +67,8 @@ def sync_catalog(instance: dg.DagsterInstance, home: Home, extra: Iterable[str] 
 
 def sync_on_load(home: Home, extra: Iterable[str] = ()) -> list[str]:
     """At code-location load: register the catalog's datasets with the instance of ``DAGSTER_HOME`` (the CLI,
-    webserver and daemon set it), and make the training pool's limit row (``resources.pools``). Without an
+    webserver and daemon set it), make the training pool's limit row and free the slots of killed runs
+    (``resources.pools``). Without an
     instance (a bare Python import) nothing is done: logged, not raised."""
     if not os.environ.get("DAGSTER_HOME"):
         log.info("DAGSTER_HOME not set: the catalog's datasets are registered as partitions when an instance "
@@ -75,6 +76,7 @@ def sync_on_load(home: Home, extra: Iterable[str] = ()) -> list[str]:
         return []
     instance = dg.DagsterInstance.get()
     ensure_pool(instance)
+    release_dead_runs(instance)
     added = sync_catalog(instance, home, extra)
     if added:
         log.info("registered dataset partitions from the catalog: %s", ", ".join(added))

@@ -1,18 +1,33 @@
-"""The training assets' Dagster concurrency pool, made in the instance before any run claims a slot of it.
+"""The training assets' Dagster concurrency pool: made in the instance before any run claims a slot of it, and
+freed of the slots of runs whose process was killed.
 
 Dagster makes a pool's limit row (the yaml's ``concurrency: pools: default_limit``) when a run first claims a slot:
 two runs doing so at once both insert, and on PostgreSQL the loser's fallback update runs in the transaction the
 failed insert aborted, which fails its run (``UniqueViolation`` then ``InFailedSqlTransaction``; dagster 1.13.27).
 The same path runs again whenever the row's limit differs from the yaml's default. Loading the definitions makes
 the row with the yaml's default first (docs/decisions.md#training-pool), so runs find it and never take that path.
+
+A run whose process is killed (the OOM killer, SIGKILL, a reboot) keeps its claimed slot and its waiting steps, and
+Dagster's default run launcher has no run monitoring to end it: with the pool's limit of 1, every later training
+step waits forever ("Step blocked by limit for pool xc_training"). ``release_dead_runs`` ends such runs as failed
+and frees their slots when the definitions load (every ``xc-dagster materialize``, the webserver, the daemon); a
+run's process is its run worker, named in its tags by its first step (``record_run_owner``) or, before a step ran,
+by the pid of its RUN_START event (docs/decisions.md#dead-run-slots).
 """
 
 from __future__ import annotations
 
+import logging
+
 import dagster as dg
+import psutil
+from dagster._core.storage.sqlite_storage import SqliteRunStorage
 from sqlalchemy.exc import SQLAlchemyError
 
 from xc_dagster.home import TRAINING_POOL
+from xc_dagster.tracking import OWNER_HOST, owner_alive, owner_tags
+
+log = logging.getLogger("xc_dagster")
 
 
 def _limit(instance: dg.DagsterInstance, pool: str) -> tuple[int, bool] | None:
@@ -40,3 +55,52 @@ def ensure_pool(instance: dg.DagsterInstance, pool: str = TRAINING_POOL) -> bool
         if _limit(instance, pool) != (default, True):
             raise
     return True
+
+
+def _run_worker(instance: dg.DagsterInstance, run_id: str) -> tuple[int, float] | None:
+    """(pid, time) of the run's RUN_START event: the run worker's process, which executes its steps."""
+    for e in instance.all_logs(run_id, of_type=dg.DagsterEventType.RUN_START):
+        if e.dagster_event is not None and e.dagster_event.pid is not None:
+            return e.dagster_event.pid, e.timestamp
+    return None
+
+
+def record_run_owner(instance: dg.DagsterInstance, run_id: str) -> None:
+    """Name the run's worker process (host, pid, start) in its tags, once, from one of its steps."""
+    run = instance.get_run_by_id(run_id)
+    worker = _run_worker(instance, run_id)
+    if run is not None and worker is not None and OWNER_HOST not in run.tags:
+        instance.add_run_tags(run_id, owner_tags(worker[0]))
+
+
+def _worker_alive(instance: dg.DagsterInstance, run: dg.DagsterRun) -> bool | None:
+    """Whether the run's worker still runs; None when this process cannot tell (another host)."""
+    if OWNER_HOST in run.tags:
+        return owner_alive(dict(run.tags))
+    worker = _run_worker(instance, run.run_id)
+    if worker is None or not isinstance(instance.run_storage, SqliteRunStorage):
+        return None  # a shared run storage (PostgreSQL) may hold runs of other hosts: their pids mean nothing here
+    try:  # the pid's process started before the run did (a later one reused the pid)
+        proc = psutil.Process(worker[0])
+        return proc.status() != psutil.STATUS_ZOMBIE and proc.create_time() <= worker[1] + 1.0
+    except psutil.NoSuchProcess:
+        return False
+
+
+def release_dead_runs(instance: dg.DagsterInstance, pool: str = TRAINING_POOL) -> list[str]:
+    """End as failed the unfinished runs holding or waiting for a slot of ``pool`` whose worker process is gone,
+    and free the slots of those and of finished runs; returns their run ids. Live runs and runs this process
+    cannot judge (another host's) are left alone."""
+    info = instance.event_log_storage.get_concurrency_info(pool)
+    released = []
+    for run_id in sorted({s.run_id for s in info.claimed_slots} | {s.run_id for s in info.pending_steps}):
+        run = instance.get_run_by_id(run_id)
+        if run is not None and not run.is_finished:
+            if _worker_alive(instance, run) is not False:
+                continue
+            instance.report_run_failed(run, f"its run worker process is gone (killed: OOM, SIGKILL or a restart); "
+                                            f"its {pool} slot was freed so later steps do not wait for it")
+        instance.event_log_storage.free_concurrency_slots_for_run(run_id)
+        released.append(run_id)
+        log.warning("run %s: its process is gone; marked failed and its %s slot freed", run_id, pool)
+    return released
