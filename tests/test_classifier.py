@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+import time
+
 import numpy as np
 import pytest
 import scipy.sparse as sp
@@ -227,3 +230,21 @@ def test_module_iv_killed_run_resumes_residual_and_w_to_the_same_state(tmp_path)
     assert np.array_equal(W_res, W_full)
     assert all(torch.equal(a, b) for a, b in zip(enc.residual.state_dict().values(),
                                                  full_enc.residual.state_dict().values()))
+
+
+def test_progress_counts_steps_and_a_deadline_stops_inside_an_epoch(monkeypatch):
+    """A one-epoch run of a large dataset reports its steps as they go (not one line at the epoch's end), and the
+    budget's deadline stops it at a step, not at the end of the epoch it started."""
+    monkeypatch.setenv("XC_PROGRESS_SECONDS", "1e-9")  # a line at every step
+    X, E, Y, sl = _planted(n=400)
+    params = ClassifierParams(epochs=2, batch_size=64, lr=0.02, num_negatives=5, num_positives=1)
+    lines: list[str] = []
+    _, summary = train_classifiers(X, E, Y, sl, np.arange(400), params, torch.device("cpu"), report=lines.append)
+    assert summary["steps"] == 2 * 7 and summary["epochs_trained"] == 2  # 400 points in batches of 64: 7 a epoch
+    done = [int(m[1]) for m in (re.match(r"classifier: (\d+)/14 steps", line) for line in lines) if m]
+    assert done == list(range(1, 15)) + [14], lines
+
+    clock = iter(range(1000))  # each look at the clock is one second later; the deadline passes at the 4th step
+    monkeypatch.setattr(time, "perf_counter", lambda: float(next(clock)))
+    _, cut = train_classifiers(X, E, Y, sl, np.arange(400), params, torch.device("cpu"), deadline=3.5)
+    assert cut["stopped_at_deadline"] and cut["steps"] == 3 and cut["epochs_trained"] == round(3 / 7, 4)

@@ -219,31 +219,37 @@ def train_classifiers(point_emb: np.ndarray, label_emb: np.ndarray, Y: sp.csr_ma
     scores as ``encoder.from_intermediate(f_E(x))``. The encoder is updated in place and left in eval mode.
 
     With ``checkpoint``, the state is saved after every epoch and a matching checkpoint is resumed from: the
-    result equals an uninterrupted run's (same seed). ``deadline`` (``time.perf_counter()``): no epoch starts
-    after it (the training budget's guard). ``report``: where the progress lines go (epochs; ``xc_dagster.progress``).
+    result equals an uninterrupted run's (same seed). ``deadline`` (``time.perf_counter()``): no step starts
+    after it (the training budget's guard; ``epochs_trained`` then counts the part epoch). ``report``: where the
+    progress lines go (steps of the planned total, with the rate and ETA; ``xc_dagster.progress``).
     """
     trainer = ClassifierTrainer(point_emb, label_emb, Y, shortlist, train_rows, params, device, encoder,
                                 label_weight, label_point_emb)
     t0 = time.perf_counter()
     start = trainer.start(checkpoint)
-    prog = Progress("classifier", trainer.epochs, "epochs", report, log_metrics, initial=start)
-    done = trainer.epochs
+    per_epoch = trainer.steps_per_epoch
+    prog = Progress("classifier", trainer.epochs * per_epoch, "steps", report, log_metrics, initial=start * per_epoch)
+    done = float(trainer.epochs)
     for epoch in range(start, trainer.epochs):
-        if deadline is not None and time.perf_counter() > deadline:
-            done = epoch
-            break
-        losses = [trainer.step(batch) for batch in trainer.epoch_batches(epoch)]
-        trainer.last = float(np.mean(losses)) if losses else float("nan")
+        losses = []
+        for i, batch in enumerate(trainer.epoch_batches(epoch)):
+            if deadline is not None and time.perf_counter() > deadline:  # no step starts after it
+                done = epoch + i / max(per_epoch, 1)
+                break
+            losses.append(trainer.step(batch))
+            prog.update(1)
+        trainer.last = float(np.mean(losses)) if losses else trainer.last
+        if done < trainer.epochs:
+            break  # a part epoch is not checkpointed: a resume redoes the epoch
         if checkpoint is not None:
             checkpoint.save(epoch + 1, trainer.state(), trainer.rng)
         if log_metrics is not None:
             log_metrics(epoch + 1, {"classifier_loss": trainer.last})
-        prog.update(1)
     prog.close()
     if encoder is not None:
         encoder.eval()
     return trainer.weights(), {"steps": trainer.steps, "seconds": time.perf_counter() - t0,
                                "final_loss": trainer.last, "steps_per_epoch": trainer.steps_per_epoch,
                                "negatives": params.negatives, "resumed_from_epoch": start,
-                               "epochs_trained": done, "stopped_at_deadline": done < trainer.epochs,
+                               "epochs_trained": round(done, 4), "stopped_at_deadline": done < trainer.epochs,
                                "clusters": trainer.batches.n_clusters, "label_points": trainer.n_label_points}
