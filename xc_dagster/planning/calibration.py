@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import faiss
 import numpy as np
 import scipy.sparse as sp
 import torch
@@ -33,6 +32,7 @@ from xc_dagster.device import amp_dtype
 from xc_dagster.encoders.encode import encode_tokens
 from xc_dagster.encoders.loading import load_encoder
 from xc_dagster.encoders.tokenizer import load_tokenizer, tokenize_texts
+from xc_dagster.faiss_module import faiss
 from xc_dagster.retrieval.ann import exact_dtype, exact_topk
 from xc_dagster.retrieval.fusion import fit_fusion
 from xc_dagster.retrieval.lexical import LexicalIndex

@@ -15,12 +15,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import faiss
 import numpy as np
 import torch
 
 from xc_dagster.device import amp_dtype, resolve_device
 from xc_dagster.errors import XCConfigError
+from xc_dagster.faiss_module import faiss
 
 KINDS = ("hnsw", "ivf", "exact", "auto")
 FP32_AFTER_REDONE = 0.5  # bf16 exact search: with more of its queries searched again in fp32, an index switches

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import faiss
 import numpy as np
 import scipy.sparse as sp
 
 from xc_dagster.config import EndToEndTrainerParams
+from xc_dagster.faiss_module import faiss
 from xc_dagster.retrieval.ann import LabelIndex
 from xc_dagster.sampling.labels import positive_mask
 

@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-import faiss
 import mlflow
 import numpy as np
 import pandas as pd
@@ -52,6 +51,7 @@ from xc_dagster.encoders.encode import encode_tokens
 from xc_dagster.encoders.loading import load_encoder
 from xc_dagster.encoders.tokenizer import load_tokenizer, tokenize_texts
 from xc_dagster.errors import XCConfigError, XCError
+from xc_dagster.faiss_module import faiss
 from xc_dagster.retrieval.ann import LabelIndex, saved_kind
 from xc_dagster.retrieval.fusion import load_fusion
 from xc_dagster.retrieval.lexical import LEXICAL_DIR, read_config
