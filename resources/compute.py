@@ -40,9 +40,10 @@ def _field(name: str) -> str:
     return f"compute resource field {name!r}"
 
 
-def exit_message(stage: str, dataset: str, error: str) -> str:
+def exit_message(stage: str, dataset: str, error: str, processes: int = 1) -> str:
     """What a failed training process's error says: the stage, and the signal that killed it or its exit code
-    (read from the Pipes client's error, ``... failed with code N``: negative N is signal -N)."""
+    (read from the Pipes client's error, ``... failed with code N``: negative N is signal -N). ``processes`` > 1:
+    torchrun's, which exits with 1 when any rank fails or is killed, after stopping the others."""
     where = f"stage {stage!r} of dataset {dataset!r}"
     kept = "; its artifacts were not replaced (the stage publishes its folder only once it is complete)"
     found = re.search(r"code (-?\d+)", error)
@@ -54,8 +55,13 @@ def exit_message(stage: str, dataset: str, error: str) -> str:
             name = signal.Signals(-code).name
         except ValueError:
             name = f"signal {-code}"
-        return (f"{where}: the training process was killed by signal {name} ({-code}; out of memory, or killed by "
+        what = "torchrun launcher" if processes > 1 else "training process"
+        return (f"{where}: the {what} was killed by signal {name} ({-code}; out of memory, or killed by "
                 f"hand or by its scheduler){kept}")
+    if processes > 1:
+        return (f"{where}: torchrun's {processes} training processes exited with code {code}: a rank failed or was "
+                f"killed and torchrun stopped the others (its 'Root Cause' lines in the step's stderr name the rank "
+                f"and its exit code or signal); a re-run resumes from the last epoch's checkpoint{kept}")
     return f"{where}: the training process exited with code {code} (its error is in the step's log and stderr){kept}"
 
 
@@ -149,7 +155,7 @@ class ComputeResource(dg.ConfigurableResource):
         except XCError:
             raise
         except Exception as exc:  # the Pipes client's error: the exit code, or why the pod failed
-            raise XCError(exit_message(request.stage, dataset, str(exc))) from exc
+            raise XCError(exit_message(request.stage, dataset, str(exc), self.processes(request.stage))) from exc
         return reported_summary(invocation.get_custom_messages())
 
     def _k8s_module(self) -> Any:

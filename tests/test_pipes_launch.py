@@ -347,3 +347,52 @@ def test_the_torchrun_launcher_trains_pretraining_with_two_processes(tmp_path, m
     assert any(m.startswith("classifier: one training process (only the pretrain stage") for m in logs)
     assert any("rank 1 of 2 launched" in m for m in logs) is False  # rank 1 logs to stderr, rank 0 through Pipes
     assert any("rank 0 of 2 launched" in m for m in logs)
+
+
+RANK_KILL_ENV = "XC_TEST_KILL_RANK_1"
+# loaded by each rank's interpreter: with RANK_KILL_ENV set, rank 1 SIGKILLs itself at its first gradient averaging
+# once a checkpoint exists under XC_HOME (the first epoch's, which rank 0 writes)
+RANK_KILL_HOOK = textwrap.dedent(f"""
+    import glob, os, signal
+    if os.environ.get({RANK_KILL_ENV!r}) and os.environ.get("RANK") == "1":
+        from xc_dagster.training import data_parallel
+        _average = data_parallel.average_gradients
+
+        def _average_or_die(params, env):
+            if glob.glob(os.path.join(os.environ["XC_HOME"], "**", "state.pt"), recursive=True):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return _average(params, env)
+
+        data_parallel.average_gradients = _average_or_die
+""")
+
+
+def test_a_killed_rank_fails_the_step_clearly_and_the_re_run_resumes(tmp_path, monkeypatch):
+    """torchrun with 2 ranks, rank 1 SIGKILLed in the second epoch: the step fails saying what torchrun did, the
+    pretrain stage is not half-written, and the re-run resumes from the first epoch's checkpoint."""
+    monkeypatch.setenv("XC_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    h = Home.from_env().ensure()
+    src = write_lf_dataset(tmp_path / "src" / DATASET, n_train=60, n_test=20)
+    Catalog(h.catalog).add(DatasetSpec(DATASET, str(src), overrides={
+        **SETTINGS, "tokenize.encoder": str(_no_dropout_bert(tmp_path / "bert")), "pretrain.epochs": 2}))
+    instance = dagster_instance(DATASET)
+    assert materialize(h, ["dataset", "tokens"], instance=instance).success
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(RANK_KILL_HOOK)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv(RANK_KILL_ENV, "1")
+    killed = materialize(h, ["siamese_encoder"], "torchrun", instance, nproc_per_node=2)
+    assert not killed.success
+    error = failure_text(killed)
+    assert ("stage 'pretrain' of dataset 'TinyTitles': torchrun's 2 training processes exited with code 1: a rank "
+            "failed or was killed" in error), error[-3000:]
+    final = ArtifactStore(h.artifacts).stage_dir(DATASET, "pretrain")
+    assert not final.exists() and stage_leftovers(final) == []
+
+    monkeypatch.delenv(RANK_KILL_ENV)
+    again = materialize(h, ["siamese_encoder"], "torchrun", instance, nproc_per_node=2)
+    assert again.success, failure_text(again)
+    summary = json.loads((final / SUMMARY).read_text())
+    assert summary["world_size"] == 2 and summary["resumed_from_epoch"] == 1
