@@ -70,7 +70,7 @@ class ComputeResource(dg.ConfigurableResource):
 
     ``launcher``: where the training stages (pretrain, classifier) run: ``in_process`` (the step's process),
     ``subprocess`` (a child process on the same machine), ``torchrun`` (``nproc_per_node`` processes on this
-    machine: the pretrain stage data parallel, the classifier stage still one process) or ``k8s`` (a pod:
+    machine: the pretrain stage data parallel, the classifier stage with W's label ranges over them) or ``k8s`` (a pod:
     ``image``, ``namespace`` (empty: the current one, else ``default``), ``gpus_per_pod`` (0: no GPU limit),
     ``k8s_env``: more environment variables). The other stages always run in the step's process."""
 
@@ -128,8 +128,8 @@ class ComputeResource(dg.ConfigurableResource):
         return self.launcher != "in_process"
 
     def processes(self, stage: str) -> int:
-        """Training processes of ``stage``: ``nproc_per_node`` under torchrun for the data-parallel stages
-        (pretrain), else one (the classifier stage is not distributed yet)."""
+        """Training processes of ``stage``: ``nproc_per_node`` under torchrun for the stages that train with several
+        (pretrain, classifier), else one."""
         data_parallel = self.launcher == "torchrun" and stage in DATA_PARALLEL_STAGES
         return self.nproc_per_node if data_parallel else 1
 

@@ -299,10 +299,11 @@ def test_the_launched_pretrain_stage_trains_with_two_ranks_and_rank_0_writes(tmp
     assert len(versions) <= 2, versions  # the in-process run's and rank 0's: rank 1 wrote none
     assert stage_leftovers(stage) == [] and not ctx.checkpoint_dir("pretrain").exists()
 
-    other = launch.LaunchRequest("classifier", spec, cfg, "cpu", 1).payload()
-    with pytest.raises(XCConfigError, match=r"WORLD_SIZE = 2: only the pretrain stage trains with several "
-                                            r"processes \(data parallel\); the others run in one; the payload's "
-                                            r"stage is 'classifier'"):
+    other = json.dumps({"stage": "index"})  # refused before the payload is read further
+    with pytest.raises(XCConfigError, match=r"WORLD_SIZE = 2: only the pretrain stage \(data parallel\) and the "
+                                            r"classifier stage \(W's label ranges over the ranks\) train with "
+                                            r"several processes; the others run in one; the payload's stage is "
+                                            r"'index'"):
         launch.read_request(other, {"WORLD_SIZE": "2", "RANK": "1"})
 
 

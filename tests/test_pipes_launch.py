@@ -179,8 +179,9 @@ def test_one_training_process_only(home):
     out = subprocess.run([sys.executable, "-m", launch.MODULE, "--payload", "{}"], env=env, capture_output=True,
                          text=True, cwd=ROOT, timeout=300)
     assert out.returncode != 0
-    assert ("XCConfigError: WORLD_SIZE = 2: only the pretrain stage trains with several processes (data parallel); "
-            "the others run in one; the payload's stage is None") in out.stderr
+    assert ("XCConfigError: WORLD_SIZE = 2: only the pretrain stage (data parallel) and the classifier stage (W's "
+            "label ranges over the ranks) train with several processes; the others run in one; the payload's stage "
+            "is None") in out.stderr
     with pytest.raises(XCConfigError, match="WORLD_SIZE: expected an integer >= 1"):
         launch.main(["--payload", "{}"], environ={"WORLD_SIZE": "two"})
     # nproc_per_node > 1: refused for the training stages at launch, whatever the launcher; other stages run
@@ -190,7 +191,7 @@ def test_one_training_process_only(home):
         compute.launches("classifier")
     torchrun = ComputeResource(launcher="torchrun", nproc_per_node=2)
     assert torchrun.launches("classifier") and torchrun.processes("pretrain") == 2
-    assert torchrun.processes("classifier") == 1  # not distributed yet: one process
+    assert torchrun.processes("classifier") == 2 and torchrun.processes("index") == 1
     assert compute.launches("index") is False and ComputeResource(nproc_per_node=2).launches("ingest") is False
     failed = materialize(home, ["siamese_encoder"], "subprocess", nproc_per_node=2)
     assert not failed.success and "'nproc_per_node' = 2: several training processes" in failure_text(failed)
@@ -320,8 +321,8 @@ def test_the_k8s_launcher_runs_the_rendered_pod(monkeypatch):
 
 def test_the_torchrun_launcher_trains_pretraining_with_two_processes(tmp_path, monkeypatch):
     """``compute: launcher: torchrun, nproc_per_node: 2`` from Dagster: pretraining runs as 2 data-parallel ranks
-    (the same embeddings as in process, to 1e-5; one MLflow run with the step metrics), the classifier stage in one
-    process (said in the step's log), and the pipeline's later stages read the result as usual."""
+    (the same embeddings as in process, to 1e-5; one MLflow run with the step metrics), the classifier stage as 2
+    ranks each holding half of W's labels (the same W), and the pipeline's later stages read the result as usual."""
     monkeypatch.setenv("XC_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     h = Home.from_env().ensure()
@@ -344,7 +345,9 @@ def test_the_torchrun_launcher_trains_pretraining_with_two_processes(tmp_path, m
     runs = mlflow_runs(ranks)
     assert set(runs) == set(TRAINING) and step_history(runs["siamese_encoder"], "pretrain_loss")
     logs = [e.user_message for e in instance.all_logs(ranks.run_id)]
-    assert any(m.startswith("classifier: one training process (only the pretrain stage") for m in logs)
+    classifier = json.loads((store.stage_dir(DATASET, "classifier") / SUMMARY).read_text())
+    assert classifier["world_size"] == 2 and step_history(runs["classifiers"], "classifier_loss")
+    assert not any(m.startswith("classifier: one training process") for m in logs)
     assert any("rank 1 of 2 launched" in m for m in logs) is False  # rank 1 logs to stderr, rank 0 through Pipes
     assert any("rank 0 of 2 launched" in m for m in logs)
 

@@ -25,6 +25,7 @@ from xc_dagster.storage import save_json
 from xc_dagster.training.budget import BUDGET_PLAN, BudgetPlan, calibrate, check_train_params, encode_rate, plan_epochs
 from xc_dagster.training.checkpoint import Checkpointer, fingerprint, fingerprint_files
 from xc_dagster.training.classifier import propensity_label_weights, train_classifiers
+from xc_dagster.training.distributed import DistEnv
 from xc_dagster.training.end_to_end import EndToEndTrainer, train_end_to_end
 
 TAIL_RESERVE = 1 / 3  # of train.reserve: what the index and fusion stages keep after this stage
@@ -144,7 +145,23 @@ def fold_trainer(ctx: StageContext, ds: Any, label_emb: np.ndarray) -> Callable[
     return train
 
 
-def run(ctx: StageContext) -> dict[str, Any]:
+def check_label_sharded(p: Any, env: DistEnv | None) -> DistEnv:
+    """``env`` (None: one process) after refusing what W's label ranges on several ranks cannot train yet: sampled
+    negatives (ASTRA / MIPS-s, the end to end trainer) and the residual block (SiameseXML Module IV)."""
+    env = DistEnv() if env is None else env
+    if env.world_size == 1:
+        return env
+    if p.negatives in SAMPLERS:
+        raise XCConfigError(f"classifier.negatives: W's label ranges on {env.world_size} ranks (WORLD_SIZE) are "
+                            f"trained by the hardest-negative trainer (shortlist | in-batch | both); "
+                            f"{p.negatives!r} trains in one process (nproc_per_node 1)")
+    if p.train_residual:
+        raise XCConfigError(f"classifier.train_residual: the residual block trains in one process; W's label ranges "
+                            f"on {env.world_size} ranks (WORLD_SIZE) take a frozen encoder")
+    return env
+
+
+def run(ctx: StageContext, env: DistEnv | None = None) -> dict[str, Any]:
     """Train one-vs-all W from label embeddings (validation rows held out): on positives + the hardest mined
     negatives (NGAME, SiameseXML), or with BCE over sampled negatives (ASTRA, MIPS-s), optionally fine-tuning
     the encoder with them (end to end: ``classifier.train_encoder``; the bag encoder's residual block, SiameseXML
@@ -152,6 +169,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     every later stage uses them (``ArtifactReader.model_dir``)."""
     started = time.perf_counter()
     p = ctx.cfg.classifier
+    env = check_label_sharded(p, env)
     seed_everything(p.seed)
     point_emb = ctx.read.pretrained(TRAIN_EMB)
     label_emb = ctx.read.pretrained(LABEL_EMB)
@@ -199,9 +217,13 @@ def run(ctx: StageContext) -> dict[str, Any]:
     else:
         W_out, summary = train_classifiers(point_emb if inter is None else inter, W0, ds.Y_train, sl, rows, p,
                                            ctx.device, ctx.log_metrics, ckpt, encoder=encoder, label_weight=lw,
-                                           deadline=deadline, report=ctx.info,
+                                           deadline=deadline, report=ctx.info, env=env,
                                            label_point_emb=label_emb if label_inter is None else label_inter)
         summary["residual"] = residual_note
+    if not env.is_main:  # rank 0 holds W and writes the stage
+        return {"steps": summary["steps"], "train_seconds": summary["seconds"], "rank": env.rank,
+                "world_size": env.world_size}
+    summary.update({"world_size": env.world_size} if env.world_size > 1 else {})
     summary["budget"] = plan.summary()
     summary["train_seconds"] = summary["seconds"]  # the trainer's loop; "seconds" is the stage's wall time
     summary["seconds"] = time.perf_counter() - started

@@ -9,7 +9,7 @@ both counts once). True positives of the point are never negatives.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 import numpy as np
 import scipy.sparse as sp
@@ -90,12 +90,14 @@ HARD_NEGATIVE_POOLS: dict[str, type[HardNegativePool]] = {
 
 
 def hardest(pool: HardNegativePool, x: torch.Tensor, W: torch.Tensor, batch: np.ndarray, pos: np.ndarray,
-            num: int) -> torch.Tensor:
+            num: int, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """The ``num`` hardest negatives (highest w_l.x under the current W) per point of ``batch`` in ``pool``,
-    -1 padded."""
+    -1 padded. ``reduce``: applied to the pool's scores first (W's label ranges on several ranks: their sum)."""
     with torch.no_grad():
         parts = pool.candidates(x, W, batch, pos)
         cand, sc = torch.cat([ids for ids, _ in parts], 1), torch.cat([s for _, s in parts], 1)
+        if reduce is not None:
+            sc = reduce(sc)
         top = sc.topk(min(num, sc.shape[1]), dim=1)
         return torch.gather(cand, 1, top.indices).masked_fill(torch.isinf(top.values), -1)
 

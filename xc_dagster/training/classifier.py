@@ -36,7 +36,10 @@ from xc_dagster.sampling.hard_negatives import HARD_NEGATIVE_POOLS, hardest
 from xc_dagster.sampling.labels import sample_positives
 from xc_dagster.sampling.negatives import SAMPLED_NEGATIVES
 from xc_dagster.training.checkpoint import Checkpointer, Resumable, Resumed, restore_rng
+from xc_dagster.training.data_parallel import any_rank
+from xc_dagster.training.distributed import DistEnv
 from xc_dagster.training.label_points import classifier_label_points
+from xc_dagster.training.label_sharded import RankShardedClassifier, RankShardedOptimizer, sum_over_ranks
 from xc_dagster.training.losses import CLASSIFIER_LOSSES
 from xc_dagster.training.sharded import ShardedClassifier, ShardedOptimizer
 
@@ -73,13 +76,14 @@ def propensity_label_weights(inv_prop: np.ndarray, Y: sp.csr_matrix, rows: np.nd
     return (w * total / float(counts @ w)).astype(np.float32)
 
 
-def _w_optimizer(clf: ShardedClassifier, params: HardNegativeTrainerParams) -> ShardedOptimizer:
+def _w_optimizer(clf: ShardedClassifier, params: HardNegativeTrainerParams,
+                 kind: type[ShardedOptimizer] = ShardedOptimizer) -> ShardedOptimizer:
     """``classifier.w_optimizer`` over the rows of W a step scored: SparseAdam (NGAME code, the default) or plain
     SGD, whose step is proportional to the gradient (docs/decisions.md#classifier-w-optimizer-sparse-adam)."""
     if params.w_optimizer == "sgd" and params.weight_decay:  # ShardedOptimizer checks the name itself
         raise XCConfigError("classifier.weight_decay: the hardest-negative trainer takes no weight decay "
                             f"(got {params.weight_decay}); it applies to negatives={SAMPLED}")
-    return ShardedOptimizer(clf, params.w_optimizer, params.lr)
+    return kind(clf, params.w_optimizer, params.lr)
 
 
 @dataclass
@@ -103,8 +107,12 @@ class ClassifierTrainer(Resumable):
     def __init__(self, point_emb: np.ndarray, label_emb: np.ndarray, Y: sp.csr_matrix, shortlist: np.ndarray,
                  train_rows: np.ndarray, params: HardNegativeTrainerParams, device: torch.device,
                  encoder: BagOfEmbeddingsEncoder | None = None, label_weight: np.ndarray | None = None,
-                 label_point_emb: np.ndarray | None = None):
+                 label_point_emb: np.ndarray | None = None, env: DistEnv | None = None):
         check_hard_negative_params(params)
+        self.env = DistEnv() if env is None else env
+        if self.env.world_size > 1 and encoder is not None:
+            raise XCConfigError(f"classifier.train_residual: the residual block trains in one process; W's label "
+                                f"ranges on {self.env.world_size} ranks (WORLD_SIZE) take a frozen encoder")
         self.params, self.device, self.encoder = params, device, encoder
         self.epochs = int(params.epochs)
         self.n_label_points = Y.shape[1] if params.label_points else 0
@@ -117,9 +125,14 @@ class ClassifierTrainer(Resumable):
         self.rows = rows[np.diff(self.Y.indptr)[rows] > 0]
         self.rng = np.random.default_rng(params.seed)
         torch.manual_seed(params.seed)
-        self.clf = ShardedClassifier(np.asarray(label_emb, dtype=np.float32), [device])
+        W0 = np.asarray(label_emb, dtype=np.float32)
+        if self.env.world_size > 1:  # this rank's label range of W (xc_dagster/training/label_sharded.py)
+            self.clf = RankShardedClassifier(W0, device, self.env)
+            self.opt = _w_optimizer(self.clf, params, RankShardedOptimizer)
+        else:
+            self.clf = ShardedClassifier(W0, [device])
+            self.opt = _w_optimizer(self.clf, params)
         self.W = self.clf.weights[0]
-        self.opt = _w_optimizer(self.clf, params)
         self.residual_opt = None
         if encoder is not None:
             encoder.to(device).train()  # dropout of the residual block, as in the pretraining
@@ -143,7 +156,11 @@ class ClassifierTrainer(Resumable):
         x = self.X[batch].to(self.device)
         if self.encoder is not None:
             x = self.encoder.from_intermediate(x)
-        neg = hardest(self.pool, x, self.W, batch, pos, self.params.num_negatives)
+        if isinstance(self.clf, RankShardedClassifier):
+            neg = hardest(self.pool, x, self.clf.rows(), batch, pos, self.params.num_negatives,
+                          reduce=lambda sc: sum_over_ranks(sc, self.env))
+        else:
+            neg = hardest(self.pool, x, self.W, batch, pos, self.params.num_negatives)
         ids = torch.cat([torch.from_numpy(pos).to(self.device), neg], dim=1)
         valid = ids >= 0
         is_pos = torch.zeros_like(valid)
@@ -174,7 +191,9 @@ class ClassifierTrainer(Resumable):
         return self.update(self.batch_loss(batch))
 
     def state(self) -> dict[str, Any]:
-        state = {"W": self.W.detach().cpu(), "opt": self.opt.state_dict(), "steps": self.steps, "last": self.last}
+        W = (self.clf.full_weights() if isinstance(self.clf, RankShardedClassifier) else self.W.detach())
+        state = {"W": None if W is None else W.cpu(), "opt": self.opt.state_dict(), "steps": self.steps,
+                 "last": self.last}
         if self.encoder is not None:
             state.update(residual={k: v.detach().cpu() for k, v in self.encoder.residual.state_dict().items()},
                          residual_opt=self.residual_opt.state_dict())
@@ -190,12 +209,21 @@ class ClassifierTrainer(Resumable):
         restore_rng(self.rng, resumed)
         self.steps, self.last = int(st["steps"]), float(st["last"])
 
-    def weights(self) -> np.ndarray:
-        """W (L x D float32), rows at unit norm with ``classifier.normalize``."""
-        Wn = self.W.detach()
+    def weights(self) -> np.ndarray | None:
+        """W (L x D float32), rows at unit norm with ``classifier.normalize``; W's label ranges on several ranks:
+        on rank 0, None on the others (every rank must call it)."""
+        Wn = self.clf.full_weights() if isinstance(self.clf, RankShardedClassifier) else self.W.detach()
+        if Wn is None:
+            return None
         if self.params.normalize:
             Wn = F.normalize(Wn, dim=-1)
         return Wn.cpu().numpy().astype(np.float32)
+
+
+def _past(deadline: float | None, env: DistEnv) -> bool:
+    """Whether the deadline has passed, on any rank (the ranks stop at the same step)."""
+    late = deadline is not None and time.perf_counter() > deadline
+    return any_rank(late, env) if env.active else late
 
 
 def train_classifiers(point_emb: np.ndarray, label_emb: np.ndarray, Y: sp.csr_matrix, shortlist: np.ndarray,
@@ -206,7 +234,7 @@ def train_classifiers(point_emb: np.ndarray, label_emb: np.ndarray, Y: sp.csr_ma
                       label_weight: np.ndarray | None = None,
                       deadline: float | None = None,
                       label_point_emb: np.ndarray | None = None,
-                      report: Report | None = None) -> tuple[np.ndarray, dict[str, float]]:
+                      report: Report | None = None, env: DistEnv | None = None) -> tuple[np.ndarray, dict[str, float]]:
     """Return W (L x D float32) and a summary; ``shortlist[i]`` are point i's mined candidate labels (-1 pad).
 
     ``label_weight`` (L,): a weight on each label's positive terms in the loss (``propensity_label_weights``).
@@ -221,10 +249,14 @@ def train_classifiers(point_emb: np.ndarray, label_emb: np.ndarray, Y: sp.csr_ma
     With ``checkpoint``, the state is saved after every epoch and a matching checkpoint is resumed from: the
     result equals an uninterrupted run's (same seed). ``deadline`` (``time.perf_counter()``): no step starts
     after it (the training budget's guard; ``epochs_trained`` then counts the part epoch). ``report``: where the
-    progress lines go (steps of the planned total, with the rate and ETA; ``xc_dagster.progress``).
+    progress lines go (steps of the planned total, with the rate and ETA; ``xc_dagster.progress``). ``env``: this
+    rank of several, each holding a label range of W (``xc_dagster.training.label_sharded``; every rank calls this
+    with the same arguments): rank 0 alone logs, reports, writes the checkpoint and returns W (None elsewhere).
     """
     trainer = ClassifierTrainer(point_emb, label_emb, Y, shortlist, train_rows, params, device, encoder,
-                                label_weight, label_point_emb)
+                                label_weight, label_point_emb, env)
+    if not trainer.env.is_main:
+        log_metrics = report = None
     t0 = time.perf_counter()
     start = trainer.start(checkpoint)
     per_epoch = trainer.steps_per_epoch
@@ -233,7 +265,7 @@ def train_classifiers(point_emb: np.ndarray, label_emb: np.ndarray, Y: sp.csr_ma
     for epoch in range(start, trainer.epochs):
         losses = []
         for i, batch in enumerate(trainer.epoch_batches(epoch)):
-            if deadline is not None and time.perf_counter() > deadline:  # no step starts after it
+            if _past(deadline, trainer.env):  # no step starts after it
                 done = epoch + i / max(per_epoch, 1)
                 break
             losses.append(trainer.step(batch))
@@ -242,7 +274,9 @@ def train_classifiers(point_emb: np.ndarray, label_emb: np.ndarray, Y: sp.csr_ma
         if done < trainer.epochs:
             break  # a part epoch is not checkpointed: a resume redoes the epoch
         if checkpoint is not None:
-            checkpoint.save(epoch + 1, trainer.state(), trainer.rng)
+            state = trainer.state()  # every rank: W's label ranges are gathered
+            if trainer.env.is_main:
+                checkpoint.save(epoch + 1, state, trainer.rng)
         if log_metrics is not None:
             log_metrics(epoch + 1, {"classifier_loss": trainer.last})
     prog.close()

@@ -227,6 +227,19 @@ def _require_group(env: DistEnv) -> None:
                            "DistEnv.init() first")
 
 
+def gather_blocks(block: torch.Tensor, num_labels: int, env: DistEnv) -> torch.Tensor | None:
+    """The ranks' label blocks (rows ``label_range``) stacked in label order on rank 0; None on the others. Every
+    rank must call it."""
+    if not env.active:
+        return block
+    sizes = [hi - lo for lo, hi in (label_range(num_labels, r, env.world_size) for r in range(env.world_size))]
+    most = max(sizes)
+    padded = torch.cat([block, block.new_zeros((most - len(block), *block.shape[1:]))]).contiguous()
+    parts = [torch.empty_like(padded) for _ in sizes] if env.is_main else None
+    dist.gather(padded, parts, dst=0)
+    return torch.cat([p[:s] for p, s in zip(parts, sizes)]) if env.is_main else None
+
+
 class RankShardedW:
     """This rank's rows [lo, hi) of the (L, D) classifier matrix W (float32 on ``env.device``); ``pair_logits``
     scores the pairs of its labels as a small leaf of the rows touched, ``sgd_update`` applies their gradient."""
@@ -284,19 +297,11 @@ class RankShardedW:
     def consolidate(self) -> np.ndarray | None:
         """The full (L, D) float32 W on rank 0 (the ranks' blocks gathered), None on the other ranks; every rank
         must call it."""
-        env = self.env
-        if env.world_size == 1:
+        if self.env.world_size == 1:
             return self.weight.detach().cpu().numpy().copy()
-        _require_group(env)
-        sizes = [hi - lo for lo, hi in (label_range(self.num_labels, r, env.world_size)
-                                        for r in range(env.world_size))]
-        most, D = max(sizes), self.weight.shape[1]
-        padded = torch.cat([self.weight, self.weight.new_zeros((most - len(self.weight), D))])
-        parts = [torch.empty_like(padded) for _ in sizes] if env.is_main else None
-        dist.gather(padded, parts, dst=0)
-        if not env.is_main:
-            return None
-        return torch.cat([p[:s] for p, s in zip(parts, sizes)]).cpu().numpy()
+        _require_group(self.env)
+        full = gather_blocks(self.weight.detach(), self.num_labels, self.env)
+        return None if full is None else full.cpu().numpy()
 
 
 class ShardedLoss(NamedTuple):

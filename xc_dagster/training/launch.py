@@ -15,7 +15,8 @@ in-process path logs, the stage's own lines) with ``pipes.log`` and, at the end,
 The parent then reads the summary the child wrote to the artifact store.
 
 Several processes (``torchrun --nproc_per_node N -m xc_dagster.training.launch --payload ...``: torchrun's
-``WORLD_SIZE`` > 1) train the ``pretrain`` stage data parallel (xc_dagster/training/data_parallel.py): every rank
+``WORLD_SIZE`` > 1) train the ``pretrain`` stage data parallel (xc_dagster/training/data_parallel.py) and the
+``classifier`` stage with W's label ranges over the ranks (xc_dagster/training/label_sharded.py): every rank
 joins the process group, brings the stage's inputs to its local store and trains; rank 0 alone writes the stage's
 artifacts, records and publishes them and reports through Pipes, the other ranks write and report nothing. Any
 other stage with ``WORLD_SIZE`` > 1 is refused with an :class:`XCConfigError`, as the parent refuses
@@ -48,7 +49,7 @@ from xc_dagster.config import PipelineConfig, apply_overrides
 from xc_dagster.device import resolve_device
 from xc_dagster.errors import XCConfigError, XCError
 from xc_dagster.home import Home
-from xc_dagster.pipeline import pretrain
+from xc_dagster.pipeline import classifier, pretrain
 from xc_dagster.pipeline.context import StageContext
 from xc_dagster.pipeline.provenance import record_params
 from xc_dagster.pipeline.run import peak_rss_mb, run_stage
@@ -63,9 +64,10 @@ LAUNCHED_STAGES = ("pretrain", "classifier")  # the training stages; every other
 RUN_ID_ENV = "MLFLOW_RUN_ID"  # the parent's MLflow run of the stage, which the child logs its step metrics into
 TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
 HOME_ENV = "XC_HOME"
-NOT_DISTRIBUTED = "only the pretrain stage trains with several processes (data parallel); the others run in one"
+NOT_DISTRIBUTED = ("only the pretrain stage (data parallel) and the classifier stage (W's label ranges over the ranks) "
+                   "train with several processes; the others run in one")
 SUMMARY_MESSAGE = "summary"  # the key of the child's last Pipes custom message: its run_stage summary
-DATA_PARALLEL_STAGES = ("pretrain",)  # the stages that train with several processes (WORLD_SIZE > 1)
+DATA_PARALLEL_STAGES = ("pretrain", "classifier")  # the stages that train with several processes (WORLD_SIZE > 1)
 
 
 def world_size(environ: Mapping[str, str]) -> int:
@@ -203,8 +205,9 @@ def rank_env(request: LaunchRequest, environ: Mapping[str, str]) -> DistEnv:
 
 
 def run_data_parallel(ctx: StageContext, request: LaunchRequest, environ: Mapping[str, str]) -> dict[str, Any]:
-    """``run_stage`` of the ``pretrain`` stage as one rank of torchrun's world: every rank trains, rank 0 records
-    and publishes the artifacts it wrote; returns the stage's summary (rank 0) or the rank's training numbers."""
+    """``run_stage`` of a stage of ``DATA_PARALLEL_STAGES`` as one rank of torchrun's world (pretrain: data
+    parallel; classifier: W's label ranges over the ranks): every rank trains, rank 0 records and publishes the
+    artifacts it wrote; returns the stage's summary (rank 0) or the rank's training numbers."""
     env = rank_env(request, environ).init()
     try:
         ctx = dataclasses.replace(ctx, device=env.device,
@@ -213,7 +216,7 @@ def run_data_parallel(ctx: StageContext, request: LaunchRequest, environ: Mappin
                  f"{os.getpid()} on {env.device}")
         for upstream in CONTRACT[request.stage].reads:  # file-locked: ranks sharing a store fetch a stage once
             ctx.store.sync(ctx.name, upstream)
-        summary = pretrain.run(ctx, env)
+        summary = {"pretrain": pretrain.run, "classifier": classifier.run}[request.stage](ctx, env)
         if env.is_main:
             record_params(ctx.store, ctx.name, request.stage, ctx.cfg)
             published = ctx.store.publish(ctx.name, request.stage)

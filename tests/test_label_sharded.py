@@ -1,0 +1,123 @@
+"""The hardest-negative classifiers with W's label ranges on 2 real gloo ranks under torchrun
+(xc_dagster/training/label_sharded.py) against one process: the same W for every negative pool and both row
+optimizers, checkpoints that 1 process and 2 ranks resume from each other, and a label range that a step does not
+touch still counting the step in SparseAdam.
+
+This file, run by torchrun, is the worker; each rank trains the scenarios, rank 0 saves W, and the tests compare.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+import torch.nn.functional as F
+
+from tests.torchrun import run_torchrun
+from xc_dagster.config import ClassifierParams
+from xc_dagster.encoders.bag import create_bag_encoder
+from xc_dagster.errors import XCConfigError
+from xc_dagster.training.checkpoint import Checkpointer
+from xc_dagster.training.classifier import train_classifiers
+from xc_dagster.training.distributed import DistEnv
+
+CPU = torch.device("cpu")
+N, L, D = 240, 37, 16  # 37 labels: ranges of 19 and 18
+W_ATOL = 1e-5  # the ranks' score kernels differ from one process's in the last bits only
+SCENARIOS = {  # name -> ClassifierParams fields
+    "shortlist": dict(negatives="shortlist", w_optimizer="sparse-adam"),
+    "both": dict(negatives="both", cluster_size=8, w_optimizer="sparse-adam", normalize=True),
+    "in-batch-sgd": dict(negatives="in-batch", cluster_size=8, w_optimizer="sgd", lr=1.0),
+    # 2 points a step with 2 positives and 1 negative each: many steps touch one rank's labels only
+    "small-batches": dict(negatives="shortlist", w_optimizer="sparse-adam", batch_size=2, num_negatives=1),
+}
+KEY = "label-sharded-test"
+
+
+def _data():
+    """Points near 1-3 hidden label directions each, noisy label embeddings, each point's 10 nearest labels."""
+    g = torch.Generator().manual_seed(0)
+    mu = F.normalize(torch.randn(L, D, generator=g), dim=-1)
+    rng = np.random.default_rng(0)
+    labels = [rng.choice(L, size=int(rng.integers(1, 4)), replace=False) for _ in range(N)]
+    X = F.normalize(torch.stack([mu[torch.as_tensor(ls)].sum(0) for ls in labels])
+                    + 0.3 * torch.randn(N, D, generator=g), dim=-1).numpy()
+    E = F.normalize(mu + 0.9 * torch.randn(L, D, generator=g), dim=-1).numpy()
+    r = np.repeat(np.arange(N), [len(ls) for ls in labels])
+    Y = sp.csr_matrix((np.ones(len(r), np.float32), (r, np.concatenate(labels))), shape=(N, L))
+    return X, E, Y, np.argsort(-(X @ E.T), axis=1)[:, :10]
+
+
+def _train(name: str, epochs: int, env: DistEnv | None = None, ckpt: Path | None = None):
+    X, E, Y, sl = _data()
+    params = dataclasses.replace(ClassifierParams(epochs=epochs, batch_size=32, lr=0.02, num_negatives=4,
+                                                  num_positives=2), **SCENARIOS[name])
+    return train_classifiers(X, E, Y, sl, np.arange(N), params, CPU, env=env,
+                             checkpoint=Checkpointer(ckpt, KEY) if ckpt is not None else None)
+
+
+def _worker(out: Path) -> None:
+    torch.set_num_threads(1)
+    env = DistEnv.from_env(device="cpu").init(timeout_s=60)
+    try:
+        for name in SCENARIOS:
+            W, summary = _train(name, 2, env)
+            assert (W is None) == (env.rank != 0)
+            if env.is_main:
+                np.save(out / f"{name}.npy", W)
+        _train("shortlist", 1, env, out / "from_two")  # rank 0 writes the epoch-1 checkpoint
+        W, _ = _train("shortlist", 2, env, out / "from_one")  # resumes the 1 process's epoch-1 checkpoint
+        if env.is_main:
+            np.save(out / "resumed_by_two.npy", W)
+        env.barrier()
+    finally:
+        env.close()
+
+
+# ----------------------------------------------------------------------------------------------- the fixture
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """One process's W per scenario (and its epoch-1 checkpoint in from_one), then 2 ranks, then one process
+    resuming the 2 ranks' epoch-1 checkpoint."""
+    out = tmp_path_factory.mktemp("label_sharded")
+    one = {name: _train(name, 2)[0] for name in SCENARIOS}
+    _train("shortlist", 1, None, out / "from_one")
+    run_torchrun([str(Path(__file__).resolve()), str(out)])
+    two = {name: np.load(out / f"{name}.npy") for name in SCENARIOS}
+    resumed_by_one, _ = _train("shortlist", 2, None, out / "from_two")
+    return {"one": one, "two": two, "resumed_by_one": resumed_by_one,
+            "resumed_by_two": np.load(out / "resumed_by_two.npy")}
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_two_label_ranges_train_the_one_process_w(runs, name):
+    one, two = runs["one"][name], runs["two"][name]
+    X, E, _, _ = _data()
+    assert np.abs(one - E).max() > 0.05  # training moved W: the comparison is not of the starting point
+    np.testing.assert_allclose(two, one, atol=W_ATOL)
+
+
+def test_checkpoints_resume_across_world_sizes(runs):
+    np.testing.assert_allclose(runs["resumed_by_one"], runs["one"]["shortlist"], atol=W_ATOL)
+    np.testing.assert_allclose(runs["resumed_by_two"], runs["one"]["shortlist"], atol=W_ATOL)
+
+
+if __name__ == "__main__":  # a torchrun rank (see ``runs``)
+    _worker(Path(sys.argv[1]))
+
+
+def test_the_residual_block_is_refused_with_several_ranks():
+    X, E, Y, sl = _data()
+    env = DistEnv(0, 2, 0, "gloo", CPU)  # no group needed: refused before any collective
+    with pytest.raises(XCConfigError, match=r"classifier.train_residual: the residual block trains in one process"):
+        train_classifiers(X, E, Y, sl, np.arange(N), ClassifierParams(epochs=1), CPU,
+                          encoder=create_bag_encoder(100, D, init="random", seed=0), env=env)
