@@ -52,7 +52,7 @@ def _data(n: int, n_labels: int, seq_len: int, seed: int = 0):
     return tokens(n), tokens(n_labels), Y
 
 
-def _timed(fn, env: DistEnv, reps: int) -> float:
+def timed(fn, env: DistEnv, reps: int) -> float:
     """Median seconds of ``fn`` over ``reps`` runs after one warm-up, every rank in step."""
     times = []
     for i in range(reps + 1):
@@ -76,9 +76,18 @@ def _comm(encoder: torch.nn.Module, env: DistEnv, batch: int, dim: int, reps: in
     flat = torch.ones(n_grad, device=env.device)
     part = torch.ones(-(-2 * batch // env.world_size), dim, device=env.device)  # points + labels, this rank's rows
     out = [torch.empty_like(part) for _ in range(env.world_size)]
-    return {"gather_embeddings_ms": 1e3 * _timed(lambda: dist.all_gather(out, part), env, reps),
-            "all_reduce_gradient_ms": 1e3 * _timed(lambda: dist.all_reduce(flat), env, reps),
+    return {"gather_embeddings_ms": 1e3 * timed(lambda: dist.all_gather(out, part), env, reps),
+            "all_reduce_gradient_ms": 1e3 * timed(lambda: dist.all_reduce(flat), env, reps),
             "gradient_mb": n_grad * 4 / 2**20}
+
+
+def write_result(result: dict, out: Path | None) -> None:
+    """Print ``result`` (with the machine) as JSON and write it to ``out``."""
+    result["machine"] = f"{platform.machine()} {platform.processor()}".strip()
+    print(json.dumps(result, indent=2))
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
 
 
 def main() -> None:
@@ -129,12 +138,8 @@ def main() -> None:
                 **{k: round(v, 3) for k, v in comm.items()},
                 "gpu_peak_gb": (round(torch.cuda.max_memory_allocated() / 2**30, 2)
                                 if env.device.type == "cuda" else None),
-                "machine": f"{platform.machine()} {platform.processor()}".strip(),
             }
-            print(json.dumps(result, indent=2))
-            if args.out:
-                args.out.parent.mkdir(parents=True, exist_ok=True)
-                args.out.write_text(json.dumps(result, indent=2) + "\n")
+            write_result(result, args.out)
     finally:
         env.close()
 

@@ -15,10 +15,7 @@ step is timed apart, with the tensors a step moves: two all-reduces of the (batc
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import statistics
-import time
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +26,9 @@ import torch.distributed as dist
 from xc_dagster.config import ClassifierParams
 from xc_dagster.training.classifier import train_classifiers
 from xc_dagster.training.distributed import DistEnv, label_range
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for bench.ddp_bench
+from bench.ddp_bench import timed, write_result  # noqa: E402
 
 
 def _data(n: int, n_labels: int, dim: int, width: int, seed: int = 0):
@@ -50,15 +50,7 @@ def _comm_ms(env: DistEnv, batch: int, width: int, reps: int) -> float:
     if not env.active:
         return 0.0
     scores = torch.ones(batch, width)
-    times = []
-    for i in range(reps + 1):
-        dist.barrier()
-        t0 = time.perf_counter()
-        dist.all_reduce(scores)
-        dist.all_reduce(scores)
-        if i:
-            times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+    return 1e3 * timed(lambda: (dist.all_reduce(scores), dist.all_reduce(scores)), env, reps)
 
 
 def main() -> None:
@@ -91,12 +83,8 @@ def main() -> None:
                 "step_ms": round(1e3 * summary["seconds"] / summary["steps"], 2),
                 "comm_ms_per_step": round(comm, 3),
                 "w_and_adam_mb_per_rank": round(3 * (hi - lo) * args.dim * 4 / 2**20, 1),
-                "machine": f"{platform.machine()} {platform.processor()}".strip(),
             }
-            print(json.dumps(result, indent=2))
-            if args.out:
-                args.out.parent.mkdir(parents=True, exist_ok=True)
-                args.out.write_text(json.dumps(result, indent=2) + "\n")
+            write_result(result, args.out)
     finally:
         env.close()
 
