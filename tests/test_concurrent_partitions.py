@@ -44,9 +44,10 @@ def training_spans(instance: dg.DagsterInstance, run_id: str) -> list[tuple[floa
     return [(t[0], t[-1], step) for step, t in times.items()]
 
 
-def add_two_datasets(tmp_path, stores: dict[str, str] | None = None) -> tuple:
-    """A fresh home holding TinyA and TinyB (added with the CLI, the tiny encoder and TINY's fast settings), its
-    stores SQLite under the home or those ``stores`` names (XC_DAGSTER_POSTGRES_URL, MLFLOW_TRACKING_URI)."""
+def add_two_datasets(tmp_path, stores: dict[str, str] | None = None, names: tuple[str, ...] = tuple(SIZES)) -> tuple:
+    """A fresh home holding TinyA and TinyB (or those of ``names``; added with the CLI, the tiny encoder and TINY's
+    fast settings), its stores SQLite under the home or those ``stores`` names (XC_DAGSTER_POSTGRES_URL,
+    MLFLOW_TRACKING_URI)."""
     # one torch thread per process: two runs share the machine's cores without oversubscribing them
     env = {**os.environ, "XC_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
     for var in ("MLFLOW_TRACKING_URI", "DAGSTER_HOME", "XC_TRAINING_CONCURRENCY", "XC_DAGSTER_POSTGRES_URL"):
@@ -54,7 +55,8 @@ def add_two_datasets(tmp_path, stores: dict[str, str] | None = None) -> tuple:
     env.update(stores or {})
     encoder = write_tiny_encoder(tmp_path / "tiny-bert")
     sets = [a for k, v in {**TINY, "tokenize.encoder": str(encoder)}.items() for a in ("--set", f"{k}={v}")]
-    for name, (n_train, n_test, seed) in SIZES.items():
+    for name in names:
+        n_train, n_test, seed = SIZES[name]
         src = write_lf_dataset(tmp_path / "src" / name, n_train=n_train, n_test=n_test, seed=seed)
         subprocess.run([sys.executable, "-m", "xc_dagster.cli", "datasets", "add", name, "--source", str(src),
                         "--text", "title"] + sets, env=env, check=True, capture_output=True)
