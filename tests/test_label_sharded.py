@@ -25,6 +25,7 @@ from xc_dagster.errors import XCConfigError
 from xc_dagster.training.checkpoint import Checkpointer
 from xc_dagster.training.classifier import train_classifiers
 from xc_dagster.training.distributed import DistEnv
+from xc_dagster.training.end_to_end import EndToEndTrainer
 
 CPU = torch.device("cpu")
 N, L, D = 240, 37, 16  # 37 labels: ranges of 19 and 18
@@ -37,6 +38,14 @@ SCENARIOS = {  # name -> ClassifierParams fields
     "small-batches": dict(negatives="shortlist", w_optimizer="sparse-adam", batch_size=2, num_negatives=1),
 }
 KEY = "label-sharded-test"
+# ASTRA (stale hard negatives from an exact index over W, refreshed every half epoch, no warm-up; dropout on the
+# queries; built on the training thread, as several ranks do) and the uniform sampler, through the BCE trainer with a
+# frozen encoder
+SAMPLED = {
+    "astra": dict(negatives="astra", num_hard=3, num_random=5, hard_start=0.0, refresh_every=0.5, refresh_async=False,
+                  sampler_index="exact", dropout=0.2, w_optimizer="sgd", lr=0.5, weight_decay=1e-4),
+    "uniform": dict(negatives="uniform", num_random=6, w_optimizer="sparse-adam", lr=0.02),
+}
 
 
 def _data():
@@ -61,6 +70,20 @@ def _train(name: str, epochs: int, env: DistEnv | None = None, ckpt: Path | None
                              checkpoint=Checkpointer(ckpt, KEY) if ckpt is not None else None)
 
 
+def _sampled(name: str, env: DistEnv | None = None) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """Two epochs of the BCE trainer with sampler ``name``: W (rank 0) and ASTRA's last hard-negative table."""
+    X, E, Y, sl = _data()
+    params = dataclasses.replace(ClassifierParams(epochs=2, batch_size=32, num_positives=2), **SAMPLED[name])
+    trainer = EndToEndTrainer(X, E, E, Y, np.arange(N), params, CPU, shortlist=sl, env=env)
+    try:
+        for epoch in range(trainer.n_epochs):
+            for batch in trainer.epoch_batches(epoch):
+                trainer.step(batch)
+        return trainer.clf.full(), getattr(trainer.sampler, "table", None)
+    finally:
+        trainer.close()
+
+
 def _worker(out: Path) -> None:
     torch.set_num_threads(1)
     env = DistEnv.from_env(device="cpu").init(timeout_s=60)
@@ -70,6 +93,12 @@ def _worker(out: Path) -> None:
             assert (W is None) == (env.rank != 0)
             if env.is_main:
                 np.save(out / f"{name}.npy", W)
+        for name in SAMPLED:
+            W, table = _sampled(name, env)
+            if env.is_main:
+                np.save(out / f"{name}.npy", W)
+            if table is not None:
+                np.save(out / f"{name}_table_rank{env.rank}.npy", table)
         _train("shortlist", 1, env, out / "from_two")  # rank 0 writes the epoch-1 checkpoint
         W, _ = _train("shortlist", 2, env, out / "from_one")  # resumes the 1 process's epoch-1 checkpoint
         if env.is_main:
@@ -90,11 +119,14 @@ def runs(tmp_path_factory) -> dict:
     resuming the 2 ranks' epoch-1 checkpoint."""
     out = tmp_path_factory.mktemp("label_sharded")
     one = {name: _train(name, 2)[0] for name in SCENARIOS}
+    sampled = {name: _sampled(name) for name in SAMPLED}
+    one.update({name: W for name, (W, _) in sampled.items()})
     _train("shortlist", 1, None, out / "from_one")
     run_torchrun([str(Path(__file__).resolve()), str(out)])
-    two = {name: np.load(out / f"{name}.npy") for name in SCENARIOS}
+    two = {name: np.load(out / f"{name}.npy") for name in (*SCENARIOS, *SAMPLED)}
     resumed_by_one, _ = _train("shortlist", 2, None, out / "from_two")
-    return {"one": one, "two": two, "resumed_by_one": resumed_by_one,
+    tables = {"one": sampled["astra"][1], **{r: np.load(out / f"astra_table_rank{r}.npy") for r in (0, 1)}}
+    return {"one": one, "two": two, "tables": tables, "resumed_by_one": resumed_by_one,
             "resumed_by_two": np.load(out / "resumed_by_two.npy")}
 
 
@@ -104,6 +136,26 @@ def test_two_label_ranges_train_the_one_process_w(runs, name):
     X, E, _, _ = _data()
     assert np.abs(one - E).max() > 0.05  # training moved W: the comparison is not of the starting point
     np.testing.assert_allclose(two, one, atol=W_ATOL)
+
+
+@pytest.mark.parametrize("name", list(SAMPLED))
+def test_two_label_ranges_train_the_one_process_w_with_sampled_negatives(runs, name):
+    _, E, _, _ = _data()
+    assert np.abs(runs["one"][name] - E).max() > 0.05
+    np.testing.assert_allclose(runs["two"][name], runs["one"][name], atol=W_ATOL)
+
+
+def test_the_rank_sharded_astra_table_is_the_one_process_table_without_positives(runs):
+    """Each rank searched an index over its own rows; merged by score over the ranks, the hard negatives are the
+    ones an index over all of W gives (exact search), the same on both ranks, and never a positive."""
+    t = runs["tables"]
+    assert t["one"] is not None and (t["one"] >= 0).mean() > 0.9
+    np.testing.assert_array_equal(t[0], t["one"])
+    np.testing.assert_array_equal(t[1], t["one"])
+    _, _, Y, _ = _data()
+    rows, cols = np.nonzero(t[0] >= 0)
+    assert not np.asarray(Y[rows, t[0][rows, cols]]).any()
+    assert (t[0] >= 0).sum() and {int(x) for x in t[0][t[0] >= 0]} & set(range(19, L))  # rank 1's labels too
 
 
 def test_checkpoints_resume_across_world_sizes(runs):

@@ -26,7 +26,7 @@ from xc_dagster.training.budget import BUDGET_PLAN, BudgetPlan, calibrate, check
 from xc_dagster.training.checkpoint import Checkpointer, fingerprint, fingerprint_files
 from xc_dagster.training.classifier import propensity_label_weights, train_classifiers
 from xc_dagster.training.distributed import DistEnv
-from xc_dagster.training.end_to_end import EndToEndTrainer, train_end_to_end
+from xc_dagster.training.end_to_end import EndToEndTrainer, check_label_sharded_sampling, train_end_to_end
 
 TAIL_RESERVE = 1 / 3  # of train.reserve: what the index and fusion stages keep after this stage
 
@@ -146,15 +146,13 @@ def fold_trainer(ctx: StageContext, ds: Any, label_emb: np.ndarray) -> Callable[
 
 
 def check_label_sharded(p: Any, env: DistEnv | None) -> DistEnv:
-    """``env`` (None: one process) after refusing what W's label ranges on several ranks cannot train yet: sampled
-    negatives (ASTRA / MIPS-s, the end to end trainer) and the residual block (SiameseXML Module IV)."""
+    """``env`` (None: one process) after refusing what W's label ranges on several ranks cannot train yet: the
+    residual block (SiameseXML Module IV), the encoder end to end and MIPS-s (``check_label_sharded_sampling``)."""
     env = DistEnv() if env is None else env
     if env.world_size == 1:
         return env
     if p.negatives in SAMPLERS:
-        raise XCConfigError(f"classifier.negatives: W's label ranges on {env.world_size} ranks (WORLD_SIZE) are "
-                            f"trained by the hardest-negative trainer (shortlist | in-batch | both); "
-                            f"{p.negatives!r} trains in one process (nproc_per_node 1)")
+        return check_label_sharded_sampling(p, env)
     if p.train_residual:
         raise XCConfigError(f"classifier.train_residual: the residual block trains in one process; W's label ranges "
                             f"on {env.world_size} ranks (WORLD_SIZE) take a frozen encoder")
@@ -212,7 +210,8 @@ def run(ctx: StageContext, env: DistEnv | None = None) -> dict[str, Any]:
     deadline = plan.deadline(t_train) if deadline is None else deadline
     if sampled:
         res = train_end_to_end(point_emb, label_emb, W0, ds.Y_train, rows, p, ctx.device, shortlist=sl, report=ctx.info,
-                               log_metrics=ctx.log_metrics, checkpoint=ckpt, label_weight=lw, deadline=deadline, **kw)
+                               log_metrics=ctx.log_metrics, checkpoint=ckpt, label_weight=lw, deadline=deadline,
+                               env=env, **kw)
         W_out, summary, emb = res.W, res.summary, (res.point_emb, res.label_emb)
     else:
         W_out, summary = train_classifiers(point_emb if inter is None else inter, W0, ds.Y_train, sl, rows, p,

@@ -213,7 +213,7 @@ class AstraNegatives:
     def _build(self, snapshot: list[tuple[int, np.ndarray]], queries: np.ndarray) -> np.ndarray:
         t0 = time.perf_counter()
         table = hard_negatives(self.index.build(snapshot), queries, self.Y, np.arange(len(queries)),
-                               self.num_hard, self.extra)
+                               self.num_hard, self.extra, env=self.index.env)
         self.build_seconds.append(time.perf_counter() - t0)
         return table
 

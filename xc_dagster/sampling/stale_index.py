@@ -3,15 +3,17 @@ snapshot, searched for each query's best non-positive labels, serialisable for c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import scipy.sparse as sp
+import torch
 
 from xc_dagster.config import EndToEndTrainerParams
 from xc_dagster.faiss_module import faiss
 from xc_dagster.retrieval.ann import LabelIndex
 from xc_dagster.sampling.labels import positive_mask
+from xc_dagster.training.distributed import DistEnv, gather_rows
 
 Snapshot = list[tuple[int, np.ndarray]]  # W as (first label id, rows) per shard
 
@@ -26,16 +28,23 @@ def first_valid(ids: np.ndarray, k: int, scores: np.ndarray | None = None) -> np
     return out
 
 
-def search_shards(indexes: list[tuple[int, LabelIndex]], queries: np.ndarray, k: int
-                  ) -> tuple[np.ndarray, np.ndarray]:
-    """Top-``k`` (scores, global ids) over all shards' indexes, merged by score."""
+def search_shards(indexes: list[tuple[int, LabelIndex]], queries: np.ndarray, k: int,
+                  env: DistEnv | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Top-``k`` (scores, global ids) over all shards' indexes, merged by score; ``env`` (W's label ranges on
+    several ranks, each with the indexes of its own rows): merged over the ranks too."""
     all_s, all_i = [], []
     for offset, idx in indexes:
         s, i = idx.search(queries, min(k, idx.size))
         all_s.append(s)
         all_i.append(np.where(i >= 0, i + offset, -1))
     s, i = np.concatenate(all_s, 1), np.concatenate(all_i, 1)
-    if len(indexes) > 1:
+    if env is not None and env.active:  # every rank's top k, side by side (padded to k), then merged
+        pad = k - s.shape[1]
+        s = np.pad(s, ((0, 0), (0, pad)), constant_values=-np.inf).astype(np.float32)
+        i = np.pad(i, ((0, 0), (0, pad)), constant_values=-1).astype(np.int64)
+        s, i = (np.concatenate(np.split(gather_rows(torch.from_numpy(a))[0].numpy(), env.world_size), 1)
+                for a in (s, i))
+    if s.shape[1] > k or len(indexes) > 1:
         order = np.argsort(-s, axis=1, kind="stable")[:, :k]
         s, i = np.take_along_axis(s, order, 1), np.take_along_axis(i, order, 1)
     return s, i
@@ -50,12 +59,13 @@ def build_indexes(snapshot: Snapshot, kind: str, *, m: int = 32, ef_construction
 
 
 def hard_negatives(indexes: list[tuple[int, LabelIndex]], queries: np.ndarray, Y: sp.csr_matrix,
-                   rows: np.ndarray, num: int, extra: int, block: int = 65536) -> np.ndarray:
+                   rows: np.ndarray, num: int, extra: int, block: int = 65536, env: DistEnv | None = None
+                   ) -> np.ndarray:
     """(len(rows), num) hardest non-positive labels of each query in ``indexes`` (-1 padded): searched for
     ``num + extra`` neighbours (``extra`` covers positives ranked first), positives dropped, best ``num`` kept."""
     out = np.full((len(rows), num), -1, dtype=np.int64)
     for s in range(0, len(rows), block):
-        sc, ids = search_shards(indexes, queries[s:s + block], num + extra)
+        sc, ids = search_shards(indexes, queries[s:s + block], num + extra, env)
         r = rows[s:s + block]
         ids = np.where(positive_mask(Y, r, ids), -1, ids)
         out[s:s + block] = first_valid(ids, num, np.where(ids >= 0, sc, -np.inf))
@@ -73,6 +83,7 @@ class IndexSettings:
     nlist: int = 0  # ivf: 0 = round(sqrt(L_shard))
     nprobe: int = 64
     seed: int = 0
+    env: DistEnv | None = field(default=None, compare=False)  # W's label ranges on several ranks: merge over them
 
     @classmethod
     def from_params(cls, params: EndToEndTrainerParams) -> IndexSettings:

@@ -36,7 +36,7 @@ from xc_dagster.sampling.hard_negatives import HARD_NEGATIVE_POOLS, hardest
 from xc_dagster.sampling.labels import sample_positives
 from xc_dagster.sampling.negatives import SAMPLED_NEGATIVES
 from xc_dagster.training.checkpoint import Checkpointer, Resumable, Resumed, restore_rng
-from xc_dagster.training.data_parallel import any_rank
+from xc_dagster.training.data_parallel import past
 from xc_dagster.training.distributed import DistEnv
 from xc_dagster.training.label_points import classifier_label_points
 from xc_dagster.training.label_sharded import RankShardedClassifier, RankShardedOptimizer, sum_over_ranks
@@ -220,12 +220,6 @@ class ClassifierTrainer(Resumable):
         return Wn.cpu().numpy().astype(np.float32)
 
 
-def _past(deadline: float | None, env: DistEnv) -> bool:
-    """Whether the deadline has passed, on any rank (the ranks stop at the same step)."""
-    late = deadline is not None and time.perf_counter() > deadline
-    return any_rank(late, env) if env.active else late
-
-
 def train_classifiers(point_emb: np.ndarray, label_emb: np.ndarray, Y: sp.csr_matrix, shortlist: np.ndarray,
                       train_rows: np.ndarray, params: HardNegativeTrainerParams, device: torch.device,
                       log_metrics: MetricsFn | None = None,
@@ -265,7 +259,7 @@ def train_classifiers(point_emb: np.ndarray, label_emb: np.ndarray, Y: sp.csr_ma
     for epoch in range(start, trainer.epochs):
         losses = []
         for i, batch in enumerate(trainer.epoch_batches(epoch)):
-            if _past(deadline, trainer.env):  # no step starts after it
+            if past(deadline, trainer.env):  # no step starts after it
                 done = epoch + i / max(per_epoch, 1)
                 break
             losses.append(trainer.step(batch))

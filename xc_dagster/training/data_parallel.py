@@ -19,6 +19,7 @@ Collectives here are no-ops in a world of one process, so single-process trainin
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -77,6 +78,12 @@ def any_rank(flag: bool, env: DistEnv) -> bool:
     t = torch.tensor([int(bool(flag))], dtype=torch.int32, device=env.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
+
+
+def past(deadline: float | None, env: DistEnv) -> bool:
+    """Whether ``deadline`` (``time.perf_counter()``) has passed, on any rank: the ranks stop at the same step."""
+    late = deadline is not None and time.perf_counter() > deadline
+    return any_rank(late, env) if env.active else late
 
 
 def check_same(value: int, what: str, env: DistEnv) -> None:

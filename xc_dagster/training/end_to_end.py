@@ -16,6 +16,7 @@ resumed from.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -35,7 +36,10 @@ from xc_dagster.sampling.batches import RandomBatches
 from xc_dagster.sampling.labels import sample_positives
 from xc_dagster.sampling.negatives import SAMPLED_NEGATIVES, NegativeSample
 from xc_dagster.training.checkpoint import Checkpointer, Resumable, Resumed, restore_rng, to_arrays, to_tensors
+from xc_dagster.training.data_parallel import past
+from xc_dagster.training.distributed import DistEnv
 from xc_dagster.training.grad_cache import StepEmbedder
+from xc_dagster.training.label_sharded import RankShardedClassifier, RankShardedOptimizer
 from xc_dagster.training.losses import masked_bce_loss
 from xc_dagster.training.memory import (
     GRAD_CACHE_MODES,
@@ -74,6 +78,20 @@ def check_end_to_end_params(params: EndToEndTrainerParams, has_encoder: bool) ->
         raise XCConfigError(f"classifier.grad_cache: expected one of {GRAD_CACHE_MODES}, got {params.grad_cache!r}")
     if params.chunk_size < 1:
         raise XCConfigError(f"classifier.chunk_size: expected an int >= 1, got {params.chunk_size!r}")
+
+
+def check_label_sharded_sampling(params: EndToEndTrainerParams, env: DistEnv | None) -> DistEnv:
+    """``env`` (None: one process) after refusing what this trainer cannot do with W's label ranges on several
+    ranks: the encoder's training (its batches would need splitting: data parallel) and MIPS-s (its per-rank
+    indexes cannot be checkpointed for another world size)."""
+    env = DistEnv() if env is None else env
+    if env.world_size > 1 and params.train_encoder:
+        raise XCConfigError(f"classifier.train_encoder: the encoder trains in one process; W's label ranges on "
+                            f"{env.world_size} ranks (WORLD_SIZE) take a frozen encoder")
+    if env.world_size > 1 and params.negatives == "mips":
+        raise XCConfigError(f"classifier.negatives: 'mips' trains in one process; with W's label ranges on "
+                            f"{env.world_size} ranks (WORLD_SIZE) use astra, uniform or the hardest-negative pools")
+    return env
 
 
 def end_to_end_memory_plan(encoder: torch.nn.Module, point_tokens: Tokens, label_tokens: Tokens,
@@ -132,7 +150,7 @@ def sampled_bce(clf: ShardedClassifier, x: torch.Tensor, pos: np.ndarray, neg: N
 
 @dataclass
 class EndToEndResult:
-    W: np.ndarray
+    W: np.ndarray | None  # None on ranks other than 0 when W's label ranges are on several
     point_emb: np.ndarray | None  # re-encoded with the trained encoder (train_encoder), else None
     label_emb: np.ndarray | None
     summary: dict[str, Any] = field(default_factory=dict)
@@ -151,8 +169,12 @@ class EndToEndTrainer(Resumable):
                  train_rows: np.ndarray, params: EndToEndTrainerParams, device: torch.device, *,
                  encoder: torch.nn.Module | None = None, point_tokens: Tokens | None = None,
                  label_tokens: Tokens | None = None, dtype: torch.dtype | None = None,
-                 shortlist: np.ndarray | None = None, label_weight: np.ndarray | None = None):
+                 shortlist: np.ndarray | None = None, label_weight: np.ndarray | None = None,
+                 env: DistEnv | None = None):
         check_end_to_end_params(params, encoder is not None and point_tokens is not None and label_tokens is not None)
+        self.env = check_label_sharded_sampling(params, env)
+        if self.env.world_size > 1:  # the table's merge over the ranks is a collective: on the training thread
+            params = dataclasses.replace(params, refresh_async=False)
         self.params, self.device, self.dtype, self.label_weight = params, device, dtype, label_weight
         self.encoder, self.point_tokens, self.label_tokens = encoder, point_tokens, label_tokens
         self.src, self.Yex = examples(Y, train_rows, params.label_points)
@@ -172,10 +194,16 @@ class EndToEndTrainer(Resumable):
         self.batches = RandomBatches(np.arange(n), params.batch_size, min_size=1)
         self.sampler = SAMPLED_NEGATIVES[params.negatives].from_params(params, self.Yex, self.bank,
                                                                        self.steps_per_epoch, initial, total)
+        if self.env.world_size > 1 and hasattr(self.sampler, "index"):  # each rank indexes its own rows of W
+            self.sampler.index = dataclasses.replace(self.sampler.index, env=self.env)
         self.rng = np.random.default_rng(params.seed)
         torch.manual_seed(params.seed)
-        self.clf = ShardedClassifier(W0, shard_devices(params.shards, device))
-        self.w_opt = ShardedOptimizer(self.clf, params.w_optimizer, params.lr, params.weight_decay)
+        if self.env.world_size > 1:  # this rank's label range of W (xc_dagster/training/label_sharded.py)
+            self.clf = RankShardedClassifier(np.asarray(W0, dtype=np.float32), device, self.env)
+            self.w_opt = RankShardedOptimizer(self.clf, params.w_optimizer, params.lr, params.weight_decay)
+        else:
+            self.clf = ShardedClassifier(W0, shard_devices(params.shards, device))
+            self.w_opt = ShardedOptimizer(self.clf, params.w_optimizer, params.lr, params.weight_decay)
         self.lr_factor = cosine_with_warmup(params.warmup_steps, total)
         self.enc_opt = self.enc_sched = self.memory = self.embedder = None
         if params.train_encoder:
@@ -241,7 +269,8 @@ class EndToEndTrainer(Resumable):
 
     def state(self) -> dict[str, Any]:
         train_enc = self.enc_opt is not None
-        return {"W": torch.from_numpy(self.clf.full()), "w_opt": self.w_opt.state_dict(), "step": self.steps,
+        W = self.clf.full()  # several ranks: gathered on rank 0, which alone writes the checkpoint
+        return {"W": None if W is None else torch.from_numpy(W), "w_opt": self.w_opt.state_dict(), "step": self.steps,
                 "last": self.last, "bias": self.bias.detach().clone(),
                 "bias_opt": self.bias_opt.state_dict() if self.bias_opt else {},
                 "encoder": self.encoder.state_dict() if train_enc else {},
@@ -273,7 +302,7 @@ class EndToEndTrainer(Resumable):
         ``reencode``) and the summary of a run that took ``seconds``."""
         params, train_enc = self.params, self.enc_opt is not None
         W = self.clf.full()
-        if params.normalize:
+        if W is not None and params.normalize:
             W = W / np.maximum(np.linalg.norm(W, axis=1, keepdims=True), 1e-12)
         p_emb = l_emb = None
         t1 = time.perf_counter()
@@ -294,7 +323,7 @@ class EndToEndTrainer(Resumable):
                    "examples_per_s": self.steps * params.batch_size / max(seconds, 1e-9),
                    "encode_seconds": time.perf_counter() - t1,
                    "memory": self.memory.summary() if self.memory is not None else {}}
-        return EndToEndResult(W.astype(np.float32), p_emb, l_emb, summary)
+        return EndToEndResult(None if W is None else W.astype(np.float32), p_emb, l_emb, summary)
 
 
 def train_end_to_end(point_emb: np.ndarray, label_emb: np.ndarray, W0: np.ndarray, Y: sp.csr_matrix,
@@ -304,7 +333,7 @@ def train_end_to_end(point_emb: np.ndarray, label_emb: np.ndarray, W0: np.ndarra
                      shortlist: np.ndarray | None = None, log_metrics: MetricsFn | None = None,
                      checkpoint: Checkpointer | None = None, log_every: int = 10, reencode: bool = True,
                      label_weight: np.ndarray | None = None, deadline: float | None = None,
-                     report: Report | None = None) -> EndToEndResult:
+                     report: Report | None = None, env: DistEnv | None = None) -> EndToEndResult:
     """Train W (and ``encoder`` in place when ``params.train_encoder``) with the ``params.negatives`` sampler.
 
     ``point_emb``/``label_emb``: the current encoder's embeddings (the stale queries ASTRA starts from, and the
@@ -313,11 +342,15 @@ def train_end_to_end(point_emb: np.ndarray, label_emb: np.ndarray, W0: np.ndarra
     training point and label with the trained encoder afterwards (what the later stages need).
     ``label_weight`` (L,): a weight on each label's positive terms (``propensity_label_weights``).
     ``deadline`` (``time.perf_counter()``): no step starts after it (the training budget's guard).
-    ``report``: where the progress lines go (steps of the planned total; ``xc_dagster.progress``).
+    ``report``: where the progress lines go (steps of the planned total; ``xc_dagster.progress``). ``env``: this
+    rank of several holding W's label ranges (frozen encoder; ``check_label_sharded_sampling``): rank 0 alone logs,
+    reports, checkpoints and gets W.
     """
     trainer = EndToEndTrainer(point_emb, label_emb, W0, Y, train_rows, params, device, encoder=encoder,
                               point_tokens=point_tokens, label_tokens=label_tokens, dtype=dtype, shortlist=shortlist,
-                              label_weight=label_weight)
+                              label_weight=label_weight, env=env)
+    if not trainer.env.is_main:
+        log_metrics = report = None
     t0 = time.perf_counter()
     try:
         start = trainer.start(checkpoint)
@@ -328,7 +361,7 @@ def train_end_to_end(point_emb: np.ndarray, label_emb: np.ndarray, W0: np.ndarra
             if trainer.stopped_at_deadline:
                 break
             for batch in trainer.epoch_batches(epoch):
-                if deadline is not None and time.perf_counter() > deadline:
+                if past(deadline, trainer.env):
                     trainer.stopped_at_deadline = True
                     break
                 window.add(trainer.step(batch), params.batch_size)
@@ -338,7 +371,9 @@ def train_end_to_end(point_emb: np.ndarray, label_emb: np.ndarray, W0: np.ndarra
                     log_metrics(trainer.steps, {"classifier_loss": loss, "classifier_examples_per_s": rate,
                                                 "classifier_lr_factor": trainer.lr_factor(trainer.steps)})
             if checkpoint is not None and epoch + 1 < trainer.n_epochs and not trainer.stopped_at_deadline:
-                checkpoint.save(epoch + 1, trainer.state(), trainer.rng)
+                state = trainer.state()  # every rank: W's label ranges are gathered
+                if trainer.env.is_main:
+                    checkpoint.save(epoch + 1, state, trainer.rng)
     finally:
         trainer.close()
     prog.close()

@@ -81,11 +81,20 @@ class RankShardedClassifier(ShardedClassifier):
             part.requires_grad_(True)
         return sum_over_ranks(part, self.env)
 
+    def snapshot(self) -> list[tuple[int, np.ndarray]]:
+        """A CPU copy of this rank's rows as ``(first global label id, rows)``: what its stale index is built from."""
+        return [(self.lo + off, rows) for off, rows in super().snapshot()]
+
     def rows(self) -> RankRows:
         return RankRows(self.weights[0], self.lo, self._num_labels)
 
     def load_full(self, W: torch.Tensor | np.ndarray) -> None:
         super().load_full(np.asarray(W, dtype=np.float32)[self.lo:self.hi])
+
+    def full(self) -> np.ndarray | None:
+        """W as one (L, D) float32 array on rank 0, None on the others (every rank must call it)."""
+        W = self.full_weights()
+        return None if W is None else W.cpu().numpy()
 
     def full_weights(self) -> torch.Tensor | None:
         """W (L, D) on rank 0, None on the others (every rank must call it)."""
