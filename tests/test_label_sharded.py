@@ -25,7 +25,7 @@ from xc_dagster.errors import XCConfigError
 from xc_dagster.training.checkpoint import Checkpointer
 from xc_dagster.training.classifier import train_classifiers
 from xc_dagster.training.distributed import DistEnv
-from xc_dagster.training.end_to_end import EndToEndTrainer
+from xc_dagster.training.end_to_end import EndToEndTrainer, train_end_to_end
 
 CPU = torch.device("cpu")
 N, L, D = 240, 37, 16  # 37 labels: ranges of 19 and 18
@@ -84,6 +84,15 @@ def _sampled(name: str, env: DistEnv | None = None) -> tuple[np.ndarray | None, 
         trainer.close()
 
 
+def _astra_run(env: DistEnv | None, ckpt: Path) -> tuple[np.ndarray | None, int]:
+    """``train_end_to_end`` with ASTRA for 2 epochs, its epoch-1 checkpoint left in ``ckpt`` (or resumed from it)."""
+    X, E, Y, sl = _data()
+    params = dataclasses.replace(ClassifierParams(epochs=2, batch_size=32, num_positives=2), **SAMPLED["astra"])
+    res = train_end_to_end(X, E, E, Y, np.arange(N), params, CPU, shortlist=sl, env=env,
+                           checkpoint=Checkpointer(ckpt, KEY))
+    return res.W, res.summary["resumed_from_epoch"]
+
+
 def _worker(out: Path) -> None:
     torch.set_num_threads(1)
     env = DistEnv.from_env(device="cpu").init(timeout_s=60)
@@ -99,6 +108,7 @@ def _worker(out: Path) -> None:
                 np.save(out / f"{name}.npy", W)
             if table is not None:
                 np.save(out / f"{name}_table_rank{env.rank}.npy", table)
+        _astra_run(env, out / "astra_from_two")  # rank 0 writes the epoch-1 checkpoint
         _train("shortlist", 1, env, out / "from_two")  # rank 0 writes the epoch-1 checkpoint
         W, _ = _train("shortlist", 2, env, out / "from_one")  # resumes the 1 process's epoch-1 checkpoint
         if env.is_main:
@@ -125,8 +135,11 @@ def runs(tmp_path_factory) -> dict:
     run_torchrun([str(Path(__file__).resolve()), str(out)])
     two = {name: np.load(out / f"{name}.npy") for name in (*SCENARIOS, *SAMPLED)}
     resumed_by_one, _ = _train("shortlist", 2, None, out / "from_two")
+    astra_resumed_by_one = _astra_run(None, out / "astra_from_two")
+    astra_whole = _astra_run(None, out / "astra_whole")  # one process, uninterrupted (its checkpoint: unused)
     tables = {"one": sampled["astra"][1], **{r: np.load(out / f"astra_table_rank{r}.npy") for r in (0, 1)}}
     return {"one": one, "two": two, "tables": tables, "resumed_by_one": resumed_by_one,
+            "astra_resumed_by_one": astra_resumed_by_one, "astra_whole": astra_whole,
             "resumed_by_two": np.load(out / "resumed_by_two.npy")}
 
 
@@ -159,6 +172,9 @@ def test_the_rank_sharded_astra_table_is_the_one_process_table_without_positives
 
 
 def test_checkpoints_resume_across_world_sizes(runs):
+    (resumed, at), (whole, fresh) = runs["astra_resumed_by_one"], runs["astra_whole"]
+    assert (at, fresh) == (1, 0)
+    np.testing.assert_allclose(resumed, whole, atol=W_ATOL)  # ASTRA: 2 ranks' epoch 1, then 1 process
     np.testing.assert_allclose(runs["resumed_by_one"], runs["one"]["shortlist"], atol=W_ATOL)
     np.testing.assert_allclose(runs["resumed_by_two"], runs["one"]["shortlist"], atol=W_ATOL)
 
