@@ -215,9 +215,9 @@ class ClassifierTrainer(Resumable):
         Wn = self.clf.full_weights() if isinstance(self.clf, RankShardedClassifier) else self.W.detach()
         if Wn is None:
             return None
-        if self.params.normalize:
-            Wn = F.normalize(Wn, dim=-1)
-        return Wn.cpu().numpy().astype(np.float32)
+        out = F.normalize(Wn, dim=-1) if self.params.normalize else Wn
+        host = out.cpu()  # one L x D copy at the end, not two (2 GB each at 1.3M labels): a copy of W, not W
+        return host.numpy().copy() if host.data_ptr() == self.W.data_ptr() else host.numpy()
 
 
 def train_classifiers(point_emb: np.ndarray, label_emb: np.ndarray, Y: sp.csr_matrix, shortlist: np.ndarray,
