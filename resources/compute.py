@@ -25,7 +25,6 @@ from xc_dagster.remote_store import ROOT_ENV
 from xc_dagster.training.launch import (
     DATA_PARALLEL_STAGES,
     LAUNCHED_STAGES,
-    NOT_DISTRIBUTED,
     LaunchRequest,
     reported_summary,
 )
@@ -141,11 +140,8 @@ class ComputeResource(dg.ConfigurableResource):
         dataset = request.spec.name
         try:
             if self.launcher in ("subprocess", "torchrun"):
-                n = self.processes(request.stage)
-                if n < self.nproc_per_node:
-                    context.log.info(f"{request.stage}: one training process ({NOT_DISTRIBUTED})")
-                invocation = dg.PipesSubprocessClient().run(context=context, command=request.command(nproc=n),
-                                                            env=env)
+                invocation = dg.PipesSubprocessClient().run(
+                    context=context, command=request.command(nproc=self.processes(request.stage)), env=env)
             elif self.launcher == "k8s":
                 client = self._k8s_module().PipesK8sClient()
                 invocation = client.run(context=context, namespace=self.namespace or None,

@@ -68,8 +68,10 @@ def _run_worker(instance: dg.DagsterInstance, run_id: str) -> tuple[int, float] 
 def record_run_owner(instance: dg.DagsterInstance, run_id: str) -> None:
     """Name the run's worker process (host, pid, start) in its tags, once, from one of its steps."""
     run = instance.get_run_by_id(run_id)
+    if run is None or OWNER_HOST in run.tags:  # named already (every step of the run calls this)
+        return
     worker = _run_worker(instance, run_id)
-    if run is not None and worker is not None and OWNER_HOST not in run.tags:
+    if worker is not None:
         instance.add_run_tags(run_id, owner_tags(worker[0]))
 
 

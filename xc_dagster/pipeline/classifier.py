@@ -24,7 +24,11 @@ from xc_dagster.sampling.negatives import SAMPLERS
 from xc_dagster.storage import save_json
 from xc_dagster.training.budget import BUDGET_PLAN, BudgetPlan, calibrate, check_train_params, encode_rate, plan_epochs
 from xc_dagster.training.checkpoint import Checkpointer, fingerprint, fingerprint_files
-from xc_dagster.training.classifier import propensity_label_weights, train_classifiers
+from xc_dagster.training.classifier import (
+    check_label_sharded_hard_negatives,
+    propensity_label_weights,
+    train_classifiers,
+)
 from xc_dagster.training.distributed import DistEnv
 from xc_dagster.training.end_to_end import EndToEndTrainer, check_label_sharded_sampling, train_end_to_end
 
@@ -148,15 +152,9 @@ def fold_trainer(ctx: StageContext, ds: Any, label_emb: np.ndarray) -> Callable[
 def check_label_sharded(p: Any, env: DistEnv | None) -> DistEnv:
     """``env`` (None: one process) after refusing what W's label ranges on several ranks cannot train yet: the
     residual block (SiameseXML Module IV), the encoder end to end and MIPS-s (``check_label_sharded_sampling``)."""
-    env = DistEnv() if env is None else env
-    if env.world_size == 1:
-        return env
     if p.negatives in SAMPLERS:
         return check_label_sharded_sampling(p, env)
-    if p.train_residual:
-        raise XCConfigError(f"classifier.train_residual: the residual block trains in one process; W's label ranges "
-                            f"on {env.world_size} ranks (WORLD_SIZE) take a frozen encoder")
-    return env
+    return check_label_sharded_hard_negatives(p.train_residual, env)
 
 
 def run(ctx: StageContext, env: DistEnv | None = None) -> dict[str, Any]:

@@ -39,7 +39,7 @@ from xc_dagster.training.checkpoint import Checkpointer, Resumable, Resumed, res
 from xc_dagster.training.data_parallel import past
 from xc_dagster.training.distributed import DistEnv
 from xc_dagster.training.label_points import classifier_label_points
-from xc_dagster.training.label_sharded import RankShardedClassifier, RankShardedOptimizer, sum_over_ranks
+from xc_dagster.training.label_sharded import RankShardedClassifier, RankShardedOptimizer
 from xc_dagster.training.losses import CLASSIFIER_LOSSES
 from xc_dagster.training.sharded import ShardedClassifier, ShardedOptimizer
 
@@ -57,6 +57,16 @@ def check_hard_negative_params(params: HardNegativeTrainerParams) -> None:
     if params.epochs != int(params.epochs) or params.epochs < 0:
         raise XCConfigError(f"classifier.epochs: the hardest-negative trainer takes whole epochs >= 0, got "
                             f"{params.epochs} (fractions work with classifier.negatives={SAMPLED})")
+
+
+def check_label_sharded_hard_negatives(train_residual: bool, env: DistEnv | None) -> DistEnv:
+    """``env`` (None: one process) after refusing the residual block (SiameseXML Module IV) with W's label ranges on
+    several ranks: it trains in one process."""
+    env = DistEnv() if env is None else env
+    if env.world_size > 1 and train_residual:
+        raise XCConfigError(f"classifier.train_residual: the residual block trains in one process; W's label ranges "
+                            f"on {env.world_size} ranks (WORLD_SIZE) take a frozen encoder")
+    return env
 
 
 def propensity_label_weights(inv_prop: np.ndarray, Y: sp.csr_matrix, rows: np.ndarray,
@@ -109,10 +119,7 @@ class ClassifierTrainer(Resumable):
                  encoder: BagOfEmbeddingsEncoder | None = None, label_weight: np.ndarray | None = None,
                  label_point_emb: np.ndarray | None = None, env: DistEnv | None = None):
         check_hard_negative_params(params)
-        self.env = DistEnv() if env is None else env
-        if self.env.world_size > 1 and encoder is not None:
-            raise XCConfigError(f"classifier.train_residual: the residual block trains in one process; W's label "
-                                f"ranges on {self.env.world_size} ranks (WORLD_SIZE) take a frozen encoder")
+        self.env = check_label_sharded_hard_negatives(encoder is not None, env)
         self.params, self.device, self.encoder = params, device, encoder
         self.epochs = int(params.epochs)
         self.n_label_points = Y.shape[1] if params.label_points else 0
@@ -156,11 +163,7 @@ class ClassifierTrainer(Resumable):
         x = self.X[batch].to(self.device)
         if self.encoder is not None:
             x = self.encoder.from_intermediate(x)
-        if isinstance(self.clf, RankShardedClassifier):
-            neg = hardest(self.pool, x, self.clf.rows(), batch, pos, self.params.num_negatives,
-                          reduce=lambda sc: sum_over_ranks(sc, self.env))
-        else:
-            neg = hardest(self.pool, x, self.W, batch, pos, self.params.num_negatives)
+        neg = hardest(self.pool, x, self.clf.rows(), batch, pos, self.params.num_negatives, self.clf.sum_scores)
         ids = torch.cat([torch.from_numpy(pos).to(self.device), neg], dim=1)
         valid = ids >= 0
         is_pos = torch.zeros_like(valid)
@@ -191,7 +194,7 @@ class ClassifierTrainer(Resumable):
         return self.update(self.batch_loss(batch))
 
     def state(self) -> dict[str, Any]:
-        W = (self.clf.full_weights() if isinstance(self.clf, RankShardedClassifier) else self.W.detach())
+        W = self.clf.full_weights()  # several ranks: gathered on rank 0, which alone writes the checkpoint
         state = {"W": None if W is None else W.cpu(), "opt": self.opt.state_dict(), "steps": self.steps,
                  "last": self.last}
         if self.encoder is not None:
@@ -212,7 +215,7 @@ class ClassifierTrainer(Resumable):
     def weights(self) -> np.ndarray | None:
         """W (L x D float32), rows at unit norm with ``classifier.normalize``; W's label ranges on several ranks:
         on rank 0, None on the others (every rank must call it)."""
-        Wn = self.clf.full_weights() if isinstance(self.clf, RankShardedClassifier) else self.W.detach()
+        Wn = self.clf.full_weights()
         if Wn is None:
             return None
         out = F.normalize(Wn, dim=-1) if self.params.normalize else Wn

@@ -81,9 +81,9 @@ def any_rank(flag: bool, env: DistEnv) -> bool:
 
 
 def past(deadline: float | None, env: DistEnv) -> bool:
-    """Whether ``deadline`` (``time.perf_counter()``) has passed, on any rank: the ranks stop at the same step."""
-    late = deadline is not None and time.perf_counter() > deadline
-    return any_rank(late, env) if env.active else late
+    """Whether ``deadline`` (``time.perf_counter()``; None: never) has passed, on any rank: the ranks stop at the same
+    step (every rank passes the same ``deadline``-or-None, so a None costs no collective)."""
+    return deadline is not None and any_rank(time.perf_counter() > deadline, env)
 
 
 def check_same(value: int, what: str, env: DistEnv) -> None:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from xc_dagster.training.distributed import DistEnv, gather_blocks, label_range
-from xc_dagster.training.sharded import ShardedClassifier, ShardedOptimizer, SparseAdamRows
+from xc_dagster.training.sharded import ShardedClassifier, ShardedOptimizer
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # SparseAdam's per-row state, split by label like W
 
@@ -90,6 +90,10 @@ class RankShardedClassifier(ShardedClassifier):
     def rows(self) -> RankRows:
         return RankRows(self.weights[0], self.lo, self._num_labels)
 
+    def sum_scores(self, scores: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the pools' candidate scores, summed over the ranks."""
+        return sum_over_ranks(scores, self.env)
+
     def load_full(self, W: torch.Tensor | np.ndarray) -> None:
         super().load_full(np.asarray(W, dtype=np.float32)[self.lo:self.hi])
 
@@ -112,12 +116,8 @@ class RankShardedOptimizer(ShardedOptimizer):
     def step(self, factor: float = 1.0) -> None:
         touched = any(leaf.grad is not None for _, _, leaf in self.clf._leaves)
         super().step(factor)
-        if not touched and isinstance(self.rule, SparseAdamRows):
-            w = self.clf.weights[0]
-            w.grad = torch.sparse_coo_tensor(torch.zeros((1, 0), dtype=torch.int64, device=w.device),
-                                             w.new_zeros((0, w.shape[1])), w.shape, is_coalesced=True)
-            self.rule._adam[0].step()  # counts the step, updates nothing
-            w.grad = None
+        if not touched:  # the ranks' steps stay counted alike (SparseAdam's bias correction)
+            self.rule.tick(0)
 
     def state_dict(self) -> dict:
         """SparseAdam's state with its moments consolidated on rank 0 (copies: the live state is not touched)."""

@@ -49,10 +49,9 @@ from xc_dagster.config import PipelineConfig, apply_overrides
 from xc_dagster.device import resolve_device
 from xc_dagster.errors import XCConfigError, XCError
 from xc_dagster.home import Home
-from xc_dagster.pipeline import classifier, pretrain
 from xc_dagster.pipeline.context import StageContext
 from xc_dagster.pipeline.provenance import record_params
-from xc_dagster.pipeline.run import peak_rss_mb, run_stage
+from xc_dagster.pipeline.run import STAGES, peak_rss_mb, run_stage
 from xc_dagster.storage import ArtifactStore
 from xc_dagster.tracking import RunLogger
 from xc_dagster.training.distributed import DistEnv
@@ -67,7 +66,7 @@ HOME_ENV = "XC_HOME"
 NOT_DISTRIBUTED = ("only the pretrain stage (data parallel) and the classifier stage (W's label ranges over the ranks) "
                    "train with several processes; the others run in one")
 SUMMARY_MESSAGE = "summary"  # the key of the child's last Pipes custom message: its run_stage summary
-DATA_PARALLEL_STAGES = ("pretrain", "classifier")  # the stages that train with several processes (WORLD_SIZE > 1)
+DATA_PARALLEL_STAGES = LAUNCHED_STAGES  # the stages that train with several processes (WORLD_SIZE > 1): all of them
 
 
 def world_size(environ: Mapping[str, str]) -> int:
@@ -216,7 +215,7 @@ def run_data_parallel(ctx: StageContext, request: LaunchRequest, environ: Mappin
                  f"{os.getpid()} on {env.device}")
         for upstream in CONTRACT[request.stage].reads:  # file-locked: ranks sharing a store fetch a stage once
             ctx.store.sync(ctx.name, upstream)
-        summary = {"pretrain": pretrain.run, "classifier": classifier.run}[request.stage](ctx, env)
+        summary = STAGES[request.stage](ctx, env)  # pretrain.run / classifier.run take the rank
         if env.is_main:
             record_params(ctx.store, ctx.name, request.stage, ctx.cfg)
             published = ctx.store.publish(ctx.name, request.stage)

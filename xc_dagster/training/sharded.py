@@ -108,6 +108,20 @@ class ShardedClassifier:
         """W as one (L, D) float32 array."""
         return np.concatenate([w for _, w in self.snapshot()])
 
+    def full_weights(self) -> torch.Tensor:
+        """W as one (L, D) tensor: the one shard itself (no copy), else the shards joined on the first device."""
+        if len(self.weights) == 1:
+            return self.weights[0].detach()
+        return torch.cat([w.detach().to(self.devices[0]) for w in self.weights])
+
+    def rows(self) -> torch.Tensor:
+        """W as the hard-negative pools index it (``W[ids]``, ``W.shape``)."""
+        return self.full_weights()
+
+    def sum_scores(self, scores: torch.Tensor) -> torch.Tensor:
+        """Scores of the pools' candidates as complete (one process holds every label: unchanged)."""
+        return scores
+
     def load_full(self, W: torch.Tensor | np.ndarray) -> None:
         W = torch.as_tensor(np.asarray(W, dtype=np.float32))
         with torch.no_grad():
@@ -126,6 +140,9 @@ class SGDRows:
         if self.weight_decay:
             g.add_(w[rows], alpha=self.weight_decay)  # g is this step's own leaf gradient
         w.index_add_(0, rows, g, alpha=-lr)
+
+    def tick(self, k: int) -> None:
+        """A step that touched none of shard ``k``'s rows: plain SGD keeps no count."""
 
     def state_dict(self) -> dict:
         return {"adam": []}
@@ -147,6 +164,15 @@ class SparseAdamRows:
             group["lr"] = lr
         w.grad = torch.sparse_coo_tensor(rows.unsqueeze(0), g, w.shape, is_coalesced=True, check_invariants=False)
         opt.step()
+        w.grad = None
+
+    def tick(self, k: int) -> None:
+        """A step that touched none of shard ``k``'s rows still counts in Adam's bias correction (an empty
+        gradient: the count moves, no row does)."""
+        w = self.weights[k]
+        w.grad = torch.sparse_coo_tensor(torch.zeros((1, 0), dtype=torch.int64, device=w.device),
+                                         w.new_zeros((0, w.shape[1])), w.shape, is_coalesced=True)
+        self._adam[k].step()
         w.grad = None
 
     def state_dict(self) -> dict:

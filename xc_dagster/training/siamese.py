@@ -44,12 +44,12 @@ from xc_dagster.sampling.batches import BATCH_SAMPLERS, LabelBatch
 from xc_dagster.sampling.labels import positive_mask, sample_positives
 from xc_dagster.training.checkpoint import Checkpointer, Resumed, restore_rng
 from xc_dagster.training.data_parallel import (
-    any_rank,
     average_gradients,
     broadcast_module,
     check_group,
     check_same,
     digest,
+    past,
 )
 from xc_dagster.training.distributed import DistEnv, gather_rows, gather_with_grad, rank_rows
 from xc_dagster.training.grad_cache import StepEmbedder
@@ -355,7 +355,7 @@ def train_siamese(encoder: torch.nn.Module, point_tokens: Tokens, label_tokens: 
         if stopped:
             break
         for batch in trainer.epoch_batches(epoch):
-            if deadline is not None and any_rank(time.perf_counter() > deadline, env):
+            if past(deadline, env):
                 stopped = True
                 break
             before = trainer.points
