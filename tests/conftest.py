@@ -10,6 +10,8 @@ import os
 import pytest
 import torch
 
+from tests.tinydata import write_tiny_encoder
+
 GUARDED = ("MLFLOW_TRACKING_URI", "XC_HOME", "DAGSTER_HOME", "XC_ARTIFACT_ROOT")
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -39,3 +41,9 @@ def one_torch_thread():
     yield
     torch.set_num_threads(n)
 
+
+
+@pytest.fixture(scope="module")
+def tiny_encoder(tmp_path_factory):
+    """The tiny random transformer (``tests.tinydata.write_tiny_encoder``), written once per test module."""
+    return write_tiny_encoder(tmp_path_factory.mktemp("enc") / "tiny-bert")

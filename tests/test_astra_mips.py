@@ -11,7 +11,7 @@ import pytest
 import scipy.sparse as sp
 import torch
 
-from tests.test_pipeline import TINY, tiny_encoder, tiny_home  # noqa: F401  (fixtures)
+from tests.test_pipeline import TINY, tiny_home  # noqa: F401  (fixture)
 from tests.tinydata import label_prior_metrics
 from xc_dagster.catalog import Catalog
 from xc_dagster.config import ClassifierParams

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.test_pipeline import TINY, tiny_encoder, tiny_home  # noqa: F401  (fixtures)
+from tests.test_pipeline import TINY, tiny_home  # noqa: F401  (fixture)
 from xc_dagster.catalog import Catalog, DatasetSpec
 from xc_dagster.config import resolve_config
 from xc_dagster.encoders.loading import load_encoder

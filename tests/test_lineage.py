@@ -10,7 +10,7 @@ import dagster as dg
 import numpy as np
 import pytest
 
-from tests.tinydata import dagster_instance, tiny_lf_home, write_lf_dataset, write_tiny_encoder
+from tests.tinydata import dagster_instance, tiny_lf_home, write_lf_dataset
 from xc_dagster.artifacts import (
     CONTRACT,
     REGISTERED_MODEL,
@@ -67,11 +67,6 @@ def _hook(event: str, args: tuple) -> None:  # audit hooks cannot be removed: on
 
 
 sys.addaudithook(_hook)
-
-
-@pytest.fixture(scope="module")
-def tiny_encoder(tmp_path_factory):
-    return write_tiny_encoder(tmp_path_factory.mktemp("enc") / "tiny-bert")
 
 
 def _run(tmp: Path, encoder: Path, strategy: str, overrides: dict) -> tuple[dict, dict]:

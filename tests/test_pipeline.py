@@ -16,7 +16,6 @@ from tests.tinydata import (
     label_prior_metrics,
     tiny_lf_home,
     write_lf_dataset,
-    write_tiny_encoder,
 )
 from xc_dagster.catalog import Catalog, DatasetSpec
 from xc_dagster.cli import main as cli_main
@@ -33,11 +32,6 @@ TINY = {
     "classifier.num_negatives": 5, "index.shortlist_size": 8, "index.hnsw_m": 8, "evaluate.top_k": 10,
     "ingest.valid_fraction": 0.1,
 }
-
-
-@pytest.fixture(scope="module")
-def tiny_encoder(tmp_path_factory):
-    return write_tiny_encoder(tmp_path_factory.mktemp("enc") / "tiny-bert")
 
 
 @pytest.fixture

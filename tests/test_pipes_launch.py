@@ -26,7 +26,7 @@ from resources import ComputeResource, dataset_partitions
 from resources.compute import exit_message
 from tests.test_ddp_pretrain import _no_dropout_bert
 from tests.test_pipeline import TINY
-from tests.tinydata import dagster_instance, write_lf_dataset, write_tiny_encoder
+from tests.tinydata import dagster_instance, write_lf_dataset
 from xc_dagster.artifacts import LABEL_EMB, PARAMS, SUMMARY, TRAIN_EMB, W
 from xc_dagster.catalog import Catalog, DatasetSpec
 from xc_dagster.definitions import pipeline_resources
@@ -56,11 +56,6 @@ KILL_HOOK = textwrap.dedent(f"""
 
         tracking.RunLogger.log_metrics = _die
 """)
-
-
-@pytest.fixture(scope="module")
-def tiny_encoder(tmp_path_factory):
-    return write_tiny_encoder(tmp_path_factory.mktemp("enc") / "tiny-bert")
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from tests.tinydata import free_port, release_together, write_lf_dataset, write_tiny_encoder
+from tests.tinydata import free_port, release_together, write_lf_dataset
 from xc_dagster.errors import XCConfigError
 from xc_dagster.home import OLD_YAML_HEADERS, YAML_HEADER, Home, render_dagster_yaml
 
@@ -101,11 +101,6 @@ def test_the_script_is_idempotent_and_each_tool_has_its_own_database(pg_server):
         _rows(cross, "SELECT 1")
     bad = _script("start", str(pg_server["folder"]), "--port", "http")
     assert bad.returncode == 2 and "--port: expected a port number 1-65535, got 'http'" in bad.stderr
-
-
-@pytest.fixture(scope="module")
-def tiny_encoder(tmp_path_factory):
-    return write_tiny_encoder(tmp_path_factory.mktemp("enc") / "tiny-bert")
 
 
 def test_a_partition_materialized_with_both_stores_in_postgres(pg_server, tmp_path, tiny_encoder, monkeypatch):

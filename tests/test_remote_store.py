@@ -20,7 +20,7 @@ import pytest
 from moto.server import ThreadedMotoServer
 from s3fs import S3FileSystem
 
-from tests.test_pipeline import tiny_encoder, tiny_home  # noqa: F401  (fixtures)
+from tests.test_pipeline import tiny_home  # noqa: F401  (fixture)
 from tests.tinydata import kill_at_marker
 from xc_dagster.artifacts import METRICS, PREDICTIONS, STAGE_ORDER, ArtifactReader
 from xc_dagster.catalog import Catalog

@@ -164,6 +164,15 @@ class ArtifactReader:
         """One file or folder of ``stage``'s artifacts."""
         return self.dir(stage) / name
 
+    def versions(self) -> dict[str, str]:
+        """The version folder (``xc_dagster.storage``: a new one at every write) of each stage the consumer reads:
+        what a resumable stage keys its kept work on, so that work over older inputs is never resumed."""
+        if self.consumer is None:
+            raise XCError("versions: a reader without a consumer declares no reads")
+        folders = {stage: self.store.stage_dir(self.dataset_name, stage) for stage in self.consumer.reads}
+        # the local folders only: not a read (``opened`` stays as it is), nothing fetched from a remote root
+        return {stage: d.resolve().name for stage, d in folders.items() if d.is_dir()}
+
     def summary(self, stage: str, missing_ok: bool = False) -> dict[str, Any] | None:
         """The summary ``stage`` recorded; with ``missing_ok``, None when the stage is not materialized."""
         if missing_ok and not self.store.sync(self.dataset_name, stage):  # local, or fetched from a remote root

@@ -7,7 +7,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -18,8 +18,10 @@ from xc_dagster.config import PipelineConfig
 from xc_dagster.device import resolve_device
 from xc_dagster.errors import XCError
 from xc_dagster.evaluation.metrics import inverse_propensity
+from xc_dagster.pipeline.kept import KeptWork
 from xc_dagster.progress import Progress
 from xc_dagster.storage import ArtifactStore
+from xc_dagster.training.checkpoint import fingerprint
 
 log = logging.getLogger("xc_dagster")
 
@@ -82,6 +84,11 @@ class StageContext:
         """Where ``stage`` (default: this one) keeps its per-epoch training checkpoint (removed once its artifacts
         are written)."""
         return self.store.root / self.name / "_checkpoints" / str(stage or self.stage)
+
+    def kept_work(self, settings: dict[str, Any], *arrays: np.ndarray) -> KeptWork:
+        """Where this stage keeps the work a killed run of it finished (row blocks, built indexes), valid for
+        ``settings``, the versions of every upstream artifact it reads and ``arrays`` (docs/decisions.md#kept-work)."""
+        return KeptWork(self.checkpoint_dir(), fingerprint({**settings, "versions": self.read.versions()}, *arrays))
 
     def inv_prop(self, Y_train) -> np.ndarray:
         """The labels' inverse propensities with the configured A / B (``evaluate.propensity_a/b``)."""

@@ -3,6 +3,7 @@ and the fusion, the XC metrics (filter pairs removed), reports and plots."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -15,11 +16,13 @@ from xc_dagster.encoders.loading import load_encoder
 from xc_dagster.evaluation.metrics import evaluate, recall_at, remove_filtered
 from xc_dagster.evaluation.reports import decile_contributions, decile_plot, pk_plot, recall_by_frequency, recall_plot
 from xc_dagster.pipeline.context import StageContext
+from xc_dagster.pipeline.kept import KeptWork
 from xc_dagster.retrieval.shortlist import STREAM_ROWS, retrieve, topk_from_scores
 from xc_dagster.sampling.labels import positive_mask
 from xc_dagster.storage import save_json
 
 TRAINING_STAGES = ("pretrain", "mining", "classifier", "index", "fusion")
+RANKING = "ranking_"  # a kept block's ranking arrays: ranking_<name>
 ABLATION_METRICS = ("precision_at_1", "precision_at_5", "psprecision_at_1", "psprecision_at_5")
 
 
@@ -79,21 +82,33 @@ def _stack(parts: list[np.ndarray], fill: int = -1) -> np.ndarray:
 
 
 def predict(ctx: StageContext, q: np.ndarray, lex_q: Any, m: Any, fz: Any, inv: np.ndarray, ds: Any,
-            k_ablation: int) -> dict[str, Any]:
+            k_ablation: int, kept: KeptWork | None = None) -> dict[str, Any]:
     """:func:`_predict_block` over STREAM_ROWS blocks of the test queries, joined: memory bounded by a block's
-    shortlists plus the kept top-k, at any number of test points."""
+    shortlists plus the kept top-k, at any number of test points. ``kept``: blocks finished by a killed run are
+    read back from it, and each new one is kept in it."""
     n, parts = len(q), []
     fp = None if ds.filter_test is None else np.asarray(ds.filter_test, dtype=np.int64).reshape(-1, 2)
+    kept = kept or KeptWork(None, "")
     with ctx.progress("retrieve test", n, "queries") as prog:
-        for s in range(0, n, STREAM_ROWS):
-            e = min(n, s + STREAM_ROWS)
+        def block(s: int, e: int) -> dict[str, np.ndarray]:
             block_fp = None if fp is None else fp[(fp[:, 0] >= s) & (fp[:, 0] < e)] - [s, 0]
-            parts.append(_predict_block(ctx, q[s:e], None if lex_q is None else lex_q[s:e], m, fz, inv,
-                                        ds.Y_test[s:e], block_fp, k_ablation, prog.update))
+            out = _predict_block(ctx, q[s:e], None if lex_q is None else lex_q[s:e], m, fz, inv, ds.Y_test[s:e],
+                                 block_fp, k_ablation, prog.update)
+            return {"ids": out["ids"], "scores": out["scores"], "hits": out["hits"],
+                    **{f"{RANKING}{name}": r for name, r in out["rankings"].items()}}
+
+        parts = [arrays for _, _, arrays in kept.blocks(n, STREAM_ROWS, block, prog.update)]
+    names = [k[len(RANKING):] for k in (parts[0] if parts else {}) if k.startswith(RANKING)]
     return {"ids": np.concatenate([p["ids"] for p in parts]), "scores": np.concatenate([p["scores"] for p in parts]),
             "hits": _stack([p["hits"] for p in parts]),
-            "rankings": {name: np.concatenate([p["rankings"][name] for p in parts]) for name in parts[0]["rankings"]}
-            if parts else {}}
+            "rankings": {name: np.concatenate([p[RANKING + name] for p in parts]) for name in names}}
+
+
+def kept_blocks(ctx: StageContext, q: np.ndarray, k_ablation: int) -> KeptWork:
+    """Where the finished blocks of the test queries are kept, keyed by the settings that shape a prediction,
+    the versions of every upstream artifact and the queries themselves (docs/decisions.md#kept-work)."""
+    return ctx.kept_work({"index": dataclasses.asdict(ctx.cfg.index), "evaluate": dataclasses.asdict(ctx.cfg.evaluate),
+                          "k_ablation": k_ablation, "rows": STREAM_ROWS}, q)
 
 
 def _ablation(rankings: dict[str, np.ndarray], ds: Any, inv: np.ndarray) -> dict[str, float]:
@@ -118,7 +133,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
     t1 = time.perf_counter()
     inv = ctx.inv_prop(ds.Y_train)
     ks = tuple(sorted(set(p.ks) | set(range(1, 11))))  # k = 1..10 for the P@k / PSP@k curves
-    pred = predict(ctx, q, ctx.read.lexical_queries(m, "test"), m, fz, inv, ds, max(ks) + 20)
+    kept = kept_blocks(ctx, q, max(ks) + 20)
+    pred = predict(ctx, q, ctx.read.lexical_queries(m, "test"), m, fz, inv, ds, max(ks) + 20, kept)
     ids, scores = pred["ids"], pred["scores"]
     t_pred = time.perf_counter() - t1
     metrics = evaluate(ids, ds.Y_test, ks=ks, inv_prop=inv, filter_pairs=ds.filter_test)
@@ -129,9 +145,11 @@ def run(ctx: StageContext) -> dict[str, Any]:
     by_freq = recall_by_frequency(ids, ds.Y_test, freq, k=5, shortlist=pred["hits"])
     stage_seconds = upstream_seconds(ctx)
     stage_seconds["training_total"] = sum(stage_seconds.get(s, 0.0) for s in TRAINING_STAGES)
+    searched = len(q) - kept.resumed_rows  # the queries this run searched (the rest: a killed run's kept blocks)
     summary = {"metrics": metrics, "fusion": fz.summary(), "n_test": int(len(q)), "encode_seconds": t_enc,
-               "predict_seconds": t_pred, "ms_per_query_index_fusion": 1000 * t_pred / max(len(q), 1),
-               "stage_seconds": stage_seconds, "seconds": time.perf_counter() - t0}
+               "predict_seconds": t_pred, "ms_per_query_index_fusion": 1000 * t_pred / max(searched, 1),
+               "stage_seconds": stage_seconds, "resumed_queries": kept.resumed_rows,
+               "seconds": time.perf_counter() - t0}
     title = f"{ctx.name} ({ctx.cfg.strategy}, {ctx.cfg.preset})"
     with ctx.writing() as out:
         np.savez(out / PREDICTIONS, ids=ids.astype(np.int32), scores=scores)
@@ -141,4 +159,5 @@ def run(ctx: StageContext) -> dict[str, Any]:
         decile_plot(deciles, out / PLOTS["decile_plot"], title)
         recall_plot(by_freq, out / PLOTS["recall_plot"], title)
         save_json(out / SUMMARY, summary)
+    kept.clear()
     return summary

@@ -4,6 +4,7 @@ source's TF-IDF index (``xc_dagster.retrieval.lexical``) when the sources name i
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ import scipy.sparse as sp
 from xc_dagster.artifacts import HELDOUT, MINING_LABEL_INDEX, SUMMARY
 from xc_dagster.errors import XCConfigError
 from xc_dagster.pipeline.context import StageContext
+from xc_dagster.pipeline.kept import KeptWork
 from xc_dagster.progress import in_one_call
 from xc_dagster.retrieval.ann import LabelIndex, resolve_kind
 from xc_dagster.retrieval.lexical import LEXICAL_DIR, LexicalIndex
@@ -94,22 +96,28 @@ def _mining_label_index(ctx: StageContext, n_labels: int) -> Path | None:
     return path
 
 
-def _build(ctx: StageContext, name: str, vectors: np.ndarray, out: Path) -> str:
+def _build(ctx: StageContext, name: str, vectors: np.ndarray, out: Path, kept: KeptWork, held: str = "") -> str:
     """Build one source's index, write it to ``out`` and let it go (one index in memory at a time: at 1.3M
     labels and 2.25M points all of them together with their vectors held ~20 GB); returns its kind. The label
-    graph mining built over the same embeddings is copied instead (a 1.3M-label graph takes ~20 minutes)."""
+    graph mining built over the same embeddings is copied instead (a 1.3M-label graph takes ~20 minutes); an
+    index a killed run of this stage finished is taken from ``kept`` (``held``: the held-out copies' prefix)."""
     p = ctx.cfg.index
     built = _mining_label_index(ctx, len(vectors)) if name == "label" else None
+    kind = resolve_kind(p.kind, len(vectors))
     if built is not None:
-        kind = resolve_kind(p.kind, len(vectors))
         shutil.copyfile(built, out / INDEX_FILES[name])
         ctx.info(f"index {name}: mining's {kind} index over the same label embeddings, copied")
         return kind
-    with in_one_call(f"index {name}", len(vectors), "vectors", ctx.info, f"{p.kind} build"):
-        index = LabelIndex(p.kind, vectors, m=p.hnsw_m, ef_construction=p.hnsw_ef_construction,
-                           ef_search=p.hnsw_ef_search)
-    index.save(out / INDEX_FILES[name])
-    return index.kind
+
+    def build(path: Path) -> None:
+        with in_one_call(f"index {name}", len(vectors), "vectors", ctx.info, f"{p.kind} build"):
+            index = LabelIndex(p.kind, vectors, m=p.hnsw_m, ef_construction=p.hnsw_ef_construction,
+                               ef_search=p.hnsw_ef_search)
+        index.save(path)
+
+    if kept.artifact(held + INDEX_FILES[name], build, out / INDEX_FILES[name]):
+        ctx.info(f"index {name}: the {kind} index a killed run of this stage built, kept")
+    return kind
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
@@ -124,6 +132,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     need_centroids = "centroid" in p.sources or p.label_repr == "text+centroid"
     points_knn = "knn" in p.sources or "lexical" in p.sources  # a kNN over training points, held out by rows
     kinds: dict[str, str] = {}
+    kept = ctx.kept_work({"index": dataclasses.asdict(p)})
     note, heldout, knn_points, lexical_summary = "", False, 0, None
     with ctx.writing() as out:
         if need_centroids or points_knn:
@@ -145,23 +154,23 @@ def run(ctx: StageContext) -> dict[str, Any]:
             if need_centroids:
                 centroids = label_centroids(train_emb, ds.Y_train, deployed)
                 if "centroid" in p.sources:
-                    kinds["centroid"] = _build(ctx, "centroid", centroids, out)
+                    kinds["centroid"] = _build(ctx, "centroid", centroids, out, kept)
                 np.save(out / CENTROID_FILE, centroids)
                 del centroids
             if "knn" in p.sources:
-                kinds["knn"] = _build(ctx, "knn", train_emb[deployed], out)
+                kinds["knn"] = _build(ctx, "knn", train_emb[deployed], out, kept)
                 sp.save_npz(out / KNN_LABELS_FILE, ds.Y_train[deployed].tocsr().astype(np.float32))
                 knn_points = len(deployed)
         for name, read in (("W", lambda: W), ("label", lambda: ctx.read.embeddings("label", mmap=True))):
             if name in p.sources:
-                kinds[name] = _build(ctx, name, read(), out)
+                kinds[name] = _build(ctx, name, read(), out, kept)
         if heldout:  # what the fusion is fitted with: the same parts without the validation points
             held = out / HELDOUT
             held.mkdir(parents=True, exist_ok=True)
             if need_centroids:
                 h_centroids = label_centroids(train_emb, ds.Y_train, rows)
                 if "centroid" in p.sources:
-                    _build(ctx, "centroid", h_centroids, held)
+                    _build(ctx, "centroid", h_centroids, held, kept, f"{HELDOUT}_")
                 np.save(held / CENTROID_FILE, h_centroids)
             if points_knn:  # the validation rows, excluded from the deployed kNN and lexical neighbours
                 np.save(held / KNN_EXCLUDED_FILE, np.setdiff1d(np.arange(ds.num_train), rows))
@@ -178,4 +187,5 @@ def run(ctx: StageContext) -> dict[str, Any]:
             summary["heldout_knn_points"] = int(len(rows)) if points_knn else 0
         summary["seconds"] = time.perf_counter() - t0
         save_json(out / SUMMARY, summary)
+    kept.clear()
     return summary

@@ -3,6 +3,7 @@ negatives of the classifier stage, and the label centroids of the training point
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -47,16 +48,20 @@ def run(ctx: StageContext) -> dict[str, Any]:
     own[rows] = np.arange(len(rows))  # a training point is not its own neighbour
     n = len(point_emb)
     ids, scores = np.empty((n, k), dtype=np.int32), np.empty((n, k), dtype=np.float32)
+    kept = ctx.kept_work({"mining": dataclasses.asdict(p), "rows": STREAM_ROWS})
+
+    def block(s: int, e: int) -> dict[str, np.ndarray]:  # a block's whole shortlists at once, only its top k kept
+        sl = retrieve(np.asarray(point_emb[s:e]), src, k, exclude_knn=own[s:e], progress=prog.update)
+        merged = sl.emb if sl.knn is None else (1.0 - p.knn_weight) * sl.emb + p.knn_weight * sl.knn
+        top = topk_from_scores(sl.ids, np.where(sl.ids < 0, -np.inf, merged).astype(np.float32), k)
+        return {"ids": top[0], "scores": top[1]}
+
     with ctx.progress("retrieve train", n, "points") as prog:
-        for s in range(0, n, STREAM_ROWS):  # a block's whole shortlists at once, only its top k kept
-            e = min(n, s + STREAM_ROWS)
-            sl = retrieve(np.asarray(point_emb[s:e]), src, k, exclude_knn=own[s:e], progress=prog.update)
-            merged = sl.emb if sl.knn is None else (1.0 - p.knn_weight) * sl.emb + p.knn_weight * sl.knn
-            top = topk_from_scores(sl.ids, np.where(sl.ids < 0, -np.inf, merged).astype(np.float32), k)
-            ids[s:e], scores[s:e] = top
+        for s, e, got in kept.blocks(n, STREAM_ROWS, block, prog.update):
+            ids[s:e], scores[s:e] = got["ids"], got["scores"]
     recall = recall_at(ids, ds.Y_train)
     summary = {"shortlist_size": k, "sources": list(p.sources), "train_recall": recall,
-               "kinds": {n: ix.kind for n, ix in src.indexes.items()}}
+               "resumed_points": kept.resumed_rows, "kinds": {n: ix.kind for n, ix in src.indexes.items()}}
     label = src.indexes.get("label")
     with ctx.writing() as out:
         if label is not None and label.kind != "exact":  # a graph the index stage reuses while the encoder is
@@ -67,5 +72,6 @@ def run(ctx: StageContext) -> dict[str, Any]:
         np.save(out / SHORTLIST_SCORES, scores)
         np.save(out / CENTROID_FILE, centroids)
         save_json(out / SUMMARY, summary)
+    kept.clear()
     ctx.info(f"mining {ctx.name}: shortlist of {k} from {'+'.join(p.sources)}, recall on train {recall:.3f}")
     return summary

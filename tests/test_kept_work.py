@@ -1,0 +1,201 @@
+"""A killed mining or evaluation run does again only the row block it was in: the finished blocks are kept on
+disk under a key of the settings and the upstream artifacts' versions, and read back by the next run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import xc_dagster.pipeline.evaluate as ev
+import xc_dagster.pipeline.index as index_stage
+import xc_dagster.pipeline.mining as mining
+from tests.tinydata import tiny_lf_home
+from xc_dagster.catalog import Catalog
+from xc_dagster.pipeline import StageContext, run_all
+from xc_dagster.pipeline.kept import KeptWork
+from xc_dagster.storage import ArtifactStore
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = {"pretrain.epochs": 1, "pretrain.batch_size": 16, "mining.shortlist_size": 8, "classifier.epochs": 1,
+        "classifier.batch_size": 32, "classifier.num_negatives": 5, "index.shortlist_size": 8, "evaluate.top_k": 10,
+        "ingest.valid_fraction": 0.1}
+ROWS = 8  # rows per block here: 40 test points in 5 blocks, 120 training points in 15
+
+# the evaluation stage alone, 8 queries a block, stopped for good inside its third block (it is killed there)
+CHILD = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    import xc_dagster.pipeline.evaluate as ev
+    from xc_dagster.catalog import Catalog
+    from xc_dagster.home import Home
+    from xc_dagster.pipeline import StageContext, run_all
+    from xc_dagster.storage import ArtifactStore
+
+    home, marker = Home.from_env(), Path(sys.argv[1])
+    ev.STREAM_ROWS, real, calls = 8, ev._predict_block, []
+
+    def third_block_hangs(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            marker.write_text("in block 3")
+            time.sleep(600)
+        return real(*a, **k)
+
+    ev._predict_block = third_block_hangs
+    spec = Catalog(home.catalog).get("TinyTitles")
+    run_all(StageContext(ArtifactStore(home.artifacts), spec, spec.config(), home.cache), ("evaluate",))
+""")
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch, tiny_encoder):
+    return tiny_lf_home(tmp_path, monkeypatch, TINY, encoder=tiny_encoder)
+
+
+REAL = {(ev, "_predict_block"): ev._predict_block, (mining, "retrieve"): mining.retrieve,
+        (index_stage, "LabelIndex"): index_stage.LabelIndex}
+
+
+def _counting(monkeypatch, module, name: str, fail_at: int | None = None) -> list[int]:
+    """Count the calls of ``module.name``; raise at call ``fail_at`` (an in-process stand-in for a kill)."""
+    real, calls = REAL[module, name], []
+
+    def wrapped(*a, **k):
+        calls.append(1)
+        if fail_at is not None and len(calls) == fail_at:
+            raise KeyboardInterrupt("stopped in a block")
+        return real(*a, **k)
+
+    monkeypatch.setattr(module, name, wrapped)
+    return calls
+
+
+def test_blocks_are_read_back_only_under_the_same_key_and_only_when_whole(tmp_path, caplog):
+    folder, computed = tmp_path / "kept", []
+
+    def compute(s: int, e: int) -> dict[str, np.ndarray]:
+        computed.append(s)
+        return {"ids": np.arange(s, e)[:, None] * np.ones((1, 3), dtype=np.int64), "x": np.full(e - s, s * 0.5)}
+
+    def run(key: str, rows: int = 4) -> tuple[KeptWork, list[int], np.ndarray]:
+        computed.clear()
+        kept = KeptWork(folder, key)
+        got = np.concatenate([a["ids"][:, 0] for _, _, a in kept.blocks(10, rows, compute)])
+        return kept, list(computed), got
+
+    kept, done, got = run("a")
+    assert done == [0, 4, 8] and np.array_equal(got, np.arange(10))
+    assert sorted(p.name for p in folder.glob("rows_*.npz")) == [f"rows_{s:012d}.npz" for s in (0, 4, 8)]
+    kept, done, got = run("a")  # everything kept: nothing computed, the same arrays
+    assert done == [] and kept.resumed == 3 and kept.resumed_rows == 10 and np.array_equal(got, np.arange(10))
+    (folder / "rows_000000000004.npz").write_bytes((folder / "rows_000000000004.npz").read_bytes()[:50])
+    with caplog.at_level("WARNING", logger="xc_dagster"):
+        kept, done, got = run("a")  # a truncated block is done again, the others read back
+    assert done == [4] and kept.resumed == 2 and "rows_000000000004.npz does not read back" in caplog.text
+    _, done, _ = run("a", rows=5)  # another block size: nothing kept matches
+    assert done == [0, 5]
+    kept, done, _ = run("b", rows=5)  # another key: the folder is cleared first, never mixed
+    assert done == [0, 5] and (folder / "key.txt").read_text() == "b"
+    assert not (folder / "rows_000000000004.npz").exists()
+    kept.clear()
+    assert not folder.exists()
+    off = KeptWork(None, "")
+    assert [s for s, _, _ in off.blocks(10, 4, compute)] == [0, 4, 8] and off.resumed == 0
+
+
+def test_a_sigkilled_evaluation_resumes_from_its_kept_blocks_with_the_same_predictions(home, tmp_path, monkeypatch):
+    spec = Catalog(home.catalog).get("TinyTitles")
+    store = ArtifactStore(home.artifacts)
+    ctx = StageContext(store, spec, spec.config(), home.cache)
+    monkeypatch.setattr(ev, "STREAM_ROWS", ROWS)
+    full = run_all(ctx)["evaluate"]  # uninterrupted
+    assert full["resumed_queries"] == 0
+    stage = store.stage_dir("TinyTitles", "evaluate")
+    want, version = dict(np.load(stage / "predictions.npz")), stage.resolve()
+
+    marker = tmp_path / "marker"
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(marker)], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not marker.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "slow"
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)  # as the OOM killer or a lost machine: no handler runs
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    kept = ctx.checkpoint_dir("evaluate")
+    assert sorted(p.name for p in kept.glob("rows_*.npz")) == ["rows_000000000000.npz", "rows_000000000008.npz"]
+    assert stage.resolve() == version  # the stage's artifacts are still the finished run's
+
+    calls = _counting(monkeypatch, ev, "_predict_block")
+    out = run_all(ctx, ("evaluate",))["evaluate"]
+    assert len(calls) == 3 and out["resumed_queries"] == 2 * ROWS  # blocks 3-5 searched, 1-2 read back
+    got = dict(np.load(stage / "predictions.npz"))
+    assert np.array_equal(got["ids"], want["ids"]) and np.array_equal(got["scores"], want["scores"])
+    assert out["metrics"] == full["metrics"]
+    assert not kept.exists()  # cleared once the artifacts are written
+
+
+def test_mining_stopped_mid_way_resumes_and_kept_blocks_of_older_inputs_are_not_used(home, tmp_path, monkeypatch):
+    spec = Catalog(home.catalog).get("TinyTitles")
+    monkeypatch.setattr(mining, "STREAM_ROWS", ROWS)
+    full_store, store = ArtifactStore(tmp_path / "full"), ArtifactStore(tmp_path / "stopped")
+    want = run_all(StageContext(full_store, spec, spec.config(), home.cache), ("ingest", "tokenize", "pretrain",
+                                                                              "mining"))["mining"]
+    ctx = StageContext(store, spec, spec.config(), home.cache)
+    run_all(ctx, ("ingest", "tokenize", "pretrain"))
+    calls = _counting(monkeypatch, mining, "retrieve", fail_at=4)
+    with pytest.raises(KeyboardInterrupt):
+        run_all(ctx, ("mining",))
+    assert len(list(ctx.checkpoint_dir("mining").glob("rows_*.npz"))) == 3 and len(calls) == 4
+    calls = _counting(monkeypatch, mining, "retrieve")
+    out = run_all(ctx, ("mining",))["mining"]
+    assert len(calls) == 15 - 3 and out["resumed_points"] == 3 * ROWS and out["train_recall"] == want["train_recall"]
+    for f in ("shortlist.npy", "shortlist_scores.npy"):
+        assert np.array_equal(np.load(store.stage_dir("TinyTitles", "mining") / f),
+                              np.load(full_store.stage_dir("TinyTitles", "mining") / f))
+    assert not ctx.checkpoint_dir("mining").exists()
+
+    # blocks kept over the previous pretraining: a new pretrain version makes them stale, all 15 are searched
+    calls = _counting(monkeypatch, mining, "retrieve", fail_at=3)
+    with pytest.raises(KeyboardInterrupt):
+        run_all(ctx, ("mining",))
+    run_all(ctx, ("pretrain",))
+    calls = _counting(monkeypatch, mining, "retrieve")
+    assert run_all(ctx, ("mining",))["mining"]["resumed_points"] == 0 and len(calls) == 15
+
+
+def test_an_index_stage_stopped_in_its_second_build_builds_only_the_indexes_it_had_not(home, tmp_path, monkeypatch):
+    spec = Catalog(home.catalog).get("TinyTitles")
+    cfg = spec.config({"index.sources": ("W", "label", "knn"), "index.kind": "hnsw", "index.hnsw_m": 8})
+    full_store, store = ArtifactStore(tmp_path / "full"), ArtifactStore(tmp_path / "stopped")
+    upstream = ("ingest", "tokenize", "pretrain", "mining", "classifier")
+    builds = _counting(monkeypatch, index_stage, "LabelIndex")
+    run_all(StageContext(full_store, spec, cfg, home.cache), (*upstream, "index"))
+    assert len(builds) == 3  # knn, W, label (the label graph: pretrained embeddings, mining's is exact here)
+    ctx = StageContext(store, spec, cfg, home.cache)
+    run_all(ctx, upstream)
+    builds = _counting(monkeypatch, index_stage, "LabelIndex", fail_at=2)
+    with pytest.raises(KeyboardInterrupt):
+        run_all(ctx, ("index",))
+    assert sorted(p.name for p in ctx.checkpoint_dir("index").iterdir()) == ["key.txt", "knn.index"]
+    assert not store.stage_dir("TinyTitles", "index").exists()  # nothing half-written
+    builds = _counting(monkeypatch, index_stage, "LabelIndex")
+    out = run_all(ctx, ("index",))["index"]
+    assert len(builds) == 2 and out["kinds"] == {"W": "hnsw", "label": "hnsw", "knn": "hnsw"}
+    got, want = store.stage_dir("TinyTitles", "index"), full_store.stage_dir("TinyTitles", "index")
+    assert (got / "knn.index").stat().st_size == (want / "knn.index").stat().st_size > 0
+    assert not ctx.checkpoint_dir("index").exists()
+    assert (got / "knn.index").stat().st_nlink == 1  # the kept copy's link is gone with the folder

@@ -1,0 +1,143 @@
+"""Work a long stage finished before it was killed, kept on disk so that the next run does not do it again: the
+row blocks of mining's and evaluation's shortlists, and the index stage's finished indexes.
+
+At the 1.3M shape the evaluation searches three indexes for 970,237 test queries (about an hour on 2 cores), mining
+searches for 2,248,619 training points and the index stage builds graphs over 2.25M and 1.3M vectors (more than an
+hour): a kill at 90% cost the whole stage again. Each block's arrays go to one ``.npz`` file, each finished
+artifact to its own name, written to a temporary name, fsynced and renamed, under the stage's checkpoint folder
+with a key file: the fingerprint of the stage's settings, of the versions of the upstream artifacts it reads and
+(evaluation) of its queries. A folder holding another key's work is cleared, a block file that does not read back
+whole is done again, and the stage clears the folder once its artifacts are written
+(docs/decisions.md#kept-work).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import zipfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+from xc_dagster.durable import atomic_write_text, fsync_dir, fsync_file
+from xc_dagster.storage import fsync_tree
+
+log = logging.getLogger("xc_dagster")
+KEY = "key.txt"
+# what np.load raises on a truncated or damaged .npz
+DAMAGED = (zipfile.BadZipFile, OSError, ValueError, EOFError, KeyError)
+
+
+class KeptWork:
+    """The finished work of one stage in ``folder`` (None: nothing kept), valid for ``key``."""
+
+    def __init__(self, folder: Path | None, key: str):
+        self.folder = None if folder is None else Path(folder)
+        self.key = key
+        self.resumed = self.resumed_rows = 0  # blocks (and their rows) read back instead of computed, in this run
+        if self.folder is None:
+            return
+        if self.folder.is_dir() and self._stored_key() != key:
+            shutil.rmtree(self.folder)  # another configuration's or other inputs' blocks: never mixed in
+        self.folder.mkdir(parents=True, exist_ok=True)
+        if self._stored_key() != key:
+            atomic_write_text(self.folder / KEY, key)
+
+    def _stored_key(self) -> str | None:
+        try:
+            return (self.folder / KEY).read_text()
+        except OSError:
+            return None
+
+    def _path(self, start: int) -> Path:
+        return self.folder / f"rows_{start:012d}.npz"
+
+    def load(self, start: int) -> dict[str, np.ndarray] | None:
+        """The arrays of the block starting at row ``start``, or None when it is not (whole) on disk."""
+        path = None if self.folder is None else self._path(start)
+        if path is None or not path.exists():
+            return None
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                return {name: z[name] for name in z.files}
+        except DAMAGED as exc:
+            log.warning("row block %s does not read back (%s: %s); it is done again", path, type(exc).__name__, exc)
+            path.unlink(missing_ok=True)
+            return None
+
+    def save(self, start: int, arrays: dict[str, np.ndarray]) -> None:
+        """Keep the block starting at ``start`` (durable once it returns)."""
+        if self.folder is None:
+            return
+        path = self._path(start)
+        tmp = path.with_name(f".{path.name}.tmp")  # one fixed name: a killed write's leftover is overwritten
+        with open(tmp, "wb") as fh:
+            np.savez(fh, **arrays)
+        fsync_file(tmp)
+        os.replace(tmp, path)
+        fsync_dir(self.folder)
+
+    def blocks(self, n: int, rows: int, compute: Callable[[int, int], dict[str, np.ndarray]],
+               skipped: Callable[[int], None] | None = None) -> Iterator[tuple[int, int, dict[str, np.ndarray]]]:
+        """(start, end, arrays) of each block of ``rows`` rows of ``n``: read back when kept, else ``compute(start,
+        end)`` and kept. ``skipped(count)``: told the rows of each block read back (a progress bar)."""
+        for s in range(0, n, rows):
+            e = min(n, s + rows)
+            got = self.load(s)
+            if got is not None and any(len(a) != e - s for a in got.values()):
+                got = None  # kept with another block size: done again
+            if got is not None:
+                self.resumed += 1
+                self.resumed_rows += e - s
+                if skipped is not None:
+                    skipped(e - s)
+            else:
+                got = compute(s, e)
+                self.save(s, got)
+            yield s, e, got
+
+    def artifact(self, name: str, build: Callable[[Path], None], dest: Path) -> bool:
+        """``dest`` (a file or a folder) as ``build(path)`` writes it: linked from the kept copy when a killed run
+        finished it, else built, kept, then linked. Returns whether the kept copy was used."""
+        if self.folder is None:
+            build(dest)
+            return False
+        kept = self.folder / name
+        used = kept.exists()
+        if not used:
+            tmp = self.folder / f".{name}.tmp"  # a killed build's leftover is removed, then overwritten
+            _remove(tmp)
+            build(tmp)
+            fsync_tree(tmp) if tmp.is_dir() else fsync_file(tmp)
+            os.replace(tmp, kept)
+            fsync_dir(self.folder)
+        _link(kept, dest)
+        return used
+
+    def clear(self) -> None:
+        if self.folder is not None and self.folder.exists():
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)  # no second copy of a multi-GB index: the stage's folder and the kept one share it
+    except OSError:
+        shutil.copy2(src, dst)  # another file system
+
+
+def _link(src: Path, dst: Path) -> None:
+    if src.is_dir():
+        shutil.copytree(src, dst, copy_function=_link_or_copy)
+    else:
+        _link_or_copy(str(src), str(dst))
