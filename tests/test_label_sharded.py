@@ -1,7 +1,7 @@
-"""The hardest-negative classifiers with W's label ranges on 2 real gloo ranks under torchrun
-(xc_dagster/training/label_sharded.py) against one process: the same W for every negative pool and both row
-optimizers, checkpoints that 1 process and 2 ranks resume from each other, and a label range that a step does not
-touch still counting the step in SparseAdam.
+"""The classifiers with W's label ranges on 2 real gloo ranks under torchrun (xc_dagster/training/label_sharded.py)
+against one process: the same W for every hardest-negative pool, both row optimizers and the sampled negatives
+(uniform, ASTRA, MIPS-s), checkpoints that 1 process and 2 ranks resume from each other, and a label range that a
+step does not touch still counting the step in SparseAdam.
 
 This file, run by torchrun, is the worker; each rank trains the scenarios, rank 0 saves W, and the tests compare.
 """
@@ -45,6 +45,10 @@ SAMPLED = {
     "astra": dict(negatives="astra", num_hard=3, num_random=5, hard_start=0.0, refresh_every=0.5, refresh_async=False,
                   sampler_index="exact", dropout=0.2, w_optimizer="sgd", lr=0.5, weight_decay=1e-4),
     "uniform": dict(negatives="uniform", num_random=6, w_optimizer="sparse-adam", lr=0.02),
+    # MIPS-s: each rank's stale index over its own rows, searched with the fresh query embeddings every step;
+    # rebuilt every 6 of an epoch's 8 steps, so a run resumed at epoch 1 searches the checkpoint's indexes first
+    "mips": dict(negatives="mips", num_hard=3, num_random=5, refresh_every=0.75, sampler_index="exact",
+                 w_optimizer="sgd", lr=0.5),
 }
 
 
@@ -84,10 +88,11 @@ def _sampled(name: str, env: DistEnv | None = None) -> tuple[np.ndarray | None, 
         trainer.close()
 
 
-def _astra_run(env: DistEnv | None, ckpt: Path) -> tuple[np.ndarray | None, int]:
-    """``train_end_to_end`` with ASTRA for 2 epochs, its epoch-1 checkpoint left in ``ckpt`` (or resumed from it)."""
+def _sampled_run(name: str, env: DistEnv | None, ckpt: Path) -> tuple[np.ndarray | None, int]:
+    """``train_end_to_end`` with sampler ``name`` for 2 epochs, its epoch-1 checkpoint left in ``ckpt`` (or resumed
+    from it)."""
     X, E, Y, sl = _data()
-    params = dataclasses.replace(ClassifierParams(epochs=2, batch_size=32, num_positives=2), **SAMPLED["astra"])
+    params = dataclasses.replace(ClassifierParams(epochs=2, batch_size=32, num_positives=2), **SAMPLED[name])
     res = train_end_to_end(X, E, E, Y, np.arange(N), params, CPU, shortlist=sl, env=env,
                            checkpoint=Checkpointer(ckpt, KEY))
     return res.W, res.summary["resumed_from_epoch"]
@@ -108,7 +113,12 @@ def _worker(out: Path) -> None:
                 np.save(out / f"{name}.npy", W)
             if table is not None:
                 np.save(out / f"{name}_table_rank{env.rank}.npy", table)
-        _astra_run(env, out / "astra_from_two")  # rank 0 writes the epoch-1 checkpoint
+        for name in ("astra", "mips"):
+            _sampled_run(name, env, out / f"{name}_from_two")  # rank 0 writes the epoch-1 checkpoint
+        W, at = _sampled_run("mips", env, out / "mips_from_one")  # resumes the 1 process's epoch-1 checkpoint
+        if env.is_main:
+            np.save(out / "mips_resumed_by_two.npy", W)
+            assert at == 1
         _train("shortlist", 1, env, out / "from_two")  # rank 0 writes the epoch-1 checkpoint
         W, _ = _train("shortlist", 2, env, out / "from_one")  # resumes the 1 process's epoch-1 checkpoint
         if env.is_main:
@@ -132,14 +142,16 @@ def runs(tmp_path_factory) -> dict:
     sampled = {name: _sampled(name) for name in SAMPLED}
     one.update({name: W for name, (W, _) in sampled.items()})
     _train("shortlist", 1, None, out / "from_one")
+    _sampled_run("mips", None, out / "mips_from_one")  # leaves its epoch-1 checkpoint
     run_torchrun([str(Path(__file__).resolve()), str(out)])
     two = {name: np.load(out / f"{name}.npy") for name in (*SCENARIOS, *SAMPLED)}
     resumed_by_one, _ = _train("shortlist", 2, None, out / "from_two")
-    astra_resumed_by_one = _astra_run(None, out / "astra_from_two")
-    astra_whole = _astra_run(None, out / "astra_whole")  # one process, uninterrupted (its checkpoint: unused)
+    resumed = {name: _sampled_run(name, None, out / f"{name}_from_two") for name in ("astra", "mips")}
+    whole = {name: _sampled_run(name, None, out / f"{name}_whole") for name in ("astra", "mips")}  # uninterrupted
     tables = {"one": sampled["astra"][1], **{r: np.load(out / f"astra_table_rank{r}.npy") for r in (0, 1)}}
     return {"one": one, "two": two, "tables": tables, "resumed_by_one": resumed_by_one,
-            "astra_resumed_by_one": astra_resumed_by_one, "astra_whole": astra_whole,
+            "sampled_resumed_by_one": resumed, "sampled_whole": whole,
+            "mips_resumed_by_two": np.load(out / "mips_resumed_by_two.npy"),
             "resumed_by_two": np.load(out / "resumed_by_two.npy")}
 
 
@@ -172,9 +184,12 @@ def test_the_rank_sharded_astra_table_is_the_one_process_table_without_positives
 
 
 def test_checkpoints_resume_across_world_sizes(runs):
-    (resumed, at), (whole, fresh) = runs["astra_resumed_by_one"], runs["astra_whole"]
-    assert (at, fresh) == (1, 0)
-    np.testing.assert_allclose(resumed, whole, atol=W_ATOL)  # ASTRA: 2 ranks' epoch 1, then 1 process
+    for name in ("astra", "mips"):  # 2 ranks' epoch 1, then 1 process
+        (resumed, at), (whole, fresh) = runs["sampled_resumed_by_one"][name], runs["sampled_whole"][name]
+        assert (at, fresh) == (1, 0)
+        np.testing.assert_allclose(resumed, whole, atol=W_ATOL)
+    # MIPS-s: 1 process's epoch 1 (one index over all of W), then 2 ranks, each searching it for its own labels
+    np.testing.assert_allclose(runs["mips_resumed_by_two"], runs["sampled_whole"]["mips"][0], atol=W_ATOL)
     np.testing.assert_allclose(runs["resumed_by_one"], runs["one"]["shortlist"], atol=W_ATOL)
     np.testing.assert_allclose(runs["resumed_by_two"], runs["one"]["shortlist"], atol=W_ATOL)
 

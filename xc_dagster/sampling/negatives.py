@@ -45,6 +45,7 @@ from xc_dagster.sampling.stale_index import (
     hard_negatives,
     load_index,
 )
+from xc_dagster.training.distributed import gather_objects, label_range
 
 
 @dataclass
@@ -302,8 +303,9 @@ class MipsNegatives:
 
     def sample(self, rows: np.ndarray, emb: np.ndarray, step: int, rng: np.random.Generator) -> NegativeSample:
         L = self.Y.shape[1]
-        hard = (hard_negatives(self.indexes, np.ascontiguousarray(emb, dtype=np.float32), self.Y, rows, self.k,
-                               self.extra) if self.k > 0 else np.zeros((len(rows), 0), dtype=np.int64))
+        queries = np.ascontiguousarray(emb, dtype=np.float32)
+        hard = (hard_negatives(self.indexes, queries, self.Y, rows, self.k, self.extra, env=self.index.env)
+                if self.k > 0 else np.zeros((len(rows), 0), dtype=np.int64))
         rand = uniform_draws(L, len(rows), self.R - self.k, rng)
         rand = np.where(positive_mask(self.Y, rows, rand), -1, rand)
         rand = dedupe_rows(drop_members(rand, hard, L))
@@ -311,14 +313,30 @@ class MipsNegatives:
         return NegativeSample(ids, (ids >= 0).astype(np.float32), hard.shape[1])
 
     def state(self) -> dict[str, Any]:
-        """The stale indexes in use, serialised (no extra copy of W is kept while training)."""
-        return {"refreshes": self.refreshes,
-                "indexes": None if self.indexes is None else [(off, dump_index(i)) for off, i in self.indexes]}
+        """The stale indexes in use, serialised (no extra copy of W is kept while training); with W's label ranges
+        on several ranks every rank's, gathered on rank 0 (every rank must call it): (first label id, index) per
+        shard, which a run of any world size resumes from."""
+        mine = None if self.indexes is None else [(off, dump_index(i)) for off, i in self.indexes]
+        env = self.index.env
+        if env is not None and env.active:
+            parts = gather_objects(mine, env)
+            mine = (None if parts is None or any(p is None for p in parts)
+                    else sorted((shard for p in parts for shard in p), key=lambda shard: shard[0]))
+        return {"refreshes": self.refreshes, "indexes": mine}
 
     def load_state(self, st: dict[str, Any]) -> None:
+        """The saved shards' indexes; on one of several ranks only those overlapping its label range (searched
+        for its own labels only: ``search_shards``) until its first refresh indexes its own rows."""
         self.refreshes = int(st["refreshes"])
-        self.indexes = (None if st["indexes"] is None else
-                        [(int(off), load_index(a, self.index)) for off, a in st["indexes"]])
+        if st["indexes"] is None:
+            self.indexes = None
+            return
+        env = self.index.env
+        lo, hi = (label_range(self.Y.shape[1], env.rank, env.world_size) if env is not None and env.active
+                  else (0, self.Y.shape[1]))
+        saved = [(int(off), a) for off, a in st["indexes"]]
+        ends = [off for off, _ in saved[1:]] + [self.Y.shape[1]]  # the shards are W's consecutive label ranges
+        self.indexes = [(off, load_index(a, self.index)) for (off, a), end in zip(saved, ends) if off < hi and end > lo]
 
     def close(self) -> None:
         pass

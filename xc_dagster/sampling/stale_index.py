@@ -13,7 +13,7 @@ from xc_dagster.config import EndToEndTrainerParams
 from xc_dagster.faiss_module import faiss
 from xc_dagster.retrieval.ann import LabelIndex
 from xc_dagster.sampling.labels import positive_mask
-from xc_dagster.training.distributed import DistEnv, gather_rows
+from xc_dagster.training.distributed import DistEnv, gather_rows, label_range
 
 Snapshot = list[tuple[int, np.ndarray]]  # W as (first label id, rows) per shard
 
@@ -29,22 +29,35 @@ def first_valid(ids: np.ndarray, k: int, scores: np.ndarray | None = None) -> np
 
 
 def search_shards(indexes: list[tuple[int, LabelIndex]], queries: np.ndarray, k: int,
-                  env: DistEnv | None = None) -> tuple[np.ndarray, np.ndarray]:
+                  env: DistEnv | None = None, own: tuple[int, int] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Top-``k`` (scores, global ids) over all shards' indexes, merged by score; ``env`` (W's label ranges on
-    several ranks, each with the indexes of its own rows): merged over the ranks too."""
+    several ranks, each with the indexes of its own rows): merged over the ranks too. ``own``: the label range
+    [lo, hi) this rank answers for; ids outside it are dropped (a rank resumed from a checkpoint of another world
+    size searches the saved shards that overlap its range: each id is kept by the one rank that owns it)."""
     all_s, all_i = [], []
     for offset, idx in indexes:
         s, i = idx.search(queries, min(k, idx.size))
+        i = np.where(i >= 0, i + offset, -1)
+        if own is not None:
+            outside = (i < own[0]) | (i >= own[1])
+            s, i = np.where(outside, -np.inf, s).astype(np.float32), np.where(outside, -1, i)
         all_s.append(s)
-        all_i.append(np.where(i >= 0, i + offset, -1))
-    s, i = np.concatenate(all_s, 1), np.concatenate(all_i, 1)
+        all_i.append(i)
+    s, i = _top(np.concatenate(all_s, 1), np.concatenate(all_i, 1), k, len(indexes) > 1)
     if env is not None and env.active:  # every rank's top k, side by side (padded to k), then merged
         pad = k - s.shape[1]
         s = np.pad(s, ((0, 0), (0, pad)), constant_values=-np.inf).astype(np.float32)
         i = np.pad(i, ((0, 0), (0, pad)), constant_values=-1).astype(np.int64)
         s, i = (np.concatenate(np.split(gather_rows(torch.from_numpy(a))[0].numpy(), env.world_size), 1)
                 for a in (s, i))
-    if s.shape[1] > k or len(indexes) > 1:
+        s, i = _top(s, i, k, True)
+    return s, i
+
+
+def _top(s: np.ndarray, i: np.ndarray, k: int, merge: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The best ``k`` columns of each row by score (stable: ties keep the shards' label order), when there are
+    more than ``k`` or ``merge`` (columns from several shards)."""
+    if s.shape[1] > k or merge:
         order = np.argsort(-s, axis=1, kind="stable")[:, :k]
         s, i = np.take_along_axis(s, order, 1), np.take_along_axis(i, order, 1)
     return s, i
@@ -64,8 +77,9 @@ def hard_negatives(indexes: list[tuple[int, LabelIndex]], queries: np.ndarray, Y
     """(len(rows), num) hardest non-positive labels of each query in ``indexes`` (-1 padded): searched for
     ``num + extra`` neighbours (``extra`` covers positives ranked first), positives dropped, best ``num`` kept."""
     out = np.full((len(rows), num), -1, dtype=np.int64)
+    own = label_range(Y.shape[1], env.rank, env.world_size) if env is not None and env.active else None
     for s in range(0, len(rows), block):
-        sc, ids = search_shards(indexes, queries[s:s + block], num + extra, env)
+        sc, ids = search_shards(indexes, queries[s:s + block], num + extra, env, own)
         r = rows[s:s + block]
         ids = np.where(positive_mask(Y, r, ids), -1, ids)
         out[s:s + block] = first_valid(ids, num, np.where(ids >= 0, sc, -np.inf))

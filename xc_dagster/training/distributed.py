@@ -23,7 +23,7 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -238,6 +238,16 @@ def gather_blocks(block: torch.Tensor, num_labels: int, env: DistEnv) -> torch.T
     parts = [torch.empty_like(padded) for _ in sizes] if env.is_main else None
     dist.gather(padded, parts, dst=0)
     return torch.cat([p[:s] for p, s in zip(parts, sizes)]) if env.is_main else None
+
+
+def gather_objects(obj: Any, env: DistEnv) -> list[Any] | None:
+    """Every rank's ``obj`` (picklable: pickled in memory between the ranks, never read from a file) in rank order
+    on rank 0, None on the others; ``[obj]`` in one process. Every rank must call it."""
+    if not env.active:
+        return [obj]
+    parts = [None] * env.world_size if env.is_main else None
+    dist.gather_object(obj, parts, dst=0)
+    return parts
 
 
 class RankShardedW:

@@ -82,15 +82,11 @@ def check_end_to_end_params(params: EndToEndTrainerParams, has_encoder: bool) ->
 
 def check_label_sharded_sampling(params: EndToEndTrainerParams, env: DistEnv | None) -> DistEnv:
     """``env`` (None: one process) after refusing what this trainer cannot do with W's label ranges on several
-    ranks: the encoder's training (its batches would need splitting: data parallel) and MIPS-s (its per-rank
-    indexes cannot be checkpointed for another world size)."""
+    ranks: the encoder's training (its batches would need splitting: data parallel)."""
     env = DistEnv() if env is None else env
     if env.world_size > 1 and params.train_encoder:
         raise XCConfigError(f"classifier.train_encoder: the encoder trains in one process; W's label ranges on "
                             f"{env.world_size} ranks (WORLD_SIZE) take a frozen encoder")
-    if env.world_size > 1 and params.negatives == "mips":
-        raise XCConfigError(f"classifier.negatives: 'mips' trains in one process; with W's label ranges on "
-                            f"{env.world_size} ranks (WORLD_SIZE) use astra, uniform or the hardest-negative pools")
     return env
 
 

@@ -9,8 +9,8 @@ unchanged, so each rank's rows get exactly their single-process gradient and the
 process's W (each score has exactly one non-zero term, so the sum is exact). A rank none of whose rows a step
 touched still counts the step in SparseAdam, whose bias correction reads the step count.
 
-The BCE trainer with sampled negatives (``end_to_end.py``: uniform, ASTRA) uses the same classifier: each rank's
-stale index covers its own rows (``snapshot``), and the ranks' top lists are merged by score
+The BCE trainer with sampled negatives (``end_to_end.py``: uniform, ASTRA, MIPS-s) uses the same classifier: each
+rank's stale index covers its own rows (``snapshot``), and the ranks' top lists are merged by score
 (``xc_dagster.sampling.stale_index.search_shards``).
 
 Checkpoints hold the consolidated W and optimizer moments (rank 0 writes them), so a run saved with one world size
