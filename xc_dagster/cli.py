@@ -210,7 +210,8 @@ def print_ui(home: Home) -> None:
     ws = repo / "workspace.yaml"
     target = f"-w {ws}" if ws.exists() else "-m xc_dagster.definitions"
     print("\nOpen the results:")
-    print(f"  Dagster UI:  XC_HOME={home.root} DAGSTER_HOME={home.dagster_home} {venv_executable('dagster')} dev {target}")
+    dagster = venv_executable("dagster")
+    print(f"  Dagster UI:  XC_HOME={home.root} DAGSTER_HOME={home.dagster_home} {dagster} dev {target}")
     print(f"  MLflow UI:   {venv_executable('mlflow')} ui --backend-store-uri {home.mlflow_uri} --port 5000")
     print("  (`dagster dev` also runs the daemon: switch on click_log_sensor / retrain_schedule under "
           "Automation; docs/AUTOMATION.md)")

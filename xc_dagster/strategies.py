@@ -93,7 +93,8 @@ STRATEGIES: dict[str, Strategy] = {
             "mining.sources": ("label", "centroid", "knn"),
             "index.sources": ("label", "centroid", "knn"),
             "index.label_repr": "text+centroid",
-            "fusion.method": "alpha",  # Module IV's loss stays triplet: docs/decisions.md#siamesexml-module4-triplet-loss
+            # Module IV's loss stays triplet: docs/decisions.md#siamesexml-module4-triplet-loss
+            "fusion.method": "alpha",
             "classifier.train_residual": True,
             "classifier.init": "text+centroid",  # docs/decisions.md#classifier-init
             **PROPENSITY_SCORED,

@@ -3,7 +3,8 @@
 Remote sources are fetched into ``cache_dir`` (:mod:`~xc_dagster.data.cache`) and reused when present;
 ``http(s)://`` downloads resume an interrupted ``.part`` file of the same version only (``If-Range``,
 :mod:`~xc_dagster.data.download`), and every single-file source (archive or file) is checked against its SHA-256
-when one is given: a partial or corrupt download never becomes a cache entry. Archives are extracted safely (:mod:`~xc_dagster.data.archives`).
+when one is given: a partial or corrupt download never becomes a cache entry. Archives are extracted safely
+(:mod:`~xc_dagster.data.archives`).
 """
 
 from __future__ import annotations

@@ -26,13 +26,25 @@ def run_stage(ctx: StageContext, stage: str) -> dict[str, Any]:
 
     With a remote artifact root (``XC_ARTIFACT_ROOT``) the stages it reads are first brought to their published
     versions, and its complete folder (the record included) is published after it: the run fails if that fails."""
+    sync_reads(ctx, stage)
+    return finish_stage(ctx, stage, STAGES[stage](ctx.for_stage(stage)))
+
+
+def sync_reads(ctx: StageContext, stage: str) -> None:
+    """Bring the stages ``stage`` reads to their published versions (a remote root; file-locked: processes sharing
+    a store fetch a stage once)."""
     for upstream in CONTRACT[stage].reads:
         ctx.store.sync(ctx.name, upstream)
-    summary = STAGES[stage](ctx.for_stage(stage))
-    record_params(ctx.store, ctx.name, stage, ctx.cfg)
-    published = ctx.store.publish(ctx.name, stage)
-    if published is not None:  # in the MLflow run's <stage>_summary.json: which remote version this run made
-        summary["published_version"] = published.version
+
+
+def finish_stage(ctx: StageContext, stage: str, summary: dict[str, Any], writer: bool = True) -> dict[str, Any]:
+    """After a stage ran: the process that wrote its artifacts (``writer``; rank 0 of several) records the config
+    it ran with and publishes the folder to a remote root; every process adds its peak memory to ``summary``."""
+    if writer:
+        record_params(ctx.store, ctx.name, stage, ctx.cfg)
+        published = ctx.store.publish(ctx.name, stage)
+        if published is not None:  # in the MLflow run's <stage>_summary.json: which remote version this run made
+            summary["published_version"] = published.version
     summary["peak_rss_mb"] = peak_rss_mb()  # the step's own peak under Dagster's multiprocess executor
     return summary
 

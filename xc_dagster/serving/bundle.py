@@ -191,7 +191,8 @@ def write_bundle(ctx: "StageContext", out: Path, default_k: int = 10, shortlist_
         "amp": ctx.cfg.pretrain.amp, "encode_batch_size": int(ctx.cfg.pretrain.encode_batch_size),
         "index_kind": "auto" if graphs else idx_summary["kind"], "graph_indexes": graphs, "sources": list(sources),
         "label_repr": idx_summary.get("label_repr", "text"),
-        "knn_neighbours": int(idx_summary.get("knn_neighbours", 0)), "ef_search": int(ef_search or ctx.cfg.index.hnsw_ef_search),
+        "knn_neighbours": int(idx_summary.get("knn_neighbours", 0)),
+        "ef_search": int(ef_search or ctx.cfg.index.hnsw_ef_search),
         "shortlist_size": int(shortlist_size or ctx.cfg.index.shortlist_size), "fusion": fusion_method,
         "as_evaluated": (not shortlist_size or shortlist_size == ctx.cfg.index.shortlist_size)
                         and (not ef_search or ef_search == ctx.cfg.index.hnsw_ef_search) and not graphs,

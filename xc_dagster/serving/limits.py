@@ -83,7 +83,8 @@ class RequestLimits:
     @classmethod
     def from_env(cls) -> "RequestLimits":
         """``$XC_SERVING_MAX_TEXTS`` / ``$XC_SERVING_MAX_REQUEST_CHARS``, or the defaults when unset."""
-        return cls(env_positive(MAX_TEXTS_ENV, DEFAULT_MAX_TEXTS), env_positive(MAX_CHARS_ENV, DEFAULT_MAX_REQUEST_CHARS))
+        return cls(env_positive(MAX_TEXTS_ENV, DEFAULT_MAX_TEXTS),
+                   env_positive(MAX_CHARS_ENV, DEFAULT_MAX_REQUEST_CHARS))
 
     def check_count(self, n: int) -> None:
         """Raise :class:`XCRequestError` when a request holds more than ``max_texts`` texts."""

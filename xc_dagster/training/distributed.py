@@ -50,6 +50,14 @@ def _env_int(environ: Mapping[str, str], name: str, default: int | None, why: st
         raise XCConfigError(f"{name}: expected an integer {why}, got {raw!r}") from None
 
 
+def world_size(environ: Mapping[str, str]) -> int:
+    """torchrun's WORLD_SIZE in ``environ`` (1 when unset)."""
+    world = _env_int(environ, "WORLD_SIZE", 1, ">= 1 (number of processes, set by torchrun)")
+    if world < 1:
+        raise XCConfigError(f"WORLD_SIZE: expected an integer >= 1 (number of processes, set by torchrun), got {world}")
+    return world
+
+
 def _pick_device(device: str | torch.device | None, local_rank: int) -> torch.device:
     if device is None:
         return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
@@ -82,9 +90,7 @@ class DistEnv:
         """From torchrun's RANK, WORLD_SIZE and LOCAL_RANK (``os.environ`` unless ``environ``); WORLD_SIZE absent:
         one process. ``device`` None: ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU."""
         environ = os.environ if environ is None else environ
-        world = _env_int(environ, "WORLD_SIZE", 1, "(number of processes, set by torchrun)")
-        if world < 1:
-            raise XCConfigError(f"WORLD_SIZE: expected an integer >= 1 (set by torchrun), got {world}")
+        world = world_size(environ)
         need = None if world > 1 else 0
         rank = _env_int(environ, "RANK", need, f"in [0, {world}) when WORLD_SIZE={world} (set by torchrun)")
         if not 0 <= rank < world:

@@ -43,18 +43,17 @@ import torch
 from dagster_pipes import PipesEnvVarParamsLoader, open_dagster_pipes
 from mlflow.tracking import MlflowClient
 
-from xc_dagster.artifacts import CONTRACT, ArtifactReader
+from xc_dagster.artifacts import ArtifactReader
 from xc_dagster.catalog import DatasetSpec
 from xc_dagster.config import PipelineConfig, apply_overrides
 from xc_dagster.device import resolve_device
 from xc_dagster.errors import XCConfigError, XCError
 from xc_dagster.home import Home
 from xc_dagster.pipeline.context import StageContext
-from xc_dagster.pipeline.provenance import record_params
-from xc_dagster.pipeline.run import STAGES, peak_rss_mb, run_stage
+from xc_dagster.pipeline.run import STAGES, finish_stage, run_stage, sync_reads
 from xc_dagster.storage import ArtifactStore
 from xc_dagster.tracking import RunLogger
-from xc_dagster.training.distributed import DistEnv
+from xc_dagster.training.distributed import DistEnv, world_size
 
 log = logging.getLogger(__name__)
 
@@ -67,18 +66,6 @@ NOT_DISTRIBUTED = ("only the pretrain stage (data parallel) and the classifier s
                    "train with several processes; the others run in one")
 SUMMARY_MESSAGE = "summary"  # the key of the child's last Pipes custom message: its run_stage summary
 DATA_PARALLEL_STAGES = LAUNCHED_STAGES  # the stages that train with several processes (WORLD_SIZE > 1): all of them
-
-
-def world_size(environ: Mapping[str, str]) -> int:
-    """torchrun's WORLD_SIZE (1 when unset)."""
-    raw = environ.get("WORLD_SIZE", "").strip() or "1"
-    try:
-        n = int(raw)
-    except ValueError:
-        raise XCConfigError(f"WORLD_SIZE: expected an integer >= 1 (set by torchrun), got {raw!r}") from None
-    if n < 1:
-        raise XCConfigError(f"WORLD_SIZE: expected an integer >= 1 (set by torchrun), got {n}")
-    return n
 
 
 def check_stage(stage: str, where: str) -> str:
@@ -213,16 +200,9 @@ def run_data_parallel(ctx: StageContext, request: LaunchRequest, environ: Mappin
                                   log_metrics=ctx.log_metrics if env.is_main else None).for_stage(request.stage)
         ctx.info(f"{request.stage} {request.spec.name}: rank {env.rank} of {env.world_size} launched in process "
                  f"{os.getpid()} on {env.device}")
-        for upstream in CONTRACT[request.stage].reads:  # file-locked: ranks sharing a store fetch a stage once
-            ctx.store.sync(ctx.name, upstream)
+        sync_reads(ctx, request.stage)
         summary = STAGES[request.stage](ctx, env)  # pretrain.run / classifier.run take the rank
-        if env.is_main:
-            record_params(ctx.store, ctx.name, request.stage, ctx.cfg)
-            published = ctx.store.publish(ctx.name, request.stage)
-            if published is not None:
-                summary["published_version"] = published.version
-        summary["peak_rss_mb"] = peak_rss_mb()
-        return summary
+        return finish_stage(ctx, request.stage, summary, writer=env.is_main)
     finally:
         env.close()
 
