@@ -182,9 +182,12 @@ def test_an_index_stage_stopped_in_its_second_build_builds_only_the_indexes_it_h
     cfg = spec.config({"index.sources": ("W", "label", "knn"), "index.kind": "hnsw", "index.hnsw_m": 8})
     full_store, store = ArtifactStore(tmp_path / "full"), ArtifactStore(tmp_path / "stopped")
     upstream = ("ingest", "tokenize", "pretrain", "mining", "classifier")
-    builds = _counting(monkeypatch, index_stage, "LabelIndex")
+    real, vectors = index_stage.LabelIndex, []
+    monkeypatch.setattr(index_stage, "LabelIndex", lambda kind, v, **kw: vectors.append(v) or real(kind, v, **kw))
     run_all(StageContext(full_store, spec, cfg, home.cache), (*upstream, "index"))
-    assert len(builds) == 3  # knn, W, label (the label graph: pretrained embeddings, mining's is exact here)
+    assert len(vectors) == 3  # knn, W, label (the label graph: pretrained embeddings, mining's is exact here)
+    # the kNN index over every training point (include_validation) reads the memory-mapped embeddings, no copy
+    assert isinstance(vectors[0], np.memmap) and len(vectors[0]) == 120
     ctx = StageContext(store, spec, cfg, home.cache)
     run_all(ctx, upstream)
     builds = _counting(monkeypatch, index_stage, "LabelIndex", fail_at=2)
