@@ -17,6 +17,7 @@ import pytest
 import xc_dagster.pipeline.evaluate as ev
 import xc_dagster.pipeline.index as index_stage
 import xc_dagster.pipeline.mining as mining
+import xc_dagster.retrieval.shortlist as shortlist
 from tests.tinydata import tiny_lf_home
 from xc_dagster.catalog import Catalog
 from xc_dagster.pipeline import StageContext, run_all
@@ -61,7 +62,7 @@ def home(tmp_path, monkeypatch, tiny_encoder):
 
 
 REAL = {(ev, "_predict_block"): ev._predict_block, (mining, "retrieve"): mining.retrieve,
-        (index_stage, "LabelIndex"): index_stage.LabelIndex}
+        (index_stage, "LabelIndex"): index_stage.LabelIndex, (shortlist, "LabelIndex"): shortlist.LabelIndex}
 
 
 def _counting(monkeypatch, module, name: str, fail_at: int | None = None) -> list[int]:
@@ -150,31 +151,34 @@ def test_a_sigkilled_evaluation_resumes_from_its_kept_blocks_with_the_same_predi
 
 def test_mining_stopped_mid_way_resumes_and_kept_blocks_of_older_inputs_are_not_used(home, tmp_path, monkeypatch):
     spec = Catalog(home.catalog).get("TinyTitles")
+    cfg = spec.config({"mining.index": "hnsw", "index.hnsw_m": 8})
     monkeypatch.setattr(mining, "STREAM_ROWS", ROWS)
     full_store, store = ArtifactStore(tmp_path / "full"), ArtifactStore(tmp_path / "stopped")
-    want = run_all(StageContext(full_store, spec, spec.config(), home.cache), ("ingest", "tokenize", "pretrain",
-                                                                              "mining"))["mining"]
-    ctx = StageContext(store, spec, spec.config(), home.cache)
-    run_all(ctx, ("ingest", "tokenize", "pretrain"))
+    upstream = ("ingest", "tokenize", "pretrain")
+    want = run_all(StageContext(full_store, spec, cfg, home.cache), (*upstream, "mining"))["mining"]
+    ctx = StageContext(store, spec, cfg, home.cache)
+    run_all(ctx, upstream)
     calls = _counting(monkeypatch, mining, "retrieve", fail_at=4)
     with pytest.raises(KeyboardInterrupt):
         run_all(ctx, ("mining",))
-    assert len(list(ctx.checkpoint_dir("mining").glob("rows_*.npz"))) == 3 and len(calls) == 4
-    calls = _counting(monkeypatch, mining, "retrieve")
+    kept = ctx.checkpoint_dir("mining")
+    assert len(list(kept.glob("rows_*.npz"))) == 3 and len(calls) == 4 and (kept / "label_emb.index").is_file()
+    calls, builds = _counting(monkeypatch, mining, "retrieve"), _counting(monkeypatch, shortlist, "LabelIndex")
     out = run_all(ctx, ("mining",))["mining"]
+    assert builds == []  # the label graph is the stopped run's, read back
     assert len(calls) == 15 - 3 and out["resumed_points"] == 3 * ROWS and out["train_recall"] == want["train_recall"]
+    got, whole = store.stage_dir("TinyTitles", "mining"), full_store.stage_dir("TinyTitles", "mining")
     for f in ("shortlist.npy", "shortlist_scores.npy"):
-        assert np.array_equal(np.load(store.stage_dir("TinyTitles", "mining") / f),
-                              np.load(full_store.stage_dir("TinyTitles", "mining") / f))
-    assert not ctx.checkpoint_dir("mining").exists()
+        assert np.array_equal(np.load(got / f), np.load(whole / f))
+    assert (got / "label_emb.index").stat().st_size > 0 and not kept.exists()  # the graph the index stage reuses
 
-    # blocks kept over the previous pretraining: a new pretrain version makes them stale, all 15 are searched
+    # work kept over the previous pretraining: a new pretrain version makes it stale, all 15 blocks are searched
     calls = _counting(monkeypatch, mining, "retrieve", fail_at=3)
     with pytest.raises(KeyboardInterrupt):
         run_all(ctx, ("mining",))
     run_all(ctx, ("pretrain",))
-    calls = _counting(monkeypatch, mining, "retrieve")
-    assert run_all(ctx, ("mining",))["mining"]["resumed_points"] == 0 and len(calls) == 15
+    calls, builds = _counting(monkeypatch, mining, "retrieve"), _counting(monkeypatch, shortlist, "LabelIndex")
+    assert run_all(ctx, ("mining",))["mining"]["resumed_points"] == 0 and len(calls) == 15 and len(builds) == 1
 
 
 def test_an_index_stage_stopped_in_its_second_build_builds_only_the_indexes_it_had_not(home, tmp_path, monkeypatch):

@@ -99,22 +99,33 @@ class KeptWork:
                 self.save(s, got)
             yield s, e, got
 
+    def path(self, name: str) -> Path | None:
+        """The kept artifact ``name`` (a file or a folder), None when a killed run did not finish it."""
+        kept = None if self.folder is None else self.folder / name
+        return kept if kept is not None and kept.exists() else None
+
+    def keep(self, name: str, write: Callable[[Path], None]) -> Path | None:
+        """Keep what ``write(path)`` writes (a file or a folder) as ``name``, whole or not at all; returns where
+        (None: nothing is kept, no folder)."""
+        if self.folder is None:
+            return None
+        tmp = self.folder / f".{name}.tmp"  # a killed write's leftover is removed, then overwritten
+        _remove(tmp)
+        write(tmp)
+        fsync_tree(tmp) if tmp.is_dir() else fsync_file(tmp)
+        os.replace(tmp, self.folder / name)
+        fsync_dir(self.folder)
+        return self.folder / name
+
     def artifact(self, name: str, build: Callable[[Path], None], dest: Path) -> bool:
         """``dest`` (a file or a folder) as ``build(path)`` writes it: linked from the kept copy when a killed run
         finished it, else built, kept, then linked. Returns whether the kept copy was used."""
         if self.folder is None:
             build(dest)
             return False
-        kept = self.folder / name
-        used = kept.exists()
-        if not used:
-            tmp = self.folder / f".{name}.tmp"  # a killed build's leftover is removed, then overwritten
-            _remove(tmp)
-            build(tmp)
-            fsync_tree(tmp) if tmp.is_dir() else fsync_file(tmp)
-            os.replace(tmp, kept)
-            fsync_dir(self.folder)
-        _link(kept, dest)
+        kept = self.path(name)
+        used = kept is not None
+        link(kept if used else self.keep(name, build), dest)
         return used
 
     def clear(self) -> None:
@@ -136,7 +147,8 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)  # another file system
 
 
-def _link(src: Path, dst: Path) -> None:
+def link(src: Path, dst: Path) -> None:
+    """``dst`` as a hard link of the file ``src`` (a copy across file systems), or a folder of such links."""
     if src.is_dir():
         shutil.copytree(src, dst, copy_function=_link_or_copy)
     else:

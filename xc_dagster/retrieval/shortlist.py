@@ -245,10 +245,12 @@ def label_representation(label_emb: np.ndarray, centroids: np.ndarray | None, la
 def build_sources(sources: tuple[str, ...], W: np.ndarray, label_emb: np.ndarray, centroids: np.ndarray | None,
                   point_emb: np.ndarray | None, knn_labels: sp.csr_matrix | None, label_repr: str, kind: str,
                   m: int, ef_construction: int, ef_search: int,
-                  lexical: LexicalIndex | None = None, report: Report | None = None) -> ShortlistSources:
+                  lexical: LexicalIndex | None = None, report: Report | None = None,
+                  built: dict[str, LabelIndex] | None = None) -> ShortlistSources:
     """Build the ANNS index of every source; ``point_emb`` / ``knn_labels``: the indexed training points;
     ``lexical``: the fitted lexical source, when ``sources`` name it; ``report``: where each build's start and
-    end lines go (``xc_dagster.progress.in_one_call``)."""
+    end lines go (``xc_dagster.progress.in_one_call``); ``built``: indexes already built over the same vectors
+    (a killed run's, kept), used as they are."""
     vectors = {"W": W, "label": label_emb, "centroid": centroids, "knn": point_emb}
     indexes = {}
     for name in sources:
@@ -258,6 +260,9 @@ def build_sources(sources: tuple[str, ...], W: np.ndarray, label_emb: np.ndarray
             continue
         if vectors[name] is None:
             raise ValueError(f"source {name!r} needs its vectors")
+        if built and name in built:
+            indexes[name] = built[name]
+            continue
         with in_one_call(f"index {name}", len(vectors[name]), "vectors", report, f"{kind} build"):
             indexes[name] = LabelIndex(kind, vectors[name], m=m, ef_construction=ef_construction, ef_search=ef_search)
     return ShortlistSources(W, label_representation(label_emb, centroids, label_repr), indexes,
