@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -88,6 +89,54 @@ def _sampled(name: str, env: DistEnv | None = None) -> tuple[np.ndarray | None, 
         trainer.close()
 
 
+VOCAB, T = 300, 12  # the bag encoder trained end to end: its vocabulary and the texts' token width
+
+
+def _tokens(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(5, VOCAB, (n, T)).astype(np.int32), rng.integers(3, T + 1, n).astype(np.int32)
+
+
+def _end_to_end_args(env: DistEnv | None) -> tuple[tuple, dict]:
+    """ASTRA with the bag encoder trained end to end (no dropout, so that one process and 2 ranks draw nothing
+    differently): the trainer's arguments."""
+    X, E, Y, sl = _data()
+    torch.manual_seed(0)
+    encoder = create_bag_encoder(VOCAB, D, dropout=0.0, init="random", seed=0)
+    params = dataclasses.replace(ClassifierParams(epochs=2, batch_size=32, num_positives=2), **{
+        **SAMPLED["astra"], "dropout": 0.0, "train_encoder": True, "encoder_lr": 1e-2})
+    return (X, E, E, Y, np.arange(N), params, CPU), dict(encoder=encoder, point_tokens=_tokens(N, 1),
+                                                        label_tokens=_tokens(L, 2), shortlist=sl, env=env)
+
+
+def _astra_end_to_end(env: DistEnv | None = None) -> tuple[np.ndarray | None, dict[str, np.ndarray]]:
+    """2 epochs of ``_end_to_end_args``: W (rank 0) and the encoder's weights."""
+    args, kw = _end_to_end_args(env)
+    res = train_end_to_end(*args, **kw)
+    return res.W, {k: v.detach().numpy().copy() for k, v in kw["encoder"].state_dict().items()}
+
+
+def _first_step_encoder_gradient(env: DistEnv | None = None) -> np.ndarray:
+    """The encoder's gradient of the first step of ``_end_to_end_args`` as it reaches clipping and AdamW (the
+    ranks' gradients combined)."""
+    args, kw = _end_to_end_args(env)
+    trainer, seen = EndToEndTrainer(*args, **kw), []
+    clip = torch.nn.utils.clip_grad_norm_
+
+    def record(params, *a, **k):
+        params = list(params)
+        seen.append(torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None]).numpy().copy())
+        return clip(params, *a, **k)
+
+    try:
+        trainer.start()
+        with mock.patch.object(torch.nn.utils, "clip_grad_norm_", record):
+            trainer.step(trainer.epoch_batches(0)[0])
+    finally:
+        trainer.close()
+    return seen[0]
+
+
 def _sampled_run(name: str, env: DistEnv | None, ckpt: Path) -> tuple[np.ndarray | None, int]:
     """``train_end_to_end`` with sampler ``name`` for 2 epochs, its epoch-1 checkpoint left in ``ckpt`` (or resumed
     from it)."""
@@ -113,6 +162,11 @@ def _worker(out: Path) -> None:
                 np.save(out / f"{name}.npy", W)
             if table is not None:
                 np.save(out / f"{name}_table_rank{env.rank}.npy", table)
+        W, weights = _astra_end_to_end(env)
+        grad = _first_step_encoder_gradient(env)
+        if env.is_main:
+            np.savez(out / "astra_end_to_end.npz", W=W, **weights)
+            np.save(out / "end_to_end_gradient.npy", grad)
         for name in ("astra", "mips"):
             _sampled_run(name, env, out / f"{name}_from_two")  # rank 0 writes the epoch-1 checkpoint
         W, at = _sampled_run("mips", env, out / "mips_from_one")  # resumes the 1 process's epoch-1 checkpoint
@@ -143,6 +197,8 @@ def runs(tmp_path_factory) -> dict:
     one.update({name: W for name, (W, _) in sampled.items()})
     _train("shortlist", 1, None, out / "from_one")
     _sampled_run("mips", None, out / "mips_from_one")  # leaves its epoch-1 checkpoint
+    e2e_W, e2e_weights = _astra_end_to_end()
+    e2e_grad = _first_step_encoder_gradient()
     run_torchrun([str(Path(__file__).resolve()), str(out)])
     two = {name: np.load(out / f"{name}.npy") for name in (*SCENARIOS, *SAMPLED)}
     resumed_by_one, _ = _train("shortlist", 2, None, out / "from_two")
@@ -152,7 +208,9 @@ def runs(tmp_path_factory) -> dict:
     return {"one": one, "two": two, "tables": tables, "resumed_by_one": resumed_by_one,
             "sampled_resumed_by_one": resumed, "sampled_whole": whole,
             "mips_resumed_by_two": np.load(out / "mips_resumed_by_two.npy"),
-            "resumed_by_two": np.load(out / "resumed_by_two.npy")}
+            "resumed_by_two": np.load(out / "resumed_by_two.npy"),
+            "end_to_end": {"one": {"W": e2e_W, **e2e_weights}, "two": dict(np.load(out / "astra_end_to_end.npz"))},
+            "end_to_end_gradient": (e2e_grad, np.load(out / "end_to_end_gradient.npy"))}
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
@@ -168,6 +226,23 @@ def test_two_label_ranges_train_the_one_process_w_with_sampled_negatives(runs, n
     _, E, _, _ = _data()
     assert np.abs(runs["one"][name] - E).max() > 0.05
     np.testing.assert_allclose(runs["two"][name], runs["one"][name], atol=W_ATOL)
+
+
+def test_two_ranks_train_the_encoder_end_to_end_as_one_process(runs):
+    """ASTRA with the encoder trained: each rank embeds its share of the batch, the shares are all-gathered with
+    autograd, every rank scores its label range, and the encoder's gradients are summed over the ranks."""
+    one, two = runs["end_to_end"]["one"], runs["end_to_end"]["two"]
+    assert set(one) == set(two) and len(one) > 1
+    torch.manual_seed(0)
+    start = create_bag_encoder(VOCAB, D, dropout=0.0, init="random", seed=0).state_dict()
+    moved = [k for k, v in start.items() if v.dtype.is_floating_point and np.abs(one[k] - v.numpy()).max() > 1e-3]
+    assert moved  # the encoder was trained: the comparison is not of its starting point
+    for k in one:
+        np.testing.assert_allclose(two[k], one[k], atol=W_ATOL, err_msg=k)
+    # AdamW hides a gradient's scale: the first step's gradient itself is one process's (summed, not averaged)
+    g_one, g_two = runs["end_to_end_gradient"]
+    assert np.abs(g_one).max() > 1e-4
+    np.testing.assert_allclose(g_two, g_one, rtol=1e-4, atol=1e-7)
 
 
 def test_the_rank_sharded_astra_table_is_the_one_process_table_without_positives(runs):

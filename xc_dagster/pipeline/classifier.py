@@ -30,7 +30,7 @@ from xc_dagster.training.classifier import (
     train_classifiers,
 )
 from xc_dagster.training.distributed import DistEnv
-from xc_dagster.training.end_to_end import EndToEndTrainer, check_label_sharded_sampling, train_end_to_end
+from xc_dagster.training.end_to_end import EndToEndTrainer, train_end_to_end
 
 TAIL_RESERVE = 1 / 3  # of train.reserve: what the index and fusion stages keep after this stage
 
@@ -151,9 +151,9 @@ def fold_trainer(ctx: StageContext, ds: Any, label_emb: np.ndarray) -> Callable[
 
 def check_label_sharded(p: Any, env: DistEnv | None) -> DistEnv:
     """``env`` (None: one process) after refusing what W's label ranges on several ranks cannot train yet: the
-    residual block (SiameseXML Module IV), the encoder end to end and MIPS-s (``check_label_sharded_sampling``)."""
+    residual block (SiameseXML Module IV)."""
     if p.negatives in SAMPLERS:
-        return check_label_sharded_sampling(p, env)
+        return DistEnv() if env is None else env
     return check_label_sharded_hard_negatives(p.train_residual, env)
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from xc_dagster.errors import XCError
-from xc_dagster.training.distributed import DistEnv
+from xc_dagster.training.distributed import DistEnv, gather_with_grad, rank_rows
 
 
 def check_group(env: DistEnv, where: str) -> None:
@@ -48,10 +48,25 @@ def broadcast_module(module: torch.nn.Module, env: DistEnv, parameters: bool = T
             dist.broadcast(t.data, src=0)
 
 
-def average_gradients(params: Sequence[torch.nn.Parameter], env: DistEnv) -> None:
-    """Each gradient replaced by its mean over the ranks (one flat all-reduce). A parameter without a gradient
-    on some rank (its rows of the batch did not reach it) counts zero there; one without a gradient on every rank
-    keeps None, as in one process (AdamW skips it)."""
+def embed_global(embed: Callable[[np.ndarray], torch.Tensor], rows: np.ndarray, dim: int,
+                 env: DistEnv) -> torch.Tensor:
+    """Embeddings of ``rows`` of the global batch (``embed(rows)`` in one process): this rank embeds its
+    ``rank_rows``, and the parts are all-gathered with autograd (float32)."""
+    if env.world_size == 1:
+        return embed(rows)
+    mine = rank_rows(rows, env.rank, env.world_size)
+    if len(mine) == 0:  # more ranks than rows: an empty part (the gather's backward still runs here)
+        part = torch.zeros((0, dim), device=env.device, requires_grad=True)
+    else:
+        part = embed(mine).float()
+    return gather_with_grad(part)
+
+
+def average_gradients(params: Sequence[torch.nn.Parameter], env: DistEnv, mean: bool = True) -> None:
+    """Each gradient replaced by its mean over the ranks (one flat all-reduce), or its sum (``mean`` False: each
+    rank holds the gradient of its own rows only). A parameter without a gradient on some rank (its rows of the
+    batch did not reach it) counts zero there; one without a gradient on every rank keeps None, as in one
+    process (AdamW skips it)."""
     if env.world_size == 1 or not params:
         return
     dev = params[0].device
@@ -63,7 +78,8 @@ def average_gradients(params: Sequence[torch.nn.Parameter], env: DistEnv) -> Non
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in used]
     flat = torch.cat([g.reshape(-1).float() for g in grads])
     dist.all_reduce(flat)
-    flat /= env.world_size
+    if mean:
+        flat /= env.world_size
     offset = 0
     for p, g in zip(used, grads):
         part = flat[offset:offset + g.numel()].view_as(g).to(g.dtype)

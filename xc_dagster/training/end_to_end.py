@@ -36,7 +36,7 @@ from xc_dagster.sampling.batches import RandomBatches
 from xc_dagster.sampling.labels import sample_positives
 from xc_dagster.sampling.negatives import SAMPLED_NEGATIVES, NegativeSample
 from xc_dagster.training.checkpoint import Checkpointer, Resumable, Resumed, restore_rng, to_arrays, to_tensors
-from xc_dagster.training.data_parallel import past
+from xc_dagster.training.data_parallel import average_gradients, broadcast_module, embed_global, past
 from xc_dagster.training.distributed import DistEnv
 from xc_dagster.training.grad_cache import StepEmbedder
 from xc_dagster.training.label_sharded import RankShardedClassifier, RankShardedOptimizer
@@ -78,16 +78,6 @@ def check_end_to_end_params(params: EndToEndTrainerParams, has_encoder: bool) ->
         raise XCConfigError(f"classifier.grad_cache: expected one of {GRAD_CACHE_MODES}, got {params.grad_cache!r}")
     if params.chunk_size < 1:
         raise XCConfigError(f"classifier.chunk_size: expected an int >= 1, got {params.chunk_size!r}")
-
-
-def check_label_sharded_sampling(params: EndToEndTrainerParams, env: DistEnv | None) -> DistEnv:
-    """``env`` (None: one process) after refusing what this trainer cannot do with W's label ranges on several
-    ranks: the encoder's training (its batches would need splitting: data parallel)."""
-    env = DistEnv() if env is None else env
-    if env.world_size > 1 and params.train_encoder:
-        raise XCConfigError(f"classifier.train_encoder: the encoder trains in one process; W's label ranges on "
-                            f"{env.world_size} ranks (WORLD_SIZE) take a frozen encoder")
-    return env
 
 
 def end_to_end_memory_plan(encoder: torch.nn.Module, point_tokens: Tokens, label_tokens: Tokens,
@@ -168,7 +158,7 @@ class EndToEndTrainer(Resumable):
                  shortlist: np.ndarray | None = None, label_weight: np.ndarray | None = None,
                  env: DistEnv | None = None):
         check_end_to_end_params(params, encoder is not None and point_tokens is not None and label_tokens is not None)
-        self.env = check_label_sharded_sampling(params, env)
+        self.env = DistEnv() if env is None else env
         if self.env.world_size > 1:  # the table's merge over the ranks is a collective: on the training thread
             params = dataclasses.replace(params, refresh_async=False)
         self.params, self.device, self.dtype, self.label_weight = params, device, dtype, label_weight
@@ -206,6 +196,7 @@ class EndToEndTrainer(Resumable):
             self.enc_opt = adamw(encoder.parameters(), params.encoder_lr, 0.01)
             self.enc_sched = torch.optim.lr_scheduler.LambdaLR(self.enc_opt, self.lr_factor)
             encoder.train()
+            broadcast_module(encoder, self.env)  # several ranks: one encoder, rank 0's (a checkpoint loads on each)
             self.memory = end_to_end_memory_plan(encoder, point_tokens, label_tokens, params, self.src, device,
                                                  dtype)
             self.embedder = StepEmbedder(encoder, device, dtype, self.memory.chunk_size, self.memory.grad_cache)
@@ -230,7 +221,9 @@ class EndToEndTrainer(Resumable):
         pos = sample_positives(self.Yex, batch, self.params.num_positives, self.rng)
         if self.embedder is not None:
             self.embedder.discard()  # a step's chunks only
-            x = _embed_examples(self.embedder, self.src[batch], self.point_tokens, self.label_tokens)
+            # several ranks: each embeds its share of the examples, all-gathered with autograd (data parallel)
+            x = embed_global(lambda b: _embed_examples(self.embedder, self.src[b], self.point_tokens,
+                                                       self.label_tokens), batch, self.encoder.dim, self.env)
         else:
             x = torch.from_numpy(self.bank[batch]).to(self.device)
         x_np = x.detach().float().cpu().numpy()
@@ -249,9 +242,13 @@ class EndToEndTrainer(Resumable):
         else:
             loss.backward()
         if self.enc_opt is not None:
+            # several ranks: each rank's rows got their whole gradient (the summed scores of every label range
+            # reach them through the gather's backward), so the encoder's gradients are summed, not averaged
+            average_gradients(list(self.encoder.parameters()), self.env, mean=False)
             torch.nn.utils.clip_grad_norm_(self.encoder.parameters(), 1.0)
             self.enc_opt.step()
             self.enc_sched.step()
+            broadcast_module(self.encoder, self.env, parameters=False)  # buffers a forward updates, as DDP does
             self.sampler.observe(*self._observed)
         self.w_opt.step(self.lr_factor(self.steps))
         if self.bias_opt is not None:
@@ -304,7 +301,7 @@ class EndToEndTrainer(Resumable):
         t1 = time.perf_counter()
         if train_enc:
             self.encoder.eval()
-        if train_enc and reencode:
+        if train_enc and reencode and self.env.is_main:  # rank 0 writes them
             p_emb = encode_tokens(self.encoder, *self.point_tokens, self.device, self.dtype, params.encode_batch_size)
             l_emb = encode_tokens(self.encoder, *self.label_tokens, self.device, self.dtype, params.encode_batch_size)
         builds = self.sampler.build_seconds
@@ -339,7 +336,7 @@ def train_end_to_end(point_emb: np.ndarray, label_emb: np.ndarray, W0: np.ndarra
     ``label_weight`` (L,): a weight on each label's positive terms (``propensity_label_weights``).
     ``deadline`` (``time.perf_counter()``): no step starts after it (the training budget's guard).
     ``report``: where the progress lines go (steps of the planned total; ``xc_dagster.progress``). ``env``: this
-    rank of several holding W's label ranges (frozen encoder; ``check_label_sharded_sampling``): rank 0 alone logs,
+    rank of several holding W's label ranges (the encoder, when trained, data parallel over them): rank 0 alone logs,
     reports, checkpoints and gets W.
     """
     trainer = EndToEndTrainer(point_emb, label_emb, W0, Y, train_rows, params, device, encoder=encoder,

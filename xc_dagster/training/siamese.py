@@ -49,9 +49,10 @@ from xc_dagster.training.data_parallel import (
     check_group,
     check_same,
     digest,
+    embed_global,
     past,
 )
-from xc_dagster.training.distributed import DistEnv, gather_rows, gather_with_grad, rank_rows
+from xc_dagster.training.distributed import DistEnv, gather_rows, rank_rows
 from xc_dagster.training.grad_cache import StepEmbedder
 from xc_dagster.training.label_points import siamese_label_points
 from xc_dagster.training.losses import PAIR_LOSSES, PairLoss
@@ -232,15 +233,7 @@ class SiameseTrainer:
 
     def _embed_global(self, tokens: Tokens, rows: np.ndarray) -> torch.Tensor:
         """Embeddings of ``rows`` of the global batch: this rank embeds its ``rank_rows``, gathered with autograd."""
-        env = self.env
-        if env.world_size == 1:
-            return self.embedder.embed(*tokens, rows)
-        mine = rank_rows(rows, env.rank, env.world_size)
-        if len(mine) == 0:  # more ranks than rows: an empty part (the gather's backward still runs here)
-            part = torch.zeros((0, self.encoder.dim), device=self.device, requires_grad=True)
-        else:
-            part = self.embedder.embed(*tokens, mine).float()
-        return gather_with_grad(part)
+        return embed_global(lambda r: self.embedder.embed(*tokens, r), rows, self.encoder.dim, self.env)
 
     def batch_loss(self, batch: np.ndarray | LabelBatch) -> torch.Tensor:
         """The loss of a batch of point rows or a ``LabelBatch`` (forward pass included)."""
