@@ -22,9 +22,8 @@ import torch.nn.functional as F
 from tests.torchrun import run_torchrun
 from xc_dagster.config import ClassifierParams
 from xc_dagster.encoders.bag import create_bag_encoder
-from xc_dagster.errors import XCConfigError
 from xc_dagster.training.checkpoint import Checkpointer
-from xc_dagster.training.classifier import train_classifiers
+from xc_dagster.training.classifier import ClassifierTrainer, train_classifiers
 from xc_dagster.training.distributed import DistEnv
 from xc_dagster.training.end_to_end import EndToEndTrainer, train_end_to_end
 
@@ -137,6 +136,32 @@ def _first_step_encoder_gradient(env: DistEnv | None = None) -> np.ndarray:
     return seen[0]
 
 
+def _residual_args() -> tuple[tuple, torch.nn.Module]:
+    """SiameseXML Module IV: W and the bag encoder's residual block (dropout 0.5, the default) trained together by
+    the hardest-negative trainer: its arguments and the encoder."""
+    X, E, Y, sl = _data()
+    torch.manual_seed(0)
+    encoder = create_bag_encoder(100, D, init="random", seed=0)
+    params = dataclasses.replace(ClassifierParams(epochs=2, batch_size=32, lr=0.02, num_negatives=4,
+                                                  num_positives=2), **SCENARIOS["shortlist"], residual_lr=1e-2)
+    return (X, E, Y, sl, np.arange(N), params, CPU), encoder
+
+
+def _residual(env: DistEnv | None = None) -> tuple[np.ndarray | None, dict[str, np.ndarray]]:
+    """2 epochs of ``_residual_args``: W (rank 0) and the residual block's weights, with the first step's gradient
+    of the block as it reaches Adam (Adam hides a gradient's scale) under ``grad``."""
+    args, encoder = _residual_args()
+    trainer = ClassifierTrainer(*args, encoder, env=env)
+    trainer.start()
+    adam, seen = trainer.residual_opt.step, []
+    trainer.residual_opt.step = lambda: seen.append(np.concatenate(
+        [p.grad.reshape(-1).numpy().copy() for p in encoder.residual.parameters()])) or adam()
+    trainer.step(trainer.epoch_batches(0)[0])
+    args, encoder = _residual_args()
+    W, _ = train_classifiers(*args, encoder=encoder, env=env)
+    return W, {"grad": seen[0], **{k: v.detach().numpy().copy() for k, v in encoder.residual.state_dict().items()}}
+
+
 def _sampled_run(name: str, env: DistEnv | None, ckpt: Path) -> tuple[np.ndarray | None, int]:
     """``train_end_to_end`` with sampler ``name`` for 2 epochs, its epoch-1 checkpoint left in ``ckpt`` (or resumed
     from it)."""
@@ -162,6 +187,9 @@ def _worker(out: Path) -> None:
                 np.save(out / f"{name}.npy", W)
             if table is not None:
                 np.save(out / f"{name}_table_rank{env.rank}.npy", table)
+        W, weights = _residual(env)
+        if env.is_main:
+            np.savez(out / "residual.npz", W=W, **weights)
         W, weights = _astra_end_to_end(env)
         grad = _first_step_encoder_gradient(env)
         if env.is_main:
@@ -197,6 +225,7 @@ def runs(tmp_path_factory) -> dict:
     one.update({name: W for name, (W, _) in sampled.items()})
     _train("shortlist", 1, None, out / "from_one")
     _sampled_run("mips", None, out / "mips_from_one")  # leaves its epoch-1 checkpoint
+    res_W, res_weights = _residual()
     e2e_W, e2e_weights = _astra_end_to_end()
     e2e_grad = _first_step_encoder_gradient()
     run_torchrun([str(Path(__file__).resolve()), str(out)])
@@ -210,7 +239,8 @@ def runs(tmp_path_factory) -> dict:
             "mips_resumed_by_two": np.load(out / "mips_resumed_by_two.npy"),
             "resumed_by_two": np.load(out / "resumed_by_two.npy"),
             "end_to_end": {"one": {"W": e2e_W, **e2e_weights}, "two": dict(np.load(out / "astra_end_to_end.npz"))},
-            "end_to_end_gradient": (e2e_grad, np.load(out / "end_to_end_gradient.npy"))}
+            "end_to_end_gradient": (e2e_grad, np.load(out / "end_to_end_gradient.npy")),
+            "residual": {"one": {"W": res_W, **res_weights}, "two": dict(np.load(out / "residual.npz"))}}
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
@@ -245,6 +275,19 @@ def test_two_ranks_train_the_encoder_end_to_end_as_one_process(runs):
     np.testing.assert_allclose(g_two, g_one, rtol=1e-4, atol=1e-7)
 
 
+def test_two_ranks_train_the_residual_block_as_one_process(runs):
+    """Module IV: every rank runs the block on the whole batch (the same dropout masks: the same seeded draws),
+    scores its label range, and the block's gradients are summed over the ranks."""
+    one, two = runs["residual"]["one"], runs["residual"]["two"]
+    torch.manual_seed(0)
+    start = create_bag_encoder(100, D, init="random", seed=0).residual.state_dict()
+    assert any(np.abs(one[k] - v.numpy()).max() > 1e-3 for k, v in start.items() if v.dtype.is_floating_point)
+    assert set(one) == set(two) and np.abs(one["grad"]).max() > 1e-4
+    np.testing.assert_allclose(two["grad"], one["grad"], rtol=1e-4, atol=1e-7)  # summed, not averaged
+    for k in one:
+        np.testing.assert_allclose(two[k], one[k], atol=W_ATOL, err_msg=k)
+
+
 def test_the_rank_sharded_astra_table_is_the_one_process_table_without_positives(runs):
     """Each rank searched an index over its own rows; merged by score over the ranks, the hard negatives are the
     ones an index over all of W gives (exact search), the same on both ranks, and never a positive."""
@@ -271,11 +314,3 @@ def test_checkpoints_resume_across_world_sizes(runs):
 
 if __name__ == "__main__":  # a torchrun rank (see ``runs``)
     _worker(Path(sys.argv[1]))
-
-
-def test_the_residual_block_is_refused_with_several_ranks():
-    X, E, Y, sl = _data()
-    env = DistEnv(0, 2, 0, "gloo", CPU)  # no group needed: refused before any collective
-    with pytest.raises(XCConfigError, match=r"classifier.train_residual: the residual block trains in one process"):
-        train_classifiers(X, E, Y, sl, np.arange(N), ClassifierParams(epochs=1), CPU,
-                          encoder=create_bag_encoder(100, D, init="random", seed=0), env=env)

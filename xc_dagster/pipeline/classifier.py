@@ -25,7 +25,6 @@ from xc_dagster.storage import save_json
 from xc_dagster.training.budget import BUDGET_PLAN, BudgetPlan, calibrate, check_train_params, encode_rate, plan_epochs
 from xc_dagster.training.checkpoint import Checkpointer, fingerprint, fingerprint_files
 from xc_dagster.training.classifier import (
-    check_label_sharded_hard_negatives,
     propensity_label_weights,
     train_classifiers,
 )
@@ -149,14 +148,6 @@ def fold_trainer(ctx: StageContext, ds: Any, label_emb: np.ndarray) -> Callable[
     return train
 
 
-def check_label_sharded(p: Any, env: DistEnv | None) -> DistEnv:
-    """``env`` (None: one process) after refusing what W's label ranges on several ranks cannot train yet: the
-    residual block (SiameseXML Module IV)."""
-    if p.negatives in SAMPLERS:
-        return DistEnv() if env is None else env
-    return check_label_sharded_hard_negatives(p.train_residual, env)
-
-
 def run(ctx: StageContext, env: DistEnv | None = None) -> dict[str, Any]:
     """Train one-vs-all W from label embeddings (validation rows held out): on positives + the hardest mined
     negatives (NGAME, SiameseXML), or with BCE over sampled negatives (ASTRA, MIPS-s), optionally fine-tuning
@@ -165,7 +156,7 @@ def run(ctx: StageContext, env: DistEnv | None = None) -> dict[str, Any]:
     every later stage uses them (``ArtifactReader.model_dir``)."""
     started = time.perf_counter()
     p = ctx.cfg.classifier
-    env = check_label_sharded(p, env)
+    env = DistEnv() if env is None else env
     seed_everything(p.seed)
     point_emb = ctx.read.pretrained(TRAIN_EMB)
     label_emb = ctx.read.pretrained(LABEL_EMB)

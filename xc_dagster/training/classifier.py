@@ -36,7 +36,7 @@ from xc_dagster.sampling.hard_negatives import HARD_NEGATIVE_POOLS, hardest
 from xc_dagster.sampling.labels import sample_positives
 from xc_dagster.sampling.negatives import SAMPLED_NEGATIVES
 from xc_dagster.training.checkpoint import Checkpointer, Resumable, Resumed, restore_rng
-from xc_dagster.training.data_parallel import past
+from xc_dagster.training.data_parallel import average_gradients, past
 from xc_dagster.training.distributed import DistEnv
 from xc_dagster.training.label_points import classifier_label_points
 from xc_dagster.training.label_sharded import RankShardedClassifier, RankShardedOptimizer
@@ -57,16 +57,6 @@ def check_hard_negative_params(params: HardNegativeTrainerParams) -> None:
     if params.epochs != int(params.epochs) or params.epochs < 0:
         raise XCConfigError(f"classifier.epochs: the hardest-negative trainer takes whole epochs >= 0, got "
                             f"{params.epochs} (fractions work with classifier.negatives={SAMPLED})")
-
-
-def check_label_sharded_hard_negatives(train_residual: bool, env: DistEnv | None) -> DistEnv:
-    """``env`` (None: one process) after refusing the residual block (SiameseXML Module IV) with W's label ranges on
-    several ranks: it trains in one process."""
-    env = DistEnv() if env is None else env
-    if env.world_size > 1 and train_residual:
-        raise XCConfigError(f"classifier.train_residual: the residual block trains in one process; W's label ranges "
-                            f"on {env.world_size} ranks (WORLD_SIZE) take a frozen encoder")
-    return env
 
 
 def propensity_label_weights(inv_prop: np.ndarray, Y: sp.csr_matrix, rows: np.ndarray,
@@ -119,7 +109,7 @@ class ClassifierTrainer(Resumable):
                  encoder: BagOfEmbeddingsEncoder | None = None, label_weight: np.ndarray | None = None,
                  label_point_emb: np.ndarray | None = None, env: DistEnv | None = None):
         check_hard_negative_params(params)
-        self.env = check_label_sharded_hard_negatives(encoder is not None, env)
+        self.env = DistEnv() if env is None else env
         self.params, self.device, self.encoder = params, device, encoder
         self.epochs = int(params.epochs)
         self.n_label_points = Y.shape[1] if params.label_points else 0
@@ -186,6 +176,8 @@ class ClassifierTrainer(Resumable):
         loss.backward()
         self.opt.step()
         if self.residual_opt is not None:
+            # several ranks: each one's scores cover its own labels, so R's gradient is the sum over the ranks
+            average_gradients(list(self.encoder.residual.parameters()), self.env, mean=False)
             self.residual_opt.step()
         self.steps += 1
         return float(loss.detach())
