@@ -88,8 +88,8 @@ def test_blocks_are_read_back_only_under_the_same_key_and_only_when_whole(tmp_pa
 
     def run(key: str, rows: int = 4) -> tuple[KeptWork, list[int], np.ndarray]:
         computed.clear()
-        kept = KeptWork(folder, key)
-        got = np.concatenate([a["ids"][:, 0] for _, _, a in kept.blocks(10, rows, compute)])
+        with KeptWork(folder, key) as kept:
+            got = np.concatenate([a["ids"][:, 0] for _, _, a in kept.blocks(10, rows, compute)])
         return kept, list(computed), got
 
     kept, done, got = run("a")
@@ -112,7 +112,8 @@ def test_blocks_are_read_back_only_under_the_same_key_and_only_when_whole(tmp_pa
     assert [s for s, _, _ in off.blocks(10, 4, compute)] == [0, 4, 8] and off.resumed == 0
 
 
-def test_a_sigkilled_evaluation_resumes_from_its_kept_blocks_with_the_same_predictions(home, tmp_path, monkeypatch):
+def test_a_sigkilled_evaluation_resumes_from_its_kept_blocks_with_the_same_predictions(home, tmp_path, monkeypatch,
+                                                                                      caplog):
     spec = Catalog(home.catalog).get("TinyTitles")
     store = ArtifactStore(home.artifacts)
     ctx = StageContext(store, spec, spec.config(), home.cache)
@@ -131,14 +132,21 @@ def test_a_sigkilled_evaluation_resumes_from_its_kept_blocks_with_the_same_predi
         while not marker.exists():
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "slow"
             time.sleep(0.05)
+        kept = ctx.checkpoint_dir("evaluate")
+        blocks = ["rows_000000000000.npz", "rows_000000000008.npz"]
+        assert sorted(p.name for p in kept.glob("rows_*.npz")) == blocks
+        assert stage.resolve() == version  # the stage's artifacts are still the finished run's
+        # a second run of the stage while the first is alive: it keeps nothing and leaves the first one's blocks
+        with caplog.at_level("WARNING", logger="xc_dagster"):
+            second = run_all(ctx, ("evaluate",))["evaluate"]
+        assert second["resumed_queries"] == 0 and second["metrics"] == full["metrics"]
+        assert "another run of this stage is keeping its work there" in caplog.text
+        assert sorted(p.name for p in kept.glob("rows_*.npz")) == blocks
         os.kill(proc.pid, signal.SIGKILL)  # as the OOM killer or a lost machine: no handler runs
         proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
-    kept = ctx.checkpoint_dir("evaluate")
-    assert sorted(p.name for p in kept.glob("rows_*.npz")) == ["rows_000000000000.npz", "rows_000000000008.npz"]
-    assert stage.resolve() == version  # the stage's artifacts are still the finished run's
 
     calls = _counting(monkeypatch, ev, "_predict_block")
     out = run_all(ctx, ("evaluate",))["evaluate"]

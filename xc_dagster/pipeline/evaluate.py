@@ -133,31 +133,31 @@ def run(ctx: StageContext) -> dict[str, Any]:
     t1 = time.perf_counter()
     inv = ctx.inv_prop(ds.Y_train)
     ks = tuple(sorted(set(p.ks) | set(range(1, 11))))  # k = 1..10 for the P@k / PSP@k curves
-    kept = kept_blocks(ctx, q, max(ks) + 20)
-    pred = predict(ctx, q, ctx.read.lexical_queries(m, "test"), m, fz, inv, ds, max(ks) + 20, kept)
-    ids, scores = pred["ids"], pred["scores"]
-    t_pred = time.perf_counter() - t1
-    metrics = evaluate(ids, ds.Y_test, ks=ks, inv_prop=inv, filter_pairs=ds.filter_test)
-    metrics["shortlist_recall"] = recall_at(pred["hits"], ds.Y_test)
-    metrics.update(_ablation(pred["rankings"], ds, inv))
-    freq = ctx.read.label_freq()
-    deciles = decile_contributions(ids, ds.Y_test, freq, inv, metrics, k=5)
-    by_freq = recall_by_frequency(ids, ds.Y_test, freq, k=5, shortlist=pred["hits"])
-    stage_seconds = upstream_seconds(ctx)
-    stage_seconds["training_total"] = sum(stage_seconds.get(s, 0.0) for s in TRAINING_STAGES)
-    searched = len(q) - kept.resumed_rows  # the queries this run searched (the rest: a killed run's kept blocks)
-    summary = {"metrics": metrics, "fusion": fz.summary(), "n_test": int(len(q)), "encode_seconds": t_enc,
-               "predict_seconds": t_pred, "ms_per_query_index_fusion": 1000 * t_pred / max(searched, 1),
-               "stage_seconds": stage_seconds, "resumed_queries": kept.resumed_rows,
-               "seconds": time.perf_counter() - t0}
-    title = f"{ctx.name} ({ctx.cfg.strategy}, {ctx.cfg.preset})"
-    with ctx.writing() as out:
-        np.savez(out / PREDICTIONS, ids=ids.astype(np.int32), scores=scores)
-        save_json(out / METRICS, metrics)
-        save_json(out / REPORTS, {"deciles": deciles, "recall_by_frequency": by_freq})
-        pk_plot(metrics, out / PLOTS["pk_plot"], title)
-        decile_plot(deciles, out / PLOTS["decile_plot"], title)
-        recall_plot(by_freq, out / PLOTS["recall_plot"], title)
-        save_json(out / SUMMARY, summary)
-    kept.clear()
-    return summary
+    with kept_blocks(ctx, q, max(ks) + 20) as kept:  # one run at a time keeps blocks (xc_dagster/pipeline/kept.py)
+        pred = predict(ctx, q, ctx.read.lexical_queries(m, "test"), m, fz, inv, ds, max(ks) + 20, kept)
+        ids, scores = pred["ids"], pred["scores"]
+        t_pred = time.perf_counter() - t1
+        metrics = evaluate(ids, ds.Y_test, ks=ks, inv_prop=inv, filter_pairs=ds.filter_test)
+        metrics["shortlist_recall"] = recall_at(pred["hits"], ds.Y_test)
+        metrics.update(_ablation(pred["rankings"], ds, inv))
+        freq = ctx.read.label_freq()
+        deciles = decile_contributions(ids, ds.Y_test, freq, inv, metrics, k=5)
+        by_freq = recall_by_frequency(ids, ds.Y_test, freq, k=5, shortlist=pred["hits"])
+        stage_seconds = upstream_seconds(ctx)
+        stage_seconds["training_total"] = sum(stage_seconds.get(s, 0.0) for s in TRAINING_STAGES)
+        searched = len(q) - kept.resumed_rows  # the queries this run searched (the rest: a killed run's kept blocks)
+        summary = {"metrics": metrics, "fusion": fz.summary(), "n_test": int(len(q)), "encode_seconds": t_enc,
+                   "predict_seconds": t_pred, "ms_per_query_index_fusion": 1000 * t_pred / max(searched, 1),
+                   "stage_seconds": stage_seconds, "resumed_queries": kept.resumed_rows,
+                   "seconds": time.perf_counter() - t0}
+        title = f"{ctx.name} ({ctx.cfg.strategy}, {ctx.cfg.preset})"
+        with ctx.writing() as out:
+            np.savez(out / PREDICTIONS, ids=ids.astype(np.int32), scores=scores)
+            save_json(out / METRICS, metrics)
+            save_json(out / REPORTS, {"deciles": deciles, "recall_by_frequency": by_freq})
+            pk_plot(metrics, out / PLOTS["pk_plot"], title)
+            decile_plot(deciles, out / PLOTS["decile_plot"], title)
+            recall_plot(by_freq, out / PLOTS["recall_plot"], title)
+            save_json(out / SUMMARY, summary)
+        kept.clear()
+        return summary

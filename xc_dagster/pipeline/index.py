@@ -132,63 +132,64 @@ def run(ctx: StageContext) -> dict[str, Any]:
     need_centroids = "centroid" in p.sources or p.label_repr == "text+centroid"
     points_knn = "knn" in p.sources or "lexical" in p.sources  # a kNN over training points, held out by rows
     kinds: dict[str, str] = {}
-    kept = ctx.kept_work({"index": dataclasses.asdict(p)})
-    note, heldout, knn_points, lexical_summary = "", False, 0, None
-    with ctx.writing() as out:
-        if need_centroids or points_knn:
-            ds = ctx.read.labels()
-            rows = ctx.read.train_rows(ds.num_train)
-            # from the deployed encoder's embeddings: mining's centroids are stale once ASTRA/MIPS-s fine-tuned it
-            train_emb = ctx.read.embeddings("train", mmap=True)
-            heldout = p.include_validation and len(rows) < ds.num_train
-            deployed = np.arange(ds.num_train) if heldout else rows
-            if "lexical" in p.sources:
-                lexical, note = _lexical_or_note(ctx, deployed, ds.Y_train, rows)
-                if lexical is not None:
-                    lexical.save(out / LEXICAL_DIR)
-                    lexical_summary = {"input": lexical.input, "points": lexical.num_points,
-                                       "terms": int(lexical.points.shape[1]), "neighbours": lexical.neighbours,
-                                       "max_postings": lexical.max_postings, "label_text": lexical.labels is not None,
-                                       "feature_words": lexical.words is not None}
-                del lexical
-            if need_centroids:
-                centroids = label_centroids(train_emb, ds.Y_train, deployed)
-                if "centroid" in p.sources:
-                    kinds["centroid"] = _build(ctx, "centroid", centroids, out, kept)
-                np.save(out / CENTROID_FILE, centroids)
-                del centroids
-            if "knn" in p.sources:
-                # every point (include_validation): the memory-mapped array itself, not a copy (3.5 GB at 2.25M x 384)
-                points = train_emb if len(deployed) == len(train_emb) else train_emb[deployed]
-                kinds["knn"] = _build(ctx, "knn", points, out, kept)
-                del points
-                sp.save_npz(out / KNN_LABELS_FILE, ds.Y_train[deployed].tocsr().astype(np.float32))
-                knn_points = len(deployed)
-        for name, read in (("W", lambda: W), ("label", lambda: ctx.read.embeddings("label", mmap=True))):
-            if name in p.sources:
-                kinds[name] = _build(ctx, name, read(), out, kept)
-        if heldout:  # what the fusion is fitted with: the same parts without the validation points
-            held = out / HELDOUT
-            held.mkdir(parents=True, exist_ok=True)
-            if need_centroids:
-                h_centroids = label_centroids(train_emb, ds.Y_train, rows)
-                if "centroid" in p.sources:
-                    _build(ctx, "centroid", h_centroids, held, kept, f"{HELDOUT}_")
-                np.save(held / CENTROID_FILE, h_centroids)
-            if points_knn:  # the validation rows, excluded from the deployed kNN and lexical neighbours
-                np.save(held / KNN_EXCLUDED_FILE, np.setdiff1d(np.arange(ds.num_train), rows))
-        sources = tuple(s for s in p.sources if s != "lexical" or lexical_summary is not None)
-        summary = {"kind": p.kind, "kinds": {n: kinds[n] for n in sources if n in kinds},
-                   "sources": list(sources), "label_repr": p.label_repr,
-                   "labels": int(len(W)), "dim": int(W.shape[1]), "knn_points": knn_points,
-                   "knn_neighbours": int(p.knn_neighbours) if "knn" in p.sources else 0}
-        if note:
-            summary["lexical_left_out"] = note
-        if lexical_summary is not None:
-            summary["lexical"] = lexical_summary
-        if heldout:
-            summary["heldout_knn_points"] = int(len(rows)) if points_knn else 0
-        summary["seconds"] = time.perf_counter() - t0
-        save_json(out / SUMMARY, summary)
-    kept.clear()
-    return summary
+    with ctx.kept_work({"index": dataclasses.asdict(p)}) as kept:
+        note, heldout, knn_points, lexical_summary = "", False, 0, None
+        with ctx.writing() as out:
+            if need_centroids or points_knn:
+                ds = ctx.read.labels()
+                rows = ctx.read.train_rows(ds.num_train)
+                # from the deployed encoder's embeddings: mining's centroids are stale once ASTRA/MIPS-s fine-tuned it
+                train_emb = ctx.read.embeddings("train", mmap=True)
+                heldout = p.include_validation and len(rows) < ds.num_train
+                deployed = np.arange(ds.num_train) if heldout else rows
+                if "lexical" in p.sources:
+                    lexical, note = _lexical_or_note(ctx, deployed, ds.Y_train, rows)
+                    if lexical is not None:
+                        lexical.save(out / LEXICAL_DIR)
+                        lexical_summary = {
+                            "input": lexical.input, "points": lexical.num_points,
+                            "terms": int(lexical.points.shape[1]), "neighbours": lexical.neighbours,
+                            "max_postings": lexical.max_postings, "label_text": lexical.labels is not None,
+                            "feature_words": lexical.words is not None}
+                    del lexical
+                if need_centroids:
+                    centroids = label_centroids(train_emb, ds.Y_train, deployed)
+                    if "centroid" in p.sources:
+                        kinds["centroid"] = _build(ctx, "centroid", centroids, out, kept)
+                    np.save(out / CENTROID_FILE, centroids)
+                    del centroids
+                if "knn" in p.sources:
+                    # every point (include_validation): the memory-mapped array, not a copy (3.5 GB at 2.25M x 384)
+                    points = train_emb if len(deployed) == len(train_emb) else train_emb[deployed]
+                    kinds["knn"] = _build(ctx, "knn", points, out, kept)
+                    del points
+                    sp.save_npz(out / KNN_LABELS_FILE, ds.Y_train[deployed].tocsr().astype(np.float32))
+                    knn_points = len(deployed)
+            for name, read in (("W", lambda: W), ("label", lambda: ctx.read.embeddings("label", mmap=True))):
+                if name in p.sources:
+                    kinds[name] = _build(ctx, name, read(), out, kept)
+            if heldout:  # what the fusion is fitted with: the same parts without the validation points
+                held = out / HELDOUT
+                held.mkdir(parents=True, exist_ok=True)
+                if need_centroids:
+                    h_centroids = label_centroids(train_emb, ds.Y_train, rows)
+                    if "centroid" in p.sources:
+                        _build(ctx, "centroid", h_centroids, held, kept, f"{HELDOUT}_")
+                    np.save(held / CENTROID_FILE, h_centroids)
+                if points_knn:  # the validation rows, excluded from the deployed kNN and lexical neighbours
+                    np.save(held / KNN_EXCLUDED_FILE, np.setdiff1d(np.arange(ds.num_train), rows))
+            sources = tuple(s for s in p.sources if s != "lexical" or lexical_summary is not None)
+            summary = {"kind": p.kind, "kinds": {n: kinds[n] for n in sources if n in kinds},
+                       "sources": list(sources), "label_repr": p.label_repr,
+                       "labels": int(len(W)), "dim": int(W.shape[1]), "knn_points": knn_points,
+                       "knn_neighbours": int(p.knn_neighbours) if "knn" in p.sources else 0}
+            if note:
+                summary["lexical_left_out"] = note
+            if lexical_summary is not None:
+                summary["lexical"] = lexical_summary
+            if heldout:
+                summary["heldout_knn_points"] = int(len(rows)) if points_knn else 0
+            summary["seconds"] = time.perf_counter() - t0
+            save_json(out / SUMMARY, summary)
+        kept.clear()
+        return summary

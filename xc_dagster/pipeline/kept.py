@@ -13,6 +13,7 @@ whole is done again, and the stage clears the folder once its artifacts are writ
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -23,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from xc_dagster.durable import atomic_write_text, fsync_dir, fsync_file
-from xc_dagster.storage import fsync_tree
+from xc_dagster.storage import file_lock, fsync_tree
 
 log = logging.getLogger("xc_dagster")
 KEY = "key.txt"
@@ -32,13 +33,22 @@ DAMAGED = (zipfile.BadZipFile, OSError, ValueError, EOFError, KeyError)
 
 
 class KeptWork:
-    """The finished work of one stage in ``folder`` (None: nothing kept), valid for ``key``."""
+    """The finished work of one stage in ``folder`` (None: nothing kept), valid for ``key``; a context manager.
+
+    One run at a time keeps work in a folder: it holds an exclusive ``flock`` on ``<folder>.lock`` until ``close``
+    (the kernel releases it if the process dies). A run of the same stage started meanwhile keeps nothing and says
+    so, rather than clearing or overwriting the first one's blocks."""
 
     def __init__(self, folder: Path | None, key: str):
         self.folder = None if folder is None else Path(folder)
         self.key = key
         self.resumed = self.resumed_rows = 0  # blocks (and their rows) read back instead of computed, in this run
+        self._lock = contextlib.ExitStack()
         if self.folder is None:
+            return
+        if not self._lock.enter_context(file_lock(self.folder.with_name(f"{self.folder.name}.lock"), blocking=False)):
+            log.warning("%s: another run of this stage is keeping its work there; this run keeps none", self.folder)
+            self.folder = None
             return
         if self.folder.is_dir() and self._stored_key() != key:
             shutil.rmtree(self.folder)  # another configuration's or other inputs' blocks: never mixed in
@@ -127,6 +137,16 @@ class KeptWork:
         used = kept is not None
         link(kept if used else self.keep(name, build), dest)
         return used
+
+    def __enter__(self) -> KeptWork:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Let another run keep work in the folder (what is kept stays)."""
+        self._lock.close()
 
     def clear(self) -> None:
         if self.folder is not None and self.folder.exists():

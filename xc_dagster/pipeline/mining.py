@@ -43,46 +43,46 @@ def run(ctx: StageContext) -> dict[str, Any]:
     ds = ctx.read.labels()
     rows = ctx.read.train_rows(ds.num_train)
     centroids = label_centroids(point_emb, ds.Y_train, rows)
-    kept = ctx.kept_work({"mining": dataclasses.asdict(p), "rows": STREAM_ROWS})
-    sizes = {"W": len(label_emb), "label": len(label_emb), "centroid": len(centroids), "knn": len(rows)}
-    built = {name: LabelIndex.load(path, resolve_kind(p.index, sizes[name]), p.hnsw_ef_search)
-             for name in p.sources if (path := kept.path(INDEX_FILES[name])) is not None}
-    if built:
-        ctx.info(f"mining {ctx.name}: the {', '.join(built)} index(es) a killed run of this stage built, kept")
-    src = build_sources(p.sources, label_emb, label_emb, centroids, point_emb[rows], ds.Y_train[rows],
-                        "text+centroid" if "centroid" in p.sources else "text", p.index, p.hnsw_m,
-                        p.hnsw_ef_construction, p.hnsw_ef_search, report=ctx.info, built=built)
-    for name, index in src.indexes.items():
-        if name not in built:  # a graph of 1.3M labels takes ~30 minutes on 2 cores: a re-run reads it back
-            kept.keep(INDEX_FILES[name], index.save)
-    k = min(p.shortlist_size, len(label_emb))
-    own = np.full(ds.num_train, -1, dtype=np.int64)
-    own[rows] = np.arange(len(rows))  # a training point is not its own neighbour
-    n = len(point_emb)
-    ids, scores = np.empty((n, k), dtype=np.int32), np.empty((n, k), dtype=np.float32)
+    with ctx.kept_work({"mining": dataclasses.asdict(p), "rows": STREAM_ROWS}) as kept:
+        sizes = {"W": len(label_emb), "label": len(label_emb), "centroid": len(centroids), "knn": len(rows)}
+        built = {name: LabelIndex.load(path, resolve_kind(p.index, sizes[name]), p.hnsw_ef_search)
+                 for name in p.sources if (path := kept.path(INDEX_FILES[name])) is not None}
+        if built:
+            ctx.info(f"mining {ctx.name}: the {', '.join(built)} index(es) a killed run of this stage built, kept")
+        src = build_sources(p.sources, label_emb, label_emb, centroids, point_emb[rows], ds.Y_train[rows],
+                            "text+centroid" if "centroid" in p.sources else "text", p.index, p.hnsw_m,
+                            p.hnsw_ef_construction, p.hnsw_ef_search, report=ctx.info, built=built)
+        for name, index in src.indexes.items():
+            if name not in built:  # a graph of 1.3M labels takes ~30 minutes on 2 cores: a re-run reads it back
+                kept.keep(INDEX_FILES[name], index.save)
+        k = min(p.shortlist_size, len(label_emb))
+        own = np.full(ds.num_train, -1, dtype=np.int64)
+        own[rows] = np.arange(len(rows))  # a training point is not its own neighbour
+        n = len(point_emb)
+        ids, scores = np.empty((n, k), dtype=np.int32), np.empty((n, k), dtype=np.float32)
 
-    def block(s: int, e: int) -> dict[str, np.ndarray]:  # a block's whole shortlists at once, only its top k kept
-        sl = retrieve(np.asarray(point_emb[s:e]), src, k, exclude_knn=own[s:e], progress=prog.update)
-        merged = sl.emb if sl.knn is None else (1.0 - p.knn_weight) * sl.emb + p.knn_weight * sl.knn
-        top = topk_from_scores(sl.ids, np.where(sl.ids < 0, -np.inf, merged).astype(np.float32), k)
-        return {"ids": top[0], "scores": top[1]}
+        def block(s: int, e: int) -> dict[str, np.ndarray]:  # a block's whole shortlists at once, only its top k kept
+            sl = retrieve(np.asarray(point_emb[s:e]), src, k, exclude_knn=own[s:e], progress=prog.update)
+            merged = sl.emb if sl.knn is None else (1.0 - p.knn_weight) * sl.emb + p.knn_weight * sl.knn
+            top = topk_from_scores(sl.ids, np.where(sl.ids < 0, -np.inf, merged).astype(np.float32), k)
+            return {"ids": top[0], "scores": top[1]}
 
-    with ctx.progress("retrieve train", n, "points") as prog:
-        for s, e, got in kept.blocks(n, STREAM_ROWS, block, prog.update):
-            ids[s:e], scores[s:e] = got["ids"], got["scores"]
-    recall = recall_at(ids, ds.Y_train)
-    summary = {"shortlist_size": k, "sources": list(p.sources), "train_recall": recall,
-               "resumed_points": kept.resumed_rows, "kinds": {n: ix.kind for n, ix in src.indexes.items()}}
-    label = src.indexes.get("label")
-    with ctx.writing() as out:
-        if label is not None and label.kind != "exact":  # a graph the index stage reuses while the encoder is
-            link(kept.path(INDEX_FILES["label"]), out / MINING_LABEL_INDEX)  # the pretrained one (not an exact one)
-            summary["label_index"] = label_index_settings(label.kind, p.hnsw_m, p.hnsw_ef_construction)
-        summary["seconds"] = time.perf_counter() - t0
-        np.save(out / SHORTLIST, ids)
-        np.save(out / SHORTLIST_SCORES, scores)
-        np.save(out / CENTROID_FILE, centroids)
-        save_json(out / SUMMARY, summary)
-    kept.clear()
-    ctx.info(f"mining {ctx.name}: shortlist of {k} from {'+'.join(p.sources)}, recall on train {recall:.3f}")
-    return summary
+        with ctx.progress("retrieve train", n, "points") as prog:
+            for s, e, got in kept.blocks(n, STREAM_ROWS, block, prog.update):
+                ids[s:e], scores[s:e] = got["ids"], got["scores"]
+        recall = recall_at(ids, ds.Y_train)
+        summary = {"shortlist_size": k, "sources": list(p.sources), "train_recall": recall,
+                   "resumed_points": kept.resumed_rows, "kinds": {n: ix.kind for n, ix in src.indexes.items()}}
+        label = src.indexes.get("label")
+        with ctx.writing() as out:
+            if label is not None and label.kind != "exact":  # a graph the index stage reuses while the encoder is
+                link(kept.path(INDEX_FILES["label"]), out / MINING_LABEL_INDEX)  # the pretrained one (not an exact one)
+                summary["label_index"] = label_index_settings(label.kind, p.hnsw_m, p.hnsw_ef_construction)
+            summary["seconds"] = time.perf_counter() - t0
+            np.save(out / SHORTLIST, ids)
+            np.save(out / SHORTLIST_SCORES, scores)
+            np.save(out / CENTROID_FILE, centroids)
+            save_json(out / SUMMARY, summary)
+        kept.clear()
+        ctx.info(f"mining {ctx.name}: shortlist of {k} from {'+'.join(p.sources)}, recall on train {recall:.3f}")
+        return summary
