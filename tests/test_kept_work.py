@@ -13,18 +13,24 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import xc_dagster.pipeline.evaluate as ev
 import xc_dagster.pipeline.index as index_stage
 import xc_dagster.pipeline.mining as mining
 import xc_dagster.retrieval.shortlist as shortlist
 from tests.tinydata import tiny_lf_home
+from xc_dagster.artifacts import CONTRACT, ArtifactReader
 from xc_dagster.catalog import Catalog
 from xc_dagster.pipeline import StageContext, run_all
 from xc_dagster.pipeline.kept import KeptWork
-from xc_dagster.storage import ArtifactStore
+from xc_dagster.sampling.stale_index import search_shards
+from xc_dagster.storage import ArtifactStore, atomic_dir
+from xc_dagster.training.distributed import DistEnv
+from xc_dagster.training.label_sharded import RankShardedClassifier
 
 ROOT = Path(__file__).resolve().parent.parent
+CPU = torch.device("cpu")
 TINY = {"pretrain.epochs": 1, "pretrain.batch_size": 16, "mining.shortlist_size": 8, "classifier.epochs": 1,
         "classifier.batch_size": 32, "classifier.num_negatives": 5, "index.shortlist_size": 8, "evaluate.top_k": 10,
         "ingest.valid_fraction": 0.1}
@@ -153,7 +159,7 @@ def test_a_sigkilled_evaluation_resumes_from_its_kept_blocks_with_the_same_predi
     assert len(calls) == 3 and out["resumed_queries"] == 2 * ROWS  # blocks 3-5 searched, 1-2 read back
     got = dict(np.load(stage / "predictions.npz"))
     assert np.array_equal(got["ids"], want["ids"]) and np.array_equal(got["scores"], want["scores"])
-    assert out["metrics"] == full["metrics"]
+    assert out["metrics"] == full["metrics"] and out["ms_per_query_index_fusion"] > 0  # of the 3 blocks searched
     assert not kept.exists()  # cleared once the artifacts are written
 
 
@@ -179,6 +185,9 @@ def test_mining_stopped_mid_way_resumes_and_kept_blocks_of_older_inputs_are_not_
     for f in ("shortlist.npy", "shortlist_scores.npy"):
         assert np.array_equal(np.load(got / f), np.load(whole / f))
     assert (got / "label_emb.index").stat().st_size > 0 and not kept.exists()  # the graph the index stage reuses
+    with KeptWork(kept, "held by another run"):  # a run of the stage beside this one: this one keeps nothing
+        again = run_all(ctx, ("mining",))["mining"]
+    assert again["train_recall"] == want["train_recall"] and (got / "label_emb.index").stat().st_size > 0
 
     # work kept over the previous pretraining: a new pretrain version makes it stale, all 15 blocks are searched
     calls = _counting(monkeypatch, mining, "retrieve", fail_at=3)
@@ -214,3 +223,36 @@ def test_an_index_stage_stopped_in_its_second_build_builds_only_the_indexes_it_h
     assert (got / "knn.index").stat().st_size == (want / "knn.index").stat().st_size > 0
     assert not ctx.checkpoint_dir("index").exists()
     assert (got / "knn.index").stat().st_nlink == 1  # the kept copy's link is gone with the folder
+
+
+def test_the_key_follows_a_stage_folder_that_is_not_a_version(tmp_path):
+    """A stage folder written before versions (a real folder) is keyed by its path and its summary's stamp and
+    size: rewritten, the key changes, so work kept over the old contents is not used."""
+    store = ArtifactStore(tmp_path / "artifacts", remote=None)
+    ingest = store.stage_dir("D", "ingest")
+    ingest.mkdir(parents=True)
+    (ingest / "summary.json").write_text('{"n": 1}')
+    reader = ArtifactReader(store, "D", CONTRACT["tokenize"])
+    before = reader.versions()
+    (ingest / "summary.json").write_text('{"n": 22}')
+    assert set(before) == {"ingest"} and reader.versions() != before and reader.opened == set()
+    with atomic_dir(store.stage_dir("D", "tokenize")) as out:  # a version folder: its name is the version
+        (out / "summary.json").write_text("{}")
+    assert ArtifactReader(store, "D", CONTRACT["pretrain"]).versions()["tokenize"].startswith(".tokenize.v-")
+
+
+def test_a_rank_without_labels_in_a_step_still_backpropagates_into_the_queries():
+    """W's label ranges over 2 ranks: rank 1 owns labels 2-3; a step that scores only labels 0-1 gives it zero
+    scores that still reach the (gathered) query embeddings, so its backward joins the all-gather's."""
+    clf = RankShardedClassifier(np.eye(4, 3, dtype=np.float32), CPU, DistEnv(1, 2, 1, "gloo", CPU))
+    x = torch.ones((2, 3), requires_grad=True)
+    scores = clf.scores(x, torch.tensor([[0, 1], [1, 0]]))
+    scores.sum().backward()
+    assert torch.equal(scores, torch.zeros(2, 2)) and x.grad is not None and torch.equal(x.grad, torch.zeros(2, 3))
+    frozen = clf.scores(torch.ones((2, 3)), torch.tensor([[0, 1], [1, 0]]))
+    assert frozen.requires_grad  # a frozen encoder: a leaf, as before
+
+
+def test_a_rank_whose_label_range_is_empty_has_an_empty_top_list():
+    s, i = search_shards([], np.ones((5, 3), np.float32), 4)
+    assert s.shape == (5, 0) and i.shape == (5, 0)

@@ -19,9 +19,14 @@ import scipy.sparse as sp
 import torch
 import torch.nn.functional as F
 
+import xc_dagster.pipeline.classifier as classifier_stage
 from tests.torchrun import run_torchrun
+from xc_dagster.catalog import DatasetSpec
 from xc_dagster.config import ClassifierParams
 from xc_dagster.encoders.bag import create_bag_encoder
+from xc_dagster.errors import XCConfigError
+from xc_dagster.pipeline.context import StageContext
+from xc_dagster.storage import ArtifactStore
 from xc_dagster.training.checkpoint import Checkpointer
 from xc_dagster.training.classifier import ClassifierTrainer, train_classifiers
 from xc_dagster.training.distributed import DistEnv
@@ -314,3 +319,13 @@ def test_checkpoints_resume_across_world_sizes(runs):
 
 if __name__ == "__main__":  # a torchrun rank (see ``runs``)
     _worker(Path(sys.argv[1]))
+
+
+def test_a_budget_planned_end_to_end_run_is_refused_with_several_ranks(tmp_path):
+    """Each rank would time its own steps and plan its own epochs (then wait for the others at a collective)."""
+    spec = DatasetSpec("D", str(tmp_path), strategy="astra", overrides={"train.budget_minutes": 30})
+    ctx = StageContext(ArtifactStore(tmp_path / "artifacts", remote=None), spec, spec.config(), tmp_path / "cache",
+                       device=CPU, stage="classifier")
+    with pytest.raises(XCConfigError, match=r"train.budget_minutes: expected 0, or classifier.epochs set explicitly, "
+                                            r"with WORLD_SIZE=2 \(the budget's epochs are planned from one process"):
+        classifier_stage.run(ctx, env=DistEnv(0, 2, 0, "gloo", CPU))  # refused before any artifact is read

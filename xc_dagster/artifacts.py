@@ -48,7 +48,7 @@ from xc_dagster.retrieval.shortlist import (
     ShortlistSources,
     load_sources,
 )
-from xc_dagster.storage import ArtifactStore, load_json
+from xc_dagster.storage import VERSION, ArtifactStore, load_json
 
 # every stage
 SUMMARY = "summary.json"  # sizes, timings and key numbers of the run that wrote the folder
@@ -139,6 +139,17 @@ def check_writes(entry: StageArtifacts, folder: Path) -> None:
                               f"(xc_dagster/artifacts.py) does not declare; it declares {list(entry.writes)}")
 
 
+def _version(stage_dir: Path) -> str:
+    """The version folder a stage's link names; for a folder that is not one (written before versions, or linked
+    by hand) its path and its summary's modification time and size, so that a rewrite changes it too."""
+    target = stage_dir.resolve()
+    if target.name.startswith(f".{stage_dir.name}.{VERSION}"):
+        return target.name
+    marker = target / SUMMARY if (target / SUMMARY).exists() else target
+    st = marker.stat()
+    return f"{target}:{st.st_mtime_ns}:{st.st_size}"
+
+
 class ArtifactReader:
     """The upstream artifacts of one dataset, as read on behalf of ``consumer``.
 
@@ -171,7 +182,7 @@ class ArtifactReader:
             raise XCError("versions: a reader without a consumer declares no reads")
         folders = {stage: self.store.stage_dir(self.dataset_name, stage) for stage in self.consumer.reads}
         # the local folders only: not a read (``opened`` stays as it is), nothing fetched from a remote root
-        return {stage: d.resolve().name for stage, d in folders.items() if d.is_dir()}
+        return {stage: _version(d) for stage, d in folders.items() if d.is_dir()}
 
     def summary(self, stage: str, missing_ok: bool = False) -> dict[str, Any] | None:
         """The summary ``stage`` recorded; with ``missing_ok``, None when the stage is not materialized."""

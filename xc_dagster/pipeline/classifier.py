@@ -157,6 +157,12 @@ def run(ctx: StageContext, env: DistEnv | None = None) -> dict[str, Any]:
     started = time.perf_counter()
     p = ctx.cfg.classifier
     env = DistEnv() if env is None else env
+    sampled = _check_trainer(p)
+    if env.world_size > 1 and sampled and p.train_encoder and ctx.cfg.train.budget_minutes > 0 \
+            and "classifier.epochs" not in ctx.cfg.explicit and p.epochs > 0:  # each rank would plan its own epochs
+        raise XCConfigError(f"train.budget_minutes: expected 0, or classifier.epochs set explicitly, with WORLD_SIZE="
+                            f"{env.world_size} (the budget's epochs are planned from one process's timed steps), "
+                            f"got {ctx.cfg.train.budget_minutes}")
     seed_everything(p.seed)
     point_emb = ctx.read.pretrained(TRAIN_EMB)
     label_emb = ctx.read.pretrained(LABEL_EMB)
@@ -164,7 +170,6 @@ def run(ctx: StageContext, env: DistEnv | None = None) -> dict[str, Any]:
     sl = ctx.read.shortlist()
     ds = ctx.read.labels()
     rows = ctx.read.train_rows(ds.num_train)
-    sampled = _check_trainer(p)
     pooling = ctx.read.summary("pretrain")["pooling"] if (p.train_encoder or p.train_residual) else None
     encoder, tokenizer, residual_note = _residual_encoder(ctx, pooling)
     inter = label_inter = None

@@ -89,17 +89,21 @@ def predict(ctx: StageContext, q: np.ndarray, lex_q: Any, m: Any, fz: Any, inv: 
     n, parts = len(q), []
     fp = None if ds.filter_test is None else np.asarray(ds.filter_test, dtype=np.int64).reshape(-1, 2)
     kept = kept or KeptWork(None, "")
+    searched = [0.0]  # seconds spent on the blocks this run searched (not those read back)
     with ctx.progress("retrieve test", n, "queries") as prog:
         def block(s: int, e: int) -> dict[str, np.ndarray]:
+            t0 = time.perf_counter()
             block_fp = None if fp is None else fp[(fp[:, 0] >= s) & (fp[:, 0] < e)] - [s, 0]
             out = _predict_block(ctx, q[s:e], None if lex_q is None else lex_q[s:e], m, fz, inv, ds.Y_test[s:e],
                                  block_fp, k_ablation, prog.update)
+            searched[0] += time.perf_counter() - t0
             return {"ids": out["ids"], "scores": out["scores"], "hits": out["hits"],
                     **{f"{RANKING}{name}": r for name, r in out["rankings"].items()}}
 
         parts = [arrays for _, _, arrays in kept.blocks(n, STREAM_ROWS, block, prog.update)]
     names = [k[len(RANKING):] for k in (parts[0] if parts else {}) if k.startswith(RANKING)]
-    return {"ids": np.concatenate([p["ids"] for p in parts]), "scores": np.concatenate([p["scores"] for p in parts]),
+    return {"search_seconds": searched[0],
+            "ids": np.concatenate([p["ids"] for p in parts]), "scores": np.concatenate([p["scores"] for p in parts]),
             "hits": _stack([p["hits"] for p in parts]),
             "rankings": {name: np.concatenate([p[RANKING + name] for p in parts]) for name in names}}
 
@@ -146,8 +150,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
         stage_seconds = upstream_seconds(ctx)
         stage_seconds["training_total"] = sum(stage_seconds.get(s, 0.0) for s in TRAINING_STAGES)
         searched = len(q) - kept.resumed_rows  # the queries this run searched (the rest: a killed run's kept blocks)
+        per_query = 1000 * pred["search_seconds"] / searched if searched else None  # none searched: not measured
         summary = {"metrics": metrics, "fusion": fz.summary(), "n_test": int(len(q)), "encode_seconds": t_enc,
-                   "predict_seconds": t_pred, "ms_per_query_index_fusion": 1000 * t_pred / max(searched, 1),
+                   "predict_seconds": t_pred, "ms_per_query_index_fusion": per_query,
                    "stage_seconds": stage_seconds, "resumed_queries": kept.resumed_rows,
                    "seconds": time.perf_counter() - t0}
         title = f"{ctx.name} ({ctx.cfg.strategy}, {ctx.cfg.preset})"

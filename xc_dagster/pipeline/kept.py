@@ -50,11 +50,15 @@ class KeptWork:
             log.warning("%s: another run of this stage is keeping its work there; this run keeps none", self.folder)
             self.folder = None
             return
-        if self.folder.is_dir() and self._stored_key() != key:
-            shutil.rmtree(self.folder)  # another configuration's or other inputs' blocks: never mixed in
-        self.folder.mkdir(parents=True, exist_ok=True)
-        if self._stored_key() != key:
-            atomic_write_text(self.folder / KEY, key)
+        try:
+            if self.folder.is_dir() and self._stored_key() != key:
+                shutil.rmtree(self.folder)  # another configuration's or other inputs' blocks: never mixed in
+            self.folder.mkdir(parents=True, exist_ok=True)
+            if self._stored_key() != key:
+                atomic_write_text(self.folder / KEY, key)
+        except BaseException:
+            self._lock.close()
+            raise
 
     def _stored_key(self) -> str | None:
         try:

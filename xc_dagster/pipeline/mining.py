@@ -49,12 +49,14 @@ def run(ctx: StageContext) -> dict[str, Any]:
                  for name in p.sources if (path := kept.path(INDEX_FILES[name])) is not None}
         if built:
             ctx.info(f"mining {ctx.name}: the {', '.join(built)} index(es) a killed run of this stage built, kept")
+
+        def keep(name: str, index: LabelIndex) -> None:  # as soon as built: a graph of 1.3M labels takes ~30 min
+            if index.kind != "exact":  # on 2 cores; an exact index is its vectors, rebuilt at no cost
+                kept.keep(INDEX_FILES[name], index.save)
+
         src = build_sources(p.sources, label_emb, label_emb, centroids, point_emb[rows], ds.Y_train[rows],
                             "text+centroid" if "centroid" in p.sources else "text", p.index, p.hnsw_m,
-                            p.hnsw_ef_construction, p.hnsw_ef_search, report=ctx.info, built=built)
-        for name, index in src.indexes.items():
-            if name not in built:  # a graph of 1.3M labels takes ~30 minutes on 2 cores: a re-run reads it back
-                kept.keep(INDEX_FILES[name], index.save)
+                            p.hnsw_ef_construction, p.hnsw_ef_search, report=ctx.info, built=built, on_built=keep)
         k = min(p.shortlist_size, len(label_emb))
         own = np.full(ds.num_train, -1, dtype=np.int64)
         own[rows] = np.arange(len(rows))  # a training point is not its own neighbour
@@ -76,7 +78,11 @@ def run(ctx: StageContext) -> dict[str, Any]:
         label = src.indexes.get("label")
         with ctx.writing() as out:
             if label is not None and label.kind != "exact":  # a graph the index stage reuses while the encoder is
-                link(kept.path(INDEX_FILES["label"]), out / MINING_LABEL_INDEX)  # the pretrained one (not an exact one)
+                graph = kept.path(INDEX_FILES["label"])  # the pretrained one (nothing to reuse in an exact one)
+                if graph is not None:  # the kept graph (none: another run of this stage holds the kept work)
+                    link(graph, out / MINING_LABEL_INDEX)
+                else:
+                    label.save(out / MINING_LABEL_INDEX)
                 summary["label_index"] = label_index_settings(label.kind, p.hnsw_m, p.hnsw_ef_construction)
             summary["seconds"] = time.perf_counter() - t0
             np.save(out / SHORTLIST, ids)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import scipy.sparse as sp
@@ -246,11 +246,12 @@ def build_sources(sources: tuple[str, ...], W: np.ndarray, label_emb: np.ndarray
                   point_emb: np.ndarray | None, knn_labels: sp.csr_matrix | None, label_repr: str, kind: str,
                   m: int, ef_construction: int, ef_search: int,
                   lexical: LexicalIndex | None = None, report: Report | None = None,
-                  built: dict[str, LabelIndex] | None = None) -> ShortlistSources:
+                  built: dict[str, LabelIndex] | None = None,
+                  on_built: Callable[[str, LabelIndex], None] | None = None) -> ShortlistSources:
     """Build the ANNS index of every source; ``point_emb`` / ``knn_labels``: the indexed training points;
     ``lexical``: the fitted lexical source, when ``sources`` name it; ``report``: where each build's start and
     end lines go (``xc_dagster.progress.in_one_call``); ``built``: indexes already built over the same vectors
-    (a killed run's, kept), used as they are."""
+    (a killed run's, kept), used as they are; ``on_built(name, index)``: called as each new index is built."""
     vectors = {"W": W, "label": label_emb, "centroid": centroids, "knn": point_emb}
     indexes = {}
     for name in sources:
@@ -265,6 +266,8 @@ def build_sources(sources: tuple[str, ...], W: np.ndarray, label_emb: np.ndarray
             continue
         with in_one_call(f"index {name}", len(vectors[name]), "vectors", report, f"{kind} build"):
             indexes[name] = LabelIndex(kind, vectors[name], m=m, ef_construction=ef_construction, ef_search=ef_search)
+        if on_built is not None:
+            on_built(name, indexes[name])
     return ShortlistSources(W, label_representation(label_emb, centroids, label_repr), indexes,
                             knn_labels.tocsr() if knn_labels is not None else None,
                             lexical=lexical if "lexical" in sources else None)

@@ -43,6 +43,8 @@ def search_shards(indexes: list[tuple[int, LabelIndex]], queries: np.ndarray, k:
             s, i = np.where(outside, -np.inf, s).astype(np.float32), np.where(outside, -1, i)
         all_s.append(s)
         all_i.append(i)
+    if not all_s:  # a rank whose label range is empty (fewer labels than ranks): nothing of its own
+        all_s, all_i = [np.zeros((len(queries), 0), np.float32)], [np.zeros((len(queries), 0), np.int64)]
     s, i = _top(np.concatenate(all_s, 1), np.concatenate(all_i, 1), k, len(indexes) > 1)
     if env is not None and env.active:  # every rank's top k, side by side (padded to k), then merged
         pad = k - s.shape[1]

@@ -51,7 +51,9 @@ def _env_int(environ: Mapping[str, str], name: str, default: int | None, why: st
 
 
 def world_size(environ: Mapping[str, str]) -> int:
-    """torchrun's WORLD_SIZE in ``environ`` (1 when unset)."""
+    """torchrun's WORLD_SIZE in ``environ`` (1 when unset or blank)."""
+    if not environ.get("WORLD_SIZE", "").strip():
+        return 1
     world = _env_int(environ, "WORLD_SIZE", 1, ">= 1 (number of processes, set by torchrun)")
     if world < 1:
         raise XCConfigError(f"WORLD_SIZE: expected an integer >= 1 (number of processes, set by torchrun), got {world}")

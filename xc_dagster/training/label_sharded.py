@@ -79,8 +79,9 @@ class RankShardedClassifier(ShardedClassifier):
                query_grad: torch.Tensor | None = None) -> torch.Tensor:
         local = torch.where((ids >= self.lo) & (ids < self.hi), ids - self.lo, torch.full_like(ids, -1))
         part = super().scores(x, local, normalize, query_grad)
-        if not part.requires_grad:  # none of this rank's labels in the step: the loss still has a graph here
-            part.requires_grad_(True)
+        if not part.requires_grad:  # none of this rank's labels in the step: the loss still has a graph here,
+            # through x when it has one (an encoder trained: the backward must reach its all-gather on every rank)
+            part = part + 0.0 * x.sum() if x.requires_grad else part.requires_grad_(True)
         return sum_over_ranks(part, self.env)
 
     def snapshot(self) -> list[tuple[int, np.ndarray]]:
