@@ -192,8 +192,9 @@ def test_calibration_is_cached_and_recalibrate_measures_again(tmp_path, monkeypa
 
 def test_hnsw_graphs_of_millions_are_flagged_as_beyond_the_ln_n_model(monkeypatch):
     """Above 2^19 vectors the ln n scaling of a 10,000-vector calibration under-predicted the 1.3M shape's graphs
-    3-6x (memory-bound): the plan says so for each such index, and not below."""
-    from xc_dagster.planning.model import HNSW_LOG_MODEL_UP_TO
+    6.2x (build) and 3.1x (search): the plan scales them by those factors and says so for each such index, and
+    not below."""
+    from xc_dagster.planning.model import HNSW_LOG_MODEL_UP_TO, MEMORY_BOUND_BUILD, MEMORY_BOUND_SEARCH
 
     monkeypatch.setenv("XC_EXACT_PRECISION", "fp32")
     cfg = _ngame(**{"train.budget_minutes": 0})
@@ -201,6 +202,10 @@ def test_hnsw_graphs_of_millions_are_flagged_as_beyond_the_ln_n_model(monkeypatc
     stages = {p.name: p for p in plan_stages(Costs(FixedUnits(), cfg, big), cfg, big, None)}
     notes = [n for n in stages["index"].notes if "memory-bound" in n]
     assert [n.split(":")[0] for n in notes] == ["W", "label", "knn"] and HNSW_LOG_MODEL_UP_TO == 1 << 19
+    units, n = FixedUnits().get("hnsw", {}, None), 2_248_619  # the kNN graph: n x ln n x unit x factor
+    assert stages["index"].parts["knn build (hnsw, 2,248,619)"] == pytest.approx(
+        n * math.log(n) * units["build_s_per_vector_log"] * MEMORY_BOUND_BUILD)
+    assert (MEMORY_BOUND_BUILD, MEMORY_BOUND_SEARCH) == (6.2, 3.1)
     small = Shape(400_000, 1000, 300, 2.0, 6.0, 6.0, 5000)
     stages = {p.name: p for p in plan_stages(Costs(FixedUnits(), cfg, small), cfg, small, None)}
     assert stages["index"].kinds["knn"] == "hnsw" and not any("memory-bound" in n for n in stages["index"].notes)

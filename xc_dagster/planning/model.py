@@ -34,6 +34,9 @@ from xc_dagster.training.memory import EncoderShape, plan_step_memory, step_loss
 
 F32 = 4
 HNSW_LOG_MODEL_UP_TO = 1 << 19  # HNSW graphs measured within ~1.5x of the ln n model up to here (bench/SCALE.md)
+# above it the graphs are memory-bound: measured / (ln n model) on the 1.3M shape, 2-core Xeon (bench/SCALE.md):
+# build 6.2x at 1,305,265 and at 2,248,619 vectors alike (so still ~ln n, with a larger constant), search ~3.1x
+MEMORY_BOUND_BUILD, MEMORY_BOUND_SEARCH = 6.2, 3.1
 TEXT_BYTES, TEXT_BYTES_PER_TOKEN = 60, 5  # a Python str of a title: header + characters
 LEXICAL_BYTES_PER_TOKEN = 2 * 12  # TF-IDF entries (word 1-2 grams) per token, index and value (float32, int64)
 
@@ -158,14 +161,17 @@ def index_work(c: Costs, plan: StagePlan, name: str, kind: str, keys: int, queri
         plan.kinds[name] = "ivf"
         return
     u, log_n = c.hnsw(*hnsw, k), math.log(max(keys, 2))
+    build_x = search_x = 1.0
     if keys > HNSW_LOG_MODEL_UP_TO:
-        plan.notes.append(f"{name}: HNSW over {keys:,} vectors is planned from {HNSW_VECTORS:,} vectors scaled by "
-                          "ln n; graphs of millions of vectors are memory-bound and were measured 3-6x slower than "
-                          "such a plan (bench/SCALE.md#hnsw-at-a-million-vectors-measured-against-the-plan)")
+        build_x, search_x = MEMORY_BOUND_BUILD, MEMORY_BOUND_SEARCH
+        plan.notes.append(f"{name}: HNSW over {keys:,} vectors is memory-bound: planned from {HNSW_VECTORS:,} "
+                          f"vectors scaled by ln n and by x{build_x} (build) / x{search_x} (search), as measured at "
+                          "1.3M-2.25M vectors on a 2-core Xeon; other machines' memory may differ "
+                          "(bench/SCALE.md#hnsw-at-a-million-vectors-measured-against-the-plan)")
     if build:
-        plan.parts[f"{name} build (hnsw, {keys:,})"] = keys * log_n * u["build_s_per_vector_log"]
+        plan.parts[f"{name} build (hnsw, {keys:,})"] = keys * log_n * u["build_s_per_vector_log"] * build_x
     if queries:
-        plan.parts[f"{name} search (hnsw, {queries:,})"] = queries * log_n * u["search_s_per_query_log"]
+        plan.parts[f"{name} search (hnsw, {queries:,})"] = queries * log_n * u["search_s_per_query_log"] * search_x
     plan.memory[f"{name} index"] = keys * (c.dim * F32 + 2 * hnsw[0] * F32 * 1.1)
 
 
