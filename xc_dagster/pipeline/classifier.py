@@ -148,6 +148,17 @@ def fold_trainer(ctx: StageContext, ds: Any, label_emb: np.ndarray) -> Callable[
     return train
 
 
+def _check_ranks(ctx: StageContext, env: DistEnv, sampled: bool) -> None:
+    """Refuse a budget-planned end-to-end run with several ranks: each would time its own steps and plan its own
+    epochs, then wait for the others at a collective (pretraining refuses it alike)."""
+    p = ctx.cfg.classifier
+    if env.world_size > 1 and sampled and p.train_encoder and ctx.cfg.train.budget_minutes > 0 \
+            and "classifier.epochs" not in ctx.cfg.explicit and p.epochs > 0:
+        raise XCConfigError(f"train.budget_minutes: expected 0, or classifier.epochs set explicitly, with WORLD_SIZE="
+                            f"{env.world_size} (the budget's epochs are planned from one process's timed steps), "
+                            f"got {ctx.cfg.train.budget_minutes}")
+
+
 def run(ctx: StageContext, env: DistEnv | None = None) -> dict[str, Any]:
     """Train one-vs-all W from label embeddings (validation rows held out): on positives + the hardest mined
     negatives (NGAME, SiameseXML), or with BCE over sampled negatives (ASTRA, MIPS-s), optionally fine-tuning
@@ -156,13 +167,8 @@ def run(ctx: StageContext, env: DistEnv | None = None) -> dict[str, Any]:
     every later stage uses them (``ArtifactReader.model_dir``)."""
     started = time.perf_counter()
     p = ctx.cfg.classifier
-    env = DistEnv() if env is None else env
-    sampled = _check_trainer(p)
-    if env.world_size > 1 and sampled and p.train_encoder and ctx.cfg.train.budget_minutes > 0 \
-            and "classifier.epochs" not in ctx.cfg.explicit and p.epochs > 0:  # each rank would plan its own epochs
-        raise XCConfigError(f"train.budget_minutes: expected 0, or classifier.epochs set explicitly, with WORLD_SIZE="
-                            f"{env.world_size} (the budget's epochs are planned from one process's timed steps), "
-                            f"got {ctx.cfg.train.budget_minutes}")
+    env, sampled = DistEnv() if env is None else env, _check_trainer(p)
+    _check_ranks(ctx, env, sampled)
     seed_everything(p.seed)
     point_emb = ctx.read.pretrained(TRAIN_EMB)
     label_emb = ctx.read.pretrained(LABEL_EMB)

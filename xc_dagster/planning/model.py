@@ -15,7 +15,6 @@ from xc_dagster.config import PipelineConfig
 from xc_dagster.device import amp_dtype
 from xc_dagster.errors import XCConfigError
 from xc_dagster.planning.calibration import (
-    HNSW_VECTORS,
     UnitCosts,
     classifier_labels,
     classifier_unit,
@@ -34,9 +33,9 @@ from xc_dagster.training.memory import EncoderShape, plan_step_memory, step_loss
 
 F32 = 4
 HNSW_LOG_MODEL_UP_TO = 1 << 19  # HNSW graphs measured within ~1.5x of the ln n model up to here (bench/SCALE.md)
-# above it the graphs are memory-bound: measured / (ln n model) on the 1.3M shape, 2-core Xeon (bench/SCALE.md):
-# build 6.2x at 1,305,265 and at 2,248,619 vectors alike (so still ~ln n, with a larger constant), search ~3.1x
+# above, memory-bound: measured / (ln n model) at 1.3M and 2.25M vectors, 2-core Xeon (bench/SCALE.md)
 MEMORY_BOUND_BUILD, MEMORY_BOUND_SEARCH = 6.2, 3.1
+HNSW_AT_A_MILLION = "hnsw-at-a-million-vectors-measured-against-the-plan"
 TEXT_BYTES, TEXT_BYTES_PER_TOKEN = 60, 5  # a Python str of a title: header + characters
 LEXICAL_BYTES_PER_TOKEN = 2 * 12  # TF-IDF entries (word 1-2 grams) per token, index and value (float32, int64)
 
@@ -144,11 +143,9 @@ def _fields(params: Any, *names: str) -> dict[str, Any]:
 
 def index_work(c: Costs, plan: StagePlan, name: str, kind: str, keys: int, queries: int, k: int,
                hnsw: tuple[int, int, int], build: bool = True) -> None:
-    """An index over ``keys`` vectors of kind ``kind`` (``auto`` resolved as ``resolve_kind`` does): its build
-    (HNSW: per vector x ln n) and ``queries`` searches of the top ``k`` (exact: queries x keys pairs; HNSW: per
-    query x ln n) added to ``plan``, with its memory."""
-    kind = resolve_kind(kind, keys)
-    plan.kinds[name] = kind
+    """An index over ``keys`` vectors of kind ``kind`` (``auto`` as ``resolve_kind``): its build (HNSW: per vector x
+    ln n) and ``queries`` top-``k`` searches (exact: queries x keys pairs; HNSW: per query x ln n), with its memory."""
+    plan.kinds[name] = kind = resolve_kind(kind, keys)
     if kind == "exact":
         plan.memory[f"{name} index"] = keys * c.dim * (F32 + (2 if exact_dtype(c.device) is not None else 0))
         if queries:
@@ -161,13 +158,10 @@ def index_work(c: Costs, plan: StagePlan, name: str, kind: str, keys: int, queri
         plan.kinds[name] = "ivf"
         return
     u, log_n = c.hnsw(*hnsw, k), math.log(max(keys, 2))
-    build_x = search_x = 1.0
+    build_x, search_x = (MEMORY_BOUND_BUILD, MEMORY_BOUND_SEARCH) if keys > HNSW_LOG_MODEL_UP_TO else (1.0, 1.0)
     if keys > HNSW_LOG_MODEL_UP_TO:
-        build_x, search_x = MEMORY_BOUND_BUILD, MEMORY_BOUND_SEARCH
-        plan.notes.append(f"{name}: HNSW over {keys:,} vectors is memory-bound: planned from {HNSW_VECTORS:,} "
-                          f"vectors scaled by ln n and by x{build_x} (build) / x{search_x} (search), as measured at "
-                          "1.3M-2.25M vectors on a 2-core Xeon; other machines' memory may differ "
-                          "(bench/SCALE.md#hnsw-at-a-million-vectors-measured-against-the-plan)")
+        plan.notes.append(f"{name}: HNSW over {keys:,} vectors is memory-bound: ln n scaling x{build_x} (build) / "
+                          f"x{search_x} (search), measured on a 2-core Xeon (bench/SCALE.md#{HNSW_AT_A_MILLION})")
     if build:
         plan.parts[f"{name} build (hnsw, {keys:,})"] = keys * log_n * u["build_s_per_vector_log"] * build_x
     if queries:
