@@ -86,13 +86,12 @@ class KeptWork:
         """Keep the block starting at ``start`` (durable once it returns)."""
         if self.folder is None:
             return
-        path = self._path(start)
-        tmp = path.with_name(f".{path.name}.tmp")  # one fixed name: a killed write's leftover is overwritten
-        with open(tmp, "wb") as fh:
-            np.savez(fh, **arrays)
-        fsync_file(tmp)
-        os.replace(tmp, path)
-        fsync_dir(self.folder)
+
+        def write(path: Path) -> None:
+            with open(path, "wb") as fh:  # a handle: np.savez would append ".npz" to the temporary name
+                np.savez(fh, **arrays)
+
+        self.keep(self._path(start).name, write)
 
     def blocks(self, n: int, rows: int, compute: Callable[[int, int], dict[str, np.ndarray]],
                skipped: Callable[[int], None] | None = None) -> Iterator[tuple[int, int, dict[str, np.ndarray]]]:
