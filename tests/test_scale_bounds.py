@@ -18,7 +18,7 @@ from xc_dagster.pipeline import mining as mining_stage
 from xc_dagster.retrieval import ann
 from xc_dagster.retrieval.ann import LabelIndex, exact_topk, resolve_kind
 from xc_dagster.retrieval.lexical import LexicalIndex
-from xc_dagster.retrieval.sparse_rows import cap_postings, dense_topk, sparse_topk, work_blocks
+from xc_dagster.retrieval.sparse_rows import cap_postings, sparse_topk, work_blocks
 from xc_dagster.storage import ArtifactStore, load_json
 
 
@@ -50,9 +50,27 @@ def test_packed_dense_topk_equals_sparse_topk_on_skewed_rows(seed):
     S = sp.csr_matrix(S)
     S.data = np.ceil(S.data * 4) / 4
     for k in (1, 10, 200):
-        got, want = dense_topk(S, k), sparse_topk(S, k)
+        got, want = sparse_topk(S, k, packed_share=0.0), sparse_topk(S, k, packed_share=np.inf)
         assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
 
+
+
+def test_sparse_topk_by_hand_and_packed_rows_of_any_sign_equal_the_sort():
+    """The packed path (kNN votes: rows of similar length) takes any values, negative ones too, and breaks ties
+    in the entries' own dtype by column, exactly as the sort of every entry does."""
+    S = sp.csr_matrix(np.array([[0.0, -0.5, 0.25, -0.5, -0.25], [0.0] * 5, [1.0, 1.0, -2.0, 0.0, 3.0]]))
+    for share in (0.0, np.inf):
+        ids, vals = sparse_topk(S, 3, packed_share=share)
+        assert ids.tolist() == [[2, 4, 1], [-1, -1, -1], [4, 0, 1]]
+        assert vals.tolist() == [[0.25, -0.25, -0.5], [0, 0, 0], [3.0, 1.0, 1.0]]
+    rng = np.random.default_rng(3)
+    for trial in range(60):
+        n, L = int(rng.integers(1, 30)), int(rng.integers(1, 60))
+        M = sp.random(n, L, density=rng.random(), random_state=trial, format="csr")
+        M.data = np.round(rng.standard_normal(M.nnz), 1) + 1e-12 * rng.random(M.nnz)  # float32-equal, float64-unequal
+        k = int(rng.integers(1, 70))
+        got, want = sparse_topk(M, k, packed_share=0.0), sparse_topk(M, k, packed_share=np.inf)
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), trial
 
 def _lexical(n_points: int, cap: int, seed: int = 0) -> tuple[LexicalIndex, sp.csr_matrix]:
     """TF-IDF-like unit rows over 200 terms where term 0 (a stop word) is in every point, with 50 labels."""

@@ -20,6 +20,7 @@ from xc_dagster.home import Home
 from xc_dagster.pipeline import StageContext, run_all
 from xc_dagster.retrieval.ann import LabelIndex, exact_topk
 from xc_dagster.retrieval.shortlist import (
+    KNN_LABELS_FILE,
     ShortlistSources,
     build_sources,
     check_sources,
@@ -84,6 +85,29 @@ def test_knn_label_scores_sum_similarities_and_rank():
     ids2, _ = knn_label_scores(nbrs, sims, knn_labels, k=2)
     assert ids2[0].tolist() == [1, 0]
 
+
+
+class _NoCopy(sp.csr_matrix):
+    """A label matrix that fails any conversion: the scoring of a block of queries must not copy all of it."""
+
+    def astype(self, *args, **kwargs):
+        raise AssertionError("the whole kNN label matrix was converted")
+
+
+def test_knn_label_scores_use_the_sources_float64_matrix_without_copying_it(tmp_path):
+    """Converting the (training points x L) matrix per call is O(training points) for every block of queries (half
+    of the 1.3M shape's evaluation): the sources hold it in float64 once, built or loaded."""
+    E, Y, X, rng = _problem()
+    src = build_sources(("knn",), E, E, None, X, Y, "text", "exact", 8, 40, 40)
+    assert src.knn_labels.dtype == np.float64
+    nbrs, sims = rng.integers(-1, len(X), (7, 5)), rng.random((7, 5), dtype=np.float32)
+    held = knn_label_scores(nbrs, sims, _NoCopy(src.knn_labels), 4)
+    want = knn_label_scores(nbrs, sims, Y.astype(np.float32), 4)  # a float32 matrix is converted: same scores
+    np.testing.assert_array_equal(held[0], want[0])
+    np.testing.assert_array_equal(held[1], want[1])
+    save_sources(src, tmp_path, None)
+    assert load_sources(tmp_path, ("knn",), "text", "exact", 40, E, E).knn_labels.dtype == np.float64
+    assert sp.load_npz(tmp_path / KNN_LABELS_FILE).dtype == np.float32  # the file stays float32
 
 def _problem(seed: int = 0, L: int = 300, N: int = 500, D: int = 16):
     rng = np.random.default_rng(seed)

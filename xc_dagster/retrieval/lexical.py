@@ -46,7 +46,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from xc_dagster.errors import XCConfigError, XCError
-from xc_dagster.retrieval.sparse_rows import cap_postings, dense_topk, sparse_topk, work_blocks
+from xc_dagster.retrieval.sparse_rows import cap_postings, sparse_topk, work_blocks
 from xc_dagster.storage import load_json, save_json
 
 LEXICAL_DIR = "lexical"  # the folder of a LexicalIndex among the index stage's files
@@ -61,7 +61,7 @@ FORMAT = 1
 INPUTS = ("text", "features")  # what the TF-IDF model reads: raw texts, or the shipped BoW feature rows
 # TfidfVectorizer settings besides min_df (recorded in lexical.json, so a load rebuilds the same analyzer)
 VECTORIZER = {"sublinear_tf": True, "ngram_range": [1, 2], "lowercase": True, "token_pattern": r"(?u)\b\w\w+\b"}
-DENSE_TOPK_SHARE = 0.02  # a product block filling more than this share of its packed rows goes through dense_topk
+DENSE_TOPK_SHARE = 0.02  # a product block filling more than this share of its packed rows is partitioned, not sorted
 PRODUCT_BUDGET = 1 << 24  # at most this many (query, training point) products held at once (~200 MB)
 CAPPED_TERMS = 64  # block_rows of a capped index: a query's products taken as at most this many terms x P
 
@@ -277,10 +277,7 @@ class LexicalIndex:
                 bad |= S.indices == np.repeat(np.asarray(own), np.diff(S.indptr))
             S.data[bad] = 0.0
             S.eliminate_zeros()
-        longest = int(np.diff(S.indptr).max(initial=0))
-        if S.nnz > DENSE_TOPK_SHARE * S.shape[0] * longest:  # rows of similar length (common terms): packed block
-            return dense_topk(S, self.neighbours)
-        return sparse_topk(S, self.neighbours)
+        return sparse_topk(S, self.neighbours, packed_share=DENSE_TOPK_SHARE)  # common terms: rows of similar length
 
     def scores(self, queries: sp.spmatrix, excluded: np.ndarray | None = None,
                own: np.ndarray | None = None) -> sp.csr_matrix:

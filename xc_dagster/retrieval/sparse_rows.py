@@ -7,18 +7,26 @@ from __future__ import annotations
 import numpy as np
 import scipy.sparse as sp
 
+PACKED_SHARE = 0.125  # rows whose stored entries fill at least this share of a block as wide as the longest row
+# are packed into that block (at most 8x the entries' memory) and partitioned; sparser ones are sorted
 
-def sparse_topk(S: sp.spmatrix, k: int) -> tuple[np.ndarray, np.ndarray]:
+
+def sparse_topk(S: sp.spmatrix, k: int, packed_share: float = PACKED_SHARE) -> tuple[np.ndarray, np.ndarray]:
     """The k largest stored entries of each row of ``S``, by value descending then column: (columns int64,
-    values float32), -1 / 0 padded. One sort over the stored entries."""
+    values float32), -1 / 0 padded. Rows filling ``packed_share`` of a block as wide as the longest row go through
+    :func:`_packed_topk` (O(rows x longest row), no sort of every entry); others through one sort of the entries."""
     S = sp.csr_matrix(S)
     S.sum_duplicates()
     n = S.shape[0]
+    lengths = np.diff(S.indptr)
+    width = int(lengths.max(initial=0))
+    if S.nnz == 0 or k < 1:
+        return np.full((n, k), -1, dtype=np.int64), np.zeros((n, k), dtype=np.float32)
+    if S.nnz >= packed_share * n * width:
+        return _packed_topk(S, k, lengths, width)
     ids = np.full((n, k), -1, dtype=np.int64)
     vals = np.zeros((n, k), dtype=np.float32)
-    if S.nnz == 0 or k < 1:
-        return ids, vals
-    row = np.repeat(np.arange(n), np.diff(S.indptr))
+    row = np.repeat(np.arange(n), lengths)
     order = np.lexsort((S.indices, -S.data, row))
     row, col, val = row[order], S.indices[order], S.data[order]
     rank = np.arange(len(row)) - S.indptr[row]
@@ -28,27 +36,21 @@ def sparse_topk(S: sp.spmatrix, k: int) -> tuple[np.ndarray, np.ndarray]:
     return ids, vals
 
 
-def dense_topk(S: sp.spmatrix, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`sparse_topk` of a matrix of positive entries (no stored zeros, no duplicate entries: a sparse
-    product's output) through its rows' stored entries packed to the left of a dense block as wide as the longest
-    row (not as the matrix): one partition finds each row's k-th value, and only the entries at or above it are
-    sorted, O(rows x longest row) instead of one sort of every stored entry (4.3 s -> 0.2 s for a 291 x 57,480 block
-    of full-text cosines, 57% dense). The same ids and order: value descending, then column."""
-    S = sp.csr_matrix(S)
+def _packed_topk(S: sp.csr_matrix, k: int, lengths: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`sparse_topk` through the rows' stored entries packed to the left of a dense block as wide as the
+    longest row (padded with -inf, in the entries' dtype so that ties break as in the sort): one partition finds
+    each row's k-th value and only the entries at or above it are sorted (4.3 s -> 0.2 s for a 291 x 57,480
+    block of full-text cosines, 57% dense; 0.60 s -> 0.08 s for 1,024 queries' kNN votes over 1.3M labels)."""
     n = S.shape[0]
-    lengths = np.diff(S.indptr)
-    width = int(lengths.max(initial=0))
     ids = np.full((n, k), -1, dtype=np.int64)
     vals = np.zeros((n, k), dtype=np.float32)
     kk = min(k, width)
-    if n == 0 or kk < 1:
-        return ids, vals
     row = np.repeat(np.arange(n), lengths)
     pos = np.arange(S.nnz) - S.indptr[row]
-    D = np.zeros((n, width), dtype=np.float32)
+    D = np.full((n, width), -np.inf, dtype=S.data.dtype if S.data.dtype.kind == "f" else np.float64)
     D[row, pos] = S.data
-    thr = -np.partition(-D, kk - 1, axis=1)[:, kk - 1:kk]  # each row's kk-th largest (0: fewer entries)
-    r, p = np.nonzero((D >= thr) & (D > 0))  # the top kk and every tie at the kk-th value
+    thr = -np.partition(-D, kk - 1, axis=1)[:, kk - 1:kk]  # each row's kk-th largest (-inf: fewer entries)
+    r, p = np.nonzero((D >= thr) & (np.arange(width) < lengths[:, None]))  # the top kk and every tie at the kk-th
     at = S.indptr[r] + p
     col, val = S.indices[at].astype(np.int64), D[r, p]
     order = np.lexsort((col, -val, r))
