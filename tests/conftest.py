@@ -20,24 +20,6 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
-# Test files of the longest wall time (Dagster CLI runs, several processes, PostgreSQL), longest first, from
-# `pytest --durations` on the 2-core machine. They are handed to the two workers first (and pyproject.toml turns
-# off xdist's reordering by test count, which put these few-test files last): started last, the longest one ran
-# alone for minutes while the other worker idled.
-LONGEST_FIRST = (
-    "test_postgres.py", "test_dynamic_partitions.py", "test_concurrent_partitions.py", "test_pipes_launch.py",
-    "test_pipeline.py", "test_catalog_concurrency.py", "test_dead_run_slots.py", "test_hostile_input.py",
-    "test_automation.py", "test_ddp_pretrain.py", "test_serving.py", "test_killed_runs.py", "test_clicklog.py",
-    "test_label_sharded.py", "test_cli_materialize_set.py", "test_lifecycle_cycle.py", "test_registry_checks.py",
-    "test_checkpoint_damage.py", "test_astra_mips.py",
-)
-
-
-def pytest_collection_modifyitems(config, items):
-    """Files of ``LONGEST_FIRST`` first, in its order; every other file after them in collection order."""
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
-
 @pytest.fixture(autouse=True)
 def _no_leaked_store_variables():
     before = {v: os.environ.get(v) for v in GUARDED}

@@ -11,8 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import LONGEST_FIRST
-
 ROOT = Path(__file__).resolve().parent.parent
 LIBRARY = ROOT / "xc_dagster"
 MAX_MODULE_LINES = 400
@@ -226,8 +224,3 @@ def test_the_project_speaks_of_itself_only():
             if word.search(line):
                 hits.append(f"{p.relative_to(ROOT)}:{i}: {line.strip()[:100]}")
     assert hits == []
-
-
-def test_the_longest_first_test_files_exist():
-    """A renamed or removed file in conftest's LONGEST_FIRST would silently go back to the end of the queue."""
-    assert [name for name in LONGEST_FIRST if not (ROOT / "tests" / name).is_file()] == []
