@@ -10,21 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import numpy as np
 import scipy.sparse as sp
 
+from xc_dagster.planning.calibration import best_seconds
 from xc_dagster.retrieval import shortlist, sparse_rows
-
-
-def _best(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
 
 
 def main() -> None:
@@ -48,10 +39,10 @@ def main() -> None:
     votes = sp.csr_matrix((sims.ravel().astype(np.float64), (np.repeat(np.arange(a.queries), a.neighbours),
                                                              nbrs.ravel())), shape=(a.queries, a.points)) @ Y64
     out = {"args": vars(a), "entries_per_query": votes.nnz / a.queries,
-           "float32_matrix_s": _best(lambda: shortlist.knn_label_scores(nbrs, sims, Y, a.k), a.repeats),
-           "float64_matrix_s": _best(lambda: shortlist.knn_label_scores(nbrs, sims, Y64, a.k), a.repeats),
-           "topk_sort_s": _best(lambda: sparse_rows.sparse_topk(votes, a.k, packed_share=np.inf), a.repeats),
-           "topk_packed_s": _best(lambda: sparse_rows.sparse_topk(votes, a.k, packed_share=0.0), a.repeats)}
+           "float32_matrix_s": best_seconds(lambda: shortlist.knn_label_scores(nbrs, sims, Y, a.k), a.repeats),
+           "float64_matrix_s": best_seconds(lambda: shortlist.knn_label_scores(nbrs, sims, Y64, a.k), a.repeats),
+           "topk_sort_s": best_seconds(lambda: sparse_rows.sparse_topk(votes, a.k, packed_share=np.inf), a.repeats),
+           "topk_packed_s": best_seconds(lambda: sparse_rows.sparse_topk(votes, a.k, packed_share=0.0), a.repeats)}
     print(json.dumps(out, indent=1))
 
 

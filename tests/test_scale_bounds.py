@@ -54,7 +54,6 @@ def test_packed_dense_topk_equals_sparse_topk_on_skewed_rows(seed):
         assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
 
 
-
 def test_sparse_topk_by_hand_and_packed_rows_of_any_sign_equal_the_sort():
     """The packed path (kNN votes: rows of similar length) takes any values, negative ones too, and breaks ties
     in the entries' own dtype by column, exactly as the sort of every entry does."""
@@ -71,6 +70,7 @@ def test_sparse_topk_by_hand_and_packed_rows_of_any_sign_equal_the_sort():
         k = int(rng.integers(1, 70))
         got, want = sparse_topk(M, k, packed_share=0.0), sparse_topk(M, k, packed_share=np.inf)
         assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), trial
+
 
 def _lexical(n_points: int, cap: int, seed: int = 0) -> tuple[LexicalIndex, sp.csr_matrix]:
     """TF-IDF-like unit rows over 200 terms where term 0 (a stop word) is in every point, with 50 labels."""

@@ -86,7 +86,6 @@ def test_knn_label_scores_sum_similarities_and_rank():
     assert ids2[0].tolist() == [1, 0]
 
 
-
 class _NoCopy(sp.csr_matrix):
     """A label matrix that fails any conversion: the scoring of a block of queries must not copy all of it."""
 
@@ -108,6 +107,7 @@ def test_knn_label_scores_use_the_sources_float64_matrix_without_copying_it(tmp_
     save_sources(src, tmp_path, None)
     assert load_sources(tmp_path, ("knn",), "text", "exact", 40, E, E).knn_labels.dtype == np.float64
     assert sp.load_npz(tmp_path / KNN_LABELS_FILE).dtype == np.float32  # the file stays float32
+
 
 def _problem(seed: int = 0, L: int = 300, N: int = 500, D: int = 16):
     rng = np.random.default_rng(seed)

@@ -14,7 +14,8 @@ PACKED_SHARE = 0.125  # rows whose stored entries fill at least this share of a 
 def sparse_topk(S: sp.spmatrix, k: int, packed_share: float = PACKED_SHARE) -> tuple[np.ndarray, np.ndarray]:
     """The k largest stored entries of each row of ``S``, by value descending then column: (columns int64,
     values float32), -1 / 0 padded. Rows filling ``packed_share`` of a block as wide as the longest row go through
-    :func:`_packed_topk` (O(rows x longest row), no sort of every entry); others through one sort of the entries."""
+    :func:`_packed_candidates` (O(rows x longest row), no sort of every entry); others through one sort of the
+    entries."""
     S = sp.csr_matrix(S)
     S.sum_duplicates()
     n = S.shape[0]
@@ -23,27 +24,18 @@ def sparse_topk(S: sp.spmatrix, k: int, packed_share: float = PACKED_SHARE) -> t
     if S.nnz == 0 or k < 1:
         return np.full((n, k), -1, dtype=np.int64), np.zeros((n, k), dtype=np.float32)
     if S.nnz >= packed_share * n * width:
-        return _packed_topk(S, k, lengths, width)
-    ids = np.full((n, k), -1, dtype=np.int64)
-    vals = np.zeros((n, k), dtype=np.float32)
-    row = np.repeat(np.arange(n), lengths)
-    order = np.lexsort((S.indices, -S.data, row))
-    row, col, val = row[order], S.indices[order], S.data[order]
-    rank = np.arange(len(row)) - S.indptr[row]
-    keep = rank < k
-    ids[row[keep], rank[keep]] = col[keep]
-    vals[row[keep], rank[keep]] = val[keep]
-    return ids, vals
+        return _ranked_topk(n, k, *_packed_candidates(S, k, lengths, width))
+    return _ranked_topk(n, k, np.repeat(np.arange(n), lengths), S.indices, S.data)
 
 
-def _packed_topk(S: sp.csr_matrix, k: int, lengths: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`sparse_topk` through the rows' stored entries packed to the left of a dense block as wide as the
-    longest row (padded with -inf, in the entries' dtype so that ties break as in the sort): one partition finds
-    each row's k-th value and only the entries at or above it are sorted (4.3 s -> 0.2 s for a 291 x 57,480
-    block of full-text cosines, 57% dense; 0.60 s -> 0.08 s for 1,024 queries' kNN votes over 1.3M labels)."""
+def _packed_candidates(S: sp.csr_matrix, k: int, lengths: np.ndarray,
+                       width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each row's top min(k, width) entries and every tie at the last of them, as (rows, columns, values): the rows'
+    stored entries packed to the left of a dense block as wide as the longest row (padded with -inf, in the
+    entries' dtype so that ties break as in the sort), where one partition finds each row's k-th value (4.3 s ->
+    0.2 s for a 291 x 57,480 block of full-text cosines, 57% dense; 0.60 s -> 0.08 s for 1,024 queries' kNN votes
+    over 1.3M labels)."""
     n = S.shape[0]
-    ids = np.full((n, k), -1, dtype=np.int64)
-    vals = np.zeros((n, k), dtype=np.float32)
     kk = min(k, width)
     row = np.repeat(np.arange(n), lengths)
     pos = np.arange(S.nnz) - S.indptr[row]
@@ -51,14 +43,21 @@ def _packed_topk(S: sp.csr_matrix, k: int, lengths: np.ndarray, width: int) -> t
     D[row, pos] = S.data
     thr = -np.partition(-D, kk - 1, axis=1)[:, kk - 1:kk]  # each row's kk-th largest (-inf: fewer entries)
     r, p = np.nonzero((D >= thr) & (np.arange(width) < lengths[:, None]))  # the top kk and every tie at the kk-th
-    at = S.indptr[r] + p
-    col, val = S.indices[at].astype(np.int64), D[r, p]
-    order = np.lexsort((col, -val, r))
-    r, col, val = r[order], col[order], val[order]
-    rank = np.arange(len(r)) - np.searchsorted(r, r)
-    keep = rank < kk
-    ids[r[keep], rank[keep]] = col[keep]
-    vals[r[keep], rank[keep]] = val[keep]
+    return r, S.indices[S.indptr[r] + p], D[r, p]
+
+
+def _ranked_topk(n: int, k: int, rows: np.ndarray, cols: np.ndarray,
+                 values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The first k of each row's entries by value descending then column: (n, k) columns int64 and values float32,
+    -1 / 0 padded."""
+    ids = np.full((n, k), -1, dtype=np.int64)
+    vals = np.zeros((n, k), dtype=np.float32)
+    order = np.lexsort((cols, -values, rows))
+    rows, cols, values = rows[order], cols[order], values[order]
+    rank = np.arange(len(rows)) - np.searchsorted(rows, np.arange(n))[rows]  # rows sorted: where each row starts
+    keep = rank < k
+    ids[rows[keep], rank[keep]] = cols[keep]
+    vals[rows[keep], rank[keep]] = values[keep]
     return ids, vals
 
 
