@@ -3,6 +3,8 @@ exact search, and the index kind chosen by size (issue: the pipeline at the XC s
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import scipy.sparse as sp
@@ -10,6 +12,7 @@ import torch
 
 from tests.test_pipeline import TINY
 from tests.tinydata import tiny_lf_home
+from xc_dagster import device
 from xc_dagster.catalog import Catalog
 from xc_dagster.errors import XCConfigError
 from xc_dagster.pipeline import StageContext, run_all
@@ -72,6 +75,41 @@ def test_sparse_topk_by_hand_and_packed_rows_of_any_sign_equal_the_sort():
         assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), trial
 
 
+def test_sparse_topk_of_a_product_skips_the_sort_of_its_rows_and_returns_the_same(monkeypatch):
+    """A sparse product's rows store each column once, in no order: ``unique=True`` ranks them as they are, the
+    same as after scipy's sort and sum, on both paths (packed and sort), and the rows are never sorted."""
+    A = sp.random(60, 300, density=0.05, random_state=0, format="csr", dtype=np.float32)
+    B = sp.random(300, 2000, density=0.01, random_state=1, format="csr", dtype=np.float32)
+    S = A @ B
+    assert not S.has_sorted_indices  # what scipy's product gives
+    want = {share: sparse_topk(S.copy(), 7, packed_share=share) for share in (0.0, np.inf)}
+    calls = []
+    monkeypatch.setattr(sp.csr_matrix, "sort_indices", lambda self: calls.append(1))
+    monkeypatch.setattr(sp.csr_matrix, "sum_duplicates", lambda self: calls.append(1))
+    for share in (0.0, np.inf):
+        got = sparse_topk(S, 7, packed_share=share, unique=True)
+        assert np.array_equal(got[0], want[share][0]) and np.array_equal(got[1], want[share][1])
+    assert calls == []
+
+
+def test_gathered_scores_equal_the_dense_products_and_gather_a_bounded_chunk(monkeypatch):
+    """Q[i] . K[ids[i, j]] for every (i, j), whatever the chunking; each chunk gathers at most GATHER_FLOATS
+    floats (one query's row at least)."""
+    g = torch.Generator().manual_seed(0)
+    Q, K = torch.randn(37, 8, generator=g), torch.randn(500, 8, generator=g)
+    ids = torch.randint(0, 500, (37, 11), generator=g)
+    want = (Q @ K.T).gather(1, ids)
+    gathered = []
+    real = torch.Tensor.index_select
+    monkeypatch.setattr(torch.Tensor, "index_select",
+                        lambda self, dim, index: gathered.append(len(index) * self.shape[1]) or real(self, dim, index))
+    for limit in (1, 88, 200, 1 << 20):
+        monkeypatch.setattr(ann, "GATHER_FLOATS", limit)
+        gathered.clear()
+        torch.testing.assert_close(ann.gathered_scores(Q, K, ids), want)
+        assert max(gathered) <= max(limit, 11 * 8) and sum(gathered) == 37 * 11 * 8
+
+
 def _lexical(n_points: int, cap: int, seed: int = 0) -> tuple[LexicalIndex, sp.csr_matrix]:
     """TF-IDF-like unit rows over 200 terms where term 0 (a stop word) is in every point, with 50 labels."""
     rng = np.random.default_rng(seed)
@@ -130,7 +168,7 @@ def test_capped_index_round_trips_its_cap(tmp_path):
 
 def test_auto_kind_is_exact_up_to_the_threshold_then_hnsw(monkeypatch, tmp_path):
     monkeypatch.setattr(ann, "EXACT_MAX_VECTORS", 100)
-    monkeypatch.setattr(ann, "EXACT_MAX_VECTORS_BF16", 200)
+    monkeypatch.setattr(ann, "EXACT_MAX_VECTORS_LOW", 200)
     monkeypatch.setenv("XC_EXACT_PRECISION", "bf16")  # bf16 scoring: the higher threshold
     assert resolve_kind("auto", 200) == "exact" and resolve_kind("auto", 201) == "hnsw"
     monkeypatch.setenv("XC_EXACT_PRECISION", "fp32")
@@ -148,7 +186,7 @@ def test_auto_kind_is_exact_up_to_the_threshold_then_hnsw(monkeypatch, tmp_path)
         np.testing.assert_array_equal(back.search(q, 5)[1], ix.search(q, 5)[1])
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8"])
 def test_exact_search_blocks_bound_the_score_matrix(monkeypatch, precision):
     """At most EXACT_BLOCK_ENTRIES scores at once, the same top-k as one block (bf16 scoring: its re-rank's top-k
     are over the candidates only)."""
@@ -172,11 +210,12 @@ def test_exact_search_blocks_bound_the_score_matrix(monkeypatch, precision):
     np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
 
 
-def test_bf16_exact_search_returns_the_fp32_top_k_and_scores(monkeypatch):
-    """bf16 scoring with the fp32 re-rank returns fp32's top k and fp32 scores (bf16's own are off by ~1e-3): on
-    spread-out vectors every query is certified by the bf16 pass; in tight clusters (near-ties below bf16's
-    resolution) the uncertified queries are searched again in fp32, still exact. Excluded keys never return; a
-    bad setting fails naming the variable."""
+@pytest.mark.parametrize("low, pass_dtype", [("bf16", torch.bfloat16), ("int8", torch.int32)])
+def test_low_precision_exact_search_returns_the_fp32_top_k_and_scores(monkeypatch, low, pass_dtype):
+    """bf16 or int8 scoring with the fp32 re-rank returns fp32's top k and fp32 scores (the low precision's own
+    are off by ~1e-3): on spread-out vectors every query is certified by the low-precision pass; in tight clusters
+    (near-ties below its resolution) the uncertified queries are searched again in fp32, still exact. Excluded
+    keys never return; a bad setting fails naming the variable."""
     rng = np.random.default_rng(3)
     spread = rng.normal(size=(4000, 32))
     centres = rng.normal(size=(20, 32))
@@ -194,25 +233,115 @@ def test_bf16_exact_search_returns_the_fp32_top_k_and_scores(monkeypatch):
             return real_topk(t, *a, **kw)
 
         monkeypatch.setattr(ann.torch, "topk", spy)
-        got_s, got = exact_topk(q, keys, 50, precision="bf16", block=64)
+        got_s, got = exact_topk(q, keys, 50, precision=low, block=64)
         monkeypatch.setattr(ann.torch, "topk", real_topk)
-        assert full_passes.count(torch.bfloat16) == 5  # 300 queries in blocks of 64
+        assert full_passes.count(pass_dtype) == 5  # 300 queries in blocks of 64
         assert (torch.float32 in full_passes) == redone  # the fp32 pass of uncertified queries
         np.testing.assert_array_equal(got, want)
         np.testing.assert_allclose(got_s, want_s, atol=2e-6)
         assert np.abs(got_s - torch.tensor(got_s).bfloat16().float().numpy()).max() > 1e-4  # not bf16 values
         drop = want[:, 0]
-        _, ids = exact_topk(q, keys, 50, precision="bf16", exclude=drop)
+        _, ids = exact_topk(q, keys, 50, precision=low, exclude=drop)
         np.testing.assert_array_equal(ids, exact_topk(q, keys, 50, precision="fp32", exclude=drop)[1])
         assert not np.isin(ids, drop).any()
     # an index whose queries mostly need the second search switches to fp32 after FP32_SWITCH_MIN_QUERIES
     cache, q2 = {}, np.repeat(q, 4, axis=0)
-    _, ids = exact_topk(q2, keys, 50, precision="bf16", block=64, cache=cache)
+    _, ids = exact_topk(q2, keys, 50, precision=low, block=64, cache=cache)
     np.testing.assert_array_equal(ids, np.repeat(want, 4, axis=0))
-    assert cache["fp32_only"] and cache["bf16_searched"] == ann.FP32_SWITCH_MIN_QUERIES  # 16 blocks of 64
+    assert cache["fp32_only"] and cache["low_searched"] == ann.FP32_SWITCH_MIN_QUERIES  # 16 blocks of 64
     monkeypatch.setenv("XC_EXACT_PRECISION", "fp16")
     with pytest.raises(XCConfigError, match="XC_EXACT_PRECISION"):
         exact_topk(q, keys, 5)
+
+
+def test_int8_error_bound_covers_every_key_and_is_tight_enough_to_certify():
+    """The int8 bound holds for every query x key pair, including keys with an outlier dimension and rows of
+    different norms (|q.k - q'.k'| <= |e_q| max|k| + (|q| + |e_q|) max|e_k|), and on unit vectors it is a few
+    hundredths: about 2x bf16's (2^-6)."""
+    rng = np.random.default_rng(5)
+    keys = rng.normal(size=(3000, 48)) * rng.uniform(0.2, 3.0, size=(3000, 1))
+    keys[:, 7] *= 6.0  # an outlier dimension, as transformer embeddings have
+    K = torch.from_numpy(keys.astype(np.float32))
+    Q = torch.from_numpy(rng.normal(size=(200, 48)).astype(np.float32) * 2.0)
+    cache = {}
+    _, K8 = ann._key_tensors(K.numpy(), torch.device("cpu"), torch.int8, cache)
+    codes, q_scale, _ = ann._quantize(Q)
+    approx = (codes.double() @ K8.double().T) * (q_scale.double()[:, None] * cache["int8_scale"])
+    error = ((Q.double() @ K.double().T) - approx).abs().max(dim=1).values
+    bound = ann._error_bound(Q, torch.zeros(len(Q)), torch.int8, cache).double()
+    assert (error <= bound).all() and (error > 0.2 * bound).any()  # holds, and not vacuous
+    unit = torch.nn.functional.normalize(torch.randn(4000, 384, generator=torch.Generator().manual_seed(0)), dim=1)
+    unit_cache = {}
+    ann._key_tensors(unit.numpy(), torch.device("cpu"), torch.int8, unit_cache)
+    b = ann._error_bound(unit[:100], torch.zeros(100), torch.int8, unit_cache)
+    assert 0.01 < float(b.max()) < 0.04
+
+
+def test_int8_is_chosen_where_its_products_pay_and_only_on_a_cpu(monkeypatch):
+    """``auto``: bf16 where it pays, else int8 where the probe measures its product >= 1.5x faster than fp32,
+    else fp32; int8 pinned on a GPU fails naming the setting; no int8 product in torch: the probe says no."""
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(ann, "amp_dtype", lambda d, amp: None)
+    seconds = {torch.float32: 3.0, torch.int8: 2.0}
+    monkeypatch.setattr(device, "_search_product_seconds", lambda dtype: seconds[dtype])
+    device.cpu_int8_pays.cache_clear()
+    try:
+        assert device.cpu_int8_pays() and ann.exact_dtype(cpu) == torch.int8  # exactly 1.5x
+        monkeypatch.setattr(ann, "cpu_int8_pays", lambda: False)
+        assert ann.exact_dtype(cpu) is None
+        monkeypatch.setattr(ann, "amp_dtype", lambda d, amp: torch.bfloat16)
+        assert ann.exact_dtype(cpu) == torch.bfloat16
+        seconds[torch.int8] = 2.01
+        device.cpu_int8_pays.cache_clear()
+        assert not device.cpu_int8_pays()
+        device.cpu_int8_pays.cache_clear()
+        monkeypatch.delattr(torch, "_int_mm")
+        assert not device.cpu_int8_pays()
+    finally:
+        device.cpu_int8_pays.cache_clear()
+    with pytest.raises(XCConfigError, match="XC_EXACT_PRECISION=int8 scores on a CPU only"):
+        ann.exact_dtype(torch.device("cuda"), "int8")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_exact_search_reuses_one_score_matrix_for_every_block_and_search(monkeypatch, precision):
+    """Every block of a search, and the next search, write their scores into the same buffer (per dtype), not a
+    fresh matrix; another thread gets its own."""
+    rng = np.random.default_rng(2)
+    keys, q = rng.normal(size=(500, 8)).astype(np.float32), rng.normal(size=(70, 8)).astype(np.float32)
+    seen = []
+    real = ann._ScoreBuffers.__call__
+
+    def spy(self, rows, dtype):
+        buf = real(self, rows, dtype)
+        seen.append((threading.get_ident(), dtype, buf.untyped_storage().data_ptr()))
+        return buf
+
+    monkeypatch.setattr(ann._ScoreBuffers, "__call__", spy)
+    want = exact_topk(q, keys, 5, block=16, precision="fp32")[1]
+    np.testing.assert_array_equal(exact_topk(q, keys, 5, block=16, precision=precision)[1], want)
+    np.testing.assert_array_equal(exact_topk(q[:9], keys[:300], 5, block=16, precision=precision)[1],
+                                  exact_topk(q[:9], keys[:300], 5, precision="fp32")[1])
+    other = threading.Thread(target=lambda: exact_topk(q, keys, 5, block=16, precision=precision))
+    other.start()
+    other.join()
+    mine = [x for x in seen if x[0] == threading.get_ident()]
+    assert len(mine) >= 10 and len(set(mine)) == len({d for _, d, _ in mine})  # one buffer per dtype
+    theirs = {p for t, _, p in seen if t != threading.get_ident()}
+    assert theirs and not theirs & {p for _, _, p in mine}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8"])
+def test_exact_search_with_no_keys_or_fewer_keys_than_k(precision):
+    """No keys: every row -1 / -inf; fewer valid keys than k (4 keys, 2 excluded): the rest padded."""
+    rng = np.random.default_rng(0)
+    q, keys = rng.normal(size=(3, 8)).astype(np.float32), rng.normal(size=(4, 8)).astype(np.float32)
+    s, i = exact_topk(q, np.zeros((0, 8), np.float32), 5, precision=precision)
+    assert (i == -1).all() and np.isneginf(s).all()
+    s, i = exact_topk(q, keys, 5, precision=precision, exclude=np.array([0, 1]))
+    want = np.argsort(-(q @ keys[2:].T), axis=1) + 2
+    np.testing.assert_array_equal(i[:, :2], want)
+    assert (i[:, 2:] == -1).all() and np.isneginf(s[:, 2:]).all()
 
 
 def test_evaluation_streamed_in_blocks_equals_one_block(tmp_path, monkeypatch):

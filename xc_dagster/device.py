@@ -85,6 +85,34 @@ def _matmul_seconds(dtype: torch.dtype | None, reps: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
+@functools.lru_cache(maxsize=1)
+def cpu_int8_pays(min_speedup: float = 1.5) -> bool:
+    """int8 scoring is worth it for exact search on this CPU (VNNI and the like): measured once per process
+    (~0.3 s), an exact-search-sized int8 product (int32 out) runs ``min_speedup`` times faster than in fp32
+    (docs/decisions.md#exact-int8). False where torch has no int8 product for the CPU."""
+    if not hasattr(torch, "_int_mm"):
+        return False
+    try:
+        return _search_product_seconds(torch.float32) / _search_product_seconds(torch.int8) >= min_speedup
+    except RuntimeError:
+        return False
+
+
+def _search_product_seconds(dtype: torch.dtype, reps: int = 5) -> float:
+    """Median seconds of a (512 x 384) x (384 x 16384) product: a block of queries against the keys."""
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randint(-127, 128, shape, generator=g).to(dtype) for shape in ((512, 384), (16384, 384)))
+    product = (lambda: torch._int_mm(q, k.T)) if dtype == torch.int8 else (lambda: q @ k.T)
+    times = []
+    with torch.inference_mode():
+        for i in range(reps + 1):
+            t = time.perf_counter()
+            product()
+            if i:  # the first is warm-up
+                times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
 def adamw(params: Iterable[torch.nn.Parameter], lr: float, weight_decay: float) -> torch.optim.AdamW:
     """AdamW with the fused kernel where torch has one for the parameters' device (CPU since torch 2.4, CUDA),
     else the default implementation: the same update to float rounding, several times faster on a CPU

@@ -13,40 +13,45 @@ query, ids -1 where fewer than k exist (exact: ties broken by smaller id).
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from xc_dagster.device import amp_dtype, resolve_device
+from xc_dagster.device import amp_dtype, cpu_int8_pays, resolve_device
 from xc_dagster.errors import XCConfigError
 from xc_dagster.faiss_module import faiss
 
 KINDS = ("hnsw", "ivf", "exact", "auto")
 FP32_AFTER_REDONE = 0.5  # bf16 exact search: with more of its queries searched again in fp32, an index switches
 FP32_SWITCH_MIN_QUERIES = 1024  # to fp32 for good, once it has searched at least this many queries in bf16
-PRECISIONS = ("auto", "fp32", "bf16")  # exact search's scoring pass (XC_EXACT_PRECISION)
+PRECISIONS = ("auto", "fp32", "bf16", "int8")  # exact search's scoring pass (XC_EXACT_PRECISION)
 EXACT_MAX_VECTORS = 1 << 18  # kind "auto": exact search up to this many vectors, HNSW above (decisions.md#index-auto)
-EXACT_MAX_VECTORS_BF16 = 1 << 19  # the same where exact search scores in bf16, ~1.8x cheaper (decisions.md#exact-bf16)
+EXACT_MAX_VECTORS_LOW = 1 << 19  # the same where exact search scores in bf16 or int8, 1.6-1.8x cheaper
+_INT32_MIN = torch.iinfo(torch.int32).min
 EXACT_BLOCK_ENTRIES = 1 << 25  # exact search: at most this many query x key scores held at once (128 MiB float32)
+GATHER_FLOATS = 1 << 20  # gathered_scores on a CPU: rows gathered at once (4 MiB, in cache; 2^23 took 4x the time)
+GATHER_FLOATS_GPU = 1 << 23  # the same on a GPU, where few large launches beat cache-sized ones
 _NPY_MAGIC = b"\x93NUMPY"  # an exact index's file (np.save); faiss files start otherwise
 
 
 def resolve_kind(kind: str, n: int) -> str:
-    """The index kind built for ``n`` vectors: ``auto`` is exact up to EXACT_MAX_VECTORS (EXACT_MAX_VECTORS_BF16
-    where exact search scores in bf16 on this machine), else HNSW."""
+    """The index kind built for ``n`` vectors: ``auto`` is exact up to EXACT_MAX_VECTORS (EXACT_MAX_VECTORS_LOW
+    where exact search scores in bf16 or int8 on this machine), else HNSW."""
     if kind not in KINDS:
         raise XCConfigError(f"index kind: expected one of {'|'.join(KINDS)}, got {kind!r}")
     if kind != "auto":
         return kind
-    limit = EXACT_MAX_VECTORS if exact_dtype(resolve_device("auto")) is None else EXACT_MAX_VECTORS_BF16
+    limit = EXACT_MAX_VECTORS if exact_dtype(resolve_device("auto")) is None else EXACT_MAX_VECTORS_LOW
     return "exact" if n <= limit else "hnsw"
 
 
 def exact_dtype(device: torch.device, precision: str | None = None) -> torch.dtype | None:
     """The dtype exact search scores in before its fp32 re-rank, None = fp32 throughout: ``precision`` (default
-    ``$XC_EXACT_PRECISION``) ``fp32``, ``bf16`` or ``auto`` = bf16 where its matrix products pay (CUDA; AMX or a
-    measured speed-up on a CPU: ``device.amp_dtype``), else fp32 (docs/decisions.md#exact-bf16)."""
+    ``$XC_EXACT_PRECISION``) ``fp32``, ``bf16``, ``int8`` (CPU) or ``auto`` = bf16 where its matrix products pay
+    (CUDA; AMX or a measured speed-up on a CPU: ``device.amp_dtype``), else int8 on a CPU whose int8 products
+    measure faster (``device.cpu_int8_pays``), else fp32 (docs/decisions.md#exact-bf16, #exact-int8)."""
     precision = (precision or os.environ.get("XC_EXACT_PRECISION", "").strip() or "auto").lower()
     if precision not in PRECISIONS:
         raise XCConfigError(f"XC_EXACT_PRECISION: expected one of {'|'.join(PRECISIONS)}, got {precision!r}")
@@ -54,7 +59,14 @@ def exact_dtype(device: torch.device, precision: str | None = None) -> torch.dty
         return None
     if precision == "bf16":
         return torch.bfloat16
-    return torch.bfloat16 if amp_dtype(device, "auto") is not None else None
+    if precision == "int8":
+        if device.type != "cpu":
+            raise XCConfigError(f"XC_EXACT_PRECISION=int8 scores on a CPU only; this search runs on {device.type} "
+                                "(use bf16 or auto there)")
+        return torch.int8
+    if amp_dtype(device, "auto") is not None:
+        return torch.bfloat16
+    return torch.int8 if device.type == "cpu" and cpu_int8_pays() else None
 
 
 def exact_topk(queries: np.ndarray, keys: np.ndarray, k: int, block: int = 4096,
@@ -62,38 +74,43 @@ def exact_topk(queries: np.ndarray, keys: np.ndarray, k: int, block: int = 4096,
                precision: str | None = None, cache: dict | None = None,
                certify: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Exact top-k inner products, in blocks of at most ``block`` queries and EXACT_BLOCK_ENTRIES scores, so memory
-    stays bounded at any L; ``exclude``: key rows never returned. Where bf16 pays (``exact_dtype``) the product
-    over every key runs in bf16, its top ``rerank_width(k)`` are re-scored in fp32, and a query whose k-th fp32
-    score is not clear of the bf16 error bound above every other key is searched again in fp32 (``_certified``):
-    the top k and the scores returned are fp32's either way. Once more than FP32_AFTER_REDONE of the queries
-    searched on ``cache``'s keys were searched again (keys closer than bf16 resolves), later blocks and calls go
-    straight to fp32. ``cache``: keeps the keys' tensors (and those counts) between calls. ``certify=False``
-    skips the second search (the run planner times the common path with it; near-ties may then be missed)."""
+    stays bounded at any L; ``exclude``: key rows never returned. Where bf16 or int8 pays (``exact_dtype``) the
+    product over every key runs in that precision, its top ``rerank_width(k)`` are re-scored in fp32, and a query
+    whose k-th fp32 score is not clear of the low precision's error bound above every other key is searched again
+    in fp32 (``_certified``): the top k and the scores returned are fp32's either way. Once more than
+    FP32_AFTER_REDONE of the queries searched on ``cache``'s keys were searched again (keys closer than the low
+    precision resolves), later blocks and calls go straight to fp32. ``cache``: keeps the keys' tensors (and those
+    counts) between calls. ``certify=False`` skips the second search (the run planner times the common path with
+    it; near-ties may then be missed)."""
     device = device or resolve_device("auto")
-    low = exact_dtype(device, precision)
+    low = exact_dtype(device, precision) if len(keys) else None  # no keys: nothing to score at all
     n, L = len(queries), len(keys)
     block = max(1, min(block, EXACT_BLOCK_ENTRIES // max(L, 1)))
     kk = min(k, L)
-    width = kk if low is None else min(L, rerank_width(k))
+    width = kk if low is None else min(L, rerank_width(k, low))
     scores = np.full((n, k), -np.inf, dtype=np.float32)
     ids = np.full((n, k), -1, dtype=np.int64)
     cache = {} if cache is None else cache
     K, K_low = _key_tensors(keys, device, low, cache)
     drop = None if exclude is None else torch.from_numpy(np.asarray(exclude, dtype=np.int64)).to(device)
+    out = _ScoreBuffers(L, device)
     for s in range(0, n, block):
         Q = torch.from_numpy(np.ascontiguousarray(queries[s:s + block], dtype=np.float32)).to(device)
         low = None if cache.get("fp32_only") else low
-        top_s, top_i = _scored_topk(Q, K_low if low is not None else K, drop, width if low is not None else kk,
-                                    sorted=low is None)
-        if low is not None:
-            floor = top_s.min(dim=1).values.float()  # no key outside the candidates scored above this in bf16
+        if low is None:
+            top_s, top_i = _scored_topk(Q, K, drop, kk, sorted=True, out=out)
+        else:
+            top_s, top_i = (_int8_topk(Q, K_low, cache["int8_scale"], drop, width, out) if low == torch.int8 else
+                            _scored_topk(Q, K_low, drop, width, sorted=False, out=out))
+            floor = top_s.min(dim=1).values.float()  # no key outside the candidates scored above this
             top_s, top_i = _rerank(Q, K, top_s, top_i, kk)
-            redo = (~_certified(top_s, floor, Q, cache["max_norm"])).nonzero()[:, 0] if width < L and certify else []
+            ok = _certified(top_s, floor, _error_bound(Q, floor, low, cache))
+            redo = (~ok).nonzero()[:, 0] if width < L and certify else []
             if len(redo):
-                top_s[redo], top_i[redo] = _scored_topk(Q[redo], K, drop, kk, sorted=False)
-            # keys too close for bf16 (most queries searched twice): fp32 from here on, for these keys
-            done, again = cache.get("bf16_searched", 0) + len(Q), cache.get("bf16_redone", 0) + len(redo)
-            cache.update(bf16_searched=done, bf16_redone=again,
+                top_s[redo], top_i[redo] = _scored_topk(Q[redo], K, drop, kk, sorted=False, out=out)
+            # keys too close for the low precision (most queries searched twice): fp32 from here on, for these keys
+            done, again = cache.get("low_searched", 0) + len(Q), cache.get("low_redone", 0) + len(redo)
+            cache.update(low_searched=done, low_redone=again,
                          fp32_only=done >= FP32_SWITCH_MIN_QUERIES and again > FP32_AFTER_REDONE * done)
         ts, ti = top_s.cpu().numpy(), top_i.cpu().numpy()
         ti = np.where(np.isneginf(ts), -1, ti)
@@ -104,57 +121,125 @@ def exact_topk(queries: np.ndarray, keys: np.ndarray, k: int, block: int = 4096,
     return scores, ids
 
 
-def _scored_topk(Q: torch.Tensor, K: torch.Tensor, drop: torch.Tensor | None, k: int,
-                 sorted: bool) -> tuple[torch.Tensor, torch.Tensor]:
+class _ScoreBuffers:
+    """The (rows x L) score matrix of a search block, per dtype, carved from one flat buffer per (thread, device,
+    dtype) that every block and every search reuses (it grows to the largest block, EXACT_BLOCK_ENTRIES): a fresh
+    matrix per block is a fresh mapping whose page faults cost 30-50% of the product (docs/decisions.md#exact-int8).
+    Per thread, so that concurrent searches never share one."""
+
+    _arena = threading.local()
+
+    def __init__(self, n_keys: int, device: torch.device):
+        self.n_keys, self.device = n_keys, device
+
+    def __call__(self, rows: int, dtype: torch.dtype) -> torch.Tensor:
+        bufs = self._arena.__dict__.setdefault("bufs", {})
+        need, buf = rows * self.n_keys, bufs.get((self.device, dtype))
+        if buf is None or buf.numel() < need:
+            buf = bufs[self.device, dtype] = torch.empty(need, dtype=dtype, device=self.device)
+        return buf[:need].view(rows, self.n_keys)
+
+
+def _scored_topk(Q: torch.Tensor, K: torch.Tensor, drop: torch.Tensor | None, k: int, sorted: bool,
+                 out: _ScoreBuffers) -> tuple[torch.Tensor, torch.Tensor]:
     """Each query's top ``k`` of its products with every key (in ``K``'s dtype), ``drop`` keys at -inf."""
-    sim = Q.to(K.dtype) @ K.T
+    sim = torch.matmul(Q.to(K.dtype), K.T, out=out(len(Q), K.dtype))
     if drop is not None:
         sim[:, drop] = -torch.inf
     return torch.topk(sim, k, dim=1, sorted=sorted)
 
 
-def _certified(top_s: torch.Tensor, floor: torch.Tensor, Q: torch.Tensor, max_norm: torch.Tensor) -> torch.Tensor:
-    """Per query: its k-th fp32 score beats every key left out of the candidates. A key outside them scored at
-    most ``floor`` in bf16, so its true score is at most floor + |floor| 2^-7 (the product's rounding to bf16) +
-    2^-7 |q| max|k| (its inputs' rounding, by Cauchy-Schwarz). Fewer valid keys than candidates (floor -inf):
-    every key was a candidate."""
-    bound = floor + floor.abs() * 2.0 ** -7 + 2.0 ** -7 * Q.norm(dim=1) * max_norm
-    return (top_s.min(dim=1).values > bound) | torch.isneginf(floor)
+def _int8_topk(Q: torch.Tensor, K8: torch.Tensor, key_scale: float, drop: torch.Tensor | None, k: int,
+               out: _ScoreBuffers) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query's top ``k`` keys by int8 product (queries quantized per row, ``K8`` the keys' codes at one
+    ``key_scale``), as approximate fp32 scores (-inf for ``drop``): the int32 products are exact, so the ranking
+    is that of the quantized vectors, and only the top k are scaled back."""
+    codes, q_scale, _ = _quantize(Q)
+    sim = torch._int_mm(codes, K8.T, out=out(len(Q), torch.int32))
+    if drop is not None:
+        sim[:, drop] = _INT32_MIN
+    top, ids = torch.topk(sim, k, dim=1, sorted=False)
+    scores = (top.double() * (q_scale.double()[:, None] * key_scale)).float()
+    return scores.masked_fill(top == _INT32_MIN, -torch.inf), ids
+
+
+def _quantize(X: torch.Tensor, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Symmetric int8 codes of ``X``'s rows (codes * scale ~ X): one scale per row, or ``scale`` for all; with the
+    scales and each row's residual norm |x - codes * scale|, which the error bound needs."""
+    if scale is None:
+        s = (X.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
+    else:
+        s = torch.full((len(X),), scale, dtype=torch.float32, device=X.device)
+    codes = torch.round(X / s[:, None]).clamp_(-127, 127)
+    resid = (X - codes * s[:, None]).norm(dim=1)
+    return codes.to(torch.int8), s, resid
+
+
+def _error_bound(Q: torch.Tensor, floor: torch.Tensor, low: torch.dtype, cache: dict) -> torch.Tensor:
+    """Per query: how far above its low-precision score a key's true score can be. bf16: |floor| 2^-7 (the
+    product's rounding) + 2^-7 |q| max|k| (its inputs' rounding, by Cauchy-Schwarz). int8: q.k - q'.k' =
+    e_q.k + q'.e_k for the quantized q', k' and residuals e, so at most |e_q| max|k| + (|q| + |e_q|) max|e_k|
+    (the int32 product is exact), plus fp32 rounding of the scaled score."""
+    if low == torch.int8:
+        e_q = _quantize(Q)[2]
+        return (e_q * cache["max_norm"] + (Q.norm(dim=1) + e_q) * cache["int8_resid"]
+                + floor.abs() * 2.0 ** -20)
+    return floor.abs() * 2.0 ** -7 + 2.0 ** -7 * Q.norm(dim=1) * cache["max_norm"]
+
+
+def _certified(top_s: torch.Tensor, floor: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """Per query: its k-th fp32 score beats every key left out of the candidates, which scored at most ``floor``
+    in the low precision, so at most floor + ``bound`` truly (``_error_bound``). Fewer valid keys than candidates
+    (floor -inf): every key was a candidate."""
+    return (top_s.min(dim=1).values > floor + bound) | torch.isneginf(floor)
 
 
 def _key_tensors(keys: np.ndarray, device: torch.device, low: torch.dtype | None,
                  cache: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """The keys in fp32 and in the scoring dtype on ``device`` (and their largest norm), made once per (device,
-    dtype) and kept in ``cache``."""
+    """The keys in fp32 and in the scoring dtype on ``device`` (and their largest norm; for int8 the codes at one
+    scale and the largest residual norm), made once per (device, dtype) and kept in ``cache``."""
     if (device, None) not in cache:
         cache[device, None] = torch.from_numpy(np.ascontiguousarray(keys, dtype=np.float32)).to(device)
         cache["max_norm"] = cache[device, None].norm(dim=1).max() if len(keys) else torch.tensor(0.0)
+    K = cache[device, None]
+    if (device, low) not in cache and low == torch.int8:
+        scale = max(float(K.abs().max()) if len(K) else 0.0, torch.finfo(torch.float32).tiny) / 127.0
+        codes, resid = torch.empty(K.shape, dtype=torch.int8, device=device), torch.zeros(len(K), device=device)
+        for r in range(0, len(K), 1 << 16):  # in row chunks: the float codes of every key at once need not exist
+            codes[r:r + (1 << 16)], _, resid[r:r + (1 << 16)] = _quantize(K[r:r + (1 << 16)], scale)
+        cache.update({(device, low): codes, "int8_scale": scale, "int8_resid": resid.max() if len(K) else 0.0})
     if (device, low) not in cache:
-        cache[device, low] = cache[device, None].to(low)
-    return cache[device, None], cache[device, low]
+        cache[device, low] = K.to(low)
+    return K, cache[device, low]
 
 
-def rerank_width(k: int) -> int:
-    """How many bf16 candidates per query exact search re-scores in fp32 for a top ``k``: 2k, at least k + 32. On
-    the 131K shape's vectors every query's top 100 is then certified (``_certified``), at k + 25 most are not
-    (docs/decisions.md#exact-bf16)."""
-    return k + max(k, 32)
+def rerank_width(k: int, low: torch.dtype = torch.bfloat16) -> int:
+    """How many low-precision candidates per query exact search re-scores in fp32 for a top ``k``: for bf16 2k, at
+    least k + 32; for int8, whose error bound is ~1.5x bf16's, twice that. On the 131K shape's vectors every
+    query's top 100 is then certified by bf16 (``_certified``), at k + 25 most are not; on MiniLM's vectors of
+    LF-WordNetNouns int8 certifies 81% at 2k and all at 4k (docs/decisions.md#exact-bf16, #exact-int8)."""
+    return (k + max(k, 32)) * (2 if low == torch.int8 else 1)
 
 
 def _rerank(Q: torch.Tensor, K: torch.Tensor, low_s: torch.Tensor, cand: torch.Tensor,
             k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The top ``k`` of each query's candidates ``cand`` by fp32 inner product (-inf kept where the low-precision
-    pass had excluded the key); gathered in row chunks of at most 2^23 floats."""
-    rows = max(1, (1 << 23) // max(cand.shape[1] * K.shape[1], 1))
-    out_s, out_i = [], []
+    pass had excluded the key)."""
+    exact = gathered_scores(Q, K, cand).masked_fill(torch.isneginf(low_s), -torch.inf)
+    s, j = torch.topk(exact, k, dim=1, sorted=False)
+    return s, cand.gather(1, j)
+
+
+def gathered_scores(Q: torch.Tensor, K: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Row-wise inner products ``Q[i] . K[ids[i, j]]`` (ids >= 0): (n, C) in Q's dtype, the rows of K gathered
+    GATHER_FLOATS at a time so that they are used while in cache (a 256 x 400 x 384 gather at once: 4-5x slower)."""
+    limit = GATHER_FLOATS if Q.device.type == "cpu" else GATHER_FLOATS_GPU
+    rows = max(1, limit // max(ids.shape[1] * K.shape[1], 1))
+    out = torch.empty(ids.shape, dtype=Q.dtype, device=Q.device)
     for r in range(0, len(Q), rows):
-        c = cand[r:r + rows]
-        exact = torch.bmm(K.index_select(0, c.reshape(-1)).view(*c.shape, -1), Q[r:r + rows, :, None])[..., 0]
-        exact = exact.masked_fill(torch.isneginf(low_s[r:r + rows]), -torch.inf)
-        s, j = torch.topk(exact, k, dim=1, sorted=False)
-        out_s.append(s)
-        out_i.append(c.gather(1, j))
-    return torch.cat(out_s), torch.cat(out_i)
+        c = ids[r:r + rows]
+        out[r:r + rows] = torch.bmm(K.index_select(0, c.reshape(-1)).view(*c.shape, -1), Q[r:r + rows, :, None])[..., 0]
+    return out
 
 
 def saved_kind(path: Path) -> str:

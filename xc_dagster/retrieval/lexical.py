@@ -277,7 +277,8 @@ class LexicalIndex:
                 bad |= S.indices == np.repeat(np.asarray(own), np.diff(S.indptr))
             S.data[bad] = 0.0
             S.eliminate_zeros()
-        return sparse_topk(S, self.neighbours, packed_share=DENSE_TOPK_SHARE)  # common terms: rows of similar length
+        # common terms: rows of similar length; a product stores each (query, point) once
+        return sparse_topk(S, self.neighbours, packed_share=DENSE_TOPK_SHARE, unique=True)
 
     def scores(self, queries: sp.spmatrix, excluded: np.ndarray | None = None,
                own: np.ndarray | None = None) -> sp.csr_matrix:

@@ -30,7 +30,7 @@ import torch
 
 from xc_dagster.errors import XCConfigError
 from xc_dagster.progress import Advance, Report, in_one_call
-from xc_dagster.retrieval.ann import LabelIndex
+from xc_dagster.retrieval.ann import LabelIndex, gathered_scores
 from xc_dagster.retrieval.lexical import LEXICAL_DIR, LexicalIndex
 from xc_dagster.retrieval.sparse_rows import sparse_lookup, sparse_topk, work_blocks
 from xc_dagster.sampling.labels import dedupe_rows
@@ -201,8 +201,8 @@ def retrieve(queries: np.ndarray, src: ShortlistSources, k: int, exclude_knn: np
         pad = ids < 0
         rows = slice(s, s + len(q))
         ids_all[rows] = ids
-        clf_all[rows] = np.where(pad, -np.inf, torch.einsum("bd,bkd->bk", qt, Wt[safe]).numpy())
-        emb_all[rows] = np.where(pad, -np.inf, torch.einsum("bd,bkd->bk", qt, Rt[safe]).numpy())
+        clf_all[rows] = np.where(pad, -np.inf, gathered_scores(qt, Wt, safe).numpy())
+        emb_all[rows] = np.where(pad, -np.inf, gathered_scores(qt, Rt, safe).numpy())
         if knn_all is not None:
             knn_all[rows] = _lookup(ids, knn_ids, knn_sc, len(src.W))
         if lex_all is not None:

@@ -11,13 +11,17 @@ PACKED_SHARE = 0.125  # rows whose stored entries fill at least this share of a 
 # are packed into that block (at most 8x the entries' memory) and partitioned; sparser ones are sorted
 
 
-def sparse_topk(S: sp.spmatrix, k: int, packed_share: float = PACKED_SHARE) -> tuple[np.ndarray, np.ndarray]:
+def sparse_topk(S: sp.spmatrix, k: int, packed_share: float = PACKED_SHARE,
+                unique: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """The k largest stored entries of each row of ``S``, by value descending then column: (columns int64,
     values float32), -1 / 0 padded. Rows filling ``packed_share`` of a block as wide as the longest row go through
     :func:`_packed_candidates` (O(rows x longest row), no sort of every entry); others through one sort of the
-    entries."""
+    entries. ``unique``: no row stores a column twice (a sparse product's rows), so duplicates are not summed
+    (scipy sorts every row's columns for that, ~10% of an evaluation's retrieval); the order of a row's entries
+    does not matter either way."""
     S = sp.csr_matrix(S)
-    S.sum_duplicates()
+    if not unique:
+        S.sum_duplicates()
     n = S.shape[0]
     lengths = np.diff(S.indptr)
     width = int(lengths.max(initial=0))
