@@ -147,8 +147,7 @@ def index_work(c: Costs, plan: StagePlan, name: str, kind: str, keys: int, queri
     ln n) and ``queries`` top-``k`` searches (exact: queries x keys pairs; HNSW: per query x ln n), with its memory."""
     plan.kinds[name] = kind = resolve_kind(kind, keys)
     if kind == "exact":
-        low = exact_dtype(c.device)  # the keys are held in fp32 and, where it pays, in bf16 or int8 too
-        plan.memory[f"{name} index"] = keys * c.dim * (F32 + (0 if low is None else low.itemsize))
+        plan.memory[f"{name} index"] = keys * c.dim * (F32 + getattr(exact_dtype(c.device), "itemsize", 0))  # + low
         if queries:
             plan.parts[f"{name} search (exact, {queries:,} x {keys:,})"] = queries * keys * c.exact_pair_s(k)
             plan.memory.setdefault("exact search block", EXACT_BLOCK_ENTRIES * F32)
