@@ -268,12 +268,12 @@ def test_int8_error_bound_covers_every_key_and_is_tight_enough_to_certify():
     codes, q_scale, _ = ann._quantize(Q)
     approx = (codes.double() @ K8.double().T) * (q_scale.double()[:, None] * cache["int8_scale"])
     error = ((Q.double() @ K.double().T) - approx).abs().max(dim=1).values
-    bound = ann._error_bound(Q, torch.zeros(len(Q)), torch.int8, cache).double()
+    bound = ann._error_bound(Q, torch.zeros(len(Q)), cache, ann._quantize(Q)[2]).double()
     assert (error <= bound).all() and (error > 0.2 * bound).any()  # holds, and not vacuous
     unit = torch.nn.functional.normalize(torch.randn(4000, 384, generator=torch.Generator().manual_seed(0)), dim=1)
     unit_cache = {}
     ann._key_tensors(unit.numpy(), torch.device("cpu"), torch.int8, unit_cache)
-    b = ann._error_bound(unit[:100], torch.zeros(100), torch.int8, unit_cache)
+    b = ann._error_bound(unit[:100], torch.zeros(100), unit_cache, ann._quantize(unit[:100])[2])
     assert 0.01 < float(b.max()) < 0.04
 
 

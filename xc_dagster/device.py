@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -75,13 +75,18 @@ def _matmul_seconds(dtype: torch.dtype | None, reps: int = 5) -> float:
     """Median seconds of a (2048 x 384) -> 1536 -> 384 feed-forward pair (a MiniLM block's shape)."""
     g = torch.Generator().manual_seed(0)
     x, w1, w2 = (torch.randn(*shape, generator=g) for shape in ((2048, 384), (1536, 384), (384, 1536)))
-    times = []
     with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype is not None):
-        for i in range(reps + 1):
-            t = time.perf_counter()
-            torch.nn.functional.linear(torch.nn.functional.linear(x, w1), w2)
-            if i:  # the first is warm-up
-                times.append(time.perf_counter() - t)
+        return _median_seconds(lambda: torch.nn.functional.linear(torch.nn.functional.linear(x, w1), w2), reps)
+
+
+def _median_seconds(run: Callable[[], object], reps: int) -> float:
+    """Median seconds of ``reps`` calls of ``run`` after one warm-up call."""
+    times = []
+    for i in range(reps + 1):
+        t = time.perf_counter()
+        run()
+        if i:  # the first is warm-up
+            times.append(time.perf_counter() - t)
     return sorted(times)[len(times) // 2]
 
 
@@ -105,14 +110,8 @@ def _search_product_seconds(dtype: torch.dtype, reps: int = 5) -> float:
     out = torch.empty(256, 8192, dtype=torch.int32 if dtype == torch.int8 else dtype)
     product = ((lambda: torch._int_mm(q, k.T, out=out)) if dtype == torch.int8 else
                (lambda: torch.matmul(q, k.T, out=out)))
-    times = []
     with torch.inference_mode():
-        for i in range(reps + 1):
-            t = time.perf_counter()
-            product()
-            if i:  # the first is warm-up
-                times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2]
+        return _median_seconds(product, reps)
 
 
 def adamw(params: Iterable[torch.nn.Parameter], lr: float, weight_decay: float) -> torch.optim.AdamW:

@@ -147,7 +147,7 @@ def index_work(c: Costs, plan: StagePlan, name: str, kind: str, keys: int, queri
     ln n) and ``queries`` top-``k`` searches (exact: queries x keys pairs; HNSW: per query x ln n), with its memory."""
     plan.kinds[name] = kind = resolve_kind(kind, keys)
     if kind == "exact":
-        plan.memory[f"{name} index"] = keys * c.dim * (F32 + getattr(exact_dtype(c.device), "itemsize", 0))  # + low
+        plan.memory[f"{name} index"] = keys * c.dim * (F32 + getattr(exact_dtype(c.device), "itemsize", 0))  # + bf16/int8
         if queries:
             plan.parts[f"{name} search (exact, {queries:,} x {keys:,})"] = queries * keys * c.exact_pair_s(k)
             plan.memory.setdefault("exact search block", EXACT_BLOCK_ENTRIES * F32)

@@ -100,11 +100,12 @@ def exact_topk(queries: np.ndarray, keys: np.ndarray, k: int, block: int = 4096,
         if low is None:
             top_s, top_i = _scored_topk(Q, K, drop, kk, sorted=True, out=out)
         else:
-            top_s, top_i = (_int8_topk(Q, K_low, cache["int8_scale"], drop, width, out) if low == torch.int8 else
+            quantized = _quantize(Q) if low == torch.int8 else None  # codes, scales, residual norms
+            top_s, top_i = (_int8_topk(quantized, K_low, cache["int8_scale"], drop, width, out) if quantized else
                             _scored_topk(Q, K_low, drop, width, sorted=False, out=out))
             floor = top_s.min(dim=1).values.float()  # no key outside the candidates scored above this
             top_s, top_i = _rerank(Q, K, top_s, top_i, kk)
-            ok = _certified(top_s, floor, _error_bound(Q, floor, low, cache))
+            ok = _certified(top_s, floor, _error_bound(Q, floor, cache, None if quantized is None else quantized[2]))
             redo = (~ok).nonzero()[:, 0] if width < L and certify else []
             if len(redo):
                 top_s[redo], top_i[redo] = _scored_topk(Q[redo], K, drop, kk, sorted=False, out=out)
@@ -149,13 +150,13 @@ def _scored_topk(Q: torch.Tensor, K: torch.Tensor, drop: torch.Tensor | None, k:
     return torch.topk(sim, k, dim=1, sorted=sorted)
 
 
-def _int8_topk(Q: torch.Tensor, K8: torch.Tensor, key_scale: float, drop: torch.Tensor | None, k: int,
-               out: _ScoreBuffers) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each query's top ``k`` keys by int8 product (queries quantized per row, ``K8`` the keys' codes at one
-    ``key_scale``), as approximate fp32 scores (-inf for ``drop``): the int32 products are exact, so the ranking
-    is that of the quantized vectors, and only the top k are scaled back."""
-    codes, q_scale, _ = _quantize(Q)
-    sim = torch._int_mm(codes, K8.T, out=out(len(Q), torch.int32))
+def _int8_topk(quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor], K8: torch.Tensor, key_scale: float,
+               drop: torch.Tensor | None, k: int, out: _ScoreBuffers) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query's top ``k`` keys by int8 product (``quantized``: the queries by ``_quantize``, per row; ``K8`` the
+    keys' codes at one ``key_scale``), as approximate fp32 scores (-inf for ``drop``): the int32 products are
+    exact, so the ranking is that of the quantized vectors, and only the top k are scaled back."""
+    codes, q_scale, _ = quantized
+    sim = torch._int_mm(codes, K8.T, out=out(len(codes), torch.int32))
     if drop is not None:
         sim[:, drop] = _INT32_MIN
     top, ids = torch.topk(sim, k, dim=1, sorted=False)
@@ -175,13 +176,12 @@ def _quantize(X: torch.Tensor, scale: float | None = None) -> tuple[torch.Tensor
     return codes.to(torch.int8), s, resid
 
 
-def _error_bound(Q: torch.Tensor, floor: torch.Tensor, low: torch.dtype, cache: dict) -> torch.Tensor:
-    """Per query: how far above its low-precision score a key's true score can be. bf16: |floor| 2^-7 (the
-    product's rounding) + 2^-7 |q| max|k| (its inputs' rounding, by Cauchy-Schwarz). int8: q.k - q'.k' =
-    e_q.k + q'.e_k for the quantized q', k' and residuals e, so at most |e_q| max|k| + (|q| + |e_q|) max|e_k|
-    (the int32 product is exact), plus fp32 rounding of the scaled score."""
-    if low == torch.int8:
-        e_q = _quantize(Q)[2]
+def _error_bound(Q: torch.Tensor, floor: torch.Tensor, cache: dict, e_q: torch.Tensor | None = None) -> torch.Tensor:
+    """Per query: how far above its low-precision score a key's true score can be. bf16 (``e_q`` None): |floor|
+    2^-7 (the product's rounding) + 2^-7 |q| max|k| (its inputs' rounding, by Cauchy-Schwarz). int8 (``e_q``: the
+    queries' residual norms): q.k - q'.k' = e_q.k + q'.e_k for the quantized q', k' and residuals e, so at most
+    |e_q| max|k| + (|q| + |e_q|) max|e_k| (the int32 product is exact), plus fp32 rounding of the scaled score."""
+    if e_q is not None:
         return (e_q * cache["max_norm"] + (Q.norm(dim=1) + e_q) * cache["int8_resid"]
                 + floor.abs() * 2.0 ** -20)
     return floor.abs() * 2.0 ** -7 + 2.0 ** -7 * Q.norm(dim=1) * cache["max_norm"]
@@ -203,11 +203,11 @@ def _key_tensors(keys: np.ndarray, device: torch.device, low: torch.dtype | None
         cache["max_norm"] = cache[device, None].norm(dim=1).max() if len(keys) else torch.tensor(0.0)
     K = cache[device, None]
     if (device, low) not in cache and low == torch.int8:
-        scale = max(float(K.abs().max()) if len(K) else 0.0, torch.finfo(torch.float32).tiny) / 127.0
+        scale = max(float(K.abs().max()), torch.finfo(torch.float32).tiny) / 127.0  # keys exist: exact_topk
         codes, resid = torch.empty(K.shape, dtype=torch.int8, device=device), torch.zeros(len(K), device=device)
         for r in range(0, len(K), 1 << 16):  # in row chunks: the float codes of every key at once need not exist
             codes[r:r + (1 << 16)], _, resid[r:r + (1 << 16)] = _quantize(K[r:r + (1 << 16)], scale)
-        cache.update({(device, low): codes, "int8_scale": scale, "int8_resid": resid.max() if len(K) else 0.0})
+        cache.update({(device, low): codes, "int8_scale": scale, "int8_resid": resid.max()})
     if (device, low) not in cache:
         cache[device, low] = K.to(low)
     return K, cache[device, low]
