@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import numpy as np
 import pytest
 import scipy.sparse as sp
+import torch
 
 from tests.test_pipeline import TINY
 from tests.tinydata import tiny_lf_home, write_tiny_encoder
@@ -366,3 +368,67 @@ def test_dense_topk_equals_sparse_topk_with_ties(density, k):
     S.data = np.ceil(S.data * 4) / 4  # few distinct positive values: ties at the k-th value, broken by column
     got, want = sparse_topk(S, k, packed_share=0.0), sparse_topk(S, k, packed_share=np.inf)  # packed vs sorted
     assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_lexical_scores_on_threads_equal_one_thread_within_the_budget(monkeypatch, threads):
+    """The blocks of ``scores`` run on the process's threads (scipy's products release the GIL): the same scores
+    as one block at a time, and each block's products within 1 / threads of PRODUCT_BUDGET, so the products held
+    at once stay within it."""
+    points, labels, Y, queries = _corpus(3, 400, 80)
+    lex = LexicalIndex.fit(points, labels, Y, neighbours=5)
+    Q = lex.transform(queries * 4)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    want = lex.scores(Q).toarray()
+    budget = 2_000
+    monkeypatch.setattr(lexical_module, "PRODUCT_BUDGET", budget)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    seen, pools, nearest = [], [], LexicalIndex.nearest
+
+    def spy(self, q, *a, **k):
+        c = np.concatenate([[0], np.cumsum(self._work[q.indices])])
+        seen.append((q.shape[0], int(c[-1])))
+        return nearest(self, q, *a, **k)
+
+    class Pool(ThreadPoolExecutor):
+        def __init__(self, workers):
+            pools.append(workers)
+            super().__init__(workers)
+
+    monkeypatch.setattr(LexicalIndex, "nearest", spy)
+    monkeypatch.setattr(lexical_module, "ThreadPoolExecutor", Pool)
+    got = lex.scores(Q).toarray()
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    assert sum(rows for rows, _ in seen) == Q.shape[0] and len(seen) > threads
+    assert all(work <= budget // threads or rows == 1 for rows, work in seen)
+    assert pools == ([] if threads == 1 else [threads])  # one pool of the process's threads per call
+
+
+def test_retrieve_blocks_follow_the_queries_postings(monkeypatch):
+    """``retrieve`` sizes its blocks by its queries' own lexical products (at most PRODUCT_BUDGET, a single costly
+    query alone), not by the worst case ``block_rows``; the shortlist is the same in any blocks."""
+    points, labels, Y, queries = _corpus(0, 400, 80)
+    lex = LexicalIndex.fit(points, labels, Y, neighbours=5)
+    Q = lex.transform(queries)
+    work = lex.query_work(Q)
+    np.testing.assert_array_equal(work, [int(lex._work[Q.indices[Q.indptr[i]:Q.indptr[i + 1]]].sum())
+                                         for i in range(Q.shape[0])])
+    E = np.random.default_rng(1).standard_normal((80, 8)).astype(np.float32)
+    src = ShortlistSources(E, E, {}, lexical=lex)
+    q_emb = np.random.default_rng(2).standard_normal((len(queries), 8)).astype(np.float32)
+    whole = retrieve(q_emb, src, 10, lexical_queries=Q)
+    budget = int(work.max()) * 8
+    monkeypatch.setattr(lexical_module, "PRODUCT_BUDGET", budget)
+    rows, scores = [], LexicalIndex.scores
+
+    def spy(self, q, *a, **k):
+        rows.append((q.shape[0], int(self.query_work(sp.csr_matrix(q)).sum())))
+        return scores(self, q, *a, **k)
+
+    monkeypatch.setattr(LexicalIndex, "scores", spy)
+    sl = retrieve(q_emb, src, 10, lexical_queries=Q, block=32)
+    assert sum(r for r, _ in rows) == len(queries) and max(r for r, _ in rows) <= 32
+    assert all(w <= budget or r == 1 for r, w in rows)
+    assert max(r for r, _ in rows) > 2 * lex.block_rows  # the worst case would have cut every block to block_rows
+    np.testing.assert_array_equal(sl.ids, whole.ids)
+    np.testing.assert_allclose(sl.lex, whole.lex, rtol=1e-6)

@@ -28,6 +28,7 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
+from xc_dagster.device import resolve_device
 from xc_dagster.errors import XCConfigError
 from xc_dagster.progress import Advance, Report, in_one_call
 from xc_dagster.retrieval.ann import LabelIndex, gathered_scores
@@ -151,13 +152,15 @@ STREAM_ROWS = 65_536  # queries a stage shortlists at once before keeping their 
 
 def retrieve(queries: np.ndarray, src: ShortlistSources, k: int, exclude_knn: np.ndarray | None = None,
              block: int = 1024, lexical_queries: sp.spmatrix | None = None,
-             progress: Advance | None = None) -> Shortlist:
+             progress: Advance | None = None, device: torch.device | None = None) -> Shortlist:
     """Union of every source's top-k candidates per query, each with exact classifier/embedding/kNN/lexical scores.
 
     ``queries``: (n, D) embeddings; ``lexical_queries``: their (n, V) TF-IDF rows (``src.lexical.transform``),
     needed when ``src`` has the lexical source. ``exclude_knn[i]``: a knn-index row (and lexical-index point) never
     used as query i's neighbour (the point itself when the queries are the indexed training points), or -1.
-    ``progress(rows)`` follows each block of queries (``xc_dagster.progress.Progress.update``).
+    ``progress(rows)`` follows each block of queries (``xc_dagster.progress.Progress.update``). ``device``: where
+    the union's classifier and embedding scores are computed (default: where exact search runs, a GPU when there
+    is one: the host's cores are busy with the lexical source).
     """
     n = len(queries)
     names = list(src.indexes)
@@ -167,17 +170,21 @@ def retrieve(queries: np.ndarray, src: ShortlistSources, k: int, exclude_knn: np
             raise ValueError(f"the lexical source needs the {n} queries' TF-IDF rows (lexical_queries), got "
                              f"{None if lexical_queries is None else lexical_queries.shape}")
         lexical_queries = sp.csr_matrix(lexical_queries, dtype=np.float32)
-        block = min(block, lexical.block_rows)  # its score rows per block stay bounded
+    # a block's lexical score rows bounded by its queries' postings, not by the worst case (lexical.block_rows: 64
+    # queries at capped postings, where per-block costs dominate; docs/decisions.md#retrieval-blocks)
+    blocks = (lexical.query_blocks(lexical_queries, block) if lexical is not None
+              else [(s, min(s + block, n)) for s in range(0, n, block)])
     width = k * len(src.names)
     ids_all = np.full((n, width), -1, dtype=np.int64)
     clf_all = np.full((n, width), -np.inf, dtype=np.float32)
     emb_all = np.full((n, width), -np.inf, dtype=np.float32)
     knn_all = np.zeros((n, width), dtype=np.float32) if "knn" in names else None
     lex_all = np.zeros((n, width), dtype=np.float32) if lexical is not None else None
-    Wt = torch.from_numpy(np.ascontiguousarray(src.W, dtype=np.float32))
-    Rt = torch.from_numpy(np.ascontiguousarray(src.label_repr, dtype=np.float32))
-    for s in range(0, n, block):
-        q = np.ascontiguousarray(queries[s:s + block], dtype=np.float32)
+    dev = device or resolve_device("auto")
+    Wt = torch.from_numpy(np.ascontiguousarray(src.W, dtype=np.float32)).to(dev)
+    Rt = torch.from_numpy(np.ascontiguousarray(src.label_repr, dtype=np.float32)).to(dev)
+    for s, e in blocks:
+        q = np.ascontiguousarray(queries[s:e], dtype=np.float32)
         parts, knn_ids, knn_sc = [], None, None
         for name in names:
             if name == "knn":
@@ -196,13 +203,13 @@ def retrieve(queries: np.ndarray, src: ShortlistSources, k: int, exclude_knn: np
                                  None if exclude_knn is None else exclude_knn[s:s + len(q)])
             parts.append(sparse_topk(lex, k)[0])
         ids = dedupe_rows(np.concatenate(parts, axis=1))
-        safe = torch.from_numpy(np.maximum(ids, 0))
-        qt = torch.from_numpy(q)
+        safe = torch.from_numpy(np.maximum(ids, 0)).to(dev)
+        qt = torch.from_numpy(q).to(dev)
         pad = ids < 0
         rows = slice(s, s + len(q))
         ids_all[rows] = ids
-        clf_all[rows] = np.where(pad, -np.inf, gathered_scores(qt, Wt, safe).numpy())
-        emb_all[rows] = np.where(pad, -np.inf, gathered_scores(qt, Rt, safe).numpy())
+        clf_all[rows] = np.where(pad, -np.inf, gathered_scores(qt, Wt, safe).cpu().numpy())
+        emb_all[rows] = np.where(pad, -np.inf, gathered_scores(qt, Rt, safe).cpu().numpy())
         if knn_all is not None:
             knn_all[rows] = _lookup(ids, knn_ids, knn_sc, len(src.W))
         if lex_all is not None:
