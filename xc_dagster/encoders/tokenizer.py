@@ -8,11 +8,13 @@ disk width does not cost compute. ``tokenize_texts`` does the same for a batch o
 from __future__ import annotations
 
 import os
+from itertools import chain
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 from numpy.lib.format import open_memmap
+from tokenizers import Tokenizer
 from transformers import AutoTokenizer
 
 from xc_dagster.encoders.names import resolve_encoder_path
@@ -30,6 +32,35 @@ def load_tokenizer(name: str):
 
 
 
+def _backend(tokenizer, max_len: int):
+    """A copy of a fast tokenizer's Rust backend that truncates to ``max_len`` (special tokens included) and does
+    not pad, or None for a slow tokenizer. Its ``encode_batch`` runs on every core and skips the Python
+    ``BatchEncoding``: 1.65x the tokenizer's call on 2 cores (docs/decisions.md#tokenize-backend)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    backend = Tokenizer.from_str(backend.to_str())
+    backend.no_padding()
+    backend.enable_truncation(max_len)
+    return backend
+
+
+def _encode_rows(tokenizer, backend, batch: list[str], max_len: int, pad: int) -> tuple[np.ndarray, np.ndarray]:
+    """(rows x max_len) int32 ids right-padded with ``pad`` and the rows' true lengths."""
+    if backend is None:
+        enc = tokenizer(batch, truncation=True, max_length=max_len, padding="max_length",
+                        return_attention_mask=True, return_tensors="np")
+        block, lens = enc["input_ids"].astype(np.int32), enc["attention_mask"].sum(1).astype(np.int32)
+        block[np.arange(max_len) >= lens[:, None]] = pad
+        return block, lens
+    encs = backend.encode_batch(batch)
+    lens = np.fromiter((len(e.ids) for e in encs), dtype=np.int32, count=len(encs))
+    block = np.full((len(encs), max_len), pad, dtype=np.int32)
+    block[np.arange(max_len) < lens[:, None]] = np.fromiter(chain.from_iterable(e.ids for e in encs),
+                                                             dtype=np.int32, count=int(lens.sum()))
+    return block, lens
+
+
 def tokenize_to_npy(tokenizer, texts: Sequence[str], max_len: int, ids_path: Path, lens_path: Path,
                     chunk: int = 8192) -> dict[str, float]:
     """Stream ``texts`` through the fast tokenizer in chunks into ``ids_path`` (int32, N x max_len) and
@@ -38,17 +69,14 @@ def tokenize_to_npy(tokenizer, texts: Sequence[str], max_len: int, ids_path: Pat
     ids = open_memmap(ids_path, mode="w+", dtype=np.int32, shape=(n, max_len))
     lens = np.zeros(n, dtype=np.int32)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    backend = _backend(tokenizer, max_len)
     truncated = 0
     for start in range(0, n, chunk):
         batch = [t if t else " " for t in texts[start:start + chunk]]
-        enc = tokenizer(batch, truncation=True, max_length=max_len, padding="max_length",
-                        return_attention_mask=True, return_tensors="np")
-        block = enc["input_ids"].astype(np.int32)
-        mask = enc["attention_mask"]
-        block[mask == 0] = pad
+        block, block_lens = _encode_rows(tokenizer, backend, batch, max_len, pad)
         ids[start:start + len(batch)] = block
-        lens[start:start + len(batch)] = mask.sum(1)
-        truncated += int((mask.sum(1) == max_len).sum())
+        lens[start:start + len(batch)] = block_lens
+        truncated += int((block_lens == max_len).sum())
     ids.flush()
     del ids
     np.save(lens_path, lens)
