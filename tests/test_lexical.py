@@ -432,3 +432,21 @@ def test_retrieve_blocks_follow_the_queries_postings(monkeypatch):
     assert max(r for r, _ in rows) > 2 * lex.block_rows  # the worst case would have cut every block to block_rows
     np.testing.assert_array_equal(sl.ids, whole.ids)
     np.testing.assert_allclose(sl.lex, whole.lex, rtol=1e-6)
+
+
+@pytest.mark.parametrize("threads", [2, 5])
+def test_alpha_grid_on_threads_equals_one_thread(monkeypatch, threads):
+    """The fusion grid's cells run on the process's threads, each thread with its own Blend: the same objective at
+    every grid point, so the same fit, as one cell at a time."""
+    rng = np.random.default_rng(4)
+    sl, Y = _fusion_problem(5, informative=True)
+    sl = Shortlist(sl.ids, sl.clf, sl.emb, rng.random(sl.ids.shape).astype(np.float32), sl.lex)  # kNN scores too
+    params = FusionParams(objective="precision_at_1+precision_at_5", knn_grid=[0.0, 0.5, 1.0], lexical_grid=[0.25, 1.0],
+                          smoothing=1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    one = fit_alpha(sl, Y, params, None, None)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    many = fit_alpha(sl, Y, params, None, None)
+    assert many.grid == one.grid and many.knn_grid == one.knn_grid and many.lexical_grid == one.lexical_grid
+    assert (many.alpha, many.knn_weight, many.lexical_weight) == (one.alpha, one.knn_weight, one.lexical_weight)
+    assert one.lexical_weight > 0  # the lexical score informs: the threads had distinct c and d cells to share

@@ -19,10 +19,13 @@ and ranks with the objective prepared once per fit (``ObjectiveOnShortlist``): t
 from __future__ import annotations
 
 import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 import scipy.sparse as sp
+import torch
 from scipy.ndimage import uniform_filter1d
 
 from xc_dagster.config import FusionParams
@@ -187,16 +190,28 @@ def fit_alpha(sl: Shortlist, Y_valid: sp.csr_matrix, params: FusionParams, inv_p
     bs = [0.0] if boost is None else sorted(set(prop_grid) | {0.0})
 
     objective = ObjectiveOnShortlist(sl.ids, Y_valid, params.objective, inv_prop, filter_pairs, top_k)
-    blend = Blend(sl)
+    local = threading.local()  # a Blend per thread: it keeps the c and d terms of the cell it last scored
 
     def grid(c_values: list[float], d_values: list[float], b_values: list[float]) -> np.ndarray:
         """The objective at every (c, d, alpha, b): (len(c_values), len(d_values), len(alphas), len(b_values));
-        each (c, d, alpha)'s fused scores are computed once and shared by the b values."""
+        each (c, d, alpha)'s fused scores are computed once and shared by the b values. The cells run on the
+        process's threads (numpy's array operations release the GIL; the objective only reads shared state)."""
         out = np.empty((len(c_values), len(d_values), len(alphas), len(b_values)))
-        for t in np.ndindex(*out.shape[:3]):
+
+        def cell(t: tuple[int, ...]) -> None:
+            blend = local.__dict__.setdefault("blend", Blend(sl))
             s = blend(float(alphas[t[2]]), c_values[t[0]], d_values[t[1]])
             for k, b in enumerate(b_values):
                 out[(*t, k)] = objective.value(s + np.float32(b) * boost if b else s)
+
+        cells = list(np.ndindex(*out.shape[:3]))  # alpha innermost: a thread's consecutive cells share c and d
+        threads = min(torch.get_num_threads(), len(cells))
+        if threads == 1:
+            for t in cells:
+                cell(t)
+        else:
+            with ThreadPoolExecutor(threads) as pool:
+                list(pool.map(cell, cells))
         return out
 
     raw = grid(cs, ds, bs)  # (c, d, alpha, b)
