@@ -81,7 +81,8 @@ def main() -> None:
         runs.append({"threads": t, "union_device": dev.type, "seconds": round(sec, 2),
                      "ms_per_query": round(1000 * sec / n, 3), "queries_per_second": round(n / sec, 1),
                      "candidates_per_query": round(float((sl.ids >= 0).sum(1).mean()), 1)})
-        first = first if runs[1:] else sl  # each later run's shortlist against the first's
+        if first is None:  # each later run's shortlist against the first's
+            first = sl
         ok = first.ids >= 0
         runs[-1].update({"same_ids_as_first": bool((sl.ids == first.ids).all()),
                          "max_score_difference": float(max(np.abs(sl.clf[ok] - first.clf[ok]).max(initial=0),

@@ -15,6 +15,7 @@ import torch
 
 from tests.test_pipeline import TINY
 from tests.tinydata import tiny_lf_home, write_tiny_encoder
+from xc_dagster import device as device_module
 from xc_dagster.catalog import Catalog, DatasetSpec
 from xc_dagster.config import FusionParams
 from xc_dagster.data import load_dataset
@@ -396,7 +397,7 @@ def test_lexical_scores_on_threads_equal_one_thread_within_the_budget(monkeypatc
             super().__init__(workers)
 
     monkeypatch.setattr(LexicalIndex, "nearest", spy)
-    monkeypatch.setattr(lexical_module, "ThreadPoolExecutor", Pool)
+    monkeypatch.setattr(device_module, "ThreadPoolExecutor", Pool)
     got = lex.scores(Q).toarray()
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
     assert sum(rows for rows, _ in seen) == Q.shape[0] and len(seen) > threads

@@ -5,11 +5,24 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from typing import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterable, Iterator, Sequence, TypeVar
 
 import torch
 
 from xc_dagster.errors import XCConfigError
+
+T, R = TypeVar("T"), TypeVar("R")
+
+
+def on_threads(fn: Callable[[T], R], items: Sequence[T], threads: int | None = None) -> list[R]:
+    """``[fn(x) for x in items]`` on ``threads`` threads (default: torch's, the process's CPU budget), in order; one
+    thread, or one item, runs inline. For work whose heavy part releases the GIL (numpy, scipy sparse products)."""
+    threads = min(threads or torch.get_num_threads(), len(items))
+    if threads <= 1:
+        return [fn(x) for x in items]
+    with ThreadPoolExecutor(threads) as pool:
+        return list(pool.map(fn, items))
 
 
 def resolve_device(name: str = "auto") -> torch.device:

@@ -39,7 +39,6 @@ in the rows of the dense kNN index) and ``labels.npz`` (TF-IDF rows of the label
 from __future__ import annotations
 
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +46,7 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
+from xc_dagster.device import on_threads
 from xc_dagster.errors import XCConfigError, XCError
 from xc_dagster.retrieval.sparse_rows import cap_postings, sparse_topk, work_blocks
 from xc_dagster.storage import load_json, save_json
@@ -321,11 +321,7 @@ class LexicalIndex:
             part = (votes @ self.point_labels) * np.float32(1.0 / self.neighbours)
             return part if self._labels_t is None else part + q @ self._labels_t
 
-        if threads == 1 or len(blocks) == 1:
-            parts = [block(b) for b in blocks]
-        else:
-            with ThreadPoolExecutor(threads) as pool:
-                parts = list(pool.map(block, blocks))
+        parts = on_threads(block, blocks, threads)
         out = sp.csr_matrix(sp.vstack(parts, format="csr") if parts else (0, self.num_labels), dtype=np.float32)
         out.sum_duplicates()
         return out

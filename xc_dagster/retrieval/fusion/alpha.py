@@ -20,15 +20,14 @@ from __future__ import annotations
 
 import math
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 import scipy.sparse as sp
-import torch
 from scipy.ndimage import uniform_filter1d
 
 from xc_dagster.config import FusionParams
+from xc_dagster.device import on_threads
 from xc_dagster.errors import XCConfigError
 from xc_dagster.retrieval.fusion.objective import ObjectiveOnShortlist
 from xc_dagster.retrieval.shortlist import Shortlist, fuse
@@ -199,19 +198,14 @@ def fit_alpha(sl: Shortlist, Y_valid: sp.csr_matrix, params: FusionParams, inv_p
         out = np.empty((len(c_values), len(d_values), len(alphas), len(b_values)))
 
         def cell(t: tuple[int, ...]) -> None:
-            blend = local.__dict__.setdefault("blend", Blend(sl))
+            if not hasattr(local, "blend"):
+                local.blend = Blend(sl)
+            blend = local.blend
             s = blend(float(alphas[t[2]]), c_values[t[0]], d_values[t[1]])
             for k, b in enumerate(b_values):
                 out[(*t, k)] = objective.value(s + np.float32(b) * boost if b else s)
 
-        cells = list(np.ndindex(*out.shape[:3]))  # alpha innermost: a thread's consecutive cells share c and d
-        threads = min(torch.get_num_threads(), len(cells))
-        if threads == 1:
-            for t in cells:
-                cell(t)
-        else:
-            with ThreadPoolExecutor(threads) as pool:
-                list(pool.map(cell, cells))
+        on_threads(cell, list(np.ndindex(*out.shape[:3])))  # alpha innermost: consecutive cells share c and d
         return out
 
     raw = grid(cs, ds, bs)  # (c, d, alpha, b)
