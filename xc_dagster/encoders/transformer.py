@@ -15,6 +15,8 @@ from xc_dagster.errors import XCConfigError
 class SiameseEncoder(torch.nn.Module):
     """Transformer + pooling + L2 normalisation; ``forward(ids, mask)`` returns unit vectors."""
 
+    cpu_batch_tokens = 2048  # inference on a CPU: padded tokens per forward, activations in cache (encode_tokens)
+
     def __init__(self, transformer: torch.nn.Module, pooling: str = "mean"):
         super().__init__()
         if pooling not in ("mean", "cls"):
