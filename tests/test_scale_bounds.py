@@ -195,15 +195,14 @@ def test_exact_search_blocks_bound_the_score_matrix(monkeypatch, precision):
     keys, q = rng.normal(size=(1000, 8)).astype(np.float32), rng.normal(size=(64, 8)).astype(np.float32)
     want = exact_topk(q, keys, 7)
     seen = []
-    real_topk = ann.torch.topk
+    real_topk = ann.row_topk
 
-    def spy(t, *a, **kw):
-        if t.shape[1] == len(keys):  # the pass over every key, not the re-rank of its candidates
-            seen.append(t.shape[0] * t.shape[1])
+    def spy(t, *a, **kw):  # the selection over every key (the re-rank of its candidates is torch.topk)
+        seen.append(t.shape[0] * t.shape[1])
         return real_topk(t, *a, **kw)
 
     monkeypatch.setattr(ann, "EXACT_BLOCK_ENTRIES", 5000)
-    monkeypatch.setattr(ann.torch, "topk", spy)
+    monkeypatch.setattr(ann, "row_topk", spy)
     got = exact_topk(q, keys, 7)
     assert max(seen) <= 5000 and len(seen) == 13  # 5 queries x 1,000 keys per block
     np.testing.assert_array_equal(got[1], want[1])
@@ -220,21 +219,21 @@ def test_low_precision_exact_search_returns_the_fp32_top_k_and_scores(monkeypatc
     spread = rng.normal(size=(4000, 32))
     centres = rng.normal(size=(20, 32))
     tight = centres[rng.integers(0, 20, 4000)] + 0.05 * rng.normal(size=(4000, 32))
-    real_topk = ann.torch.topk
+    real_topk = ann.row_topk
     for keys, redone in ((spread, False), (tight, True)):
         keys = (keys / np.linalg.norm(keys, axis=1, keepdims=True)).astype(np.float32)
         q = keys[rng.choice(4000, 300, replace=False)] + 0.01 * rng.normal(size=(300, 32)).astype(np.float32)
         want_s, want = exact_topk(q, keys, 50, precision="fp32")
         full_passes = []
 
-        def spy(t, *a, **kw):
-            if t.shape[1] == len(keys):
-                full_passes.append(t.dtype)
+        def spy(t, *a, **kw):  # the selections over every key
+            assert t.shape[1] == len(keys)
+            full_passes.append(t.dtype)
             return real_topk(t, *a, **kw)
 
-        monkeypatch.setattr(ann.torch, "topk", spy)
+        monkeypatch.setattr(ann, "row_topk", spy)
         got_s, got = exact_topk(q, keys, 50, precision=low, block=64)
-        monkeypatch.setattr(ann.torch, "topk", real_topk)
+        monkeypatch.setattr(ann, "row_topk", real_topk)
         assert full_passes.count(pass_dtype) == 5  # 300 queries in blocks of 64
         assert (torch.float32 in full_passes) == redone  # the fp32 pass of uncertified queries
         np.testing.assert_array_equal(got, want)
