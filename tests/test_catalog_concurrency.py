@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -13,27 +14,54 @@ import pytest
 from xc_dagster.catalog import Catalog, DatasetSpec
 
 N = 10
-# each child imports first, then waits for the go file, so the ten read-modify-writes overlap
-BARRIER = ("import os, sys, time\n"
+# one process imports once and forks the children (each a process of its own, as ten CLI runs are: the catalog's
+# flock is taken per open of its lock file), so ten interpreters do not each spend seconds importing; each child
+# waits for the go file, so the ten read-modify-writes overlap
+BARRIER = ("import json, os, sys, time, traceback\n"
            "{imports}\n"
-           "open(sys.argv[1] + '.ready-' + str(os.getpid()), 'w').close()\n"
-           "while not os.path.exists(sys.argv[1]):\n"
-           "    time.sleep(0.001)\n"
-           "{call}\n")
+           "CALL = {call!r}\n"
+           "go, pids = sys.argv[1], []\n"
+           "for i, argv in enumerate(json.loads(sys.argv[2])):\n"
+           "    pid = os.fork()\n"
+           "    if pid == 0:\n"
+           "        out = os.open(go + '.out-' + str(i), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)\n"
+           "        os.dup2(out, 1)\n"
+           "        os.dup2(out, 2)\n"
+           "        sys.argv = [sys.argv[0], go, *argv]  # what a child started on its own would see\n"
+           "        code = 1\n"
+           "        try:\n"
+           "            open(go + '.ready-' + str(os.getpid()), 'w').close()\n"
+           "            while not os.path.exists(go):\n"
+           "                time.sleep(0.001)\n"
+           "            exec(CALL)\n"
+           "            code = 0\n"
+           "        except SystemExit as e:\n"
+           "            code = e.code if isinstance(e.code, int) else 1\n"
+           "        except BaseException:\n"
+           "            traceback.print_exc()\n"
+           "        finally:\n"
+           "            sys.stdout.flush()\n"
+           "            sys.stderr.flush()\n"
+           "            os._exit(code)\n"
+           "    pids.append(pid)\n"
+           "print(json.dumps([os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for p in pids]))\n")
 
 
 def _run_together(tmp_path: Path, code: str, argvs: list[list[str]]) -> list[tuple[int, str]]:
-    """Start one child per argv, release them at once, and return (exit code, output) of each."""
+    """Start one child process per argv, release them at once, and return (exit code, output) of each."""
     env = {**os.environ, "XC_HOME": str(tmp_path), "OMP_NUM_THREADS": "1"}
     go = tmp_path / "go"
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(go), *argv], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for argv in argvs]
+    parent = subprocess.Popen([sys.executable, "-c", code, str(go), json.dumps(argvs)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 240
-    while len(list(tmp_path.glob("go.ready-*"))) < len(procs):
-        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "a child did not start"
+    while len(list(tmp_path.glob("go.ready-*"))) < len(argvs):
+        assert time.monotonic() < deadline and parent.poll() is None, "a child did not start"
         time.sleep(0.02)
     go.touch()
-    return [(p.wait(timeout=240), p.stdout.read()) for p in procs]
+    out, _ = parent.communicate(timeout=240)
+    assert parent.returncode == 0, out
+    codes = json.loads(out.strip().splitlines()[-1])
+    return [(rc, (tmp_path / f"go.out-{i}").read_text()) for i, rc in enumerate(codes)]
 
 
 def test_ten_concurrent_cli_adds_keep_every_entry(tmp_path):

@@ -1,9 +1,12 @@
 """Two dataset partitions materialized at the same time on one home with the embedded SQLite stores, as two
-`xc-dagster materialize` processes (each a Dagster run, multiprocess executor); and the training assets' pool."""
+`xc-dagster materialize` processes (each a Dagster run, multiprocess executor), one of them also checked as the
+CLI add + materialize a user runs; and the training assets' pool."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -11,12 +14,14 @@ import time
 import dagster as dg
 import mlflow
 import numpy as np
+import pytest
 
 from assets import build_assets, build_lifecycle_assets
 from resources import dataset_partitions
 from tests.test_pipeline import TINY
-from tests.tinydata import write_lf_dataset, write_tiny_encoder
+from tests.tinydata import label_prior_metrics, write_lf_dataset, write_tiny_encoder
 from xc_dagster.artifacts import CONTRACT, PARAMS, STAGE_ORDER, SUMMARY
+from xc_dagster.cli import main as cli_main
 from xc_dagster.data import load_dataset
 from xc_dagster.home import TRAINING_POOL
 from xc_dagster.storage import load_json
@@ -55,37 +60,83 @@ def add_two_datasets(tmp_path, stores: dict[str, str] | None = None, names: tupl
     env.update(stores or {})
     encoder = write_tiny_encoder(tmp_path / "tiny-bert")
     sets = [a for k, v in {**TINY, "tokenize.encoder": str(encoder)}.items() for a in ("--set", f"{k}={v}")]
-    for name in names:
-        n_train, n_test, seed = SIZES[name]
-        src = write_lf_dataset(tmp_path / "src" / name, n_train=n_train, n_test=n_test, seed=seed)
-        subprocess.run([sys.executable, "-m", "xc_dagster.cli", "datasets", "add", name, "--source", str(src),
-                        "--text", "title"] + sets, env=env, check=True, capture_output=True)
+    # the CLI's main in this process, under the materialize processes' environment: a fresh interpreter per add
+    # would spend seconds importing for what is set-up here (its Dagster registration still runs in a process)
+    with pytest.MonkeyPatch.context() as mp:
+        for var in set(os.environ) - set(env):
+            mp.delenv(var)
+        for var, value in env.items():
+            mp.setenv(var, value)
+        for name in names:
+            n_train, n_test, seed = SIZES[name]
+            src = write_lf_dataset(tmp_path / "src" / name, n_train=n_train, n_test=n_test, seed=seed)
+            source = f"file://{src}" if name == "TinyA" else str(src)  # both forms a user gives
+            assert cli_main(["datasets", "add", name, "--source", source, "--text", "title"] + sets) == 0, name
     return tmp_path / "home", env
 
 
-def test_two_partitions_materialized_at_once_on_sqlite(tmp_path):
+@pytest.fixture(scope="module")
+def sqlite_two(tmp_path_factory):
+    """One home whose TinyA and TinyB were materialized at once with the SQLite stores: (home, folder of the
+    processes' logs, their exit codes), shared by the tests below, which check different things of it."""
+    tmp_path = tmp_path_factory.mktemp("sqlite-two")
     home, env = add_two_datasets(tmp_path)
-    materialize_two_at_once(home, env, tmp_path, f"sqlite:///{home / 'mlflow.db'}")
+    return home, tmp_path, run_two_at_once(env, tmp_path)
+
+
+def test_two_partitions_materialized_at_once_on_sqlite(sqlite_two):
+    home, logs, codes = sqlite_two
+    check_two_at_once(home, logs, codes, f"sqlite:///{home / 'mlflow.db'}")
+
+
+def test_cli_add_then_dagster_cli_materialize(sqlite_two):
+    """`xc-dagster datasets add` then `xc-dagster materialize` (= `dagster asset materialize` with
+    DAGSTER_HOME under XC_HOME) as a user runs them, the materialize in a fresh process: the run lands in that
+    instance and trains as the library run does. TinyA's run of the home above (a partition of its own, added by
+    file:// URL), so the pipeline's CLI run is not paid twice."""
+    home, logs, codes = sqlite_two
+    out, err = (logs / "TinyA.out").read_text(), (logs / "TinyA.err").read_text()
+    assert codes["TinyA"] == 0, out[-3000:] + err[-3000:]
+    assert "Test metrics for TinyA" in out and "precision_at_1" in out
+    for name in ("pretrain", "encode test", "retrieve test", "index W"):  # progress through Dagster's log (stderr)
+        assert re.search(rf" - {name}: \d+/\d+ \w+ \(\d+%\), \S+/s, ETA \S+, elapsed \d+:\d\d", err), name
+    metrics = json.loads((home / "artifacts" / "TinyA" / "evaluate" / "metrics.json").read_text())
+    # the run a user starts from the CLI trains as the library run does: far above the label prior
+    ds = load_dataset(home / "artifacts" / "TinyA" / "ingest" / "dataset", texts=False, features=False)
+    base = label_prior_metrics(ds.Y_train, ds.Y_test, ds.filter_test)
+    assert metrics["precision_at_1"] >= base["precision_at_1"] + 0.5, (metrics["precision_at_1"], base)
+    with dg.DagsterInstance.from_config(str(home / "dagster")) as inst:
+        records = [r for r in inst.get_run_records() if r.dagster_run.tags.get("dagster/partition") == "TinyA"]
+    assert len(records) == 1 and records[0].dagster_run.status == dg.DagsterRunStatus.SUCCESS
+
+
+def run_two_at_once(env: dict[str, str], tmp_path) -> dict[str, int]:
+    """Both partitions materialized by two `xc-dagster materialize` processes started together (environment
+    ``env``), stdout and stderr of each in ``tmp_path``/NAME.out and .err; their exit codes."""
+    t0 = time.perf_counter()
+    procs = {}
+    for name in SIZES:
+        with open(tmp_path / f"{name}.out", "w") as out, open(tmp_path / f"{name}.err", "w") as err:
+            procs[name] = subprocess.Popen([sys.executable, "-m", "xc_dagster.cli", "materialize", name], env=env,
+                                           stdout=out, stderr=err, text=True)
+    for name, proc in procs.items():
+        proc.wait(timeout=900)
+    print(f"two partitions materialized at once in {time.perf_counter() - t0:.0f} s")
+    return {name: proc.returncode for name, proc in procs.items()}
 
 
 def materialize_two_at_once(home, env: dict[str, str], tmp_path, mlflow_uri: str) -> None:
     """Both partitions materialized by two `xc-dagster materialize` processes started together (environment
     ``env``); every Dagster run, MLflow run (store ``mlflow_uri``) and artifact checked."""
-    t0 = time.perf_counter()
-    procs = {}
-    for name in SIZES:
-        log = open(tmp_path / f"{name}.log", "w")
-        procs[name] = subprocess.Popen([sys.executable, "-m", "xc_dagster.cli", "materialize", name], env=env,
-                                       stdout=log, stderr=subprocess.STDOUT, text=True)
-        log.close()
-    for name, proc in procs.items():
-        proc.wait(timeout=900)
-    seconds = time.perf_counter() - t0
-    print(f"two partitions materialized at once in {seconds:.0f} s")
-    for name, proc in procs.items():
-        out = (tmp_path / f"{name}.log").read_text()
-        assert proc.returncode == 0, (name, out[-4000:])
-        assert "database is locked" not in out.lower(), name
+    check_two_at_once(home, tmp_path, run_two_at_once(env, tmp_path), mlflow_uri)
+
+
+def check_two_at_once(home, tmp_path, codes: dict[str, int], mlflow_uri: str) -> None:
+    """The checks of :func:`materialize_two_at_once` on the processes' exit ``codes`` and logs in ``tmp_path``."""
+    for name, code in codes.items():
+        out, err = (tmp_path / f"{name}.out").read_text(), (tmp_path / f"{name}.err").read_text()
+        assert code == 0, (name, out[-2000:] + err[-4000:])
+        assert "database is locked" not in (out + err).lower(), name
         assert f"Test metrics for {name}" in out
 
     # two Dagster runs, one per partition, both successful, and they did overlap in time; the training steps

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 
 import mlflow
 import numpy as np
@@ -19,7 +18,6 @@ from tests.tinydata import (
 )
 from xc_dagster.catalog import Catalog, DatasetSpec
 from xc_dagster.cli import main as cli_main
-from xc_dagster.data import load_dataset
 from xc_dagster.errors import XCConfigError
 from xc_dagster.home import Home
 from xc_dagster.pipeline import STAGE_ORDER, StageContext, run_all
@@ -237,39 +235,6 @@ def test_cli_errors_are_clear(tiny_home, capsys):
     assert "'Missing' is not in the catalog" in capsys.readouterr().err
     assert cli_main(["datasets", "list"]) == 0
     assert "TinyTitles" in capsys.readouterr().out
-
-
-def test_cli_add_then_dagster_cli_materialize(tmp_path, tiny_encoder):
-    """`xc-dagster datasets add` then `xc-dagster materialize` (= `dagster asset materialize` with
-    DAGSTER_HOME under XC_HOME) in fresh processes, as a user runs them; the run lands in that instance."""
-    import os
-    import subprocess
-    import sys
-
-    home = tmp_path / "home"
-    env = {**os.environ, "XC_HOME": str(home)}
-    env.pop("MLFLOW_TRACKING_URI", None)
-    src = write_lf_dataset(tmp_path / "MyData")
-    sets = [a for k, v in {**TINY, "tokenize.encoder": str(tiny_encoder)}.items() for a in ("--set", f"{k}={v}")]
-    cli = [sys.executable, "-m", "xc_dagster.cli"]
-    subprocess.run(cli + ["datasets", "add", "MyData", "--source", f"file://{src}", "--text", "title"] + sets,
-                   env=env, check=True, capture_output=True)
-    out = subprocess.run(cli + ["materialize", "MyData"], env=env, capture_output=True, text=True)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "Test metrics for MyData" in out.stdout and "precision_at_1" in out.stdout
-    for name in ("pretrain", "encode test", "retrieve test", "index W"):  # progress through Dagster's log (stderr)
-        assert re.search(rf" - {name}: \d+/\d+ \w+ \(\d+%\), \S+/s, ETA \S+, elapsed \d+:\d\d", out.stderr), name
-    metrics = json.loads((home / "artifacts" / "MyData" / "evaluate" / "metrics.json").read_text())
-    # the run a user starts from the CLI trains as the library run does: far above the label prior
-    ds = load_dataset(home / "artifacts" / "MyData" / "ingest" / "dataset", texts=False, features=False)
-    base = label_prior_metrics(ds.Y_train, ds.Y_test, ds.filter_test)
-    assert metrics["precision_at_1"] >= base["precision_at_1"] + 0.5, (metrics["precision_at_1"], base)
-    import dagster as dg
-
-    inst = dg.DagsterInstance.from_config(str(home / "dagster"))
-    records = inst.get_run_records()
-    assert len(records) == 1 and records[0].dagster_run.status == dg.DagsterRunStatus.SUCCESS
-    assert records[0].dagster_run.tags.get("dagster/partition") == "MyData"
 
 
 def test_ngame_sampler_through_the_pretrain_stage(tiny_home):
