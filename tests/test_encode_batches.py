@@ -1,5 +1,8 @@
 """Inference chunks: length-sorted, and on a CPU bounded in padded tokens for a transformer (encode_tokens)."""
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 import torch
@@ -64,3 +67,39 @@ def test_budget_is_a_cpu_transformer_bound_and_changes_no_embedding():
     for i in (0, 17, 299):
         alone = encode_tokens(enc, ids[i:i + 1], lens[i:i + 1], torch.device("cpu"), None)
         np.testing.assert_allclose(got[i], alone[0], atol=2e-6)
+
+
+def test_cpu_chunks_run_on_the_process_threads_one_torch_thread_each_with_the_same_embeddings():
+    """With two torch threads a transformer's CPU chunks run on two threads, each with one intra-op thread; the
+    embeddings equal the one-thread encoding, progress counts every row once, and the caller's thread count (and
+    the count a thread started afterwards gets) is two again."""
+    enc = _encoder()
+    enc.cpu_batch_tokens = 64
+    ids, lens = _tokens(200, 16, seed=1)
+    seen, counted = [], []
+
+    def forward(t_ids, mask):
+        seen.append((threading.get_ident(), torch.get_num_threads()))
+        return enc(t_ids, mask)
+
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = encode_tokens(enc, ids, lens, torch.device("cpu"), None, 256, forward=forward)
+        assert {t for _, t in seen} == {1} and len({i for i, _ in seen}) == 1
+        seen.clear()
+        torch.set_num_threads(2)
+        got = encode_tokens(enc, ids, lens, torch.device("cpu"), None, 256, progress=counted.append, forward=forward)
+        assert torch.get_num_threads() == 2
+        with ThreadPoolExecutor(1) as later:
+            assert later.submit(torch.get_num_threads).result() == 2
+    finally:
+        torch.set_num_threads(n)
+    assert len({i for i, _ in seen}) == 2 and {t for _, t in seen} == {1}  # two workers, one torch thread each
+    assert threading.get_ident() not in {i for i, _ in seen}
+    assert sum(counted) == len(lens) and len(counted) == len(seen)
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    # few chunks per thread: the calling thread encodes them with its intra-op threads
+    seen.clear()
+    encode_tokens(enc, ids[:10], lens[:10], torch.device("cpu"), None, 256, forward=forward)
+    assert {i for i, _ in seen} == {threading.get_ident()}

@@ -25,6 +25,23 @@ def on_threads(fn: Callable[[T], R], items: Sequence[T], threads: int | None = N
         return list(pool.map(fn, items))
 
 
+def one_torch_thread_each(fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
+    """``[fn(x) for x in items]``, each item on a thread of its own that runs torch ops on one intra-op thread:
+    inter-op parallelism, for many small torch programs that two intra-op threads share poorly (MiniLM's encoding
+    chunks, docs/decisions.md#encode-token-budget). torch keeps the last ``set_num_threads`` as the count threads
+    started later get, so each worker sets it back as it ends; the calling thread's own count never changes."""
+    original = torch.get_num_threads()
+
+    def one(x: T) -> R:
+        torch.set_num_threads(1)
+        try:
+            return fn(x)
+        finally:
+            torch.set_num_threads(original)
+
+    return on_threads(one, items, len(items))
+
+
 def resolve_device(name: str = "auto") -> torch.device:
     """``auto`` -> ``cuda`` when available else ``cpu``; an explicit ``cuda`` without a GPU is an error."""
     if name == "auto":

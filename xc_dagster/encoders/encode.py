@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Callable
 
 import numpy as np
 import torch
 
-from xc_dagster.device import autocast
+from xc_dagster.device import autocast, one_torch_thread_each
+
+CHUNKS_PER_THREAD = 4  # a CPU encoding of fewer chunks than this per thread runs them on one thread (intra-op)
 
 
 def length_sorted_chunks(lengths: np.ndarray, chunk_size: int, max_tokens: int | None = None) -> list[np.ndarray]:
@@ -41,7 +44,8 @@ def encode_tokens(encoder: torch.nn.Module, ids: np.ndarray, lengths: np.ndarray
 
     On a CPU a chunk also holds at most the encoder's ``cpu_batch_tokens`` padded tokens (where it has one), so a
     transformer's activations stay in cache: MiniLM at 28 tokens per text ran 1.25x faster in chunks of 64 than of
-    256, at 128 tokens 1.3x in chunks of 16 (docs/decisions.md#encode-token-budget).
+    256, at 128 tokens 1.3x in chunks of 16; and the chunks run on the process's threads with one torch thread
+    each, 1.07-1.14x over two intra-op threads on two cores (docs/decisions.md#encode-token-budget).
     ``forward`` replaces ``encoder(ids, mask)``, e.g. the bag encoder's ``intermediate`` embeddings;
     ``progress(rows)`` follows each chunk (``xc_dagster.progress.Progress.update``)."""
     n = len(lengths)
@@ -49,12 +53,23 @@ def encode_tokens(encoder: torch.nn.Module, ids: np.ndarray, lengths: np.ndarray
     encoder.eval()
     fn = encoder if forward is None else forward
     tokens = getattr(encoder, "cpu_batch_tokens", None) if device.type == "cpu" else None
-    with torch.inference_mode(), autocast(device, dtype):
-        for rows in length_sorted_chunks(np.asarray(lengths), batch_size, tokens):
-            t_ids, mask = chunk_tensors(ids, lengths, rows, device)
-            out[rows] = fn(t_ids, mask).float().cpu().numpy()
-            if progress is not None:
-                progress(len(rows))
+    chunks = length_sorted_chunks(np.asarray(lengths), batch_size, tokens)
+    lock = threading.Lock()
+
+    def run(part: list[np.ndarray]) -> None:
+        with torch.inference_mode(), autocast(device, dtype):  # both thread-local: entered on each thread
+            for rows in part:
+                t_ids, mask = chunk_tensors(ids, lengths, rows, device)
+                out[rows] = fn(t_ids, mask).float().cpu().numpy()
+                if progress is not None:
+                    with lock:
+                        progress(len(rows))
+
+    threads = torch.get_num_threads() if tokens is not None else 1
+    if threads > 1 and len(chunks) >= CHUNKS_PER_THREAD * threads:  # chunks dealt round-robin: similar widths
+        one_torch_thread_each(run, [chunks[i::threads] for i in range(threads)])
+    else:
+        run(chunks)
     return out
 
 
