@@ -45,7 +45,7 @@ def encode_tokens(encoder: torch.nn.Module, ids: np.ndarray, lengths: np.ndarray
     On a CPU a chunk also holds at most the encoder's ``cpu_batch_tokens`` padded tokens (where it has one), so a
     transformer's activations stay in cache: MiniLM at 28 tokens per text ran 1.25x faster in chunks of 64 than of
     256, at 128 tokens 1.3x in chunks of 16; and the chunks run on the process's threads with one torch thread
-    each, 1.07-1.14x over two intra-op threads on two cores (docs/decisions.md#encode-token-budget).
+    each, 1.02-1.14x over two intra-op threads on two cores (docs/decisions.md#encode-token-budget).
     ``forward`` replaces ``encoder(ids, mask)``, e.g. the bag encoder's ``intermediate`` embeddings;
     ``progress(rows)`` follows each chunk (``xc_dagster.progress.Progress.update``)."""
     n = len(lengths)
