@@ -345,7 +345,7 @@ def test_auto_amp_on_cpu_is_bf16_only_where_it_pays(monkeypatch, amx, fp32_s, bf
 
     monkeypatch.setattr(device, "cpu_has_amx", lambda: amx)
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True, raising=False)
-    monkeypatch.setattr(device, "_matmul_seconds", lambda dtype: fp32_s if dtype is None else bf16_s)
+    monkeypatch.setattr(device, "speedup", lambda slow, fast: fp32_s / bf16_s)
     device.cpu_bf16_pays.cache_clear()
     try:
         cpu = torch.device("cpu")
@@ -358,25 +358,23 @@ def test_auto_amp_on_cpu_is_bf16_only_where_it_pays(monkeypatch, amx, fp32_s, bf
 
 
 class _FakeClock:
-    """A ``time`` stand-in for the matmul probe: its clock moves only inside the products, run ``r`` (two
-    products) taking ``durations[r]`` seconds, so the probe's measurements are known exactly."""
+    """A ``time`` stand-in for the probes: its clock moves only when a run ends, run ``r`` taking
+    ``durations[r]`` seconds, so what a probe measures is known exactly."""
 
     def __init__(self, durations: list[float]):
-        self.durations, self.now, self.products = durations, 0.0, 0
+        self.durations, self.now, self.runs = durations, 0.0, 0
 
     def perf_counter(self) -> float:
         return self.now
 
     def tick(self) -> None:
-        if self.products % 2:  # the run's second product ends it
-            self.now += self.durations[self.products // 2]
-        self.products += 1
+        self.now += self.durations[self.runs]
+        self.runs += 1
 
 
-def test_matmul_probe_runs_the_block_in_each_precision_and_returns_the_median(monkeypatch):
-    """``_matmul_seconds`` runs a MiniLM feed-forward pair ((2048 x 384) -> 1536 -> 384) in fp32, or in bf16
-    under autocast, with the right product; it leaves the warm-up run out and returns the median of the timed
-    ones (the clock is faked: what is checked is what the probe measures and returns, not this CPU's speed)."""
+def test_feed_forward_probe_runs_a_minilm_block_in_each_precision():
+    """The bf16 probe's product is a MiniLM feed-forward pair ((2048 x 384) -> 1536 -> 384), in fp32 or under
+    bf16 autocast, and computes that product."""
     from xc_dagster import device
 
     real_linear = torch.nn.functional.linear
@@ -385,50 +383,61 @@ def test_matmul_probe_runs_the_block_in_each_precision_and_returns_the_median(mo
     def linear(x, w):
         y = real_linear(x, w)
         calls.append((tuple(x.shape), tuple(w.shape), y.dtype))
-        if len(calls) == 1:  # the product itself is right
-            with torch.autocast("cpu", enabled=False):  # (first 64 rows; bf16 rounds to ~0.4% of |y| ~ 20)
+        if len(calls) == 1:  # the product itself is right (first 64 rows; bf16 rounds to ~0.4% of |y| ~ 20)
+            with torch.autocast("cpu", enabled=False):
                 torch.testing.assert_close(y[:64].float(), x[:64] @ w.T, rtol=2e-2, atol=0.5)
-        clock.tick()
         return y
 
-    monkeypatch.setattr(torch.nn.functional, "linear", linear)
-    # warm-up, then the timed runs (a mean would be 2.5; counted, the warm-up's 100 would make the median 4.0)
-    for dtype, out_dtype, durations in ((None, torch.float32, [100.0, 4.0, 0.5, 2.0]),
-                                        (torch.bfloat16, torch.bfloat16, [100.0, 2.0])):
-        calls.clear()
-        clock = _FakeClock(durations)
-        monkeypatch.setattr(device, "time", clock)
-        assert device._matmul_seconds(dtype, reps=len(durations) - 1) == 2.0
-        pair = [((2048, 384), (1536, 384), out_dtype), ((2048, 1536), (384, 1536), out_dtype)]
-        assert calls == pair * len(durations)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.nn.functional, "linear", linear)
+        for dtype, out_dtype in ((None, torch.float32), (torch.bfloat16, torch.bfloat16)):
+            calls.clear()
+            device._feed_forward(dtype)()
+            assert calls == [((2048, 384), (1536, 384), out_dtype), ((2048, 1536), (384, 1536), out_dtype)]
+
+
+def test_speedup_interleaves_the_runs_drops_the_warm_ups_and_compares_the_fastest(monkeypatch):
+    """``speedup`` runs slow, fast, slow, ... (a warm-up of each first, not counted) and returns the ratio of the
+    fastest timed run of each: a run slowed by a busy machine (the 50 and 90 below) moves neither side, where a
+    median of sequential runs would have (the clock is faked: the statistic is under test, not this CPU)."""
+    from xc_dagster import device
+
+    order = []
+    # interleaved durations: slow warm-up, fast warm-up, then (slow, fast) pairs
+    clock = _FakeClock([1000.0, 1000.0, 4.0, 90.0, 50.0, 1.0, 3.0, 2.0, 4.5, 50.0])
+    monkeypatch.setattr(device, "time", clock)
+    ratio = device.speedup(lambda: (order.append("s"), clock.tick()), lambda: (order.append("f"), clock.tick()),
+                           reps=4)
+    assert order == ["s", "f"] * 5
+    assert ratio == 3.0  # fastest slow 3.0 / fastest fast 1.0
 
 
 @pytest.mark.parametrize("fp32_s, bf16_s, pays", [(2.0, 1.0, True), (0.75, 0.625, True),  # exactly 1.2x
                                                   (0.74, 0.625, False), (1.0, 2.0, False)])
-def test_bf16_probe_decides_from_the_median_ratio_of_its_two_runs(monkeypatch, fp32_s, bf16_s, pays):
-    """Without AMX ``cpu_bf16_pays`` probes fp32 then bf16 autocast (a warm-up and 5 timed runs each) and says
-    bf16 pays exactly when fp32's median time is >= 1.2x bf16's; without bf16 support it probes nothing: False."""
+def test_bf16_probe_decides_from_the_fastest_runs_of_fp32_and_bf16(monkeypatch, fp32_s, bf16_s, pays):
+    """Without AMX ``cpu_bf16_pays`` times fp32 and bf16 autocast feed-forward runs interleaved (a warm-up and 7
+    timed runs each) and says bf16 pays exactly when fp32's fastest run is >= 1.2x bf16's, whatever the slower
+    runs beside them; without bf16 support it probes nothing: False."""
     from xc_dagster import device
 
     dtypes = []
 
-    def linear(x, w):  # no real product: the decision is under test here
+    def linear(x, w):  # no real product: the decision is under test here; a run is two products
         dtypes.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None)
-        clock.tick()
+        if len(dtypes) % 2 == 0:
+            clock.tick()
         return torch.zeros(x.shape[0], w.shape[0])
 
     monkeypatch.setattr(torch.nn.functional, "linear", linear)
     monkeypatch.setattr(device, "cpu_has_amx", lambda: False)
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True, raising=False)
-    # per precision a warm-up, then 5 timed runs spread around their median: a mean, the middle run unsorted,
-    # or the warm-up counted would flip some of the decisions
-    f, b = fp32_s, bf16_s
-    clock = _FakeClock([1000 * f, 4 * f, f / 4, 50 * f, f / 2, f] + [b / 128, 3 * b, b / 64, 2 * b, b, b / 4])
+    f, b = fp32_s, bf16_s  # warm-ups, then pairs; every other run is slowed, as a busy machine does
+    clock = _FakeClock([1000 * f, 1000 * b] + [x for r in range(7) for x in ((f, b) if r % 2 else (9 * f, 50 * b))])
     monkeypatch.setattr(device, "time", clock)
     device.cpu_bf16_pays.cache_clear()
     try:
         assert device.cpu_bf16_pays() is pays
-        assert dtypes == [None] * 12 + [torch.bfloat16] * 12
+        assert dtypes == [None, None, torch.bfloat16, torch.bfloat16] * 8
         dtypes.clear()
         monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False, raising=False)
         device.cpu_bf16_pays.cache_clear()

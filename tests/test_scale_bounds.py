@@ -282,10 +282,17 @@ def test_int8_is_chosen_where_its_products_pay_and_only_on_a_cpu(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.setattr(ann, "amp_dtype", lambda d, amp: None)
     seconds = {torch.float32: 3.0, torch.int8: 2.0}
-    monkeypatch.setattr(device, "_search_product_seconds", lambda dtype: seconds[dtype])
+    products = []
+
+    def speedup(slow, fast, reps=7):  # the probe's two products, as exact search runs them: their seconds' ratio
+        products.append((tuple(slow().shape), fast().dtype))
+        return seconds[torch.float32] / seconds[torch.int8]
+
+    monkeypatch.setattr(device, "speedup", speedup)
     device.cpu_int8_pays.cache_clear()
     try:
         assert device.cpu_int8_pays() and ann.exact_dtype(cpu) == torch.int8  # exactly 1.5x
+        assert products == [((256, 8192), torch.int32)]
         monkeypatch.setattr(ann, "cpu_int8_pays", lambda: False)
         assert ann.exact_dtype(cpu) is None
         monkeypatch.setattr(ann, "amp_dtype", lambda d, amp: torch.bfloat16)

@@ -89,8 +89,8 @@ def cpu_has_amx() -> bool:
 
 @functools.lru_cache(maxsize=1)
 def cpu_bf16_pays(min_speedup: float = 1.2) -> bool:
-    """bf16 autocast is worth it on this CPU: AMX, or (measured once per process, ~0.2 s) two encoder-sized
-    matrix products under bf16 autocast run ``min_speedup`` times faster than in fp32."""
+    """bf16 autocast is worth it on this CPU: AMX, or (measured once per process, ~0.3 s) two encoder-sized
+    matrix products under bf16 autocast run ``min_speedup`` times faster than in fp32 (``speedup``)."""
     if cpu_has_amx():
         return True
     try:
@@ -98,50 +98,61 @@ def cpu_bf16_pays(min_speedup: float = 1.2) -> bool:
             return False
     except (AttributeError, RuntimeError):
         return False
-    return _matmul_seconds(None) / _matmul_seconds(torch.bfloat16) >= min_speedup
+    return speedup(_feed_forward(None), _feed_forward(torch.bfloat16)) >= min_speedup
 
 
-def _matmul_seconds(dtype: torch.dtype | None, reps: int = 5) -> float:
-    """Median seconds of a (2048 x 384) -> 1536 -> 384 feed-forward pair (a MiniLM block's shape)."""
+def _feed_forward(dtype: torch.dtype | None) -> Callable[[], object]:
+    """A (2048 x 384) -> 1536 -> 384 feed-forward pair (a MiniLM block's shape), in fp32 or under ``dtype``
+    autocast."""
     g = torch.Generator().manual_seed(0)
     x, w1, w2 = (torch.randn(*shape, generator=g) for shape in ((2048, 384), (1536, 384), (384, 1536)))
-    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype is not None):
-        return _median_seconds(lambda: torch.nn.functional.linear(torch.nn.functional.linear(x, w1), w2), reps)
+
+    def run() -> object:
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype is not None):
+            return torch.nn.functional.linear(torch.nn.functional.linear(x, w1), w2)
+
+    return run
 
 
-def _median_seconds(run: Callable[[], object], reps: int) -> float:
-    """Median seconds of ``reps`` calls of ``run`` after one warm-up call."""
-    times = []
-    for i in range(reps + 1):
+def speedup(slow: Callable[[], object], fast: Callable[[], object], reps: int = 7) -> float:
+    """How many times faster ``fast`` runs than ``slow``: their fastest of ``reps`` timed runs each, interleaved
+    (slow, fast, slow, ...) after a warm-up of each. The fastest, not the median: these products take milliseconds,
+    less than a scheduler quantum, so on a busy machine (another process on the cores) a run is slowed by whether
+    its threads got the cores, not by its precision: beside a test suite a median of 5 sequential runs measured int8
+    0.83-1.25x and bf16 once 1.29x (4.2x and 0.45x alone), flipping both decisions (docs/decisions.md#probe-fastest)."""
+    best = [float("inf"), float("inf")]
+    for i in range(2 * (reps + 1)):
         t = time.perf_counter()
-        run()
-        if i:  # the first is warm-up
-            times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2]
+        (fast if i % 2 else slow)()
+        if i >= 2:  # the first of each is the warm-up
+            best[i % 2] = min(best[i % 2], time.perf_counter() - t)
+    return best[0] / best[1]
 
 
 @functools.lru_cache(maxsize=1)
 def cpu_int8_pays(min_speedup: float = 1.5) -> bool:
     """int8 scoring is worth it for exact search on this CPU (VNNI and the like): measured once per process
-    (~0.1 s), an exact-search block's int8 product (int32 out) runs ``min_speedup`` times faster than in fp32
-    (docs/decisions.md#exact-int8). False where torch has no int8 product for the CPU."""
+    (~0.3 s, ``speedup`` over 31 runs of each: these products take 2-8 ms), an exact-search block's int8 product (int32 out) runs ``min_speedup`` times faster than
+    in fp32 (docs/decisions.md#exact-int8). False where torch has no int8 product for the CPU."""
     if not hasattr(torch, "_int_mm"):
         return False
     try:
-        return _search_product_seconds(torch.float32) / _search_product_seconds(torch.int8) >= min_speedup
+        return speedup(_search_product(torch.float32), _search_product(torch.int8), reps=31) >= min_speedup
     except RuntimeError:
         return False
 
 
-def _search_product_seconds(dtype: torch.dtype, reps: int = 5) -> float:
-    """Median seconds of a (256 x 384) x (384 x 8192) product into a kept output, as exact search runs it."""
+def _search_product(dtype: torch.dtype) -> Callable[[], object]:
+    """A (256 x 384) x (384 x 8192) product into a kept output, as exact search runs it."""
     g = torch.Generator().manual_seed(0)
     q, k = (torch.randint(-127, 128, shape, generator=g).to(dtype) for shape in ((256, 384), (8192, 384)))
     out = torch.empty(256, 8192, dtype=torch.int32 if dtype == torch.int8 else dtype)
-    product = ((lambda: torch._int_mm(q, k.T, out=out)) if dtype == torch.int8 else
-               (lambda: torch.matmul(q, k.T, out=out)))
-    with torch.inference_mode():
-        return _median_seconds(product, reps)
+
+    def run() -> object:
+        with torch.inference_mode():
+            return torch._int_mm(q, k.T, out=out) if dtype == torch.int8 else torch.matmul(q, k.T, out=out)
+
+    return run
 
 
 def adamw(params: Iterable[torch.nn.Parameter], lr: float, weight_decay: float) -> torch.optim.AdamW:
