@@ -95,6 +95,7 @@ PARENT_STAGES = ("evaluate",)  # stages whose final numbers the parent run shows
 SYSTEM_METRICS_ENV = "XC_MLFLOW_SYSTEM_METRICS"  # 1: MLflow samples CPU/GPU/memory into each stage run (psutil)
 DATA_CONTEXT = "mlflow.data.context"
 PARENT_TAGS = ("strategy", "preset")  # a stage run's tags its parent run takes
+PARENT_SETTLE_S = 0.5  # a parent's creator looks for racers this long after its create (see Tracker.parent_run)
 
 
 def mlflow_dataset(name: str, digest: str, source: str) -> MetaDataset:
@@ -188,13 +189,16 @@ class Tracker:
         """The parent run of one Dagster run (tag :data:`PARENT_TAG`), created by its first stage with ``tags``
         (no params: a stage's run config changes its own section only, so the stage runs hold the params). Steps
         of a run may start together in several processes: each creator then looks again, all keep the oldest, and
-        a creator whose run is not it deletes its own."""
+        a creator whose run is not it deletes its own. It looks again PARENT_SETTLE_S after its create, not at once:
+        a racer's start time is taken before its insert, which can wait on the store's write lock (SQLite), so an
+        older run could land after a creator had looked, each then keeping its own (seen once in a suite run)."""
         flt = f"tags.`{PARENT_TAG}` = '{dagster_run_id}'"
         found = self.client.search_runs([experiment_id], flt, max_results=50)
         if not found:
             mine = self.client.create_run(experiment_id, tags={
                 **tags, PARENT_TAG: dagster_run_id, "dagster_run_id": dagster_run_id, "dataset": dataset,
                 "xc.kind": "pipeline", "mlflow.runName": f"dagster-{dagster_run_id[:8]}"})
+            time.sleep(PARENT_SETTLE_S)
             found = self.client.search_runs([experiment_id], flt, max_results=50)
             keep = min(found, key=lambda r: (r.info.start_time, r.info.run_id))
             if keep.info.run_id != mine.info.run_id:
