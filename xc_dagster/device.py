@@ -132,8 +132,9 @@ def speedup(slow: Callable[[], object], fast: Callable[[], object], reps: int = 
 @functools.lru_cache(maxsize=1)
 def cpu_int8_pays(min_speedup: float = 1.5) -> bool:
     """int8 scoring is worth it for exact search on this CPU (VNNI and the like): measured once per process
-    (~0.3 s, ``speedup`` over 31 runs of each: these products take 2-8 ms), an exact-search block's int8 product (int32 out) runs ``min_speedup`` times faster than
-    in fp32 (docs/decisions.md#exact-int8). False where torch has no int8 product for the CPU."""
+    (~0.3 s, ``speedup`` over 31 runs of each, as these products take 2-8 ms), an exact-search block's int8 product
+    (int32 out) runs ``min_speedup`` times faster than in fp32 (docs/decisions.md#exact-int8). False where torch has
+    no int8 product for the CPU."""
     if not hasattr(torch, "_int_mm"):
         return False
     try:
