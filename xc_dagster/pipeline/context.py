@@ -85,6 +85,10 @@ class StageContext:
         are written)."""
         return self.store.root / self.name / "_checkpoints" / str(stage or self.stage)
 
+    def encoded_dir(self) -> Path:
+        """Where embeddings encoded by an earlier run are kept for reuse (``xc_dagster.pipeline.encoded``)."""
+        return self.store.root / self.name / "_cache" / "encoded"
+
     def kept_work(self, settings: dict[str, Any], *arrays: np.ndarray) -> KeptWork:
         """Where this stage keeps the work a killed run of it finished (row blocks, built indexes), valid for
         ``settings``, the versions of every upstream artifact it reads and ``arrays`` (docs/decisions.md#kept-work)."""

@@ -4,6 +4,7 @@ and the fusion, the XC metrics (filter pairs removed), reports and plots."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Any
 
@@ -16,11 +17,13 @@ from xc_dagster.encoders.loading import load_encoder
 from xc_dagster.evaluation.metrics import evaluate, recall_at, remove_filtered
 from xc_dagster.evaluation.reports import decile_contributions, decile_plot, pk_plot, recall_by_frequency, recall_plot
 from xc_dagster.pipeline.context import StageContext
+from xc_dagster.pipeline.encoded import EncodedCache
 from xc_dagster.pipeline.kept import KeptWork
 from xc_dagster.retrieval.shortlist import STREAM_ROWS, retrieve, topk_from_scores
 from xc_dagster.sampling.labels import positive_mask
 from xc_dagster.storage import save_json
 
+log = logging.getLogger("xc_dagster")
 TRAINING_STAGES = ("pretrain", "mining", "classifier", "index", "fusion")
 RANKING = "ranking_"  # a kept block's ranking arrays: ranking_<name>
 ABLATION_METRICS = ("precision_at_1", "precision_at_5", "psprecision_at_1", "psprecision_at_5")
@@ -34,6 +37,26 @@ def encode_split(ctx: StageContext, split: str) -> np.ndarray:
     ids, lens = ctx.read.tokens(split)
     with ctx.progress(f"encode {split}", len(lens), "texts") as prog:
         return encode_tokens(encoder, ids, lens, ctx.device, dtype, ctx.cfg.pretrain.encode_batch_size, prog.update)
+
+
+def encode_split_reused(ctx: StageContext, split: str) -> tuple[np.ndarray, bool]:
+    """``encode_split``, read back instead when an earlier run encoded the same tokens with the same encoder and
+    settings (``xc_dagster.pipeline.encoded``), else kept for the next run; and whether it was read back."""
+    versions = ctx.read.versions()
+    settings = {"encoder": versions.get(ctx.read.model_dir().name), "tokenize": versions.get("tokenize"),
+                "pooling": ctx.read.model_summary()["pooling"], "device": ctx.device.type,
+                "dtype": str(amp_dtype(ctx.device, ctx.cfg.pretrain.amp)),
+                "batch_size": ctx.cfg.pretrain.encode_batch_size}
+    if not (settings["encoder"] and settings["tokenize"]):  # not both local folders: no version to key on
+        return encode_split(ctx, split), False
+    cache = EncodedCache(ctx.encoded_dir(), split, settings)
+    kept = cache.load(len(ctx.read.tokens(split)[1]))
+    if kept is not None:
+        log.info("%s: %s embeddings read back from %s (same encoder and tokens)", ctx.name, split, cache.path)
+        return kept, True
+    emb = encode_split(ctx, split)
+    cache.save(emb)
+    return emb, False
 
 
 def upstream_seconds(ctx: StageContext) -> dict[str, float]:
@@ -130,7 +153,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     p = ctx.cfg.evaluate
     t0 = time.perf_counter()
     ds = ctx.read.labels()
-    q = encode_split(ctx, "test")
+    q, reused = encode_split_reused(ctx, "test")
     t_enc = time.perf_counter() - t0
     m = ctx.read.shortlist_sources(ctx.cfg.index.hnsw_ef_search)
     fz = ctx.read.fusion()
@@ -152,6 +175,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         searched = len(q) - kept.resumed_rows  # the queries this run searched (the rest: a killed run's kept blocks)
         per_query = 1000 * pred["search_seconds"] / searched if searched else None  # none searched: not measured
         summary = {"metrics": metrics, "fusion": fz.summary(), "n_test": int(len(q)), "encode_seconds": t_enc,
+                   "encoding_reused": reused,
                    "predict_seconds": t_pred, "ms_per_query_index_fusion": per_query,
                    "stage_seconds": stage_seconds, "resumed_queries": kept.resumed_rows,
                    "seconds": time.perf_counter() - t0}
