@@ -1,5 +1,6 @@
-"""Evaluation reuses the test embeddings an earlier run encoded while the encoder, the tokens and the encoding
-settings are the same, and encodes again when any of them changes or the kept file is damaged."""
+"""The kept embeddings of a split (``xc_dagster.pipeline.encoded``): read back only under the same key, whole and of
+the split's shape. Evaluation reading them back, and encoding again after a new encoder, is tested with its kept
+blocks (tests/test_kept_work.py)."""
 
 from __future__ import annotations
 
@@ -9,63 +10,10 @@ import time
 import numpy as np
 import pytest
 
-import xc_dagster.pipeline.evaluate as ev
-from tests.tinydata import tiny_lf_home
-from xc_dagster.catalog import Catalog
-from xc_dagster.pipeline import StageContext, run_all
 from xc_dagster.pipeline.encoded import EncodedCache
-from xc_dagster.storage import ArtifactStore
 
-TINY = {"pretrain.epochs": 1, "pretrain.batch_size": 16, "mining.shortlist_size": 8, "classifier.epochs": 1,
-        "classifier.batch_size": 32, "classifier.num_negatives": 5, "index.shortlist_size": 8, "evaluate.top_k": 10,
-        "ingest.valid_fraction": 0.1}
 SETTINGS = {"encoder": ".pretrain.v-1", "tokenize": ".tokenize.v-1", "pooling": "mean", "device": "cpu",
             "dtype": "None", "batch_size": 256}
-
-
-def _encodings(monkeypatch) -> list[int]:
-    """Count the encodings of a split (``encode_split``), each run's rows."""
-    real, calls = ev.encode_split, []
-
-    def counted(ctx, split):
-        emb = real(ctx, split)
-        calls.append(len(emb))
-        return emb
-
-    monkeypatch.setattr(ev, "encode_split", counted)
-    return calls
-
-
-def test_a_re_evaluation_reads_the_test_embeddings_back_and_a_new_encoder_or_tokens_encode_again(
-        tmp_path, monkeypatch, tiny_encoder):
-    home = tiny_lf_home(tmp_path, monkeypatch, TINY, encoder=tiny_encoder)
-    spec = Catalog(home.catalog).get("TinyTitles")
-    store = ArtifactStore(home.artifacts)
-    ctx = StageContext(store, spec, spec.config(), home.cache)
-    calls = _encodings(monkeypatch)
-    first = run_all(ctx)["evaluate"]
-    n_test = first["n_test"]
-    assert calls == [n_test] and first["encoding_reused"] is False
-    kept = sorted(ctx.encoded_dir().glob("test-*.npy"))
-    assert len(kept) == 1 and np.load(kept[0]).shape[0] == n_test
-    stage = store.stage_dir("TinyTitles", "evaluate")
-    want = dict(np.load(stage / "predictions.npz"))
-
-    again = run_all(ctx, ("evaluate",))["evaluate"]  # e.g. after a change to the fusion: the same encoder
-    assert calls == [n_test] and again["encoding_reused"] is True
-    got = dict(np.load(stage / "predictions.npz"))
-    assert np.array_equal(got["ids"], want["ids"]) and np.array_equal(got["scores"], want["scores"])
-    assert again["metrics"] == first["metrics"]
-
-    run_all(ctx, ("pretrain",))  # a new encoder (a new version folder): encoded again, the old file replaced
-    third = run_all(ctx, ("evaluate",))["evaluate"]
-    assert calls == [n_test, n_test] and third["encoding_reused"] is False
-    now = sorted(ctx.encoded_dir().glob("test-*.npy"))
-    assert len(now) == 1 and now != kept
-
-    run_all(ctx, ("tokenize",))  # new tokens, the same encoder: encoded again
-    assert run_all(ctx, ("evaluate",))["evaluate"]["encoding_reused"] is False
-    assert calls == [n_test] * 3
 
 
 def test_the_key_covers_every_setting_and_a_damaged_or_misshapen_file_is_encoded_again(tmp_path, caplog):

@@ -161,6 +161,14 @@ def test_a_sigkilled_evaluation_resumes_from_its_kept_blocks_with_the_same_predi
     assert np.array_equal(got["ids"], want["ids"]) and np.array_equal(got["scores"], want["scores"])
     assert out["metrics"] == full["metrics"] and out["ms_per_query_index_fusion"] > 0  # of the 3 blocks searched
     assert not kept.exists()  # cleared once the artifacts are written
+    # the test embeddings: encoded by the first run, read back by every later one (the same encoder and tokens)
+    assert full["encoding_reused"] is False and second["encoding_reused"] is out["encoding_reused"] is True
+    encoded = sorted(ctx.encoded_dir().glob("test-*.npy"))
+    assert len(encoded) == 1 and np.load(encoded[0]).shape[0] == full["n_test"]
+    run_all(ctx, ("pretrain",))  # a new encoder (a new version folder): encoded again, the old file replaced
+    assert run_all(ctx, ("evaluate",))["evaluate"]["encoding_reused"] is False
+    now = sorted(ctx.encoded_dir().glob("test-*.npy"))
+    assert len(now) == 1 and now != encoded
 
 
 def test_mining_stopped_mid_way_resumes_and_kept_blocks_of_older_inputs_are_not_used(home, tmp_path, monkeypatch):
