@@ -324,6 +324,26 @@ def test_exact_topk_ties_and_padding_and_save_load(tmp_path):
         assert i2.tolist() == [[2]]
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("n_keys", [40, 4096])  # 4096: the grouped top-k's path (row_topk), 40: torch.topk's
+def test_an_exact_tie_at_the_k_th_place_keeps_the_smallest_ids(precision, n_keys):
+    rng = np.random.default_rng(0)
+    dim = 16
+    q = rng.standard_normal((3, dim)).astype(np.float32)
+    q /= np.linalg.norm(q, axis=1, keepdims=True)
+    keys = rng.standard_normal((n_keys, dim)).astype(np.float32) * 0.05  # far below the planted keys' scores
+    keys[[11, 5]] = q[0] * [[0.9], [0.8]]  # the two best for query 0
+    dup = np.sort(rng.choice(np.setdiff1d(np.arange(n_keys), [5, 11]), 9, replace=False))[::-1].copy()
+    keys[dup] = q[0] * 0.7  # nine identical keys tied at places 3-11, written from the largest id down
+    s, i = exact_topk(q, keys, 5, precision=precision)
+    assert i[0].tolist() == [11, 5, *sorted(dup)[:3]]  # the three smallest of the nine tied ids
+    assert s[0, 2] == s[0, 3] == s[0, 4] and s[0, 1] > s[0, 2]
+    want = np.argsort(-(q[1:] @ keys.T), axis=1, kind="stable")[:, :5]  # no ties there: fp32's own order
+    assert np.array_equal(i[1:], want)
+    excl = exact_topk(q[:1], keys, 5, precision=precision, exclude=np.array(sorted(dup)[:2]))[1]
+    assert excl[0].tolist() == [11, 5, *sorted(dup)[2:5]]  # excluded ids are never the tie's winners
+
+
 def test_topk_from_scores_ties_by_label_id_and_padding():
     ids = np.array([[7, 3, 5, -1]])
     scores = np.array([[0.5, 0.5, 0.9, -np.inf]], dtype=np.float32)

@@ -7,7 +7,8 @@ blocked matrix product in torch (on the GPU when there is one), the reference th
 ``auto`` is ``exact`` up to ``EXACT_MAX_VECTORS`` vectors (twice that where exact search scores in bf16) and
 ``hnsw`` above: below it a matrix product over every vector costs less than building the graph and walking it
 (bench/SCALE.md#index-choice), above it the per-query cost stays O(log L). All return the top-k (scores, ids) per
-query, ids -1 where fewer than k exist (exact: ties broken by smaller id).
+query, ids -1 where fewer than k exist (exact: ties broken by smaller id, also which of the keys tied at the k-th
+place are kept).
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ def exact_topk(queries: np.ndarray, keys: np.ndarray, k: int, block: int = 4096,
     n, L = len(queries), len(keys)
     block = max(1, min(block, EXACT_BLOCK_ENTRIES // max(L, 1)))
     kk = min(k, L)
-    width = kk if low is None else min(L, rerank_width(k, low))
+    kk1 = min(k + 1, L)  # one past the k-th: an exact tie at the k-th place that spills past it is seen
+    width = kk1 if low is None else min(L, rerank_width(k, low))
     scores = np.full((n, k), -np.inf, dtype=np.float32)
     ids = np.full((n, k), -1, dtype=np.int64)
     cache = {} if cache is None else cache
@@ -99,17 +101,17 @@ def exact_topk(queries: np.ndarray, keys: np.ndarray, k: int, block: int = 4096,
         Q = torch.from_numpy(np.ascontiguousarray(queries[s:s + block], dtype=np.float32)).to(device)
         low = None if cache.get("fp32_only") else low
         if low is None:
-            top_s, top_i = _scored_topk(Q, K, drop, kk, sorted=True, out=out)
+            top_s, top_i = _scored_topk(Q, K, drop, kk1, sorted=False, out=out)
         else:
             quantized = _quantize(Q) if low == torch.int8 else None  # codes, scales, residual norms
             top_s, top_i = (_int8_topk(quantized, K_low, cache["int8_scale"], drop, width, out) if quantized else
                             _scored_topk(Q, K_low, drop, width, sorted=False, out=out))
             floor = top_s.min(dim=1).values.float()  # no key outside the candidates scored above this
-            top_s, top_i = _rerank(Q, K, top_s, top_i, kk)
+            top_s, top_i = _rerank(Q, K, top_s, top_i, kk1)  # certified below: the top k + 1 are fp32's
             ok = _certified(top_s, floor, _error_bound(Q, floor, cache, None if quantized is None else quantized[2]))
             redo = (~ok).nonzero()[:, 0] if width < L and certify else []
             if len(redo):
-                top_s[redo], top_i[redo] = _scored_topk(Q[redo], K, drop, kk, sorted=False, out=out)
+                top_s[redo], top_i[redo] = _scored_topk(Q[redo], K, drop, kk1, sorted=False, out=out)
             # keys too close for the low precision (most queries searched twice): fp32 from here on, for these keys
             done, again = cache.get("low_searched", 0) + len(Q), cache.get("low_redone", 0) + len(redo)
             cache.update(low_searched=done, low_redone=again,
@@ -118,9 +120,25 @@ def exact_topk(queries: np.ndarray, keys: np.ndarray, k: int, block: int = 4096,
         ti = np.where(np.isneginf(ts), -1, ti)
         order = np.lexsort((ti, -ts), axis=1)  # deterministic ties: by (-score, id)
         ts, ti = np.take_along_axis(ts, order, 1), np.take_along_axis(ti, order, 1)
-        scores[s:s + len(Q), :kk] = ts
-        ids[s:s + len(Q), :kk] = ti
+        if kk1 > kk:  # the k-th and (k+1)-th tie (duplicate keys): which tied keys are kept is the selection's
+            for r in np.flatnonzero((ts[:, kk - 1] == ts[:, kk]) & np.isfinite(ts[:, kk])):  # choice: by id
+                ts[r, :kk], ti[r, :kk] = _ties_by_id(Q[r:r + 1], K, drop, kk)
+        scores[s:s + len(Q), :kk] = ts[:, :kk]
+        ids[s:s + len(Q), :kk] = ti[:, :kk]
     return scores, ids
+
+
+def _ties_by_id(q: torch.Tensor, K: torch.Tensor, drop: torch.Tensor | None, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """One query's exact top ``k`` in fp32 by (score descending, id ascending) over every key: the keys above the
+    k-th score and the smallest ids of those equal to it. For the rare query whose k-th place is an exact tie."""
+    sim = torch.matmul(q, K.T)[0]
+    if drop is not None:
+        sim[drop] = -torch.inf
+    kth = torch.topk(sim, k).values[-1]
+    keep = torch.cat([(sim > kth).nonzero()[:, 0], (sim == kth).nonzero()[:, 0]])[:k]  # nonzero: ids ascending
+    top_s, top_i = sim[keep].cpu().numpy(), keep.cpu().numpy()
+    order = np.lexsort((top_i, -top_s))
+    return top_s[order], top_i[order]
 
 
 class _ScoreBuffers:
