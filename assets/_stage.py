@@ -16,8 +16,10 @@ from typing import Any, Callable, Sequence
 import dagster as dg
 
 from assets.config import CONFIG_CLASSES, run_overrides
-from resources import ComputeResource, MLflowResource, XCHomeResource
+from resources.compute import ComputeResource
+from resources.home import XCHomeResource
 from resources.pools import record_run_owner
+from resources.tracking import MLflowResource
 from xc_dagster.artifacts import CONTRACT, StageArtifacts
 from xc_dagster.device import resolve_device
 from xc_dagster.home import Home

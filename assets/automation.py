@@ -22,8 +22,9 @@ import time
 
 import dagster as dg
 
-from resources import DATASETS, ClickLogFeedResource, XCHomeResource, registered
-from resources.partitions import sync_catalog
+from resources.clicklogs import ClickLogFeedResource
+from resources.home import XCHomeResource, sync_catalog
+from resources.partitions import DATASETS, registered
 from xc_dagster.config.env import env_positive
 from xc_dagster.errors import XCError
 from xc_dagster.serving.retraining import (

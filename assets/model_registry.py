@@ -17,7 +17,9 @@ import dagster as dg
 import pydantic
 
 from assets._stage import asset_deps
-from resources import ComputeResource, MLflowResource, XCHomeResource
+from resources.compute import ComputeResource
+from resources.home import XCHomeResource
+from resources.tracking import MLflowResource
 from xc_dagster.artifacts import REGISTERED_MODEL
 from xc_dagster.pipeline import STAGE_ORDER, StageContext
 from xc_dagster.pipeline.provenance import with_upstream_params

@@ -3,31 +3,27 @@
 The partition keys live in the Dagster instance (``DynamicPartitionsDefinition`` named ``datasets``), each
 dataset's options in the catalog file. ``xc-dagster datasets add`` registers the key with the instance and the
 click-log sensor adds a new feed's key through its ``SensorResult``, so a new dataset is launchable in the UI
-without reloading the code location. Loading the definitions registers every catalog dataset the instance lacks:
-a home made when the partitions were static (read from the catalog at load) keeps its datasets, and their history,
-which Dagster keys by the partition's name, is unchanged (docs/decisions.md#dynamic-partitions).
+without reloading the code location. Loading the definitions registers every catalog dataset the instance lacks
+(``resources.home.sync_on_load``): a home made when the partitions were static (read from the catalog at load) keeps
+its datasets, and their history, which Dagster keys by the partition's name, is unchanged
+(docs/decisions.md#dynamic-partitions).
 
 Run as ``python -m resources.partitions add|remove NAME...`` with ``DAGSTER_HOME`` set (the CLI does, through
 :func:`xc_dagster.project.project_import`, so a working directory with packages of the same names does not matter).
+The module imports Dagster and nothing of the library, so that process takes 1 to 2 s
+(docs/decisions.md#add-imports).
 """
 
 from __future__ import annotations
 
-import logging
-import os
 import sys
 from collections.abc import Iterable
 
 import dagster as dg
 from sqlalchemy.exc import IntegrityError
 
-from resources.pools import ensure_pool, release_dead_runs
-from xc_dagster.catalog import Catalog
-from xc_dagster.home import Home
-
 PARTITIONS_NAME = "datasets"
 DATASETS = dg.DynamicPartitionsDefinition(name=PARTITIONS_NAME)
-log = logging.getLogger("xc_dagster")
 
 
 def register(instance: dg.DagsterInstance, names: Iterable[str]) -> list[str]:
@@ -58,29 +54,6 @@ def unregister(instance: dg.DagsterInstance, name: str) -> bool:
 
 def registered(instance: dg.DagsterInstance) -> set[str]:
     return set(instance.get_dynamic_partitions(PARTITIONS_NAME))
-
-
-def sync_catalog(instance: dg.DagsterInstance, home: Home, extra: Iterable[str] = ()) -> list[str]:
-    """Register every catalog dataset (plus ``extra``, e.g. the click-log feed's folders) the instance lacks."""
-    return register(instance, set(Catalog(home.catalog).names()) | set(extra))
-
-
-def sync_on_load(home: Home, extra: Iterable[str] = ()) -> list[str]:
-    """At code-location load: register the catalog's datasets with the instance of ``DAGSTER_HOME`` (the CLI,
-    webserver and daemon set it), make the training pool's limit row and free the slots of killed runs
-    (``resources.pools``). Without an
-    instance (a bare Python import) nothing is done: logged, not raised."""
-    if not os.environ.get("DAGSTER_HOME"):
-        log.info("DAGSTER_HOME not set: the catalog's datasets are registered as partitions when an instance "
-                 "loads these definitions")
-        return []
-    instance = dg.DagsterInstance.get()
-    ensure_pool(instance)
-    release_dead_runs(instance)
-    added = sync_catalog(instance, home, extra)
-    if added:
-        log.info("registered dataset partitions from the catalog: %s", ", ".join(added))
-    return added
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,8 @@ import mlflow
 import pandas as pd
 import pytest
 
-from resources import ClickLogFeedResource, XCHomeResource
+from resources.clicklogs import ClickLogFeedResource
+from resources.home import XCHomeResource
 from tests.tinydata import free_port, graphql, stop_process_group, wait_for, write_lf_dataset
 from xc_dagster.catalog import Catalog, DatasetSpec
 from xc_dagster.cli import main as cli_main

@@ -11,7 +11,7 @@ import pytest
 
 from assets import build_assets
 from assets import ingest as ingest_module
-from resources import dataset_partitions
+from resources.home import dataset_partitions
 from tests.tinydata import dagster_instance, write_lf_dataset
 from xc_dagster.artifacts import CHECKS as CHECKS_FILE
 from xc_dagster.catalog import Catalog, DatasetSpec

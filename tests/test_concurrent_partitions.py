@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from assets import build_assets, build_lifecycle_assets
-from resources import dataset_partitions
+from resources.home import dataset_partitions
 from tests.test_pipeline import TINY
 from tests.tinydata import label_prior_metrics, write_lf_dataset, write_tiny_encoder
 from xc_dagster.artifacts import CONTRACT, PARAMS, STAGE_ORDER, SUMMARY

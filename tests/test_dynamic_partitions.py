@@ -73,6 +73,16 @@ def test_concurrent_registrations_lose_nothing_and_add_nothing_twice(home):
     assert sorted(keys) == sorted([f"d{i}" for i in range(4)] + ["shared"])  # each once
 
 
+def test_the_registration_process_imports_no_torch_or_mlflow(home):
+    """The process `datasets add` starts imports Dagster, not the library's heavy dependencies
+    (docs/decisions.md#add-imports)."""
+    code = (PARTITIONS_CMD.replace("sys.exit(", "rc = (")
+            + "; print(rc, sorted(m for m in ('torch', 'mlflow', 'transformers', 'faiss') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code, "add", "Light"], cwd=home.root, capture_output=True, text=True)
+    assert out.stdout.strip() == "0 []", out.stderr[-2000:]
+    assert _partitions() == ["Light"]
+
+
 def test_a_failed_registration_leaves_no_catalog_entry(home, tmp_path, capsys):
     (home.dagster_home / "dagster.yaml").write_text("storage: [unclosed\n")  # the instance cannot load
     assert cli_main(["datasets", "add", "New", "--source", str(tmp_path)]) == 2

@@ -20,7 +20,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from resources import ClickLogFeedResource, XCHomeResource
+from resources.clicklogs import ClickLogFeedResource
+from resources.home import XCHomeResource
 from tests.test_pipeline import TINY
 from tests.tinydata import write_tiny_encoder
 from xc_dagster.catalog import Catalog, DatasetSpec

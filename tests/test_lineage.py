@@ -168,7 +168,7 @@ def test_rematerializing_the_encoder_marks_every_asset_that_read_it_stale(tmp_pa
     from dagster._core.loader import LoadingContextForTest
 
     from assets import build_assets
-    from resources import dataset_partitions
+    from resources.home import dataset_partitions
     from xc_dagster.definitions import pipeline_resources
 
     home = tiny_lf_home(tmp_path, monkeypatch, TINY, encoder=tiny_encoder)

@@ -95,7 +95,7 @@ def test_materialize_all_assets_through_dagster_and_read_mlflow(tiny_home):
     import dagster as dg
 
     from assets import build_assets
-    from resources import dataset_partitions
+    from resources.home import dataset_partitions
     from xc_dagster.definitions import pipeline_resources
 
     assets = build_assets(dataset_partitions())
@@ -161,7 +161,7 @@ def test_upstream_run_config_is_what_downstream_runs_log(tiny_home):
     import dagster as dg
 
     from assets import build_assets
-    from resources import dataset_partitions
+    from resources.home import dataset_partitions
     from xc_dagster.definitions import pipeline_resources
     from xc_dagster.evaluation.comparison import comparison_table, differing_params, evaluation_runs
 

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from assets import build_assets
-from resources import ComputeResource, dataset_partitions
-from resources.compute import exit_message
+from resources.compute import ComputeResource, exit_message
+from resources.home import dataset_partitions
 from tests.test_ddp_pretrain import _no_dropout_bert
 from tests.test_pipeline import TINY
 from tests.tinydata import dagster_instance, write_lf_dataset

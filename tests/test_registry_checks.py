@@ -14,7 +14,7 @@ import pytest
 import scipy.sparse as sp
 
 from assets import ingest as ingest_module
-from resources import dataset_partitions
+from resources.home import dataset_partitions
 from tests.test_data import DATA
 from tests.tinydata import dagster_instance
 from xc_dagster.catalog import Catalog, DatasetSpec

@@ -253,7 +253,7 @@ def test_registered_model_asset_and_blocking_gate_through_dagster(built):
     import dagster as dg
 
     from assets import build_lifecycle_assets
-    from resources import dataset_partitions
+    from resources.home import dataset_partitions
     from xc_dagster.definitions import PIPELINE_JOB, build_definitions, pipeline_resources
 
     home = built.home
@@ -310,7 +310,7 @@ def test_gate_tolerance_from_the_catalog_when_the_run_has_no_config(built):
     import dagster as dg
 
     from assets import build_lifecycle_assets
-    from resources import dataset_partitions
+    from resources.home import dataset_partitions
     from xc_dagster.definitions import pipeline_resources
 
     home = built.home

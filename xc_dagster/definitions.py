@@ -13,14 +13,10 @@ project_import("assets", "assets.automation", "resources")  # ours, whatever the
 
 from assets import build_assets, build_lifecycle_assets  # noqa: E402
 from assets.automation import build_click_log_sensor, build_retrain_schedule  # noqa: E402
-from resources import (  # noqa: E402
-    ClickLogFeedResource,
-    ComputeResource,
-    MLflowResource,
-    XCHomeResource,
-    dataset_partitions,
-    sync_on_load,
-)
+from resources.clicklogs import ClickLogFeedResource  # noqa: E402
+from resources.compute import ComputeResource  # noqa: E402
+from resources.home import XCHomeResource, dataset_partitions, sync_on_load  # noqa: E402
+from resources.tracking import MLflowResource  # noqa: E402
 from xc_dagster.home import Home  # noqa: E402
 from xc_dagster.strategies import STRATEGIES  # noqa: E402
 
