@@ -10,6 +10,7 @@ import pytest
 import scipy.sparse as sp
 import torch
 
+import xc_dagster.retrieval.shortlist as shortlist_module
 from tests.test_pipeline import TINY
 from tests.tinydata import label_prior_metrics, write_lf_dataset, write_tiny_encoder
 from xc_dagster.catalog import Catalog, DatasetSpec
@@ -118,7 +119,7 @@ def _problem(seed: int = 0, L: int = 300, N: int = 500, D: int = 16):
     return E, Y, X, rng
 
 
-def test_retrieve_is_the_union_of_each_source_with_exact_scores():
+def test_retrieve_is_the_union_of_each_source_with_exact_scores(monkeypatch):
     E, Y, X, rng = _problem()
     C = label_centroids(X, Y)
     src = build_sources(("label", "centroid", "knn"), E, E, C, X, Y, "text+centroid", "exact", 8, 40, 40)
@@ -141,6 +142,13 @@ def test_retrieve_is_the_union_of_each_source_with_exact_scores():
         kv = {l: knn[l] for l in top}
         assert sl.knn[i][ok] == pytest.approx([kv.get(l, 0.0) for l in got], abs=1e-5)
         assert np.all(np.isinf(sl.emb[i][~ok]))
+    # mining's call: the same candidates and embedding / kNN scores, no classifier scores computed
+    calls, real = [], shortlist_module.gathered_scores
+    monkeypatch.setattr(shortlist_module, "gathered_scores", lambda *a: calls.append(1) or real(*a))
+    bare = retrieve(Q, src, k, block=7, classifier_scores=False)
+    assert len(calls) == 3  # one per block (7, 7, 6 queries): the embedding scores only
+    assert np.array_equal(bare.ids, sl.ids) and np.array_equal(bare.emb, sl.emb) and np.array_equal(bare.knn, sl.knn)
+    assert np.isneginf(bare.clf).all()
 
 
 def test_retrieve_excludes_the_query_point_itself_from_knn():

@@ -64,7 +64,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
         ids, scores = np.empty((n, k), dtype=np.int32), np.empty((n, k), dtype=np.float32)
 
         def block(s: int, e: int) -> dict[str, np.ndarray]:  # a block's whole shortlists at once, only its top k kept
-            sl = retrieve(np.asarray(point_emb[s:e]), src, k, exclude_knn=own[s:e], progress=prog.update)
+            sl = retrieve(np.asarray(point_emb[s:e]), src, k, exclude_knn=own[s:e], progress=prog.update,
+                          classifier_scores=False)  # ranked by the embedding (and kNN) scores only
             merged = sl.emb if sl.knn is None else (1.0 - p.knn_weight) * sl.emb + p.knn_weight * sl.knn
             top = topk_from_scores(sl.ids, np.where(sl.ids < 0, -np.inf, merged).astype(np.float32), k)
             return {"ids": top[0], "scores": top[1]}

@@ -32,7 +32,8 @@ from xc_dagster.device import resolve_device
 from xc_dagster.errors import XCConfigError
 from xc_dagster.progress import Advance, Report, in_one_call
 from xc_dagster.retrieval.ann import LabelIndex, gathered_scores
-from xc_dagster.retrieval.lexical import LEXICAL_DIR, LexicalIndex
+from xc_dagster.retrieval.files import CENTROID_FILE, INDEX_FILES, KNN_EXCLUDED_FILE, KNN_LABELS_FILE, LEXICAL_DIR
+from xc_dagster.retrieval.lexical import LexicalIndex
 from xc_dagster.retrieval.sparse_rows import sparse_lookup, sparse_topk, work_blocks
 from xc_dagster.sampling.labels import dedupe_rows
 
@@ -152,7 +153,8 @@ STREAM_ROWS = 65_536  # queries a stage shortlists at once before keeping their 
 
 def retrieve(queries: np.ndarray, src: ShortlistSources, k: int, exclude_knn: np.ndarray | None = None,
              block: int = 1024, lexical_queries: sp.spmatrix | None = None,
-             progress: Advance | None = None, device: torch.device | None = None) -> Shortlist:
+             progress: Advance | None = None, device: torch.device | None = None,
+             classifier_scores: bool = True) -> Shortlist:
     """Union of every source's top-k candidates per query, each with exact classifier/embedding/kNN/lexical scores.
 
     ``queries``: (n, D) embeddings; ``lexical_queries``: their (n, V) TF-IDF rows (``src.lexical.transform``),
@@ -160,7 +162,8 @@ def retrieve(queries: np.ndarray, src: ShortlistSources, k: int, exclude_knn: np
     used as query i's neighbour (the point itself when the queries are the indexed training points), or -1.
     ``progress(rows)`` follows each block of queries (``xc_dagster.progress.Progress.update``). ``device``: where
     the union's classifier and embedding scores are computed (default: where exact search runs, a GPU when there
-    is one: the host's cores are busy with the lexical source).
+    is one: the host's cores are busy with the lexical source). ``classifier_scores=False``: the classifier scores
+    are left -inf, not computed (mining, whose ``W`` is the label embeddings and which ranks by the others).
     """
     n = len(queries)
     names = list(src.indexes)
@@ -181,7 +184,7 @@ def retrieve(queries: np.ndarray, src: ShortlistSources, k: int, exclude_knn: np
     knn_all = np.zeros((n, width), dtype=np.float32) if "knn" in names else None
     lex_all = np.zeros((n, width), dtype=np.float32) if lexical is not None else None
     dev = device or resolve_device("auto")
-    Wt = torch.from_numpy(np.ascontiguousarray(src.W, dtype=np.float32)).to(dev)
+    Wt = torch.from_numpy(np.ascontiguousarray(src.W, dtype=np.float32)).to(dev) if classifier_scores else None
     Rt = torch.from_numpy(np.ascontiguousarray(src.label_repr, dtype=np.float32)).to(dev)
     for s, e in blocks:
         q = np.ascontiguousarray(queries[s:e], dtype=np.float32)
@@ -208,7 +211,8 @@ def retrieve(queries: np.ndarray, src: ShortlistSources, k: int, exclude_knn: np
         pad = ids < 0
         rows = slice(s, s + len(q))
         ids_all[rows] = ids
-        clf_all[rows] = np.where(pad, -np.inf, gathered_scores(qt, Wt, safe).cpu().numpy())
+        if Wt is not None:
+            clf_all[rows] = np.where(pad, -np.inf, gathered_scores(qt, Wt, safe).cpu().numpy())
         emb_all[rows] = np.where(pad, -np.inf, gathered_scores(qt, Rt, safe).cpu().numpy())
         if knn_all is not None:
             knn_all[rows] = _lookup(ids, knn_ids, knn_sc, len(src.W))
@@ -234,12 +238,6 @@ def _lookup(ids: np.ndarray, keys: np.ndarray, values: np.ndarray, num_labels: i
     probe = rows * num_labels + np.maximum(ids, 0)
     pos = np.minimum(np.searchsorted(flat, probe), flat.size - 1)
     return np.where((flat[pos] == probe) & (ids >= 0), vals[pos], 0.0).astype(np.float32)
-
-
-INDEX_FILES = {"W": "W.index", "label": "label_emb.index", "centroid": "centroid.index", "knn": "knn.index"}
-KNN_LABELS_FILE = "knn_labels.npz"
-KNN_EXCLUDED_FILE = "knn_excluded.npy"  # a held-out copy's kNN: the deployed index without these rows
-CENTROID_FILE = "label_centroid.npy"
 
 
 def label_representation(label_emb: np.ndarray, centroids: np.ndarray | None, label_repr: str) -> np.ndarray:
