@@ -14,8 +14,8 @@ from dagster_graphql import DagsterGraphQLClient
 
 from tests.tinydata import free_port, graphql, stop_process_group, wait_for, write_lf_dataset
 from xc_dagster.catalog import Catalog, DatasetSpec
-from xc_dagster.cli import PARTITIONS_CMD
 from xc_dagster.cli import main as cli_main
+from xc_dagster.commands.partitions import PARTITIONS_CMD
 from xc_dagster.home import Home, venv_executable
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -80,6 +80,32 @@ def test_the_registration_process_imports_no_torch_or_mlflow(home):
             + "; print(rc, sorted(m for m in ('torch', 'mlflow', 'transformers', 'faiss') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code, "add", "Light"], cwd=home.root, capture_output=True, text=True)
     assert out.stdout.strip() == "0 []", out.stderr[-2000:]
+    assert _partitions() == ["Light"]
+
+
+# the light commands in one process: add, list, env, metrics, and materialize up to its `dagster` process (its launch
+# replaced by a stub that records the command)
+LIGHT_COMMANDS = """
+import sys
+from xc_dagster import cli
+launched = []
+cli.subprocess.call = lambda cmd, env: launched.append(cmd) or 0
+rcs = [cli.main(["datasets", "add", "Light", "--source", sys.argv[1]]), cli.main(["datasets", "list"]),
+       cli.main(["env"]), cli.main(["metrics", "Light"]),
+       cli.main(["materialize", "Light", "--select", "fusion", "--set", "fusion.method=tree"])]
+print(rcs, len(launched), sorted(m for m in ("torch", "mlflow", "transformers", "faiss") if m in sys.modules))
+"""
+
+
+def test_the_light_commands_import_no_torch_or_mlflow(home, tmp_path):
+    """`datasets add/list`, `env`, `metrics` and `materialize` (until it starts Dagster) import none of torch,
+    transformers, faiss and MLflow: the commands that need them are modules the CLI imports when they run
+    (docs/decisions.md#add-imports)."""
+    env = {**os.environ, "XC_HOME": str(home.root)}
+    out = subprocess.run([sys.executable, "-c", LIGHT_COMMANDS, str(tmp_path)], env=env, capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[0, 0, 0, 1, 0] 1 []", out.stdout[-2000:] + out.stderr[-2000:]
     assert _partitions() == ["Light"]
 
 

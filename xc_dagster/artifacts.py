@@ -1,142 +1,65 @@
-"""The artifact contract: the files every stage writes, the upstream stages it reads, and their readers.
+"""The readers of the artifact contract (``xc_dagster.contract``: the files every stage writes and the upstream
+stages it reads, whose names this module exports too).
 
-Every stage writes one folder, ``<artifacts>/<dataset>/<stage>/``, atomically. ``CONTRACT`` declares, per stage,
-its Dagster asset, the upstream stages whose files it reads and the names it writes; the Dagster assets take
-their ``deps`` from the declared reads, so the asset graph is the data flow, and :class:`ArtifactReader` is the
-only way a stage reads another stage's folder: it refuses a stage its consumer does not declare and records
-what was opened. The file names are the constants below (the shortlist sources own theirs:
-``xc_dagster.retrieval.shortlist``, and the lexical source its folder's: ``xc_dagster.retrieval.lexical``).
-
-====================  =================  ===================================================================
-stage                 asset              reads
-====================  =================  ===================================================================
-ingest                dataset            (the source)
-tokenize              tokens             ingest
-pretrain              siamese_encoder    ingest, tokenize
-mining                negative_shortlist ingest, pretrain
-classifier            classifiers        ingest, tokenize, pretrain, mining
-index                 ann_index          ingest, pretrain, classifier
-fusion                fusion             ingest, pretrain, mining, classifier, index
-evaluate              evaluation         every stage before it (the test predictions, and their run times)
-(registered model)    registered_model   ingest, tokenize, pretrain, classifier, index, fusion, evaluate
-====================  =================  ===================================================================
-
-The deployed encoder and its embeddings are the classifier stage's when it fine-tuned the encoder (ASTRA and
-MIPS-s end to end, SiameseXML Module IV's residual block), else the pretrain stage's (:meth:`model_dir`), so
-every stage that uses them reads both.
+:class:`ArtifactReader` is the only way a stage reads another stage's folder: it refuses a stage its consumer does not
+declare and records what was opened. The deployed encoder and its embeddings are the classifier stage's when it
+fine-tuned the encoder, else the pretrain stage's (:meth:`ArtifactReader.model_dir`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import scipy.sparse as sp
 
+from xc_dagster.contract import (
+    CHECKS,
+    CLASSIFIER_INIT,
+    CONTRACT,
+    DATASET,
+    ENCODER,
+    FUSION,
+    HELDOUT,
+    LABEL_EMB,
+    LABEL_FREQ,
+    LABEL_FREQ_PLOT,
+    METRICS,
+    MINING_LABEL_INDEX,
+    PARAMS,
+    PLOTS,
+    PREDICTIONS,
+    REGISTERED_MODEL,
+    REPORTS,
+    SHORTLIST,
+    SHORTLIST_SCORES,
+    STAGE_ORDER,
+    SUMMARY,
+    TOKEN_SPLITS,
+    TRAIN_EMB,
+    VALID_ROWS,
+    StageArtifacts,
+    UndeclaredRead,
+    UndeclaredWrite,
+    W,
+    check_writes,
+    token_files,
+)
 from xc_dagster.data import XCDataset, load_dataset, load_label_texts
 from xc_dagster.data.canonical import load_feature_words, load_features, load_texts
 from xc_dagster.encoders.tokenizer import load_tokens
 from xc_dagster.errors import XCError
+from xc_dagster.retrieval.files import CENTROID_FILE
 from xc_dagster.retrieval.fusion import load_fusion
-from xc_dagster.retrieval.lexical import LEXICAL_DIR
-from xc_dagster.retrieval.shortlist import (
-    CENTROID_FILE,
-    INDEX_FILES,
-    KNN_LABELS_FILE,
-    ShortlistSources,
-    load_sources,
-)
+from xc_dagster.retrieval.shortlist import ShortlistSources, load_sources
 from xc_dagster.storage import VERSION, ArtifactStore, load_json
 
-# every stage
-SUMMARY = "summary.json"  # sizes, timings and key numbers of the run that wrote the folder
-PARAMS = "params.json"  # the effective config it ran with (xc_dagster.pipeline.provenance)
-# ingest
-DATASET = "dataset"  # canonical tables (xc_dagster.data.canonical)
-VALID_ROWS = "valid_rows.npy"  # training rows held out for fitting the fusion
-CHECKS = "checks.json"
-LABEL_FREQ = "label_freq.npy"
-LABEL_FREQ_PLOT = "label_freq.png"
-# tokenize
-TOKEN_SPLITS = ("train", "test", "label")
-# pretrain, and classifier when it fine-tuned the encoder
-ENCODER = "encoder"  # safetensors + tokenizer files, or the bag encoder's
-TRAIN_EMB = "train_emb.npy"
-LABEL_EMB = "label_emb.npy"
-CLASSIFIER_INIT = "classifier_init.npy"  # a warm start's W (pretrain.warm_start)
-# mining
-SHORTLIST = "shortlist.npy"
-MINING_LABEL_INDEX = "label_emb.index"  # mining's graph over the pretrained label embeddings, reused by the index stage
-SHORTLIST_SCORES = "shortlist_scores.npy"
-# classifier
-W = "W.npy"
-# index: the shortlist sources' files (the lexical source's in its folder LEXICAL_DIR), and a copy of the
-# training-point parts without the validation points
-HELDOUT = "heldout"
-# fusion
-FUSION = "fusion.json"
-# evaluate
-PREDICTIONS = "predictions.npz"
-METRICS = "metrics.json"
-REPORTS = "reports.json"
-PLOTS = {"pk_plot": "pk_plot.png", "decile_plot": "decile_plot.png", "recall_plot": "recall_by_frequency.png"}
-
-
-def token_files(split: str) -> tuple[str, str]:
-    """The token ids (memmap .npy) and lengths of a tokenized split ("train", "test", "label")."""
-    return f"{split}_ids.npy", f"{split}_len.npy"
-
-
-@dataclass(frozen=True)
-class StageArtifacts:
-    """One stage's entry in the contract: its asset, the stages it reads, the names it writes."""
-
-    stage: str
-    asset: str
-    reads: tuple[str, ...]
-    writes: tuple[str, ...]
-
-
-def _stage(stage: str, asset: str, reads: tuple[str, ...], *writes: str) -> StageArtifacts:
-    return StageArtifacts(stage, asset, reads, (*writes, SUMMARY, PARAMS))
-
-
-CONTRACT: dict[str, StageArtifacts] = {s.stage: s for s in (
-    _stage("ingest", "dataset", (), DATASET, VALID_ROWS, CHECKS, LABEL_FREQ, LABEL_FREQ_PLOT),
-    _stage("tokenize", "tokens", ("ingest",), *(f for s in TOKEN_SPLITS for f in token_files(s))),
-    _stage("pretrain", "siamese_encoder", ("ingest", "tokenize"), ENCODER, TRAIN_EMB, LABEL_EMB, CLASSIFIER_INIT),
-    _stage("mining", "negative_shortlist", ("ingest", "pretrain"), SHORTLIST, SHORTLIST_SCORES, CENTROID_FILE,
-           MINING_LABEL_INDEX),
-    _stage("classifier", "classifiers", ("ingest", "tokenize", "pretrain", "mining"), W, ENCODER, TRAIN_EMB,
-           LABEL_EMB),
-    _stage("index", "ann_index", ("ingest", "pretrain", "mining", "classifier"), *INDEX_FILES.values(), KNN_LABELS_FILE,
-           CENTROID_FILE, LEXICAL_DIR, HELDOUT),
-    _stage("fusion", "fusion", ("ingest", "pretrain", "mining", "classifier", "index"), FUSION),
-    _stage("evaluate", "evaluation", ("ingest", "tokenize", "pretrain", "mining", "classifier", "index", "fusion"),
-           PREDICTIONS, METRICS, REPORTS, *PLOTS.values()),
-)}
-STAGE_ORDER = tuple(CONTRACT)
-# the registered MLflow model (asset registered_model) bundles the deployed model's files; it writes to MLflow
-REGISTERED_MODEL = StageArtifacts("registered_model", "registered_model",
-                                  ("ingest", "tokenize", "pretrain", "classifier", "index", "fusion", "evaluate"), ())
-
-
-class UndeclaredRead(XCError):
-    """Code read the artifacts of a stage its consumer does not declare in ``CONTRACT``."""
-
-
-class UndeclaredWrite(XCError):
-    """A stage wrote a file the artifact contract does not declare."""
-
-
-def check_writes(entry: StageArtifacts, folder: Path) -> None:
-    """Every top-level name in ``folder`` (a stage's output) is one ``entry`` declares, or raise."""
-    extra = sorted(p.name for p in Path(folder).iterdir() if p.name not in entry.writes)
-    if extra:
-        raise UndeclaredWrite(f"stage {entry.stage!r} wrote {extra}, which the artifact contract "
-                              f"(xc_dagster/artifacts.py) does not declare; it declares {list(entry.writes)}")
+__all__ = ["CHECKS", "CLASSIFIER_INIT", "CONTRACT", "DATASET", "ENCODER", "FUSION", "HELDOUT", "LABEL_EMB",
+           "LABEL_FREQ", "LABEL_FREQ_PLOT", "METRICS", "MINING_LABEL_INDEX", "PARAMS", "PLOTS", "PREDICTIONS",
+           "REGISTERED_MODEL", "REPORTS", "SHORTLIST", "SHORTLIST_SCORES", "STAGE_ORDER", "SUMMARY", "TOKEN_SPLITS",
+           "TRAIN_EMB", "VALID_ROWS", "W", "StageArtifacts", "UndeclaredRead", "UndeclaredWrite", "check_writes",
+           "token_files", "ArtifactReader"]
 
 
 def _version(stage_dir: Path) -> str:
@@ -167,7 +90,7 @@ class ArtifactReader:
             raise XCError(f"unknown stage {stage!r}; stages are {', '.join(STAGE_ORDER)}")
         if self.consumer is not None and stage not in self.consumer.reads:
             raise UndeclaredRead(f"{self.consumer.stage!r} reads the artifacts of {stage!r}, which it does not "
-                                 f"declare (xc_dagster/artifacts.py: reads {list(self.consumer.reads)})")
+                                 f"declare (xc_dagster/contract.py: reads {list(self.consumer.reads)})")
         self.opened.add(stage)
         return self.store.require(self.dataset_name, stage)
 

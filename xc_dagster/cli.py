@@ -24,12 +24,14 @@
   xc-dagster env                   shell exports of XC_HOME, DAGSTER_HOME, MLFLOW_TRACKING_URI
 
 The library stays importable without Dagster: Dagster runs in a subprocess with ``DAGSTER_HOME`` set to
-``$XC_HOME/dagster`` so CLI runs appear in the UI.
+``$XC_HOME/dagster`` so CLI runs appear in the UI. The commands that need torch, MLflow or pandas (plan, compare,
+clicks, retrain) are modules of ``xc_dagster.commands``, imported when they run (:data:`COMMAND_MODULES`).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import shlex
@@ -40,23 +42,13 @@ from typing import Any, Mapping
 from urllib.parse import unquote, urlsplit
 from urllib.request import url2pathname
 
-from xc_dagster.artifacts import METRICS
-from xc_dagster.catalog import BUILTIN_PREFIX, LAYOUTS, NAME_RE, TEXT_CHOICES, Catalog, DatasetSpec
+from xc_dagster.catalog import BUILTIN_PREFIX, LAYOUTS, TEXT_CHOICES, Catalog, DatasetSpec
+from xc_dagster.commands.partitions import dagster_partitions
 from xc_dagster.config import PRESETS, parse_set_options
 from xc_dagster.config.run_config import run_config_for
-from xc_dagster.data.clicklog import build_click_dataset, parse_time, window_id
-from xc_dagster.errors import XCConfigError, XCDatasetNotFound, XCError
-from xc_dagster.evaluation.comparison import (
-    COMPARE_METRICS,
-    comparison_table,
-    evaluation_runs,
-    rank_runs,
-    reference_rows,
-)
+from xc_dagster.contract import METRICS
+from xc_dagster.errors import XCDatasetNotFound, XCError
 from xc_dagster.home import Home, venv_executable
-from xc_dagster.planning import format_plan, plan_run
-from xc_dagster.serving.retraining import feed_root, list_feeds, register_click_dataset
-from xc_dagster.serving.source_changes import changed_datasets
 from xc_dagster.strategies import STRATEGIES, strategy_help
 
 DEFAULT_DATASET = "LF-WordNetNounsTitles"
@@ -65,26 +57,12 @@ REPORT_METRICS = ("precision_at_1", "precision_at_3", "precision_at_5", "ndcg_at
                   "psprecision_at_1", "psprecision_at_3", "psprecision_at_5", "psndcg_at_3", "psndcg_at_5",
                   "shortlist_recall")
 
-
-PARTITIONS_CMD = ("import sys; from xc_dagster.project import project_import; "
-                  "sys.exit(project_import('resources.partitions')[0].main(sys.argv[1:]))")
-
-
-def _env(home: Home) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update({"XC_HOME": str(home.root), "DAGSTER_HOME": str(home.dagster_home),
-                "MLFLOW_TRACKING_URI": home.mlflow_uri})
-    return env
-
-
-def dagster_partitions(home: Home, action: str, names: list[str]) -> None:
-    """``add`` / ``remove`` dataset partitions in the home's Dagster instance (``resources.partitions``, run in a
-    process: the library does not import Dagster), so the UI can launch a new dataset without a reload."""
-    out = subprocess.run([sys.executable, "-c", PARTITIONS_CMD, action, *names], env=_env(home), cwd=home.root,
-                         capture_output=True, text=True)
-    if out.returncode != 0:
-        raise XCError(f"could not {action} the Dagster partition(s) {', '.join(names)} in the instance at "
-                      f"{home.dagster_home} (exit {out.returncode}): {out.stderr.strip()[-2000:]}")
+# the commands whose dependencies are heavy, each in a module of its own imported by name when it runs, so that the
+# others start without them (docs/decisions.md#add-imports): the module's run(args, home) returns the exit code
+COMMAND_MODULES = {"plan": "xc_dagster.commands.plan",  # torch, transformers, faiss (the planner's calibration)
+                   "compare": "xc_dagster.commands.compare",  # MLflow
+                   "clicks": "xc_dagster.commands.clicks",  # pandas
+                   "retrain": "xc_dagster.commands.retrain"}  # pandas
 
 
 def checked_source(source: str) -> str:
@@ -164,18 +142,7 @@ def materialize(home: Home, name: str, select: str = "*", overrides: Mapping[str
     if run_config:
         cmd += ["--config-json", json.dumps(run_config)]
     print("$ " + shlex.join(cmd), flush=True)
-    return subprocess.call(cmd, env=_env(home))
-
-
-def cmd_plan(args: argparse.Namespace, home: Home) -> int:
-    """Each stage's predicted seconds and peak memory for a run of NAME with ``--set`` (as ``materialize`` would
-    resolve its config), the shape from the ingest/tokenize summaries or the shape options."""
-    cfg = Catalog(home.catalog).get(args.name).config(parse_set_options(args.set or []))
-    given = {"n_train": args.points, "n_test": args.test_points, "n_labels": args.labels,
-             "labels_per_point": args.labels_per_point, "tokens": args.tokens}
-    plan = plan_run(home.cache, home.artifacts, args.name, cfg, given, recalibrate=args.recalibrate)
-    print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
-    return 0
+    return subprocess.call(cmd, env=home.environ())
 
 
 def print_metrics(home: Home, name: str) -> int:
@@ -188,20 +155,6 @@ def print_metrics(home: Home, name: str) -> int:
     for k in REPORT_METRICS:
         if k in m:
             print(f"  {k:<20} {100 * m[k]:6.2f}")
-    return 0
-
-
-def cmd_compare(args: argparse.Namespace, home: Home) -> int:
-    """Print the evaluation runs of a dataset, best first, with reference rows from the registry."""
-    if args.sort not in COMPARE_METRICS:
-        raise XCConfigError(f"compare --sort {args.sort!r}: one of {', '.join(COMPARE_METRICS)}")
-    runs = rank_runs(evaluation_runs(home.mlflow_uri, args.name), args.sort)[:args.limit]
-    refs = reference_rows(args.name)
-    if not runs:
-        print(f"no finished evaluation runs for {args.name!r} in {home.mlflow_uri} "
-              f"(materialize it with: xc-dagster materialize {args.name})")
-    print(f"\n{args.name}: evaluation runs, best {args.sort} first (test split, %)\n")
-    print(comparison_table(runs, refs))
     return 0
 
 
@@ -236,45 +189,6 @@ def cmd_quickstart(args: argparse.Namespace, home: Home) -> int:
         return rc
     print_metrics(home, DEFAULT_DATASET)
     print_ui(home)
-    return 0
-
-
-def cmd_clicks_build(args: argparse.Namespace, home: Home) -> int:
-    """Click logs over a window -> ``$XC_HOME/clicklogs/NAME/<window-id>/`` (LF raw text); ``--register``
-    points catalog entry NAME at it (other options of an existing entry are kept)."""
-    if not NAME_RE.match(args.name):
-        raise XCConfigError(f"clicks build: dataset name {args.name!r} must match {NAME_RE.pattern}")
-    start = parse_time(args.start) if args.start else None
-    end = parse_time(args.end) if args.end else None
-    out = home.root / "clicklogs" / args.name / window_id(start, end)
-    s = build_click_dataset(args.logs, out, start=start, end=end, label_map=args.previous,
-                            test_fraction=args.test_fraction, min_clicks=args.min_clicks)
-    print(f"click dataset {args.name!r} window {s['window']['id']}: {s['rows_in_window']} of {s['rows_read']} "
-          f"rows, {s['n_train']} train / {s['n_test']} test queries, {s['n_labels']} labels "
-          f"({s['n_new_labels']} new) -> {out}")
-    print(f"next window's --previous: {out / 'label_map.json'}")
-    if args.register:
-        _, existed = register_click_dataset(Catalog(home.catalog), args.name, out)
-        dagster_partitions(home, "add", [args.name])
-        print(f"{'updated' if existed else 'registered'} dataset {args.name!r} in {home.catalog}; "
-              f"materialize it with: xc-dagster materialize {args.name}")
-    return 0
-
-
-def cmd_retrain_check(args: argparse.Namespace, home: Home) -> int:
-    """What the retraining automation would do now: changed catalog sources (retrain_schedule) and
-    click-log files not yet consumed (click_log_sensor, from a fresh cursor: every file counts as new)."""
-    changes = changed_datasets(home)
-    if not changes:
-        print(f"no datasets in {home.catalog}")
-    for c in changes:
-        print(f"{c.name}: {'CHANGED' if c.changed else 'unchanged'} ({c.reason})")
-    root = feed_root(home)
-    listing = list_feeds(root)
-    print(f"\nclick-log feed root {root}: " + (", ".join(f"{n} ({len(f)} file(s))" for n, f in
-                                                          sorted(listing.feeds.items())) or "no dataset folders"))
-    for name in listing.ignored:
-        print(f"  folder {name!r} ignored: not a valid dataset name")
     return 0
 
 
@@ -370,14 +284,8 @@ def main(argv: list[str] | None = None) -> int:
             return rc
         if args.cmd == "metrics":
             return print_metrics(home, args.name)
-        if args.cmd == "plan":
-            return cmd_plan(args, home)
-        if args.cmd == "compare":
-            return cmd_compare(args, home)
-        if args.cmd == "clicks":
-            return {"build": cmd_clicks_build}[args.ccmd](args, home)
-        if args.cmd == "retrain":
-            return {"check": cmd_retrain_check}[args.rcmd](args, home)
+        if args.cmd in COMMAND_MODULES:
+            return importlib.import_module(COMMAND_MODULES[args.cmd]).run(args, home)
         if args.cmd == "strategies":
             print(strategy_help(args.name))
             return 0
@@ -385,8 +293,9 @@ def main(argv: list[str] | None = None) -> int:
             print_ui(home)
             return 0
         if args.cmd == "env":
+            env = home.environ()
             for k in ("XC_HOME", "DAGSTER_HOME", "MLFLOW_TRACKING_URI"):
-                print(f"export {k}={_env(home)[k]}")
+                print(f"export {k}={env[k]}")
             return 0
     except XCError as exc:
         print(f"xc-dagster: error: {exc}", file=sys.stderr)

@@ -6,8 +6,10 @@
 First use of a home creates its stores (``dagster.yaml``, the MLflow database and its schema migrations, the
 Dagster instance's storages) once, under an exclusive ``flock`` on ``.home.lock``, and records what it made
 in ``.home-ready.json``: processes that start together on a fresh home would otherwise race on the migrations and
-fail, or leave the MLflow store broken for good (docs/decisions.md#home-first-use-lock). A PostgreSQL tracking
-store or Dagster database, which processes of other hosts share, is created under a PostgreSQL advisory lock too.
+fail, or leave the MLflow store broken for good (docs/decisions.md#home-first-use-lock). Both stores are made by
+child processes, so this module imports neither Dagster nor MLflow (the CLI's light commands start without them).
+A PostgreSQL tracking store or Dagster database, which processes of other hosts share, is created under a PostgreSQL
+advisory lock too.
 
 ``dagster.yaml`` is rendered from the environment (:func:`render_dagster_yaml`): SQLite storages under the home by
 default, PostgreSQL when ``XC_DAGSTER_POSTGRES_URL`` is set (the file names the variable, not the password), and the
@@ -32,9 +34,8 @@ from urllib.parse import urlsplit
 from xc_dagster.config.env import env_positive
 from xc_dagster.durable import atomic_write_text
 from xc_dagster.errors import XCError
-from xc_dagster.postgres import advisory_lock, check_url, is_postgres_uri, redact
+from xc_dagster.postgres import advisory_lock, check_url, is_postgres_uri, is_sqlite_uri, redact
 from xc_dagster.storage import file_lock
-from xc_dagster.tracking import is_sqlite_uri, prepare_tracking_store
 
 READY = ".home-ready.json"  # what the first use made: {"made": ["dagster.yaml", "mlflow:<uri>", "dagster-instance"]}
 LOCK = ".home.lock"  # held exclusively while the home's first use creates its stores
@@ -49,6 +50,9 @@ YAML_HEADER = ("# Dagster instance of xc-dagster, written from XC_DAGSTER_POSTGR
 OLD_YAML_HEADERS = ("# Dagster instance of xc-dagster (runs, event logs, schedules) under XC_HOME",)  # rewritten too
 MLFLOW_SCHEMA_LOCK = 0x78632D6D6C666C77  # advisory lock key of an MLflow database's first use ("xc-mlflw")
 DAGSTER_SCHEMA_LOCK = 0x78632D6461677374  # and of a Dagster database's ("xc-dagst")
+# the tracking store's first use, run in a child process; the URI, which may hold a password, goes by the environment
+TRACKING_STORE_CMD = ("import os; from xc_dagster.tracking import prepare_tracking_store; "
+                      "prepare_tracking_store(os.environ['MLFLOW_TRACKING_URI'])")
 
 
 def training_concurrency(environ: Mapping[str, str] | None = None) -> int:
@@ -126,6 +130,12 @@ class Home:
     def mlflow_uri(self) -> str:
         return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{self.mlflow_db}"
 
+    def environ(self) -> dict[str, str]:
+        """This process's environment with the home's ``XC_HOME``, ``DAGSTER_HOME`` and ``MLFLOW_TRACKING_URI``: what
+        the Dagster processes the CLI starts run with."""
+        return {**os.environ, "XC_HOME": str(self.root), "DAGSTER_HOME": str(self.dagster_home),
+                "MLFLOW_TRACKING_URI": self.mlflow_uri}
+
     def ensure(self, instance: bool = False, tracking_uri: str | None = None) -> "Home":
         """Create the folders, ``dagster.yaml``, the MLflow store of ``tracking_uri`` (default :attr:`mlflow_uri`)
         and with ``instance`` the Dagster instance's storages (every CLI command asks for them), each once per home,
@@ -142,7 +152,7 @@ class Home:
                 atomic_write_text(self.dagster_yaml, wanted)
             if not _has_store(made, uri):
                 with _first_use_lock(uri):
-                    prepare_tracking_store(uri)
+                    self._prepare_tracking_store(uri)
                 made.add(_store_key(uri))
             if instance and self._instance_key() not in made:
                 with self._instance_lock():
@@ -195,6 +205,17 @@ class Home:
             return set(json.loads((self.root / READY).read_text()).get("made", []))
         except (FileNotFoundError, ValueError, AttributeError):  # none yet, or not ours: made again (idempotent)
             return set()
+
+    def _prepare_tracking_store(self, uri: str) -> None:
+        """Create (and migrate) the MLflow tracking store of ``uri`` (``tracking.prepare_tracking_store``) in a child
+        process: MLflow's import alone takes a second, which the commands that log nothing need not pay."""
+        env = {**os.environ, "MLFLOW_TRACKING_URI": uri}
+        out = subprocess.run([sys.executable, "-c", TRACKING_STORE_CMD], env=env, cwd=self.root, capture_output=True,
+                             text=True)
+        if out.returncode != 0:
+            shown = redact(uri) if is_postgres_uri(uri) else uri
+            raise XCError(f"could not create the MLflow tracking store {shown} (exit {out.returncode}): "
+                          f"{out.stderr.replace(uri, shown).strip()[-2000:]}")
 
     def _prepare_instance(self) -> None:
         """Create (and migrate) the Dagster instance's storages by ``dagster instance migrate``: a process, since the

@@ -1,5 +1,6 @@
 """PostgreSQL URLs of the stores (Dagster's instance, MLflow's tracking store): checks, a printable form without the
-password, and a database-wide lock that serializes the first use of a store by processes of every host.
+password, and a database-wide lock that serializes the first use of a store by processes of every host; and which
+URLs name a SQLite store.
 
 Write URLs with the driver, ``postgresql+psycopg2://user:password@host:port/db`` (what ``deploy/postgres.sh``
 prints): SQLAlchemy 2.1 reads a bare ``postgresql://`` as the psycopg 3 driver, which the ``postgres`` extra does
@@ -24,6 +25,11 @@ SCHEME = "postgresql"
 def is_postgres_uri(uri: str) -> bool:
     """``postgresql://`` or ``postgresql+<driver>://``."""
     return urlsplit(uri).scheme.split("+")[0] == SCHEME
+
+
+def is_sqlite_uri(uri: str) -> bool:
+    """``sqlite://`` or ``sqlite+<driver>://``."""
+    return urlsplit(uri).scheme.split("+")[0] == "sqlite"
 
 
 def redact(uri: str) -> str:

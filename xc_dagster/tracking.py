@@ -18,7 +18,6 @@ import time
 import warnings
 from pathlib import Path
 from typing import Any, Iterator
-from urllib.parse import urlsplit
 
 import mlflow
 from mlflow.data.dataset_source_registry import resolve_dataset_source
@@ -27,7 +26,7 @@ from mlflow.data.meta_dataset import MetaDataset
 from mlflow.entities import InputTag, Metric, Param
 from mlflow.tracking import MlflowClient
 
-from xc_dagster.postgres import is_postgres_uri
+from xc_dagster.postgres import is_postgres_uri, is_sqlite_uri
 from xc_dagster.remote_store import ROOT_ENV
 
 _log = logging.getLogger(__name__)
@@ -72,16 +71,12 @@ def fluent_run(run_id: str) -> Iterator[None]:
         yield
 
 
-def is_sqlite_uri(uri: str) -> bool:
-    return urlsplit(uri).scheme.split("+")[0] == "sqlite"
-
-
 def prepare_tracking_store(uri: str) -> None:
     """Create a SQLite or PostgreSQL tracking store's tables and run its schema migrations, what MLflow does on a
     store's first use, by opening it through the public client. MLflow checks for its tables then creates them, which
-    races: the home calls this once, under its first-use lock and, for PostgreSQL (shared by other hosts), under the
-    database's advisory lock. Other stores are left alone: a tracking server migrates its own, another database
-    (MySQL, MSSQL) is migrated by its operator."""
+    races: the home runs this once, in a child process (``xc_dagster.home.TRACKING_STORE_CMD``), under its first-use
+    lock and, for PostgreSQL (shared by other hosts), under the database's advisory lock. Other stores are left alone:
+    a tracking server migrates its own, another database (MySQL, MSSQL) is migrated by its operator."""
     if is_sqlite_uri(uri) or is_postgres_uri(uri):
         MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
 

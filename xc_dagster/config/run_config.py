@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 from typing import Any, Mapping
 
-from xc_dagster.artifacts import CONTRACT
 from xc_dagster.config.resolve import PipelineConfig, apply_overrides
+from xc_dagster.contract import CONTRACT
 from xc_dagster.errors import XCConfigError
 
 PLAIN_ASSET = re.compile(r"^[A-Za-z0-9_]+$")  # an asset name in --select (no selection syntax)

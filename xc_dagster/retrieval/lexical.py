@@ -48,10 +48,10 @@ import torch
 
 from xc_dagster.device import on_threads
 from xc_dagster.errors import XCConfigError, XCError
+from xc_dagster.retrieval.files import LEXICAL_DIR as LEXICAL_DIR  # the folder's name, re-exported with the index
 from xc_dagster.retrieval.sparse_rows import cap_postings, sparse_topk, work_blocks
 from xc_dagster.storage import load_json, save_json
 
-LEXICAL_DIR = "lexical"  # the folder of a LexicalIndex among the index stage's files
 CONFIG_FILE = "lexical.json"
 VOCABULARY_FILE = "vocabulary.json"
 FEATURE_WORDS_FILE = "feature_words.json"
