@@ -18,10 +18,12 @@ import torch
 import xc_dagster.pipeline.evaluate as ev
 import xc_dagster.pipeline.index as index_stage
 import xc_dagster.pipeline.mining as mining
+import xc_dagster.retrieval.hnsw_build as hnsw_build
 import xc_dagster.retrieval.shortlist as shortlist
 from tests.tinydata import tiny_lf_home
 from xc_dagster.artifacts import CONTRACT, ArtifactReader
 from xc_dagster.catalog import Catalog
+from xc_dagster.faiss_module import faiss
 from xc_dagster.pipeline import StageContext, run_all
 from xc_dagster.pipeline.kept import KeptWork
 from xc_dagster.sampling.stale_index import search_shards
@@ -231,6 +233,30 @@ def test_an_index_stage_stopped_in_its_second_build_builds_only_the_indexes_it_h
     assert (got / "knn.index").stat().st_size == (want / "knn.index").stat().st_size > 0
     assert not ctx.checkpoint_dir("index").exists()
     assert (got / "knn.index").stat().st_nlink == 1  # the kept copy's link is gone with the folder
+
+    # stopped inside the kNN graph's build (120 points, 32 a chunk): the next run adds only what it had not
+    monkeypatch.setattr(hnsw_build, "CHUNK", 32)
+    real_graph, saves = KeptWork.graph, []
+
+    def stopping(self, name):
+        graph = real_graph(self, name)
+
+        def save(index):
+            graph.save(index)
+            saves.append(int(index.ntotal))
+            if len(saves) == 2:
+                raise KeyboardInterrupt("stopped inside a build")
+        return hnsw_build.GraphCheckpoint(graph.load, save)
+
+    monkeypatch.setattr(KeptWork, "graph", stopping)
+    run_all(ctx, ("pretrain",))  # new embeddings: nothing kept applies, every index is built again
+    with pytest.raises(KeyboardInterrupt):
+        run_all(ctx, ("mining", "classifier", "index"))
+    assert saves == [32, 64] and (ctx.checkpoint_dir("index") / "partial-knn.index").is_file()
+    out = run_all(ctx, ("index",))["index"]
+    assert saves == [32, 64, 96] and out["kinds"]["knn"] == "hnsw"  # resumed at 64: one more chunk kept
+    assert faiss.read_index(str(store.stage_dir("TinyTitles", "index") / "knn.index")).ntotal == 120
+    assert not ctx.checkpoint_dir("index").exists()
 
 
 def test_the_key_follows_a_stage_folder_that_is_not_a_version(tmp_path):

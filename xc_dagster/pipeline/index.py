@@ -110,13 +110,15 @@ def _build(ctx: StageContext, name: str, vectors: np.ndarray, out: Path, kept: K
         return kind
 
     def build(path: Path) -> None:
-        with in_one_call(f"index {name}", len(vectors), "vectors", ctx.info, f"{p.kind} build"):
+        with in_one_call(f"index {name}", len(vectors), "vectors", ctx.info, f"{p.kind} build") as prog:
             index = LabelIndex(p.kind, vectors, m=p.hnsw_m, ef_construction=p.hnsw_ef_construction,
-                               ef_search=p.hnsw_ef_search)
+                               ef_search=p.hnsw_ef_search, checkpoint=kept.graph(held + INDEX_FILES[name]),
+                               progress=prog.update)
         index.save(path)
 
     if kept.artifact(held + INDEX_FILES[name], build, out / INDEX_FILES[name]):
         ctx.info(f"index {name}: the {kind} index a killed run of this stage built, kept")
+    kept.drop(held + INDEX_FILES[name])
     return kind
 
 

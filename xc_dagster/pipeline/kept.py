@@ -24,10 +24,13 @@ from pathlib import Path
 import numpy as np
 
 from xc_dagster.durable import atomic_write_text, fsync_dir, fsync_file
+from xc_dagster.faiss_module import faiss
+from xc_dagster.retrieval.hnsw_build import GraphCheckpoint
 from xc_dagster.storage import file_lock, fsync_tree
 
 log = logging.getLogger("xc_dagster")
 KEY = "key.txt"
+PARTIAL = "partial-"  # an HNSW graph under construction: the chunks added so far (KeptWork.graph)
 # what np.load raises on a truncated or damaged .npz
 DAMAGED = (zipfile.BadZipFile, OSError, ValueError, EOFError, KeyError)
 
@@ -140,6 +143,28 @@ class KeptWork:
         used = kept is not None
         link(kept if used else self.keep(name, build), dest)
         return used
+
+    def graph(self, name: str) -> GraphCheckpoint | None:
+        """Where an HNSW build of the index ``name`` keeps its partial graph as it goes (``partial-<name>``; None:
+        nothing is kept), for ``hnsw_build.build_hnsw``; ``drop(name)`` once the whole index is kept."""
+        if self.folder is None:
+            return None
+
+        def load():
+            path = self.path(PARTIAL + name)
+            try:
+                return None if path is None else faiss.read_index(str(path))
+            except RuntimeError as exc:  # a damaged file: the build starts again
+                log.warning("partial graph %s does not read back (%s); building from the start", path, exc)
+                return None
+
+        return GraphCheckpoint(load, lambda index: self.keep(PARTIAL + name,
+                                                             lambda path: faiss.write_index(index, str(path))))
+
+    def drop(self, name: str) -> None:
+        """Remove the partial graph of ``name`` (its whole index is kept or written)."""
+        if self.folder is not None:
+            _remove(self.folder / (PARTIAL + name))
 
     def __enter__(self) -> KeptWork:
         return self

@@ -53,10 +53,12 @@ def run(ctx: StageContext) -> dict[str, Any]:
         def keep(name: str, index: LabelIndex) -> None:  # as soon as built: a graph of 1.3M labels takes ~30 min
             if index.kind != "exact":  # on 2 cores; an exact index is its vectors, rebuilt at no cost
                 kept.keep(INDEX_FILES[name], index.save)
+            kept.drop(INDEX_FILES[name])  # the graph kept as it was built (KeptWork.graph)
 
         src = build_sources(p.sources, label_emb, label_emb, centroids, point_emb[rows], ds.Y_train[rows],
                             "text+centroid" if "centroid" in p.sources else "text", p.index, p.hnsw_m,
-                            p.hnsw_ef_construction, p.hnsw_ef_search, report=ctx.info, built=built, on_built=keep)
+                            p.hnsw_ef_construction, p.hnsw_ef_search, report=ctx.info, built=built, on_built=keep,
+                            checkpoints=lambda name: kept.graph(INDEX_FILES[name]))
         k = min(p.shortlist_size, len(label_emb))
         own = np.full(ds.num_train, -1, dtype=np.int64)
         own[rows] = np.arange(len(rows))  # a training point is not its own neighbour

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,7 @@ import torch
 from xc_dagster.device import amp_dtype, cpu_int8_pays, resolve_device
 from xc_dagster.errors import XCConfigError
 from xc_dagster.faiss_module import faiss
+from xc_dagster.retrieval.hnsw_build import GraphCheckpoint, build_hnsw
 
 KINDS = ("hnsw", "ivf", "exact", "auto")
 FP32_AFTER_REDONE = 0.5  # bf16 exact search: with more of its queries searched again in fp32, an index switches
@@ -298,7 +300,9 @@ class LabelIndex:
     """A MIPS index over L label vectors (rows of W or label embeddings)."""
 
     def __init__(self, kind: str, vectors: np.ndarray | None = None, *, m: int = 32, ef_construction: int = 200,
-                 ef_search: int = 200, faiss_index=None, nlist: int = 0, nprobe: int = 64, seed: int = 0):
+                 ef_search: int = 200, faiss_index=None, nlist: int = 0, nprobe: int = 64, seed: int = 0,
+                 checkpoint: GraphCheckpoint | None = None, progress: Callable[[int], None] | None = None):
+        """``checkpoint``, ``progress``: an HNSW build kept as it goes and followed (``hnsw_build.build_hnsw``)."""
         if kind == "auto" and vectors is None:
             raise ValueError("an auto index is resolved from its vectors")
         kind = resolve_kind(kind, 0 if vectors is None else len(vectors))
@@ -313,15 +317,14 @@ class LabelIndex:
                 raise ValueError(f"{kind} index needs vectors")
             n, dim = self._vectors.shape
             if kind == "hnsw":
-                idx = faiss.IndexHNSWFlat(dim, m, faiss.METRIC_INNER_PRODUCT)
-                idx.hnsw.efConstruction = ef_construction
+                idx = build_hnsw(self._vectors, m, ef_construction, checkpoint, progress)
             else:
                 nl = max(1, min(nlist or int(round(np.sqrt(n))), n))
                 idx = faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, nl, faiss.METRIC_INNER_PRODUCT)
                 idx.cp.seed = seed
                 idx.cp.min_points_per_centroid = 1  # sqrt(L) partitions of L vectors: avoid faiss's warning
                 idx.train(self._vectors)
-            idx.add(self._vectors)
+                idx.add(self._vectors)
             self._index = idx
         if self._index is not None:
             self._vectors = None  # the faiss index holds its own copy: the caller's array can be freed

@@ -33,6 +33,7 @@ from xc_dagster.errors import XCConfigError
 from xc_dagster.progress import Advance, Report, in_one_call
 from xc_dagster.retrieval.ann import LabelIndex, gathered_scores
 from xc_dagster.retrieval.files import CENTROID_FILE, INDEX_FILES, KNN_EXCLUDED_FILE, KNN_LABELS_FILE, LEXICAL_DIR
+from xc_dagster.retrieval.hnsw_build import GraphCheckpoint
 from xc_dagster.retrieval.lexical import LexicalIndex
 from xc_dagster.retrieval.sparse_rows import sparse_lookup, sparse_topk, work_blocks
 from xc_dagster.sampling.labels import dedupe_rows
@@ -255,11 +256,13 @@ def build_sources(sources: tuple[str, ...], W: np.ndarray, label_emb: np.ndarray
                   m: int, ef_construction: int, ef_search: int,
                   lexical: LexicalIndex | None = None, report: Report | None = None,
                   built: dict[str, LabelIndex] | None = None,
-                  on_built: Callable[[str, LabelIndex], None] | None = None) -> ShortlistSources:
+                  on_built: Callable[[str, LabelIndex], None] | None = None,
+                  checkpoints: Callable[[str], GraphCheckpoint | None] | None = None) -> ShortlistSources:
     """Build the ANNS index of every source; ``point_emb`` / ``knn_labels``: the indexed training points;
     ``lexical``: the fitted lexical source, when ``sources`` name it; ``report``: where each build's start and
     end lines go (``xc_dagster.progress.in_one_call``); ``built``: indexes already built over the same vectors
-    (a killed run's, kept), used as they are; ``on_built(name, index)``: called as each new index is built."""
+    (a killed run's, kept), used as they are; ``on_built(name, index)``: called as each new index is built;
+    ``checkpoints(name)``: where an HNSW build of source ``name`` keeps its graph as it goes (``hnsw_build``)."""
     vectors = {"W": W, "label": label_emb, "centroid": centroids, "knn": point_emb}
     indexes = {}
     for name in sources:
@@ -272,8 +275,9 @@ def build_sources(sources: tuple[str, ...], W: np.ndarray, label_emb: np.ndarray
         if built and name in built:
             indexes[name] = built[name]
             continue
-        with in_one_call(f"index {name}", len(vectors[name]), "vectors", report, f"{kind} build"):
-            indexes[name] = LabelIndex(kind, vectors[name], m=m, ef_construction=ef_construction, ef_search=ef_search)
+        with in_one_call(f"index {name}", len(vectors[name]), "vectors", report, f"{kind} build") as prog:
+            indexes[name] = LabelIndex(kind, vectors[name], m=m, ef_construction=ef_construction, ef_search=ef_search,
+                                       checkpoint=checkpoints(name) if checkpoints else None, progress=prog.update)
         if on_built is not None:
             on_built(name, indexes[name])
     return ShortlistSources(W, label_representation(label_emb, centroids, label_repr), indexes,
