@@ -19,7 +19,7 @@ from xc_dagster.device import amp_dtype
 from xc_dagster.errors import XCConfigError
 from xc_dagster.home import Home
 from xc_dagster.pipeline.cross_fit import FIT_ON
-from xc_dagster.retrieval.ann import KINDS
+from xc_dagster.retrieval.exact_settings import KINDS
 from xc_dagster.retrieval.fusion import FUSIONS
 from xc_dagster.retrieval.shortlist import ANN_SOURCES, LABEL_REPRS, SOURCES
 from xc_dagster.sampling.batches import BATCH_SAMPLERS

@@ -17,7 +17,7 @@ from xc_dagster.errors import XCConfigError
 from xc_dagster.home import Home
 from xc_dagster.planning import calibration, dataset_shape, plan_run
 from xc_dagster.planning.model import Costs, Shape, plan_stages
-from xc_dagster.retrieval.ann import resolve_kind
+from xc_dagster.retrieval.exact_settings import resolve_kind
 from xc_dagster.strategies import STRATEGIES
 
 STAGES = ["ingest", "tokenize", "pretrain", "mining", "classifier", "index", "fusion", "evaluate"]
@@ -67,7 +67,7 @@ def test_work_counts_of_a_hand_computed_shape(monkeypatch):
     mining = stages["mining"]
     # every training point searches the L label embeddings: queries x keys x the per-pair cost
     assert mining.parts["label search (exact, 1,000 x 300)"] == pytest.approx(1000 * 300 * 1e-9)
-    assert mining.kinds == {"label": resolve_kind("auto", 300)} == {"label": "exact"}
+    assert mining.kinds == {"label": resolve_kind("auto", 300, 8)} == {"label": "exact"}
     # pretraining: ceil(epochs x rows / batch) steps (rows = 990 without the validation points)
     steps = math.ceil(2 * math.ceil(990 / 256))
     assert stages["pretrain"].parts[f"{steps:,} training steps (2.0 epochs x batch 256)"] == pytest.approx(steps * 0.5)
@@ -99,7 +99,7 @@ def test_hnsw_above_the_exact_limit_scales_with_log_n(monkeypatch):
     cfg = _ngame(**{"train.budget_minutes": 0})
     s = Shape(400_000, 1000, 300, 2.0, 6.0, 6.0, 5000)
     stages = {p.name: p for p in plan_stages(Costs(FixedUnits(), cfg, s), cfg, s, None)}
-    assert stages["index"].kinds["knn"] == resolve_kind("auto", 400_000) == "hnsw"
+    assert stages["index"].kinds["knn"] == resolve_kind("auto", 400_000, 8) == "hnsw"
     assert stages["index"].parts["knn build (hnsw, 400,000)"] == pytest.approx(400_000 * math.log(400_000) * 1e-4)
     assert stages["evaluate"].parts["knn search (hnsw, 1,000)"] == pytest.approx(1000 * math.log(400_000) * 1e-5)
 

@@ -18,8 +18,9 @@ from xc_dagster.errors import XCConfigError
 from xc_dagster.pipeline import StageContext, run_all
 from xc_dagster.pipeline import evaluate as evaluate_stage
 from xc_dagster.pipeline import mining as mining_stage
-from xc_dagster.retrieval import ann
-from xc_dagster.retrieval.ann import LabelIndex, exact_topk, resolve_kind
+from xc_dagster.retrieval import ann, exact_settings
+from xc_dagster.retrieval.ann import LabelIndex, exact_topk
+from xc_dagster.retrieval.exact_settings import resolve_kind
 from xc_dagster.retrieval.lexical import LexicalIndex
 from xc_dagster.retrieval.sparse_rows import cap_postings, sparse_topk, work_blocks
 from xc_dagster.storage import ArtifactStore, load_json
@@ -167,13 +168,13 @@ def test_capped_index_round_trips_its_cap(tmp_path):
 
 
 def test_auto_kind_is_exact_up_to_the_threshold_then_hnsw(monkeypatch, tmp_path):
-    monkeypatch.setattr(ann, "EXACT_MAX_VECTORS", 100)
-    monkeypatch.setattr(ann, "EXACT_MAX_VECTORS_LOW", 200)
+    monkeypatch.setattr(exact_settings, "EXACT_MAX_VECTORS", 100)
+    monkeypatch.setattr(exact_settings, "EXACT_MAX_VECTORS_LOW", 200)
     monkeypatch.setenv("XC_EXACT_PRECISION", "bf16")  # bf16 scoring: the higher threshold
-    assert resolve_kind("auto", 200) == "exact" and resolve_kind("auto", 201) == "hnsw"
+    assert resolve_kind("auto", 200, 16) == "exact" and resolve_kind("auto", 201, 16) == "hnsw"
     monkeypatch.setenv("XC_EXACT_PRECISION", "fp32")
-    assert resolve_kind("auto", 100) == "exact" and resolve_kind("auto", 101) == "hnsw"
-    assert resolve_kind("hnsw", 5) == "hnsw"
+    assert resolve_kind("auto", 100, 16) == "exact" and resolve_kind("auto", 101, 16) == "hnsw"
+    assert resolve_kind("hnsw", 5, 16) == "hnsw"
     rng = np.random.default_rng(0)
     small, big = rng.normal(size=(80, 16)).astype(np.float32), rng.normal(size=(300, 16)).astype(np.float32)
     for vectors, kind in ((small, "exact"), (big, "hnsw")):
@@ -184,6 +185,32 @@ def test_auto_kind_is_exact_up_to_the_threshold_then_hnsw(monkeypatch, tmp_path)
         assert back.kind == kind
         q = rng.normal(size=(20, 16)).astype(np.float32)
         np.testing.assert_array_equal(back.search(q, 5)[1], ix.search(q, 5)[1])
+
+
+def test_exact_on_a_gpu_sized_by_its_memory(monkeypatch):
+    """On a GPU, ``auto`` is exact up to 2^22 vectors while one index's keys (fp32 + bf16: 6 bytes a dimension) take
+    at most 1/8 of its memory, and a search block holds the largest power of two of fp32 scores within 1/32 of it
+    (at most 2^29, at least the CPU's 2^25); a CPU keeps its limits. The H200 the GPU rules were measured on: 2.25M
+    points of 384 dimensions exact, blocks of 2^29 scores."""
+    gpu, cpu, gib = torch.device("cuda"), torch.device("cpu"), 1 << 30
+    memory = {"bytes": 0}
+    monkeypatch.setattr(exact_settings, "_gpu_memory", lambda d: memory["bytes"])
+    monkeypatch.setattr(exact_settings, "resolve_device", lambda name: gpu)
+    monkeypatch.setenv("XC_EXACT_PRECISION", "bf16")
+    memory["bytes"] = 140 * gib  # an H200: 17.5 GiB for one index's keys -> 8.2M vectors of 384 > the 2^22 cap
+    assert exact_settings.exact_max_vectors(gpu, 384) == 1 << 22
+    assert resolve_kind("auto", 2_248_619, 384) == "exact" and resolve_kind("auto", (1 << 22) + 1, 384) == "hnsw"
+    assert exact_settings.exact_block_entries(gpu) == 1 << 29  # 140 GiB / 32 / 4 bytes = 1.1e9 -> capped
+    memory["bytes"] = 16 * gib  # a 16 GB card: 2 GiB of keys -> 932,067 vectors of 384 in fp32 + bf16
+    assert exact_settings.exact_max_vectors(gpu, 384) == 2 * gib // (384 * 6) == 932_067
+    assert resolve_kind("auto", 1_305_265, 384) == "hnsw" and resolve_kind("auto", 932_067, 384) == "exact"
+    assert exact_settings.exact_block_entries(gpu) == 1 << 27  # 16 GiB / 32 / 4 = 2^27 exactly
+    monkeypatch.setenv("XC_EXACT_PRECISION", "fp32")  # keys held once: 4 bytes a dimension
+    assert exact_settings.exact_max_vectors(gpu, 384) == 2 * gib // (384 * 4)
+    memory["bytes"] = 2 * gib  # a small card: blocks never below the CPU's
+    assert exact_settings.exact_block_entries(gpu) == exact_settings.EXACT_BLOCK_ENTRIES == 1 << 25
+    assert exact_settings.exact_block_entries(cpu) == 1 << 25
+    assert exact_settings.exact_max_vectors(cpu, 384) in (1 << 18, 1 << 19)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "int8"])
@@ -201,7 +228,7 @@ def test_exact_search_blocks_bound_the_score_matrix(monkeypatch, precision):
         seen.append(t.shape[0] * t.shape[1])
         return real_topk(t, *a, **kw)
 
-    monkeypatch.setattr(ann, "EXACT_BLOCK_ENTRIES", 5000)
+    monkeypatch.setattr(exact_settings, "EXACT_BLOCK_ENTRIES", 5000)
     monkeypatch.setattr(ann, "row_topk", spy)
     got = exact_topk(q, keys, 7)
     assert max(seen) <= 5000 and len(seen) == 13  # 5 queries x 1,000 keys per block
@@ -280,7 +307,7 @@ def test_int8_is_chosen_where_its_products_pay_and_only_on_a_cpu(monkeypatch):
     """``auto``: bf16 where it pays, else int8 where the probe measures its product >= 1.5x faster than fp32,
     else fp32; int8 pinned on a GPU fails naming the setting; no int8 product in torch: the probe says no."""
     cpu = torch.device("cpu")
-    monkeypatch.setattr(ann, "amp_dtype", lambda d, amp: None)
+    monkeypatch.setattr(exact_settings, "amp_dtype", lambda d, amp: None)
     seconds = {torch.float32: 3.0, torch.int8: 2.0}
     products = []
 
@@ -291,12 +318,12 @@ def test_int8_is_chosen_where_its_products_pay_and_only_on_a_cpu(monkeypatch):
     monkeypatch.setattr(device, "speedup", speedup)
     device.cpu_int8_pays.cache_clear()
     try:
-        assert device.cpu_int8_pays() and ann.exact_dtype(cpu) == torch.int8  # exactly 1.5x
+        assert device.cpu_int8_pays() and exact_settings.exact_dtype(cpu) == torch.int8  # exactly 1.5x
         assert products == [((256, 8192), torch.int32)]
-        monkeypatch.setattr(ann, "cpu_int8_pays", lambda: False)
-        assert ann.exact_dtype(cpu) is None
-        monkeypatch.setattr(ann, "amp_dtype", lambda d, amp: torch.bfloat16)
-        assert ann.exact_dtype(cpu) == torch.bfloat16
+        monkeypatch.setattr(exact_settings, "cpu_int8_pays", lambda: False)
+        assert exact_settings.exact_dtype(cpu) is None
+        monkeypatch.setattr(exact_settings, "amp_dtype", lambda d, amp: torch.bfloat16)
+        assert exact_settings.exact_dtype(cpu) == torch.bfloat16
         seconds[torch.int8] = 2.01
         device.cpu_int8_pays.cache_clear()
         assert not device.cpu_int8_pays()
@@ -306,7 +333,7 @@ def test_int8_is_chosen_where_its_products_pay_and_only_on_a_cpu(monkeypatch):
     finally:
         device.cpu_int8_pays.cache_clear()
     with pytest.raises(XCConfigError, match="XC_EXACT_PRECISION=int8 scores on a CPU only"):
-        ann.exact_dtype(torch.device("cuda"), "int8")
+        exact_settings.exact_dtype(torch.device("cuda"), "int8")
 
 
 @pytest.mark.parametrize("precision", ["fp32", "int8"])

@@ -33,7 +33,7 @@ GRAD_CACHE_MODES = ("auto", "on", "off")
 AMP_MODES = ("auto", "bf16", "fp16", "off")
 # pretrain.pooling: xc_dagster.encoders.transformer
 POOLINGS = ("mean", "cls")
-# mining.index, index.kind: xc_dagster.retrieval.ann.KINDS; classifier.sampler_index: the stale index of
+# mining.index, index.kind: xc_dagster.retrieval.exact_settings.KINDS; classifier.sampler_index: the stale index of
 # xc_dagster.sampling.stale_index, its kinds without "auto" (a checkpoint restores the index by the kind set)
 INDEX_KINDS = ("auto", "hnsw", "exact", "ivf")
 SAMPLER_INDEX_KINDS = ("hnsw", "exact", "ivf")

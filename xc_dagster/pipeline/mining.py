@@ -13,7 +13,8 @@ from xc_dagster.artifacts import LABEL_EMB, MINING_LABEL_INDEX, SHORTLIST, SHORT
 from xc_dagster.evaluation.metrics import recall_at
 from xc_dagster.pipeline.context import StageContext
 from xc_dagster.pipeline.kept import link
-from xc_dagster.retrieval.ann import LabelIndex, resolve_kind
+from xc_dagster.retrieval.ann import LabelIndex
+from xc_dagster.retrieval.exact_settings import resolve_kind
 from xc_dagster.retrieval.shortlist import (
     ANN_SOURCES,
     CENTROID_FILE,
@@ -45,7 +46,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     centroids = label_centroids(point_emb, ds.Y_train, rows)
     with ctx.kept_work({"mining": dataclasses.asdict(p), "rows": STREAM_ROWS}) as kept:
         sizes = {"W": len(label_emb), "label": len(label_emb), "centroid": len(centroids), "knn": len(rows)}
-        built = {name: LabelIndex.load(path, resolve_kind(p.index, sizes[name]), p.hnsw_ef_search)
+        built = {name: LabelIndex.load(path, resolve_kind(p.index, sizes[name], label_emb.shape[1]), p.hnsw_ef_search)
                  for name in p.sources if (path := kept.path(INDEX_FILES[name])) is not None}
         if built:
             ctx.info(f"mining {ctx.name}: the {', '.join(built)} index(es) a killed run of this stage built, kept")

@@ -33,7 +33,8 @@ from xc_dagster.encoders.encode import encode_tokens
 from xc_dagster.encoders.loading import load_encoder
 from xc_dagster.encoders.tokenizer import load_tokenizer, tokenize_texts
 from xc_dagster.faiss_module import faiss
-from xc_dagster.retrieval.ann import exact_dtype, exact_topk
+from xc_dagster.retrieval.ann import exact_topk
+from xc_dagster.retrieval.exact_settings import exact_dtype
 from xc_dagster.retrieval.fusion import fit_fusion
 from xc_dagster.retrieval.lexical import LexicalIndex
 from xc_dagster.retrieval.shortlist import Shortlist, build_sources, retrieve, topk_from_scores

@@ -26,7 +26,7 @@ from xc_dagster.planning.calibration import (
     retrieve_unit,
     text_units,
 )
-from xc_dagster.retrieval.ann import EXACT_BLOCK_ENTRIES, exact_dtype, resolve_kind
+from xc_dagster.retrieval.exact_settings import exact_block_entries, exact_dtype, resolve_kind
 from xc_dagster.retrieval.shortlist import STREAM_ROWS
 from xc_dagster.sampling.negatives import SAMPLERS
 from xc_dagster.training.memory import EncoderShape, plan_step_memory, step_loss_bytes
@@ -145,12 +145,12 @@ def index_work(c: Costs, plan: StagePlan, name: str, kind: str, keys: int, queri
                hnsw: tuple[int, int, int], build: bool = True) -> None:
     """An index over ``keys`` vectors of kind ``kind`` (``auto`` as ``resolve_kind``): its build (HNSW: per vector x
     ln n) and ``queries`` top-``k`` searches (exact: queries x keys pairs; HNSW: per query x ln n), with its memory."""
-    plan.kinds[name] = kind = resolve_kind(kind, keys)
+    plan.kinds[name] = kind = resolve_kind(kind, keys, c.dim)
     if kind == "exact":
         plan.memory[f"{name} index"] = keys * c.dim * (F32 + getattr(exact_dtype(c.device), "itemsize", 0))  # + bf16/int8
         if queries:
             plan.parts[f"{name} search (exact, {queries:,} x {keys:,})"] = queries * keys * c.exact_pair_s(k)
-            plan.memory.setdefault("exact search block", EXACT_BLOCK_ENTRIES * F32)
+            plan.memory.setdefault("exact search block", exact_block_entries(c.device) * F32)
         return
     if kind == "ivf":
         plan.notes.append(f"{name}: an ivf index is planned as an exact scan of the keys (an upper bound)")

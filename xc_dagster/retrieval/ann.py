@@ -4,16 +4,15 @@
 product): the vectors clustered by k-means into ``nlist`` partitions, a query scans the ``nprobe`` partitions
 whose centroids score highest (MIPS-s's clustering-based MIPS, O(nprobe * L / nlist) per query); ``exact`` is a
 blocked matrix product in torch (on the GPU when there is one), the reference that recall is measured against;
-``auto`` is ``exact`` up to ``EXACT_MAX_VECTORS`` vectors (twice that where exact search scores in bf16) and
-``hnsw`` above: below it a matrix product over every vector costs less than building the graph and walking it
-(bench/SCALE.md#index-choice), above it the per-query cost stays O(log L). All return the top-k (scores, ids) per
+``auto`` is ``exact`` up to a size that depends on where exact search runs and ``hnsw`` above
+(``exact_settings.resolve_kind``): below it a matrix product over every vector costs less than building the graph
+and walking it, above it the per-query cost stays O(log L). All return the top-k (scores, ids) per
 query, ids -1 where fewer than k exist (exact: ties broken by smaller id, also which of the keys tied at the k-th
 place are kept).
 """
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -21,63 +20,25 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from xc_dagster.device import amp_dtype, cpu_int8_pays, resolve_device
-from xc_dagster.errors import XCConfigError
+from xc_dagster.device import resolve_device
 from xc_dagster.faiss_module import faiss
+from xc_dagster.retrieval.exact_settings import exact_block_entries, exact_dtype, resolve_kind
 from xc_dagster.retrieval.hnsw_build import GraphCheckpoint, build_hnsw
 
-KINDS = ("hnsw", "ivf", "exact", "auto")
 FP32_AFTER_REDONE = 0.5  # bf16 exact search: with more of its queries searched again in fp32, an index switches
 FP32_SWITCH_MIN_QUERIES = 1024  # to fp32 for good, once it has searched at least this many queries in bf16
-PRECISIONS = ("auto", "fp32", "bf16", "int8")  # exact search's scoring pass (XC_EXACT_PRECISION)
-EXACT_MAX_VECTORS = 1 << 18  # kind "auto": exact search up to this many vectors, HNSW above (decisions.md#index-auto)
-EXACT_MAX_VECTORS_LOW = 1 << 19  # the same where exact search scores in bf16 or int8, 1.6-1.8x cheaper
 _INT32_MIN = torch.iinfo(torch.int32).min
-EXACT_BLOCK_ENTRIES = 1 << 25  # exact search: at most this many query x key scores held at once (128 MiB float32)
 GATHER_FLOATS = 1 << 20  # gathered_scores on a CPU: rows gathered at once (4 MiB, in cache; 2^23 took 4x the time)
 TOPK_GROUP = 16  # CPU top-k over many keys: selection over the maxima of groups of 16 keys first (row_topk)
 GATHER_FLOATS_GPU = 1 << 23  # the same on a GPU, where few large launches beat cache-sized ones
 _NPY_MAGIC = b"\x93NUMPY"  # an exact index's file (np.save); faiss files start otherwise
 
 
-def resolve_kind(kind: str, n: int) -> str:
-    """The index kind built for ``n`` vectors: ``auto`` is exact up to EXACT_MAX_VECTORS (EXACT_MAX_VECTORS_LOW
-    where exact search scores in bf16 or int8 on this machine), else HNSW."""
-    if kind not in KINDS:
-        raise XCConfigError(f"index kind: expected one of {'|'.join(KINDS)}, got {kind!r}")
-    if kind != "auto":
-        return kind
-    limit = EXACT_MAX_VECTORS if exact_dtype(resolve_device("auto")) is None else EXACT_MAX_VECTORS_LOW
-    return "exact" if n <= limit else "hnsw"
-
-
-def exact_dtype(device: torch.device, precision: str | None = None) -> torch.dtype | None:
-    """The dtype exact search scores in before its fp32 re-rank, None = fp32 throughout: ``precision`` (default
-    ``$XC_EXACT_PRECISION``) ``fp32``, ``bf16``, ``int8`` (CPU) or ``auto`` = bf16 where its matrix products pay
-    (CUDA; AMX or a measured speed-up on a CPU: ``device.amp_dtype``), else int8 on a CPU whose int8 products
-    measure faster (``device.cpu_int8_pays``), else fp32 (docs/decisions.md#exact-bf16, #exact-int8)."""
-    precision = (precision or os.environ.get("XC_EXACT_PRECISION", "").strip() or "auto").lower()
-    if precision not in PRECISIONS:
-        raise XCConfigError(f"XC_EXACT_PRECISION: expected one of {'|'.join(PRECISIONS)}, got {precision!r}")
-    if precision == "fp32":
-        return None
-    if precision == "bf16":
-        return torch.bfloat16
-    if precision == "int8":
-        if device.type != "cpu":
-            raise XCConfigError(f"XC_EXACT_PRECISION=int8 scores on a CPU only; this search runs on {device.type} "
-                                "(use bf16 or auto there)")
-        return torch.int8
-    if amp_dtype(device, "auto") is not None:
-        return torch.bfloat16
-    return torch.int8 if device.type == "cpu" and cpu_int8_pays() else None
-
-
 def exact_topk(queries: np.ndarray, keys: np.ndarray, k: int, block: int = 4096,
                device: torch.device | None = None, exclude: np.ndarray | None = None,
                precision: str | None = None, cache: dict | None = None,
                certify: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """Exact top-k inner products, in blocks of at most ``block`` queries and EXACT_BLOCK_ENTRIES scores, so memory
+    """Exact top-k inner products, in blocks of at most ``block`` queries and ``exact_block_entries`` scores, so memory
     stays bounded at any L; ``exclude``: key rows never returned. Where bf16 or int8 pays (``exact_dtype``) the
     product over every key runs in that precision, its top ``rerank_width(k)`` are re-scored in fp32, and a query
     whose k-th fp32 score is not clear of the low precision's error bound above every other key is searched again
@@ -89,7 +50,7 @@ def exact_topk(queries: np.ndarray, keys: np.ndarray, k: int, block: int = 4096,
     device = device or resolve_device("auto")
     low = exact_dtype(device, precision) if len(keys) else None  # no keys: nothing to score at all
     n, L = len(queries), len(keys)
-    block = max(1, min(block, EXACT_BLOCK_ENTRIES // max(L, 1)))
+    block = max(1, min(block, exact_block_entries(device) // max(L, 1)))
     kk = min(k, L)
     kk1 = min(k + 1, L)  # one past the k-th: an exact tie at the k-th place that spills past it is seen
     width = kk1 if low is None else min(L, rerank_width(k, low))
@@ -145,7 +106,7 @@ def _ties_by_id(q: torch.Tensor, K: torch.Tensor, drop: torch.Tensor | None, k: 
 
 class _ScoreBuffers:
     """The (rows x L) score matrix of a search block, per dtype, carved from one flat buffer per (thread, device,
-    dtype) that every block and every search reuses (it grows to the largest block, EXACT_BLOCK_ENTRIES): a fresh
+    dtype) that every block and every search reuses (it grows to the largest block, ``exact_block_entries``): a fresh
     matrix per block is a fresh mapping whose page faults cost 30-50% of the product (docs/decisions.md#exact-int8).
     Per thread, so that concurrent searches never share one."""
 
@@ -305,7 +266,7 @@ class LabelIndex:
         """``checkpoint``, ``progress``: an HNSW build kept as it goes and followed (``hnsw_build.build_hnsw``)."""
         if kind == "auto" and vectors is None:
             raise ValueError("an auto index is resolved from its vectors")
-        kind = resolve_kind(kind, 0 if vectors is None else len(vectors))
+        kind = resolve_kind(kind, 0 if vectors is None else len(vectors), 0 if vectors is None else vectors.shape[1])
         self.kind = kind
         self.ef_search = ef_search
         self.nprobe = nprobe
