@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
-import uuid
 from pathlib import Path
 
 import numpy as np
 
 from xc_dagster import __version__
-from xc_dagster.durable import fsync_dir
+from xc_dagster.durable import atomic_write
 from xc_dagster.training.checkpoint import fingerprint
 
 log = logging.getLogger("xc_dagster")
@@ -61,17 +59,12 @@ class EncodedCache:
     def save(self, emb: np.ndarray) -> None:
         """Keep ``emb`` (durable once this returns) and remove the split's files under other keys."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        tmp = self.folder / f".{self.path.name}.tmp-{uuid.uuid4().hex[:8]}"
-        try:
+
+        def write(tmp: Path) -> None:
             with open(tmp, "wb") as fh:  # a handle: np.save would append ".npy" to the temporary name
                 np.save(fh, np.ascontiguousarray(emb, dtype=np.float32))
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        fsync_dir(self.folder)
+
+        atomic_write(self.path, write)  # temporary name ".<name>.tmp-<8 hex>", swept below once stale
         for old in self.folder.glob(f"{self.split}-*.npy"):
             if old != self.path:
                 old.unlink(missing_ok=True)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from xc_dagster.durable import atomic_write_text, fsync_dir, fsync_file
+from xc_dagster.durable import atomic_write, atomic_write_text, fsync_file
 from xc_dagster.faiss_module import faiss
 from xc_dagster.retrieval.hnsw_build import GraphCheckpoint
 from xc_dagster.storage import file_lock, fsync_tree
@@ -125,12 +125,8 @@ class KeptWork:
         (None: nothing is kept, no folder)."""
         if self.folder is None:
             return None
-        tmp = self.folder / f".{name}.tmp"  # a killed write's leftover is removed, then overwritten
-        _remove(tmp)
-        write(tmp)
-        fsync_tree(tmp) if tmp.is_dir() else fsync_file(tmp)
-        os.replace(tmp, self.folder / name)
-        fsync_dir(self.folder)
+        # one fixed temporary name: a killed write's leftover is removed, not piled up beside multi-GB indexes
+        atomic_write(self.folder / name, write, tmp=self.folder / f".{name}.tmp", sync=_sync)
         return self.folder / name
 
     def artifact(self, name: str, build: Callable[[Path], None], dest: Path) -> bool:
@@ -179,6 +175,10 @@ class KeptWork:
     def clear(self) -> None:
         if self.folder is not None and self.folder.exists():
             shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _sync(path: Path) -> None:
+    fsync_tree(path) if path.is_dir() else fsync_file(path)  # a kept folder: every file and folder in it
 
 
 def _remove(path: Path) -> None:
