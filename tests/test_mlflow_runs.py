@@ -11,7 +11,14 @@ import time
 import mlflow
 import pytest
 
-from xc_dagster.tracking import PARENT_TAG, SYSTEM_METRICS_ENV, Tracker, experiment_name, use_tracking_uri
+from xc_dagster.tracking import (
+    PARENT_SETTLE_S,
+    PARENT_TAG,
+    SYSTEM_METRICS_ENV,
+    Tracker,
+    experiment_name,
+    use_tracking_uri,
+)
 
 STAGE_IN_A_PROCESS = """
 import sys, time
@@ -63,6 +70,32 @@ def test_two_creators_of_a_parent_run_converge_on_the_oldest(tmp_path):
     assert tracker.parent_run(exp, "Tiny", "run-3", {}) == other.info.run_id
     tracker.client.search_runs = real_search
     assert [r.info.run_id for r in real_search([exp], f"tags.`{PARENT_TAG}` = 'run-3'")] == [other.info.run_id]
+
+
+def test_a_stage_that_finds_a_fresh_parent_run_waits_for_its_racers(tmp_path):
+    """The joiner's race, made deterministic: a stage finds one parent run just created (a creator's, which is
+    deleted once an older racer's lands); an older one becomes visible only later. The stage looks again once the
+    run it found is 2 x PARENT_SETTLE_S old and takes the older; a parent run already that old is taken at once."""
+    tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = tracker.experiment_id("Tiny")
+    now = int(time.time() * 1000)
+    fresh = tracker.client.create_run(exp, tags={PARENT_TAG: "run-4"}, start_time=now)
+    real_search = tracker.client.search_runs
+    calls = []
+
+    def search_runs(*args, **kwargs):
+        calls.append(time.time())
+        got = real_search(*args, **kwargs)
+        return got if len(calls) > 1 else [r for r in got if r.info.run_id == fresh.info.run_id]
+
+    older = tracker.client.create_run(exp, tags={PARENT_TAG: "run-4"}, start_time=now - 5)
+    tracker.client.search_runs = search_runs
+    assert tracker.parent_run(exp, "Tiny", "run-4", {}) == older.info.run_id
+    assert len(calls) == 2 and calls[1] >= now / 1000 + 2 * PARENT_SETTLE_S - 0.01
+    counted = []
+    tracker.client.search_runs = lambda *a, **kw: counted.append(1) or real_search(*a, **kw)
+    settled = tracker.client.create_run(exp, tags={PARENT_TAG: "run-5"}, start_time=now - 10_000)
+    assert tracker.parent_run(exp, "Tiny", "run-5", {}) == settled.info.run_id and len(counted) == 1
 
 
 def test_a_failed_stage_fails_its_parent_and_a_later_stage_finishes_it(tmp_path):

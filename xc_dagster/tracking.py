@@ -93,6 +93,11 @@ PARENT_TAGS = ("strategy", "preset")  # a stage run's tags its parent run takes
 PARENT_SETTLE_S = 0.5  # a parent's creator looks for racers this long after its create (see Tracker.parent_run)
 
 
+def _oldest(runs: list) -> Any:
+    """The run every racer keeps: the oldest start time, then the smallest id."""
+    return min(runs, key=lambda r: (r.info.start_time, r.info.run_id))
+
+
 def mlflow_dataset(name: str, digest: str, source: str) -> MetaDataset:
     """The dataset as MLflow's Dataset: its catalog name, a digest of its data and where it was read from (a local
     path, an http(s) URL, any URI MLflow resolves; another source is recorded as a URL-like string)."""
@@ -186,7 +191,9 @@ class Tracker:
         of a run may start together in several processes: each creator then looks again, all keep the oldest, and
         a creator whose run is not it deletes its own. It looks again PARENT_SETTLE_S after its create, not at once:
         a racer's start time is taken before its insert, which can wait on the store's write lock (SQLite), so an
-        older run could land after a creator had looked, each then keeping its own (seen once in a suite run)."""
+        older run could land after a creator had looked, each then keeping its own (seen once in a suite run). A
+        stage that finds a parent run younger than twice that looks again once it is that old, after its creator
+        has looked (``_settled``): taken at once, it could be a creator's run about to be deleted (seen once)."""
         flt = f"tags.`{PARENT_TAG}` = '{dagster_run_id}'"
         found = self.client.search_runs([experiment_id], flt, max_results=50)
         if not found:
@@ -195,11 +202,20 @@ class Tracker:
                 "xc.kind": "pipeline", "mlflow.runName": f"dagster-{dagster_run_id[:8]}"})
             time.sleep(PARENT_SETTLE_S)
             found = self.client.search_runs([experiment_id], flt, max_results=50)
-            keep = min(found, key=lambda r: (r.info.start_time, r.info.run_id))
+            keep = _oldest(found)
             if keep.info.run_id != mine.info.run_id:
                 self.client.delete_run(mine.info.run_id)
             return keep.info.run_id
-        return min(found, key=lambda r: (r.info.start_time, r.info.run_id)).info.run_id
+        return self._settled(experiment_id, flt, found).info.run_id
+
+    def _settled(self, experiment_id: str, flt: str, found: list) -> Any:
+        """The oldest of ``found``, searched again once it is 2 x PARENT_SETTLE_S old (its creator has looked for
+        racers by then unless its insert waited longer than PARENT_SETTLE_S); at once when it is older."""
+        wait = _oldest(found).info.start_time / 1000 + 2 * PARENT_SETTLE_S - time.time()
+        if wait > 0:
+            time.sleep(wait)
+            found = self.client.search_runs([experiment_id], flt, max_results=50) or found
+        return _oldest(found)
 
     @contextlib.contextmanager
     def run(self, dataset: str, stage: str, params: dict[str, Any], tags: dict[str, str]) -> Iterator[RunLogger]:
