@@ -84,13 +84,13 @@ def _lexical_or_note(ctx: StageContext, rows: np.ndarray, Y_train: Any,
         return None, str(e)
 
 
-def _mining_label_index(ctx: StageContext, n_labels: int, dim: int) -> Path | None:
+def _mining_label_index(ctx: StageContext, kind: str) -> Path | None:
     """Mining's index over the label embeddings when it is the one this stage would build: the deployed encoder
     is the pretrained one (the same embeddings) and the kind and graph settings match."""
     p = ctx.cfg.index
     if ctx.read.model_dir() != ctx.dir("pretrain"):
         return None
-    want = label_index_settings(resolve_kind(p.kind, n_labels, dim), p.hnsw_m, p.hnsw_ef_construction)
+    want = label_index_settings(kind, p.hnsw_m, p.hnsw_ef_construction)
     path = ctx.read.path("mining", MINING_LABEL_INDEX)
     if ctx.read.summary("mining").get("label_index") != want or not path.exists():
         return None
@@ -103,8 +103,8 @@ def _build(ctx: StageContext, name: str, vectors: np.ndarray, out: Path, kept: K
     graph mining built over the same embeddings is copied instead (a 1.3M-label graph takes ~20 minutes); an
     index a killed run of this stage finished is taken from ``kept`` (``held``: the held-out copies' prefix)."""
     p = ctx.cfg.index
-    built = _mining_label_index(ctx, len(vectors), vectors.shape[1]) if name == "label" else None
     kind = resolve_kind(p.kind, len(vectors), vectors.shape[1])
+    built = _mining_label_index(ctx, kind) if name == "label" else None
     if built is not None:
         shutil.copyfile(built, out / INDEX_FILES[name])
         ctx.info(f"index {name}: mining's {kind} index over the same label embeddings, copied")
