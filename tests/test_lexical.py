@@ -43,11 +43,11 @@ from xc_dagster.storage import ArtifactStore
 WORDS = [f"w{i:03d}" for i in range(150)]
 
 
-def _hand_index(neighbours: int = 2) -> LexicalIndex:
+def _hand_index(neighbours: int = 2, power: float = 1.0) -> LexicalIndex:
     """Four unit TF-IDF rows over three terms, their labels, and one label-text row per label (no model)."""
     points = sp.csr_matrix(np.array([[1, 0, 0], [0.6, 0.8, 0], [0, 0, 1], [0, 1, 0]], dtype=np.float32))
     Y = sp.csr_matrix(np.array([[1, 0, 0], [1, 1, 0], [0, 0, 1], [0, 1, 0]], dtype=np.float32))
-    return LexicalIndex(None, points, Y, sp.identity(3, dtype=np.float32, format="csr"), neighbours)
+    return LexicalIndex(None, points, Y, sp.identity(3, dtype=np.float32, format="csr"), neighbours, power=power)
 
 
 def test_lexical_score_hand_computed():
@@ -63,6 +63,11 @@ def test_lexical_score_hand_computed():
     assert lex.scores(q, own=np.array([0])).toarray()[0] == pytest.approx([0.48 + 0.8, 0.78 + 0.6, 0.0])
     # K = 3: point 3 (0.6) joins; the mean is over K
     assert _hand_index(3).scores(q).toarray()[0] == pytest.approx([1.76 / 3 + 0.8, 1.56 / 3 + 0.6, 0.0])
+    # index.lexical_power 2: votes 0.96^2 = 0.9216 (point 1) and 0.8^2 = 0.64 (point 0); the label-text part as is
+    assert _hand_index(power=2).scores(q).toarray()[0] == pytest.approx([1.5616 / 2 + 0.8, 0.9216 / 2 + 0.6, 0.0])
+    for bad in (0, -1.0, float("nan"), float("inf"), True, "2"):
+        with pytest.raises(XCConfigError, match="index.lexical_power"):
+            _hand_index(power=bad)
     ids, vals = sparse_topk(lex.scores(q), 3)
     assert ids[0].tolist() == [0, 1, -1] and vals[0] == pytest.approx([1.68, 1.08, 0.0])
     assert sparse_lookup(lex.scores(q), np.array([[2, 1, -1, 0]]))[0] == pytest.approx([0.0, 1.08, 0.0, 1.68])
@@ -195,12 +200,13 @@ def test_lexical_index_round_trips_without_pickle(tmp_path):
     the same for the shipped-features form, which has no label-text part without label features and cannot
     read raw text."""
     points, labels, Y, queries = _corpus(3, 200, 40)
-    lex = LexicalIndex.fit(points, labels, Y, neighbours=3)
+    lex = LexicalIndex.fit(points, labels, Y, neighbours=3, power=2.5)
     E = np.eye(40, 4, dtype=np.float32)
     save_sources(ShortlistSources(E, E, {}, lexical=lex), tmp_path / "idx", None)
     files = sorted(p.name for p in (tmp_path / "idx" / "lexical").iterdir())
     assert files == ["idf.npy", "labels.npz", "lexical.json", "point_labels.npz", "points.npz", "vocabulary.json"]
     back = load_sources(tmp_path / "idx", ("lexical",), "text", "exact", 40, E, E).lexical
+    assert back.power == 2.5  # the vote power is part of the index
     Q, Q2 = lex.transform(queries), back.transform(queries)
     assert (Q != Q2).nnz == 0
     np.testing.assert_array_equal(lex.scores(Q).toarray(), back.scores(Q2).toarray())
@@ -274,7 +280,7 @@ def test_lexical_source_through_the_pipeline_and_the_bundle(tmp_path, monkeypatc
     points excluded from the lexical kNN (the same fit as with them indexed nowhere), evaluation reports the
     lexical-only ranking, and the serving bundle vectorizes raw text to the evaluation's predictions."""
     home = tiny_lf_home(tmp_path, monkeypatch, {**TINY, "pretrain.epochs": 1, "classifier.epochs": 1,
-                                                "index.sources": "W,label,lexical"})
+                                                "index.sources": "W,label,lexical", "index.lexical_power": 2})
     spec = Catalog(home.catalog).get("TinyTitles")
     ctx = StageContext(ArtifactStore(home.artifacts), spec, spec.config(), home.cache)
     out = run_all(ctx)
@@ -297,7 +303,7 @@ def test_lexical_source_through_the_pipeline_and_the_bundle(tmp_path, monkeypatc
     ds = load_dataset(ctx.dir("ingest") / "dataset", features=False)
     serving_bundle.write_bundle(ctx, tmp_path / "bundle")
     bundle = serving_bundle.load_bundle(tmp_path / "bundle", "cpu")
-    assert bundle.sources.lexical is not None and bundle.sources.knn_excluded is None
+    assert bundle.sources.lexical.power == 2 and bundle.sources.knn_excluded is None
     ids, scores = serving_bundle.predict_topk(ds.test_texts, bundle, 10)
     filtered, _ = remove_filtered(ids, scores, ds.filter_test)
     np.testing.assert_array_equal(filtered, np.load(ctx.dir("evaluate") / "predictions.npz")["ids"])

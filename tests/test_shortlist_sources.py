@@ -3,6 +3,7 @@ Module IV's classifier loss: hand-computed values, exactness against brute force
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -10,10 +11,12 @@ import pytest
 import scipy.sparse as sp
 import torch
 
+import xc_dagster.pipeline.index as index_stage
 import xc_dagster.retrieval.shortlist as shortlist_module
 from tests.test_pipeline import TINY
 from tests.tinydata import label_prior_metrics, write_lf_dataset, write_tiny_encoder
 from xc_dagster.catalog import Catalog, DatasetSpec
+from xc_dagster.config import IndexParams
 from xc_dagster.data import load_dataset
 from xc_dagster.errors import XCConfigError
 from xc_dagster.evaluation.metrics import recall_at, remove_filtered
@@ -239,7 +242,7 @@ def test_siamesexml_strategy_three_index_shortlist_through_the_pipeline_and_bund
     src = write_lf_dataset(tmp_path / "src" / "TinyTitles")
     Catalog(home.catalog).add(DatasetSpec("TinyTitles", str(src), strategy="siamesexml",
                                           overrides={**TINY, "tokenize.encoder": str(enc), "pretrain.epochs": 1,
-                                                     "classifier.loss": "siamesexml"}))
+                                                     "classifier.loss": "siamesexml", "index.knn_power": 2}))
     spec = Catalog(home.catalog).get("TinyTitles")
     cfg = spec.config()
     assert cfg.mining.sources == ("label", "centroid", "knn") and cfg.index.label_repr == "text+centroid"
@@ -259,7 +262,7 @@ def test_siamesexml_strategy_three_index_shortlist_through_the_pipeline_and_bund
     for heldout, r in ((False, np.arange(120)), (True, rows)):
         m = ctx.read.shortlist_sources(ctx.cfg.index.hnsw_ef_search, heldout=heldout)
         # one kNN index over all 120 points; the held-out model searches it without the validation points
-        assert m.indexes["knn"].size == 120 and m.knn_labels.shape == (120, 20)
+        assert m.indexes["knn"].size == 120 and m.knn_labels.shape == (120, 20) and m.knn_power == 2
         if heldout:
             np.testing.assert_array_equal(m.knn_excluded, np.setdiff1d(np.arange(120), rows))
         else:
@@ -291,7 +294,7 @@ def test_siamesexml_strategy_three_index_shortlist_through_the_pipeline_and_bund
     # the serving bundle carries the three indexes and reproduces the evaluation's predictions
     serving_bundle.write_bundle(ctx, tmp_path / "bundle")
     bundle = serving_bundle.load_bundle(tmp_path / "bundle", "cpu")
-    assert set(bundle.sources.indexes) == {"label", "centroid", "knn"}
+    assert set(bundle.sources.indexes) == {"label", "centroid", "knn"} and bundle.sources.knn_power == 2
     ids, scores = serving_bundle.predict_topk(ds.test_texts, bundle, 10)
     filtered, _ = remove_filtered(ids, scores, ds.filter_test)
     np.testing.assert_array_equal(filtered, np.load(ctx.dir("evaluate") / "predictions.npz")["ids"])
@@ -330,6 +333,28 @@ def test_knn_score_from_the_k_nearest_neighbours_only():
         assert sl.knn[i][ok] == pytest.approx(want[sl.ids[i][ok]], abs=1e-5)
 
 
+def test_knn_votes_raised_to_knn_power(tmp_path):
+    """index.knn_power p: each of the K nearest neighbours votes max(similarity, 0) ** p for its labels; the
+    candidates are those of p = 1; the power travels with the saved sources."""
+    E, Y, X, rng = _problem()
+    Q = _unit(rng.standard_normal((15, 16)))
+    k, K, p = 10, 4, 3.0
+    src = build_sources(("knn",), E, E, None, X, Y, "text", "exact", 8, 40, 40)
+    plain = retrieve(Q, ShortlistSources(src.W, src.label_repr, src.indexes, src.knn_labels, knn_neighbours=K), k)
+    src_p = ShortlistSources(src.W, src.label_repr, src.indexes, src.knn_labels, knn_neighbours=K, knn_power=p)
+    sharp = retrieve(Q, src_p, k)
+    assert np.array_equal(plain.ids, sharp.ids)
+    Yd = Y.toarray()
+    for i in range(len(Q)):
+        nb = np.argsort(-(X @ Q[i]), kind="stable")[:K]
+        want = np.maximum(X[nb] @ Q[i], 0) ** p @ Yd[nb] / K
+        ok = sharp.ids[i] >= 0
+        assert sharp.knn[i][ok] == pytest.approx(want[sharp.ids[i][ok]], abs=1e-5)
+    save_sources(src_p, tmp_path, None)
+    back = load_sources(tmp_path, ("knn",), "text", "exact", 40, E, E, knn_neighbours=K, knn_power=p)
+    np.testing.assert_array_equal(retrieve(Q, back, k).knn, sharp.knn)
+
+
 @pytest.mark.parametrize("kind", ["exact", "hnsw"])
 def test_loaded_sources_score_with_the_vectors_their_indexes_hold(tmp_path, kind):
     """W and the label embeddings are in memory once when evaluating: the W / label indexes' own vectors (an
@@ -349,3 +374,10 @@ def test_loaded_sources_score_with_the_vectors_their_indexes_hold(tmp_path, kind
     del src
     gc.collect()
     np.testing.assert_array_equal(view, W)  # the index lives as long as a view of its vectors
+
+
+@pytest.mark.parametrize("field", ["knn_power", "lexical_power"])
+@pytest.mark.parametrize("bad", [0, -2.0, float("nan"), float("inf"), True])
+def test_vote_powers_are_checked_before_the_index_stage_builds(field, bad):
+    with pytest.raises(XCConfigError, match=f"index.{field}: expected a number > 0"):
+        index_stage._check(dataclasses.replace(IndexParams(), **{field: bad}))

@@ -42,8 +42,10 @@ E2E_CPU = {"pretrain.epochs": 0, "classifier.train_encoder": True, "classifier.l
 KNN_INFERENCE = {"index.sources": ("W", "label", "knn")}
 
 # the default strategy also shortlists and scores with the lexical (TF-IDF) channel, a fusion input whose weight
-# validation may set to 0 (docs/decisions.md#lexical-source)
-LEXICAL_INFERENCE = {"index.sources": ("W", "label", "knn", "lexical")}
+# validation may set to 0 (docs/decisions.md#lexical-source); each kNN vote, dense or lexical, is its similarity
+# squared (docs/decisions.md#knn-vote-power)
+LEXICAL_INFERENCE = {"index.sources": ("W", "label", "knn", "lexical"), "index.knn_power": 2.0,
+                     "index.lexical_power": 2.0}
 
 # the hardest-negative trainer's positives weigh (1/p_l) (docs/decisions.md#classifier-propensity-weight)
 PROPENSITY_SCORED = {"classifier.propensity_weight": 1.0}

@@ -324,6 +324,7 @@ class IndexParams:
     # knn source: its score (a fusion input) is the mean over the K nearest training points of their
     # similarity where they carry the label; candidates still come from all shortlist_size neighbours
     knn_neighbours: int = 10
+    knn_power: float = 1.0  # a neighbour's vote is max(similarity, 0) ** knn_power (docs/decisions.md#knn-vote-power)
     # the deployed kNN index and label centroids hold every training point, the validation ones too (the
     # fusion is still fitted on validation without them: index/heldout/ holds the other points' centroids and
     # the kNN rows to exclude); W and the encoder never see validation points. False: deploy what was fitted
@@ -331,6 +332,7 @@ class IndexParams:
     # lexical source (TF-IDF, xc_dagster.retrieval.lexical): its kNN part is the mean over the K nearest training
     # points (TF-IDF cosine) of their similarity where they carry the label
     lexical_neighbours: int = 10
+    lexical_power: float = 1.0  # as knn_power, for the lexical source's kNN votes
     lexical_min_df: int = 2  # lexical source: terms (word 1-2 grams) in fewer documents are dropped; 1 if none is left
     # lexical source over more than lexical_exact_points training points: each term's postings capped at the P
     # points (and P labels) where its weight is largest, so a query's cost is bounded by its terms x P at any N

@@ -31,6 +31,7 @@ from xc_dagster.retrieval.shortlist import (
     label_centroids,
     label_index_settings,
 )
+from xc_dagster.retrieval.sparse_rows import check_power
 from xc_dagster.storage import save_json
 
 
@@ -39,6 +40,8 @@ def _check(p: Any) -> None:
     check_label_repr(p.label_repr, "index.label_repr")
     if not (isinstance(p.knn_neighbours, int) and p.knn_neighbours >= 0):
         raise XCConfigError(f"index.knn_neighbours: expected an int >= 0, got {p.knn_neighbours!r}")
+    check_power(p.knn_power, "index.knn_power")
+    check_power(p.lexical_power, "index.lexical_power")
     if not isinstance(p.include_validation, bool):
         raise XCConfigError(f"index.include_validation: expected true or false, got {p.include_validation!r}")
     for name, least in (("lexical_neighbours", 1), ("lexical_min_df", 1), ("lexical_max_postings", 0),
@@ -66,7 +69,7 @@ def lexical_index(ctx: StageContext, rows: np.ndarray, Y_train: Any, fit_rows: n
     try:
         return LexicalIndex.fit(points, labels, Y_train[rows], p.lexical_neighbours, p.lexical_min_df, fit_on,
                                 max_postings=p.lexical_max_postings if len(rows) > p.lexical_exact_points else 0,
-                                feature_words=words)
+                                feature_words=words, power=p.lexical_power)
     except XCConfigError as e:
         raise XCConfigError(f"{ctx.name}: {e}") from None
 
@@ -185,7 +188,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
             summary = {"kind": p.kind, "kinds": {n: kinds[n] for n in sources if n in kinds},
                        "sources": list(sources), "label_repr": p.label_repr,
                        "labels": int(len(W)), "dim": int(W.shape[1]), "knn_points": knn_points,
-                       "knn_neighbours": int(p.knn_neighbours) if "knn" in p.sources else 0}
+                       "knn_neighbours": int(p.knn_neighbours) if "knn" in p.sources else 0,
+                       "knn_power": float(p.knn_power)}
             if note:
                 summary["lexical_left_out"] = note
             if lexical_summary is not None:

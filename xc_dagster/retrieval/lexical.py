@@ -7,7 +7,8 @@ A query is its L2-normalised TF-IDF row q. Its lexical score for label l is the 
   text in the feature space: BoW features without label features);
 * sparse kNN: (1 / K) * sum over the query's K nearest training points j (TF-IDF cosine, ties by smaller row;
   fewer when fewer share a term) of cos(q, x_j) * [j carries l]: the mean over the K neighbours of (similarity
-  if the neighbour carries the label), as the dense kNN score (``index.knn_neighbours``) in the encoder's space.
+  if the neighbour carries the label), as the dense kNN score (``index.knn_neighbours``) in the encoder's space;
+  with ``power`` p != 1 (``index.lexical_power``) each similarity is raised to p first.
 
 The TF-IDF model is scikit-learn's: ``TfidfVectorizer`` (sublinear tf, word 1-2 grams, ``index.lexical_min_df``,
 1 when that leaves no term) fitted on the training points' and the labels' texts, or ``TfidfTransformer`` (sublinear
@@ -49,7 +50,7 @@ import torch
 from xc_dagster.device import on_threads
 from xc_dagster.errors import XCConfigError, XCError
 from xc_dagster.retrieval.files import LEXICAL_DIR as LEXICAL_DIR  # the folder's name, re-exported with the index
-from xc_dagster.retrieval.sparse_rows import cap_postings, sparse_topk, work_blocks
+from xc_dagster.retrieval.sparse_rows import cap_postings, check_power, sparse_topk, vote_weights, work_blocks
 from xc_dagster.storage import load_json, save_json
 
 CONFIG_FILE = "lexical.json"
@@ -155,8 +156,9 @@ class LexicalIndex:
 
     def __init__(self, model: Any, points: sp.csr_matrix, point_labels: sp.csr_matrix,
                  labels: sp.csr_matrix | None, neighbours: int,
-                 feature_words: FeatureWords | Sequence[str] | None = None, max_postings: int = 0):
-        self.model, self.neighbours = model, int(neighbours)
+                 feature_words: FeatureWords | Sequence[str] | None = None, max_postings: int = 0,
+                 power: float = 1.0):
+        self.model, self.neighbours, self.power = model, int(neighbours), check_power(power, "index.lexical_power")
         if not (isinstance(max_postings, (int, np.integer)) and not isinstance(max_postings, bool)
                 and max_postings >= 0):
             raise XCConfigError(f"index.lexical_max_postings: expected an int >= 0 (0: no cap), got {max_postings!r}")
@@ -208,7 +210,7 @@ class LexicalIndex:
     @classmethod
     def fit(cls, points: Sequence[str] | sp.spmatrix, labels: Sequence[str] | sp.spmatrix | None,
             point_labels: sp.spmatrix, neighbours: int, min_df: int = 2, fit_on: np.ndarray | None = None,
-            feature_words: Sequence[str] | None = None, max_postings: int = 0) -> LexicalIndex:
+            feature_words: Sequence[str] | None = None, max_postings: int = 0, power: float = 1.0) -> LexicalIndex:
         """Index the training points' texts with the label texts, or their BoW feature rows with the labels'
         (``labels`` None: no label-text part). The TF-IDF model is fitted on the labels and the points ``fit_on``
         (positions in ``points``; default all): the validation points, indexed but excluded from the fusion's kNN,
@@ -241,7 +243,7 @@ class LexicalIndex:
         if sp.csr_matrix(P).nnz == 0:
             raise XCConfigError("index.sources: the lexical source needs the training points' texts or BoW "
                                 "features, and these points have none (no term in any of them)")
-        return cls(model, P, Y, T, neighbours, words, max_postings)
+        return cls(model, P, Y, T, neighbours, words, max_postings, power)
 
     def transform(self, inputs: Sequence[str] | sp.spmatrix) -> sp.csr_matrix:
         """The L2-normalised TF-IDF rows (float32 CSR) of raw texts (an index fitted on texts, or on feature rows
@@ -317,7 +319,8 @@ class LexicalIndex:
             nbrs, sims = self.nearest(q, drop, None if own is None else np.asarray(own[se[0]:se[1]]))
             ok = nbrs >= 0
             rows = np.repeat(np.arange(q.shape[0]), nbrs.shape[1])[ok.ravel()]
-            votes = sp.csr_matrix((sims[ok], (rows, nbrs[ok])), shape=(q.shape[0], self.num_points))
+            votes = sp.csr_matrix((vote_weights(sims[ok], self.power), (rows, nbrs[ok])),
+                                  shape=(q.shape[0], self.num_points))
             part = (votes @ self.point_labels) * np.float32(1.0 / self.neighbours)
             return part if self._labels_t is None else part + q @ self._labels_t
 
@@ -332,7 +335,7 @@ class LexicalIndex:
         folder.mkdir(parents=True, exist_ok=True)
         config = {"format": FORMAT, "input": self.input, "neighbours": self.neighbours,
                   "num_features": self.num_features, "label_text": self.labels is not None,
-                  "feature_words": self.words is not None, "max_postings": self.max_postings}
+                  "feature_words": self.words is not None, "max_postings": self.max_postings, "power": self.power}
         if self.input == "text":
             vocab = self.model.vocabulary_
             save_json(folder / VOCABULARY_FILE, sorted(vocab, key=vocab.get))
@@ -360,7 +363,8 @@ class LexicalIndex:
         labels = sp.load_npz(folder / LABELS_FILE) if config.get("label_text") else None
         words = load_json(folder / FEATURE_WORDS_FILE) if config.get("feature_words") else None
         return cls(model, sp.load_npz(folder / POINTS_FILE), sp.load_npz(folder / POINT_LABELS_FILE), labels,
-                   int(config["neighbours"]), words, int(config.get("max_postings", 0)))
+                   int(config["neighbours"]), words, int(config.get("max_postings", 0)),
+                   float(config.get("power", 1.0)))  # indexes written before the setting: plain similarities
 
 
 def read_config(folder: str | Path) -> dict[str, Any]:

@@ -35,7 +35,7 @@ from xc_dagster.retrieval.ann import LabelIndex, gathered_scores
 from xc_dagster.retrieval.files import CENTROID_FILE, INDEX_FILES, KNN_EXCLUDED_FILE, KNN_LABELS_FILE, LEXICAL_DIR
 from xc_dagster.retrieval.hnsw_build import GraphCheckpoint
 from xc_dagster.retrieval.lexical import LexicalIndex
-from xc_dagster.retrieval.sparse_rows import sparse_lookup, sparse_topk, work_blocks
+from xc_dagster.retrieval.sparse_rows import sparse_lookup, sparse_topk, vote_weights, work_blocks
 from xc_dagster.sampling.labels import dedupe_rows
 
 SOURCES = ("W", "label", "centroid", "knn", "lexical")
@@ -66,6 +66,7 @@ class ShortlistSources:
     # (SiameseXML's ANNS^x ranking); K > 0 = mean over the K nearest neighbours of (similarity if the neighbour
     # carries the label, else 0): a fusion input on the scale of the other scores. Candidates come from all k.
     knn_neighbours: int = 0
+    knn_power: float = 1.0  # each of the K votes is max(similarity, 0) ** knn_power (1: the similarity)
     # rows of the knn index (and of the lexical index's points, the same rows) never returned as neighbours (the
     # validation points, when the fusion is fitted on them with the deployed index: a held-out kNN without a
     # second index)
@@ -137,14 +138,16 @@ def knn_label_scores(nbr_ids: np.ndarray, nbr_sims: np.ndarray, knn_labels: sp.c
 
 
 def nearest_knn_scores(nbrs: np.ndarray, sims: np.ndarray, knn_labels: sp.csr_matrix, K: int,
-                       extra: int) -> tuple[np.ndarray, np.ndarray]:
-    """Every label of the K nearest neighbours with its mean vote sum(sim) / K (``knn_label_scores`` over
-    the first K + ``extra`` columns; ``extra`` = 1 when the query's own row may be among them as -1)."""
+                       extra: int, power: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """Every label of the K nearest neighbours with its mean vote sum(vote) / K, vote = ``vote_weights(sim,
+    power)`` (``knn_label_scores`` over the first K + ``extra`` columns; ``extra`` = 1 when the query's own row
+    may be among them as -1)."""
     near = nbrs[:, :K + extra].copy()
     if extra:  # keep K neighbours per row: drop the last one of rows that lost none to exclusion
         near[(near >= 0).sum(1) > K, -1] = -1
     carried = np.where(near >= 0, np.diff(knn_labels.indptr)[np.maximum(near, 0)], 0).sum(1)
-    ids, scores = knn_label_scores(near, sims[:, :K + extra], knn_labels, max(int(carried.max(initial=0)), 1))
+    ids, scores = knn_label_scores(near, vote_weights(sims[:, :K + extra], power), knn_labels,
+                                   max(int(carried.max(initial=0)), 1))
     return ids, scores / K
 
 
@@ -199,7 +202,8 @@ def retrieve(queries: np.ndarray, src: ShortlistSources, k: int, exclude_knn: np
                 knn_ids, knn_sc = knn_label_scores(nbrs, sims, src.knn_labels, k)
                 parts.append(knn_ids)
                 if src.knn_neighbours > 0:
-                    knn_ids, knn_sc = nearest_knn_scores(nbrs, sims, src.knn_labels, src.knn_neighbours, extra)
+                    knn_ids, knn_sc = nearest_knn_scores(nbrs, sims, src.knn_labels, src.knn_neighbours, extra,
+                                                          src.knn_power)
             else:
                 parts.append(src.indexes[name].search(q, k)[1])
         if lexical is not None:
@@ -312,7 +316,8 @@ def save_parts(folder, indexes: dict[str, LabelIndex], knn_labels: sp.csr_matrix
 
 
 def load_sources(folder, sources: tuple[str, ...], label_repr: str, kind: str, ef_search: int, W: np.ndarray,
-                 label_emb: np.ndarray, knn_neighbours: int = 0, point_folder=None) -> ShortlistSources:
+                 label_emb: np.ndarray, knn_neighbours: int = 0, point_folder=None,
+                 knn_power: float = 1.0) -> ShortlistSources:
     """The sources ``save_sources`` wrote into ``folder`` (faiss files, .npy, .npz, JSON; no pickle); with
     ``point_folder``, the parts built from training points (``POINT_SOURCES`` indexes, the kNN label matrix, the
     label centroids) are read from there instead (what ``save_parts`` wrote, e.g. a held-out copy). A part the
@@ -338,7 +343,7 @@ def load_sources(folder, sources: tuple[str, ...], label_repr: str, kind: str, e
     path = points / CENTROID_FILE
     centroids = np.load(path, allow_pickle=False) if path.exists() else None
     return ShortlistSources(W, label_representation(label_emb, centroids, label_repr), indexes, knn, knn_neighbours,
-                            excluded, lexical)
+                            knn_power, excluded, lexical)
 
 
 def _held_by(index: LabelIndex | None, vectors: np.ndarray) -> np.ndarray:

@@ -4,8 +4,29 @@ capped (static index pruning) and row ranges of bounded work."""
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import numpy as np
 import scipy.sparse as sp
+
+from xc_dagster.errors import XCConfigError
+
+
+def check_power(power: Any, field: str) -> float:
+    """``power`` as a float if it is a finite number > 0, else an error naming the setting ``field``."""
+    if isinstance(power, bool) or not isinstance(power, (int, float)) or not math.isfinite(power) or power <= 0:
+        raise XCConfigError(f"{field}: expected a number > 0 (1: votes are the similarities), got {power!r}")
+    return float(power)
+
+
+def vote_weights(sims: np.ndarray, power: float) -> np.ndarray:
+    """A neighbour's vote in a kNN score: its similarity, or max(similarity, 0) ** ``power`` for ``power`` != 1
+    (> 1 lets the nearest neighbours outvote the farther ones: docs/decisions.md#knn-vote-power)."""
+    if power == 1:
+        return sims
+    return (np.maximum(sims, 0) ** np.float32(power)).astype(sims.dtype, copy=False)
+
 
 PACKED_SHARE = 0.125  # rows whose stored entries fill at least this share of a block as wide as the longest row
 # are packed into that block (at most 8x the entries' memory) and partitioned; sparser ones are sorted

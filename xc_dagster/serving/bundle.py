@@ -192,6 +192,7 @@ def write_bundle(ctx: "StageContext", out: Path, default_k: int = 10, shortlist_
         "index_kind": "auto" if graphs else idx_summary["kind"], "graph_indexes": graphs, "sources": list(sources),
         "label_repr": idx_summary.get("label_repr", "text"),
         "knn_neighbours": int(idx_summary.get("knn_neighbours", 0)),
+        "knn_power": float(idx_summary.get("knn_power", 1.0)),
         "ef_search": int(ef_search or ctx.cfg.index.hnsw_ef_search),
         "shortlist_size": int(shortlist_size or ctx.cfg.index.shortlist_size), "fusion": fusion_method,
         "as_evaluated": (not shortlist_size or shortlist_size == ctx.cfg.index.shortlist_size)
@@ -230,7 +231,7 @@ def load_bundle(folder: str | Path, device: str | torch.device | None = None) ->
         encoder=encoder, tokenizer=tokenizer, max_len=int(info["max_len"]),
         sources=load_sources(folder, tuple(info.get("sources", ("W", "label"))), info.get("label_repr", "text"),
                              kind, efs, W, np.load(folder / "label_emb.npy", allow_pickle=False, mmap_mode="r"),
-                             int(info.get("knn_neighbours", 0))),
+                             int(info.get("knn_neighbours", 0)), knn_power=float(info.get("knn_power", 1.0))),
         fusion=load_fusion(load_json(folder / "fusion.json")),
         inv_prop=np.load(folder / "inv_prop.npy", allow_pickle=False), label_texts=label_texts,
         shortlist_size=int(info["shortlist_size"]), device=dev, dtype=amp_dtype(dev, info.get("amp", "auto")),
