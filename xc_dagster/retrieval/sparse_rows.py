@@ -1,6 +1,7 @@
 """Row-wise operations on sparse score matrices shared by the shortlist sources: the top-k stored entries of each
 row (by a sort, or by a partition of the rows packed into a dense block), row-wise lookups, each row's postings
-capped (static index pruning) and row ranges of bounded work."""
+capped (static index pruning) and row ranges of bounded work; and the neighbours' votes that the dense and the
+lexical kNN scores both sum (``vote_weights``, with its setting's check)."""
 
 from __future__ import annotations
 
