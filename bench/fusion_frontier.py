@@ -42,6 +42,7 @@ from xc_dagster.pipeline.evaluate import encode_split
 from xc_dagster.pipeline.fusion import validation_shortlists
 from xc_dagster.retrieval.fusion import fit_alpha, propensity_boost
 from xc_dagster.retrieval.shortlist import fuse, retrieve, topk_from_scores
+from xc_dagster.retrieval.votes import fitted_votes
 from xc_dagster.storage import ArtifactStore
 
 
@@ -122,8 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     ds = ctx.read.labels()
     inv = ctx.inv_prop(ds.Y_train)
-    model = ctx.read.shortlist_sources(cfg.index.hnsw_ef_search)
-    sl = retrieve(encode_split(ctx, "test"), model, cfg.index.shortlist_size)
+    model = ctx.read.deployed_sources(cfg.index.hnsw_ef_search)
+    sl = retrieve(encode_split(ctx, "test"), model, cfg.index.shortlist_size,
+                  lexical_queries=ctx.read.lexical_queries(model, "test"))
     knn = _floats(args.knn_weights) if sl.knn is not None else [0.0]
     alphas = np.round(np.arange(0.0, 1.0 + 1e-9, args.alpha_step), 6)
     res = sweep(sl, ds.Y_test, ds.filter_test, inv, alphas, knn, _floats(args.propensity_weights))
@@ -147,8 +149,8 @@ def main(argv: list[str] | None = None) -> int:
           f"max P@1 + PSP@1 {best_sum[0] + best_sum[1]:.2f} ({best_sum[0]:.2f} + {best_sum[1]:.2f})")
     if args.smoothing:
         widths = [int(w) for w in _floats(args.smoothing)]
-        out["smoothing"] = refit_by_smoothing(validation_shortlists(ctx), cfg.fusion, widths, sl, ds.Y_test,
-                                              ds.filter_test, inv)
+        valid = next(validation_shortlists(ctx, [fitted_votes(ctx.read.fusion_file())]))  # with the deployed votes
+        out["smoothing"] = refit_by_smoothing(valid, cfg.fusion, widths, sl, ds.Y_test, ds.filter_test, inv)
         for r in out["smoothing"]:
             print(f"  refit, smoothing {r['smoothing']}: a {r['alpha']:g}, c {r['knn_weight']:g}, "
                   f"b {r['propensity_weight']:g}, validation {r['validation']:.2f} (smoothed "

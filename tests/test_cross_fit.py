@@ -19,6 +19,7 @@ from xc_dagster.retrieval.ann import LabelIndex
 from xc_dagster.retrieval.fusion import load_fusion
 from xc_dagster.retrieval.fusion.objective import validation_objective
 from xc_dagster.retrieval.shortlist import ShortlistSources, retrieve
+from xc_dagster.retrieval.votes import fitted_votes
 from xc_dagster.storage import ArtifactStore
 
 
@@ -85,13 +86,15 @@ def test_small_dataset_is_cross_fitted_end_to_end(tmp_path, monkeypatch):
     assert out["ingest"]["n_valid"] == 0 and out["index"]["knn_points"] == 120
     fus = out["fusion"]
     assert fus["fit_on"] == "cross_fit" and fus["cross_fit_folds"] == 4 and fus["cross_fit_points"] == 120
-    fitted = load_fusion(json.loads((ctx.dir("fusion") / "fusion.json").read_text()))
-    assert fitted.method == "alpha"
+    fusion_file = json.loads((ctx.dir("fusion") / "fusion.json").read_text())
+    fitted = load_fusion(fusion_file)
+    assert fitted.method == "alpha" and [g[:2] for g in fus["vote_grid"]] == [[10, 2.0], [50, 4.0]]  # ngame's
     # it was fitted on the out-of-fold shortlists; in-sample (the deployed sources, each point its own nearest
     # neighbour) the positives' kNN scores are far higher: what a fit on them would overrate
     ds = ctx.read.labels()
     inv_prop = ctx.inv_prop(ds.Y_train)
-    cf = cross_fit_shortlists(ctx, inv_prop)
+    # with the votes it chose, and with the index stage's (10 neighbours, squared: the in-sample comparison below)
+    cf, cf_index = cross_fit_shortlists(ctx, inv_prop, None, [fitted_votes(fusion_file), None])
     assert cf.points == 120 and cf.Y.shape == (120, 20)
     value = validation_objective(cf.shortlist.ids, fitted.score(cf.shortlist, inv_prop), cf.Y,
                                  ctx.cfg.fusion.objective, inv_prop, cf.filter_pairs, 10)
@@ -104,7 +107,7 @@ def test_small_dataset_is_cross_fitted_end_to_end(tmp_path, monkeypatch):
         return float(sl.knn[hit > 0].mean())
 
     rows = np.concatenate([s for _, s in cross_fit_folds(np.arange(120), 4, 20_000, 0)])
-    assert positive_knn(insample, ds.Y_train) > positive_knn(cf.shortlist, ds.Y_train[rows]) + 0.05
+    assert positive_knn(insample, ds.Y_train) > positive_knn(cf_index.shortlist, ds.Y_train[rows]) + 0.05
     # "validation" without a split keeps the old default blend; a bad choice is refused
     spec2 = spec.config({"fusion.fit_on": "validation"})
     assert run_all(StageContext(ctx.store, spec, spec2, home.cache), ("fusion",))["fusion"]["fit_on"] == "none"

@@ -53,6 +53,7 @@ from xc_dagster.errors import XCError
 from xc_dagster.retrieval.files import CENTROID_FILE
 from xc_dagster.retrieval.fusion import load_fusion
 from xc_dagster.retrieval.shortlist import ShortlistSources, load_sources
+from xc_dagster.retrieval.votes import with_fitted_votes
 from xc_dagster.storage import VERSION, ArtifactStore, load_json
 
 __all__ = ["CHECKS", "CLASSIFIER_INIT", "CONTRACT", "DATASET", "ENCODER", "FUSION", "HELDOUT", "LABEL_EMB",
@@ -213,9 +214,18 @@ class ArtifactReader:
         texts = self.texts(split)
         return lex.transform(texts if rows is None else [texts[i] for i in rows])
 
+    def fusion_file(self) -> dict[str, Any]:
+        """The fusion stage's ``fusion.json``: the fitted fusion and the kNN votes it chose, if any."""
+        return load_json(self.path("fusion", FUSION))
+
     def fusion(self) -> Any:
         """The fitted fusion (``xc_dagster.retrieval.fusion``)."""
-        return load_fusion(load_json(self.path("fusion", FUSION)))
+        return load_fusion(self.fusion_file())
+
+    def deployed_sources(self, ef_search: int) -> ShortlistSources:
+        """:meth:`shortlist_sources` scoring with the kNN votes the fusion was fitted with, as evaluation and the
+        serving bundle predict (``xc_dagster.retrieval.votes``)."""
+        return with_fitted_votes(self.shortlist_sources(ef_search), self.fusion_file())
 
     # ---- evaluate
     def metrics(self) -> dict[str, float]:

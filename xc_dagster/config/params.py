@@ -302,6 +302,10 @@ class FusionParams:
     # (docs/decisions.md#fusion-propensity-term)
     propensity_grid: tuple[float, ...] = (0.0, 0.01, 0.02, 0.04, 0.08)
     propensity_grid_extend: int = 6  # as knn_grid_extend, for the propensity weight
+    # candidates "K:p" for the kNN votes of the knn and lexical sources (K nearest training points, each voting its
+    # similarity ** p): the fusion is fitted with each and the best on the objective is deployed (fusion.json
+    # "votes"); () = the index stage's index.knn_* / index.lexical_* (docs/decisions.md#vote-grid)
+    vote_grid: tuple[str, ...] = ()
     tree_depth: int = 7  # NGAME: a depth-7 tree
     tree_min_samples_leaf: int = 1  # sklearn's default (the paper: "a standard regression tree")
     tree_max_samples: int = 500_000  # candidates subsampled (seeded) to fit the tree; 0 = all

@@ -11,6 +11,7 @@ the kNN and lexical neighbours among the other folds. The fusion is fitted on al
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,7 @@ from xc_dagster.retrieval.shortlist import (
     label_representation,
     retrieve,
 )
+from xc_dagster.retrieval.votes import Votes, with_votes
 
 FIT_ON = ("auto", "validation", "cross_fit")
 
@@ -75,8 +77,10 @@ class CrossFitShortlists:
     extra: tuple[np.ndarray, np.ndarray] | None
 
 
-def cross_fit_shortlists(ctx: StageContext, inv_prop: np.ndarray, missed: Any = None) -> CrossFitShortlists:
-    """Shortlist every fold's scored points with the models fitted without the fold (``fusion.cross_fit_*``);
+def cross_fit_shortlists(ctx: StageContext, inv_prop: np.ndarray, missed: Any = None,
+                         candidates: Sequence[Votes | None] = (None,)) -> list[CrossFitShortlists]:
+    """Shortlist every fold's scored points with the models fitted without the fold (``fusion.cross_fit_*``),
+    once per candidate of the kNN votes (None: the index stage's; each fold's classifiers trained once);
     ``missed(sl, Y, queries, W, label_repr, inv_prop)``: the tree's missed-positive descriptors, or None."""
     f, ip = ctx.cfg.fusion, ctx.cfg.index
     ds = ctx.read.labels()
@@ -92,31 +96,39 @@ def cross_fit_shortlists(ctx: StageContext, inv_prop: np.ndarray, missed: Any = 
     # read once for every fold: the fold trainer's inputs and the scored points' lexical rows
     train = fold_trainer(ctx, ds, label_emb)
     lex = ctx.read.lexical_queries(m, "train", np.concatenate([scored for _, scored in folds]))
+    # per fold, per candidate: (shortlist, targets, filter pairs, unseen pairs, missed positives)
     from_folds = [_score_fold(ctx, m, train, rows, fold, scored, None if lex is None else lex[a:b], point_emb,
-                              label_emb, ds, index_rows, info, ann, inv_prop, missed)
+                              label_emb, ds, index_rows, info, ann, inv_prop, missed, candidates)
                   for (fold, scored), a, b in zip(folds, offsets[:-1], offsets[1:])]
-    pairs = np.concatenate([p[2] + [o, 0] for p, o in zip(from_folds, offsets)])
+    return [_joined([fold[c] for fold in from_folds], offsets, missed is not None) for c in range(len(candidates))]
+
+
+def _joined(parts: list[tuple], offsets: np.ndarray, missed: bool) -> CrossFitShortlists:
+    """One candidate's folds (``_score_fold``'s tuples, in fold order) as one set of scored points."""
+    pairs = np.concatenate([p[2] + [o, 0] for p, o in zip(parts, offsets)])
     extra = None
-    if missed is not None:
-        extra = (np.concatenate([p[4][0] + o for p, o in zip(from_folds, offsets)]),
-                 np.concatenate([p[4][1] for p in from_folds]))
-    return CrossFitShortlists(concat_shortlists([p[0] for p in from_folds]),
-                              sp.vstack([p[1] for p in from_folds], format="csr"), pairs,
-                              int(sum(p[3] for p in from_folds)), int(offsets[-1]), extra)
+    if missed:
+        extra = (np.concatenate([p[4][0] + o for p, o in zip(parts, offsets)]),
+                 np.concatenate([p[4][1] for p in parts]))
+    return CrossFitShortlists(concat_shortlists([p[0] for p in parts]), sp.vstack([p[1] for p in parts], format="csr"),
+                              pairs, int(sum(p[3] for p in parts)), int(offsets[-1]), extra)
 
 
 def _score_fold(ctx: StageContext, m: ShortlistSources, train: Any, rows: np.ndarray, fold: np.ndarray,
                 scored: np.ndarray, lexical_rows: Any, point_emb: np.ndarray, label_emb: np.ndarray, ds: Any,
                 index_rows: np.ndarray, info: dict[str, Any], ann: dict[str, int], inv_prop: np.ndarray,
-                missed: Any) -> tuple:
+                missed: Any, candidates: Sequence[Votes | None]) -> list[tuple]:
     """One fold: its classifiers trained (``train``) on the other folds, its scored points (with their lexical
-    rows) shortlisted by them."""
+    rows) shortlisted by them, once per vote candidate."""
     keep = np.setdiff1d(rows, fold)
     W = train(keep)
     src = fold_sources(m, W, point_emb, label_emb, ds.Y_train, keep, fold, index_rows, info, ann)
     q = np.asarray(point_emb[scored], dtype=np.float32)
-    sl = retrieve(q, src, ctx.cfg.index.shortlist_size, lexical_queries=lexical_rows)
     Y, pairs, unseen = validation_targets(ds.Y_train, scored, keep, filter_rows(ds.filter_train, scored))
-    extra = missed(sl, Y, q, W, src.label_repr, inv_prop) if missed is not None else None
+    out = []
+    for votes in candidates:
+        sl = retrieve(q, with_votes(src, votes), ctx.cfg.index.shortlist_size, lexical_queries=lexical_rows)
+        extra = missed(sl, Y, q, W, src.label_repr, inv_prop) if missed is not None else None
+        out.append((sl, Y, pairs, unseen, extra))
     ctx.info(f"fusion {ctx.name}: cross-fitting fold of {len(fold)} points ({len(scored)} scored)")
-    return sl, Y, pairs, unseen, extra
+    return out

@@ -155,7 +155,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     ds = ctx.read.labels()
     q, reused = encode_split_reused(ctx, "test")
     t_enc = time.perf_counter() - t0
-    m = ctx.read.shortlist_sources(ctx.cfg.index.hnsw_ef_search)
+    m = ctx.read.deployed_sources(ctx.cfg.index.hnsw_ef_search)  # with the kNN votes the fusion chose
     fz = ctx.read.fusion()
     t1 = time.perf_counter()
     inv = ctx.inv_prop(ds.Y_train)

@@ -1,9 +1,11 @@
 """Stage ``fusion``: the score fusion fitted on the shortlists of the validation points carved from train
-(SiameseXML's alpha blend or NGAME's tree), saved as plain JSON."""
+(SiameseXML's alpha blend or NGAME's tree), saved as plain JSON; with ``fusion.vote_grid``, fitted once per
+candidate (K, p) of the kNN votes and the best kept with its votes (``xc_dagster.retrieval.votes``)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +18,11 @@ from xc_dagster.pipeline.context import StageContext
 from xc_dagster.pipeline.cross_fit import FIT_ON, cross_fit_shortlists
 from xc_dagster.retrieval.fusion import check_method, fit_fusion, missed_positive_features
 from xc_dagster.retrieval.shortlist import Shortlist, ShortlistSources, retrieve
+from xc_dagster.retrieval.votes import VOTES_KEY, Votes, parse_vote_grid, votes_record, with_votes
 from xc_dagster.storage import save_json
+
+# settings a user may have set for the kNN votes themselves; set explicitly, they win over a strategy's vote grid
+VOTE_SETTINGS = ("index.knn_neighbours", "index.knn_power", "index.lexical_neighbours", "index.lexical_power")
 
 
 @dataclass
@@ -33,18 +39,38 @@ class ValidationShortlists:
     unseen_dropped: int
 
 
-def validation_shortlists(ctx: StageContext) -> ValidationShortlists:
-    """Shortlist the validation points as the fusion stage fits on them (also for bench scripts)."""
+def validation_shortlists(ctx: StageContext, candidates: Sequence[Votes | None] = (None,)
+                          ) -> Iterator[ValidationShortlists]:
+    """Shortlist the validation points as the fusion stage fits on them (also for bench scripts), once per
+    candidate of the kNN votes (None: the index stage's), one candidate's shortlists held at a time; the sources,
+    queries and targets are read once."""
     ds = ctx.read.labels()
     valid = ctx.read.valid_rows()
     m = ctx.read.shortlist_sources(ctx.cfg.index.hnsw_ef_search, heldout=True)
     q = ctx.read.embeddings("train", mmap=True)[valid]
     # the lexical source's TF-IDF rows of the same points (its kNN leaves the validation points out, as knn's)
-    sl = retrieve(q, m, ctx.cfg.index.shortlist_size, lexical_queries=ctx.read.lexical_queries(m, "train", valid))
+    lex_q = ctx.read.lexical_queries(m, "train", valid)
     # pairs of labels whose only training points are validation points are left out (unseen by the models)
     Yv, pairs, unseen = validation_targets(ds.Y_train, valid, ctx.read.train_rows(ds.num_train),
                                            filter_rows(ds.filter_train, valid))
-    return ValidationShortlists(sl, Yv, pairs, ctx.inv_prop(ds.Y_train), q, m, unseen)
+    inv_prop = ctx.inv_prop(ds.Y_train)
+    for votes in candidates:
+        src = with_votes(m, votes)
+        sl = retrieve(q, src, ctx.cfg.index.shortlist_size, lexical_queries=lex_q)
+        yield ValidationShortlists(sl, Yv, pairs, inv_prop, q, src, unseen)
+
+
+def vote_candidates(ctx: StageContext) -> list[Votes | None]:
+    """The (K, p) candidates the fusion is fitted with: ``fusion.vote_grid`` (checked first), or [None] (the
+    index stage's votes) when it is empty, when the index has neither a kNN nor a lexical source, or when the
+    user set the votes themselves (``VOTE_SETTINGS``) but not the grid."""
+    grid = parse_vote_grid(ctx.cfg.fusion.vote_grid)
+    sources = ctx.read.summary("index").get("sources", ())
+    explicit = ctx.cfg.explicit
+    if not grid or not {"knn", "lexical"} & set(sources) or (
+            "fusion.vote_grid" not in explicit and any(k in explicit for k in VOTE_SETTINGS)):
+        return [None]
+    return grid
 
 
 def fit_on(ctx: StageContext, n_valid: int) -> str:
@@ -58,21 +84,39 @@ def fit_on(ctx: StageContext, n_valid: int) -> str:
     return "none" if choice == "validation" and not n_valid else choice
 
 
-def _fit(ctx: StageContext, how: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The fitted fusion's ``to_dict`` and summary, fitted on validation or cross-fitted."""
+def _fits(ctx: StageContext, how: str, candidates: list[Votes | None]) -> list[tuple[Any, dict[str, Any]]]:
+    """The fitted fusion and its summary's extra entries, per vote candidate, fitted on validation or
+    cross-fitted."""
     p = ctx.cfg.fusion
     tree_extra = p.method == "tree" and p.tree_add_positives
     if how == "cross_fit":
         inv_prop = ctx.inv_prop(ctx.read.labels().Y_train)
-        cf = cross_fit_shortlists(ctx, inv_prop, missed_positive_features if tree_extra else None)
-        f = fit_fusion(cf.shortlist, cf.Y, p, inv_prop, cf.filter_pairs, extra=cf.extra)
-        return f.to_dict(), {**f.summary(), "valid_pairs_unseen_dropped": cf.unseen_dropped,
-                             "cross_fit_folds": p.cross_fit_folds, "cross_fit_points": cf.points}
-    vs = validation_shortlists(ctx)
-    extra = (missed_positive_features(vs.shortlist, vs.Y, vs.queries, vs.model.W, vs.model.label_repr, vs.inv_prop)
-             if tree_extra else None)
-    f = fit_fusion(vs.shortlist, vs.Y, p, vs.inv_prop, vs.filter_pairs, extra=extra)
-    return f.to_dict(), {**f.summary(), "valid_pairs_unseen_dropped": vs.unseen_dropped}
+        cfs = cross_fit_shortlists(ctx, inv_prop, missed_positive_features if tree_extra else None, candidates)
+        return [(fit_fusion(cf.shortlist, cf.Y, p, inv_prop, cf.filter_pairs, extra=cf.extra),
+                 {"valid_pairs_unseen_dropped": cf.unseen_dropped, "cross_fit_folds": p.cross_fit_folds,
+                  "cross_fit_points": cf.points}) for cf in cfs]
+    out = []
+    for vs in validation_shortlists(ctx, candidates):
+        extra = (missed_positive_features(vs.shortlist, vs.Y, vs.queries, vs.model.W, vs.model.label_repr,
+                                          vs.inv_prop) if tree_extra else None)
+        out.append((fit_fusion(vs.shortlist, vs.Y, p, vs.inv_prop, vs.filter_pairs, extra=extra),
+                    {"valid_pairs_unseen_dropped": vs.unseen_dropped}))
+    return out
+
+
+def _fit(ctx: StageContext, how: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The fitted fusion's ``to_dict`` (with the chosen votes) and summary: of the vote candidates, the one of the
+    best objective (ties: the earlier in the grid)."""
+    candidates = vote_candidates(ctx)
+    fits = _fits(ctx, how, candidates)
+    values = [f.summary().get("objective_value") for f, _ in fits]
+    best = max(range(len(fits)), key=lambda i: (-np.inf if values[i] is None else values[i], -i))
+    f, extra = fits[best]
+    fit, summary = f.to_dict(), {**f.summary(), **extra}
+    if candidates[best] is not None:
+        fit[VOTES_KEY] = summary[VOTES_KEY] = votes_record(candidates[best])
+        summary["vote_grid"] = [[int(c[0]), float(c[1]), v] for c, v in zip(candidates, values)]
+    return fit, summary
 
 
 def run(ctx: StageContext) -> dict[str, Any]:
@@ -83,7 +127,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
     """
     t0 = time.perf_counter()
     p = ctx.cfg.fusion
-    check_method(p.method)  # a bad method fails before any work
+    check_method(p.method)  # a bad method or vote grid fails before any work
+    parse_vote_grid(p.vote_grid)
     valid = ctx.read.valid_rows()
     how = fit_on(ctx, len(valid))
     if how == "none":  # alpha 0.5 ranks as the tree's T-free score emb + clf

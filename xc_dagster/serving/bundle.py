@@ -64,6 +64,7 @@ from xc_dagster.retrieval.shortlist import (
     retrieve,
     topk_from_scores,
 )
+from xc_dagster.retrieval.votes import fitted_votes, votes_record, with_fitted_votes
 from xc_dagster.serving.limits import RequestLimits, as_text, cut_texts, has_content
 from xc_dagster.storage import load_json, save_json
 
@@ -182,7 +183,8 @@ def write_bundle(ctx: "StageContext", out: Path, default_k: int = 10, shortlist_
     np.save(out / "inv_prop.npy", np.asarray(inv, dtype=np.float64), allow_pickle=False)
     pre_summary = read.model_summary()
     tok_summary = read.summary("tokenize")
-    fusion_method = load_json(out / "fusion.json").get("method")
+    fusion_file = load_json(out / "fusion.json")
+    fusion_method, votes = fusion_file.get("method"), fitted_votes(fusion_file)  # votes: (K, p) the fusion chose
     info = {
         "format": BUNDLE_FORMAT, "dataset": ctx.name, "strategy": ctx.cfg.strategy, "preset": ctx.cfg.preset,
         "encoder_source": ctx.cfg.tokenize.encoder, "encoder_type": pre_summary.get("encoder_type"),
@@ -191,8 +193,10 @@ def write_bundle(ctx: "StageContext", out: Path, default_k: int = 10, shortlist_
         "amp": ctx.cfg.pretrain.amp, "encode_batch_size": int(ctx.cfg.pretrain.encode_batch_size),
         "index_kind": "auto" if graphs else idx_summary["kind"], "graph_indexes": graphs, "sources": list(sources),
         "label_repr": idx_summary.get("label_repr", "text"),
-        "knn_neighbours": int(idx_summary.get("knn_neighbours", 0)),
-        "knn_power": float(idx_summary.get("knn_power", 1.0)),
+        "knn_neighbours": int(idx_summary.get("knn_neighbours", 0)) if votes is None or "knn" not in sources
+        else votes[0],
+        "knn_power": float(idx_summary.get("knn_power", 1.0)) if votes is None or "knn" not in sources else votes[1],
+        "votes": None if votes is None else votes_record(votes),
         "ef_search": int(ef_search or ctx.cfg.index.hnsw_ef_search),
         "shortlist_size": int(shortlist_size or ctx.cfg.index.shortlist_size), "fusion": fusion_method,
         "as_evaluated": (not shortlist_size or shortlist_size == ctx.cfg.index.shortlist_size)
@@ -227,12 +231,14 @@ def load_bundle(folder: str | Path, device: str | torch.device | None = None) ->
     W = np.load(folder / "W.npy", allow_pickle=False, mmap_mode="r")  # served from the W index's copy when it has one
     if len(label_texts) != len(W):
         raise XCError(f"serving bundle {folder}: {len(label_texts)} label texts for {len(W)} classifiers")
+    fusion_file = load_json(folder / "fusion.json")
+    sources = load_sources(folder, tuple(info.get("sources", ("W", "label"))), info.get("label_repr", "text"), kind,
+                           efs, W, np.load(folder / "label_emb.npy", allow_pickle=False, mmap_mode="r"),
+                           int(info.get("knn_neighbours", 0)), knn_power=float(info.get("knn_power", 1.0)))
     return ServingBundle(
         encoder=encoder, tokenizer=tokenizer, max_len=int(info["max_len"]),
-        sources=load_sources(folder, tuple(info.get("sources", ("W", "label"))), info.get("label_repr", "text"),
-                             kind, efs, W, np.load(folder / "label_emb.npy", allow_pickle=False, mmap_mode="r"),
-                             int(info.get("knn_neighbours", 0)), knn_power=float(info.get("knn_power", 1.0))),
-        fusion=load_fusion(load_json(folder / "fusion.json")),
+        sources=with_fitted_votes(sources, fusion_file),  # the kNN votes the fusion was fitted with, as evaluated
+        fusion=load_fusion(fusion_file),
         inv_prop=np.load(folder / "inv_prop.npy", allow_pickle=False), label_texts=label_texts,
         shortlist_size=int(info["shortlist_size"]), device=dev, dtype=amp_dtype(dev, info.get("amp", "auto")),
         batch_size=int(info.get("encode_batch_size", 256)), default_k=int(info.get("default_k", 10)), info=info)

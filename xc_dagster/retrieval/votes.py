@@ -1,0 +1,83 @@
+"""The kNN votes chosen on validation: how many neighbours K vote for their labels, and the power p their
+similarities are raised to, in both kNN scores (the dense ``knn`` source's and the ``lexical`` source's sparse kNN).
+
+``fusion.vote_grid`` lists candidate pairs "K:p"; the fusion stage fits the fusion once per candidate on the same
+validation (or cross-fitted) points and keeps the pair of the best objective, written into ``fusion.json`` under
+:data:`VOTES_KEY`; evaluation and the serving bundle score with it (:func:`with_fitted_votes`). Datasets with many
+labels per point gain from more, sharper votes (Delicious: 19 labels per point), sparse ones lose
+(docs/decisions.md#vote-grid). An empty grid keeps the index stage's ``index.knn_*`` / ``index.lexical_*``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from xc_dagster.errors import XCConfigError
+from xc_dagster.retrieval.shortlist import ShortlistSources
+from xc_dagster.retrieval.sparse_rows import check_power
+
+VOTES_KEY = "votes"  # fusion.json: {"neighbours": K, "power": p}, absent when no grid was searched
+Votes = tuple[int, float]  # (K, p)
+
+
+def parse_vote_grid(items: Sequence[str], field: str = "fusion.vote_grid") -> list[Votes]:
+    """The candidates of ``fusion.vote_grid``, each "K:p" with K an int >= 1 and p a number > 0, in order, without
+    repeats; an error naming ``field`` and the bad item otherwise."""
+    out: list[Votes] = []
+    for item in items:
+        k, sep, p = str(item).partition(":")
+        try:
+            votes = (int(k), check_power(float(p), field))
+        except (ValueError, XCConfigError):
+            votes = None
+        if not sep or votes is None or votes[0] < 1 or str(votes[0]) != k.strip():
+            raise XCConfigError(f"{field}: expected items K:p (K neighbours, an int >= 1; p, their similarities' "
+                                f"power, a number > 0), e.g. 10:2,25:4; got {item!r}")
+        if votes not in out:
+            out.append(votes)
+    return out
+
+
+def has_votes(src: ShortlistSources) -> bool:
+    """Whether ``src`` scores kNN votes that a (K, p) changes: a dense kNN source or a lexical one."""
+    return "knn" in src.indexes or src.lexical is not None
+
+
+def with_votes(src: ShortlistSources, votes: Votes | None) -> ShortlistSources:
+    """``src`` whose dense and lexical kNN scores take the K nearest neighbours' votes raised to p (``votes``);
+    ``src`` itself for None. The indexes and arrays are shared, not copied."""
+    if votes is None:
+        return src
+    k, p = int(votes[0]), check_power(votes[1], "votes")
+    if k < 1:
+        raise XCConfigError(f"votes: expected K >= 1 neighbours, got {k}")
+    lexical = src.lexical
+    if lexical is not None:
+        lexical = copy.copy(lexical)  # a shallow copy: its matrices stay shared
+        lexical.neighbours, lexical.power = k, p
+    knn = "knn" in src.indexes
+    return dataclasses.replace(src, knn_neighbours=k if knn else src.knn_neighbours,
+                               knn_power=p if knn else src.knn_power, lexical=lexical)
+
+
+def fitted_votes(fusion_file: Mapping[str, Any]) -> Votes | None:
+    """The (K, p) a fusion stage chose (``fusion.json``'s :data:`VOTES_KEY`), or None when it searched none."""
+    v = fusion_file.get(VOTES_KEY)
+    if v is None:
+        return None
+    if not isinstance(v, Mapping) or "neighbours" not in v or "power" not in v:
+        raise XCConfigError(f"fusion file: {VOTES_KEY!r} should hold neighbours and power, got {v!r}")
+    return int(v["neighbours"]), check_power(v["power"], f"fusion file {VOTES_KEY}.power")
+
+
+def with_fitted_votes(src: ShortlistSources, fusion_file: Mapping[str, Any]) -> ShortlistSources:
+    """``src`` with the votes the fusion was fitted with (as it was deployed); unchanged when it chose none."""
+    return with_votes(src, fitted_votes(fusion_file))
+
+
+def votes_record(votes: Votes) -> dict[str, Any]:
+    """The :data:`VOTES_KEY` entry of ``fusion.json``."""
+    return {"neighbours": int(votes[0]), "power": float(votes[1])}
