@@ -4,17 +4,20 @@ budgeted run end to end on tiny data."""
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from tests.test_pipeline import TINY, tiny_home  # noqa: F401  (fixture)
+from tests.tinydata import write_tiny_encoder
 from xc_dagster.catalog import Catalog, DatasetSpec
 from xc_dagster.config import resolve_config
 from xc_dagster.encoders.loading import load_encoder
 from xc_dagster.errors import XCConfigError
 from xc_dagster.pipeline import StageContext, run_all
 from xc_dagster.storage import ArtifactStore
+from xc_dagster.training import budget as budget_module
 from xc_dagster.training import siamese
 from xc_dagster.training.budget import BudgetPlan, check_train_params, plan_epochs
 
@@ -106,3 +109,22 @@ def test_budgeted_run_plans_pretraining_and_records_the_plan(tiny_home):  # noqa
     assert 0 < trained <= int(np.ceil(plan["planned_epochs"] * 7))
     assert trained >= 7 * min(1.0, plan["planned_epochs"]) - 1 or out["pretrain"]["stopped_at_deadline"]
     assert out["classifier"]["budget"]["explicit"]  # TINY sets classifier.epochs
+
+
+def test_calibration_times_the_trainer_in_train_mode(tmp_path, monkeypatch):
+    """A loaded transformer is in eval mode; the steps a calibration times run in train mode (dropout on), as the
+    run trains, on a copy: the encoder it was given stays as it was."""
+    encoder = load_encoder(str(write_tiny_encoder(tmp_path / "tiny-bert")), "mean")
+    assert not any(m.training for m in encoder.transformer.modules())
+    seen = {}
+
+    def time_steps(trainer, n):
+        if trainer.encoder is not None:  # the classifier trainers' calibration: no encoder
+            seen["modes"] = [m.training for m in trainer.encoder.transformer.modules()]
+        return 2.0, 16.0
+
+    monkeypatch.setattr(budget_module, "time_steps", time_steps)
+    got = budget_module.calibrate(lambda enc: SimpleNamespace(encoder=enc, steps_per_epoch=7), encoder, 3)
+    assert got == (2.0, 16.0, 7) and seen["modes"] and all(seen["modes"])
+    assert not any(m.training for m in encoder.transformer.modules())
+    assert budget_module.calibrate(lambda enc: SimpleNamespace(encoder=enc, steps_per_epoch=1), None, 3)[2] == 1

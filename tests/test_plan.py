@@ -15,8 +15,8 @@ from xc_dagster.catalog import Catalog
 from xc_dagster.config import resolve_config
 from xc_dagster.errors import XCConfigError
 from xc_dagster.home import Home
-from xc_dagster.planning import calibration, dataset_shape, plan_run
-from xc_dagster.planning.model import Costs, Shape, plan_stages
+from xc_dagster.planning import calibration, dataset_shape, plan_run, plan_stages
+from xc_dagster.planning.model import Costs, Shape
 from xc_dagster.retrieval.exact_settings import resolve_kind
 from xc_dagster.strategies import STRATEGIES
 
@@ -88,10 +88,15 @@ def test_work_counts_of_a_hand_computed_shape(monkeypatch):
     assert ev.parts["W search (exact, 200 x 300)"] == pytest.approx(200 * 300 * 1e-9)
     assert ev.parts["knn search (exact, 200 x 1,000)"] == pytest.approx(200 * 1000 * 1e-9)
     assert ev.parts["encode 200 test texts"] == pytest.approx(0.2)
-    fusion = stages["fusion"]
-    assert fusion.parts["label search (exact, 10 x 300)"] == pytest.approx(10 * 300 * 1e-9)
+    fusion = stages["fusion"]  # ngame's vote grid: the shortlists and the fit for each of its 2 candidates
+    assert fusion.parts["label search (exact, 10 x 300), x 2 vote candidates"] == pytest.approx(2 * 10 * 300 * 1e-9)
     width = 100 * 4  # W, label, knn, lexical
-    assert fusion.parts["alpha fit, 2,625 grid points x 10 points"] == pytest.approx(2625 * 10 * width * 1e-9)
+    assert fusion.parts["alpha fit, 2,625 grid points x 10 points, x 2 vote candidates"] == pytest.approx(
+        2 * 2625 * 10 * width * 1e-9)
+    one = {p.name: p for p in plan_stages(Costs(FixedUnits(), cfg, s), _ngame(**{"fusion.vote_grid": "10:2"}), s,
+                                          None)}["fusion"]
+    assert one.parts["alpha fit, 2,625 grid points x 10 points"] == pytest.approx(2625 * 10 * width * 1e-9)
+    assert fusion.seconds == pytest.approx(2 * one.seconds)
 
 
 def test_hnsw_above_the_exact_limit_scales_with_log_n(monkeypatch):

@@ -1,10 +1,11 @@
 """The run planner (``xc-dagster plan``): each stage's wall seconds and peak memory on this machine, predicted
 before a run from the dataset's shape and its resolved configuration.
 
-The shape (training, test and validation points, labels, labels per point, tokens per text) comes from the
-ingest and tokenize stages' summaries when they have run, else from the options; the work of each stage is
-counted from the code it runs (``xc_dagster.planning.model``) and multiplied by unit costs measured on this
-machine in a short calibration (``xc_dagster.planning.calibration``), cached under ``$XC_HOME/cache``.
+The shape (training, test and validation points, labels, labels per point, tokens per text, the percentiles of
+the texts' token lengths) comes from the ingest and tokenize stages' artifacts when they have run, else from the
+options; the work of each stage is counted from the code it runs (``xc_dagster.planning.model``) and multiplied
+by unit costs measured on this machine in a short calibration (``xc_dagster.planning.calibration``), cached under
+``$XC_HOME/cache``.
 """
 
 from __future__ import annotations
@@ -13,12 +14,24 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from xc_dagster.artifacts import SUMMARY
+import numpy as np
+
+from xc_dagster.artifacts import SUMMARY, token_files
 from xc_dagster.config import PipelineConfig
 from xc_dagster.device import resolve_device
 from xc_dagster.errors import XCConfigError
-from xc_dagster.planning.calibration import CACHE_FILE, UnitCosts
-from xc_dagster.planning.model import Costs, Shape, StagePlan, plan_stages
+from xc_dagster.planning.calibration import CACHE_FILE, UnitCosts, length_percentiles
+from xc_dagster.planning.inference import stage_evaluate, stage_fusion, stage_index
+from xc_dagster.planning.model import (
+    Costs,
+    Shape,
+    StagePlan,
+    stage_classifier,
+    stage_ingest,
+    stage_mining,
+    stage_pretrain,
+    stage_tokenize,
+)
 from xc_dagster.storage import load_json
 from xc_dagster.training.memory import GIB, available_memory
 
@@ -104,8 +117,32 @@ def dataset_shape(artifacts: Path, name: str, cfg: PipelineConfig,
         source["n_valid"] = "ingest.valid_fraction / valid_max / valid_min"
     tokens = min(float(values["tokens"]), cfg.tokenize.max_len)
     label_tokens = float(tok.get("label_mean_len") or tokens)
+    label_max = cfg.tokenize.label_max_len or cfg.tokenize.max_len
+    lengths: tuple[tuple[int, ...], ...] = ((), ())
+    if source["tokens"] == "tokenize summary":  # the real length distributions (not with --tokens: other texts)
+        lengths = (_percentiles(artifacts, name, "train", cfg.tokenize.max_len),
+                   _percentiles(artifacts, name, "label", label_max))
+    if lengths[0]:
+        source["token lengths"] = "tokenize lengths (percentiles)"
     return Shape(n_train, int(values["n_test"]), int(values["n_labels"]), float(values["labels_per_point"]),
-                 tokens, min(label_tokens, cfg.tokenize.label_max_len or cfg.tokenize.max_len), n_valid), source
+                 tokens, min(label_tokens, label_max), n_valid, *lengths), source
+
+
+def _percentiles(artifacts: Path, name: str, split: str, max_len: int) -> tuple[int, ...]:
+    """The percentiles of ``split``'s token lengths that the tokenize stage wrote under ``artifacts``; () if none."""
+    path = artifacts / name / "tokenize" / token_files(split)[1]
+    try:
+        return length_percentiles(np.load(path), max_len)
+    except (OSError, ValueError):
+        return ()
+
+
+def plan_stages(c: Costs, cfg: PipelineConfig, s: Shape, available: int | None) -> list[StagePlan]:
+    """Every stage's plan, in the pipeline's order."""
+    out = [stage_ingest(c, s), stage_tokenize(c, s), stage_pretrain(c, cfg, s, available), stage_mining(c, cfg, s)]
+    out.append(stage_classifier(c, cfg, s, out[2].seconds + out[3].seconds))
+    out += [stage_index(c, cfg, s), stage_fusion(c, cfg, s, out[4].seconds), stage_evaluate(c, cfg, s)]
+    return out
 
 
 def plan_run(cache_dir: Path, artifacts: Path, name: str, cfg: PipelineConfig, given: Mapping[str, float | None],

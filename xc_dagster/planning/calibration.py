@@ -64,6 +64,7 @@ def classifier_labels(n_labels: int, train_encoder: bool) -> int:
 FUSION_POINTS, FUSION_WIDTH = 2000, 400
 LEXICAL_QUERIES = 2000
 TRAINER_REPS = 2  # calibrations of a trainer's steps, the least kept
+LENGTH_PERCENTILES = 101  # the 0th..100th: a 1% tail of texts cut at max_len sets most batches' padding
 
 
 def machine_key(device: torch.device) -> str:
@@ -196,11 +197,24 @@ def hnsw_unit(dim: int, m: int, ef_construction: int, ef_search: int, k: int) ->
             "search_s_per_query_log": search / HNSW_QUERIES / log_n}
 
 
-def synthetic_tokens(rng: np.random.Generator, n: int, mean_len: float, max_len: int,
-                     vocab: int) -> tuple[np.ndarray, np.ndarray]:
-    """Token ids (n, max_len) and lengths around ``mean_len`` (1..max_len): what the trainers and the encoder
-    read, without a tokenizer."""
-    lens = np.clip(np.rint(rng.normal(mean_len, mean_len / 3, n)), 1, max_len).astype(np.int32)
+def length_percentiles(lens: np.ndarray, max_len: int) -> tuple[int, ...]:
+    """The 0th..100th percentiles of a split's token lengths (at most ``max_len``): the distribution a
+    calibration draws its texts' lengths from (``synthetic_tokens``)."""
+    lens = np.minimum(np.asarray(lens, dtype=np.float64), max_len)
+    return tuple(int(v) for v in np.rint(np.percentile(lens, np.arange(LENGTH_PERCENTILES)))) if len(lens) else ()
+
+
+def synthetic_tokens(rng: np.random.Generator, n: int, mean_len: float, max_len: int, vocab: int,
+                     percentiles: tuple[int, ...] = ()) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids (n, max_len) and lengths (1..max_len): what the trainers and the encoder read, without a
+    tokenizer. Lengths follow the dataset's ``percentiles`` (``length_percentiles``) when known, else a normal
+    around ``mean_len``. A batch pads to its longest rows, so a long tail (a few texts cut at max_len) costs
+    far more than its mean says."""
+    if len(percentiles) > 1:  # inverse CDF: uniform draws through the percentiles
+        draws = np.interp(rng.random(n), np.linspace(0.0, 1.0, len(percentiles)), np.asarray(percentiles, float))
+    else:
+        draws = rng.normal(mean_len, mean_len / 3, n)
+    lens = np.clip(np.rint(draws), 1, max_len).astype(np.int32)
     ids = rng.integers(1000, max(vocab, 1001), (n, max_len)).astype(np.int32)
     ids[np.arange(max_len)[None, :] >= lens[:, None]] = 0
     return ids, lens
@@ -224,27 +238,29 @@ def vocab_size(encoder: torch.nn.Module) -> int:
 
 
 def encoder_units(cfg: PipelineConfig, mean_len: float, label_len: float, per_point: float,
-                  device: torch.device) -> dict[str, float]:
+                  device: torch.device, point_percentiles: tuple[int, ...] = (),
+                  label_percentiles: tuple[int, ...] = ()) -> dict[str, float]:
     """The configured encoder's width and inference texts/s, and the pretraining trainer's seconds per step
-    (``calibrate``: one warm-up step, then ``train.calibration_steps`` timed) at the configured batch."""
+    (``calibrate``: one warm-up step, then ``train.calibration_steps`` timed) at the configured batch, on texts
+    whose lengths follow the dataset's percentiles when known (``synthetic_tokens``)."""
     p, t = cfg.pretrain, cfg.tokenize
     encoder = load_encoder(t.encoder, p.pooling).to(device)
     dtype = amp_dtype(device, p.amp)
     vocab = vocab_size(encoder)
     rng = np.random.default_rng(0)
-    pt = synthetic_tokens(rng, ENCODE_TEXTS, mean_len, t.max_len, vocab)
-    lt = synthetic_tokens(rng, ENCODE_TEXTS, label_len, t.label_max_len or t.max_len, vocab)
+    label_max = t.label_max_len or t.max_len
+    pt = synthetic_tokens(rng, ENCODE_TEXTS, mean_len, t.max_len, vocab, point_percentiles)
     enc_s = best_seconds(lambda: encode_tokens(encoder, *pt, device, dtype, p.encode_batch_size))
     out = {"dim": float(encoder.dim), "encode_texts_per_s": ENCODE_TEXTS / enc_s, "pretrain_step_s": 0.0,
            **{f"shape_{k}": float(v) for k, v in dataclasses.asdict(EncoderShape.of(encoder)).items()}}
     if p.epochs > 0:
         n = max(4 * p.batch_size, 1024)
-        pt, lt = synthetic_tokens(rng, n, mean_len, t.max_len, vocab), \
-            synthetic_tokens(rng, n, label_len, t.label_max_len or t.max_len, vocab)
+        pt, lt = synthetic_tokens(rng, n, mean_len, t.max_len, vocab, point_percentiles), \
+            synthetic_tokens(rng, n, label_len, label_max, vocab, label_percentiles)
         Y = random_targets(rng, n, n, per_point)
         one = dataclasses.replace(p, epochs=1.0, seed_bank=False)
         out["pretrain_step_s"] = _steps(lambda enc: SiameseTrainer(enc, pt, lt, Y, np.arange(n), one, device, dtype),
-                                        encoder, cfg.train.calibration_steps)
+                                        encoder, cfg.train.calibration_steps)  # in train mode (calibrate)
     return out
 
 

@@ -110,7 +110,12 @@ def calibrate(make_trainer: Callable[[Any], Any], encoder: Any, steps: int) -> t
     """Time ``steps`` steps of ``make_trainer(copy of encoder)`` (the real encoder is not touched).
 
     Returns (seconds per step, points per step, steps per epoch)."""
-    trainer = make_trainer(copy.deepcopy(encoder))
+    enc = copy.deepcopy(encoder)
+    if enc is not None:
+        # in train mode, as the run trains: a transformer loads in eval mode, and its dropout is part of every real
+        # step (MiniLM on this CPU: steps 1.09-1.47x slower with it, docs/decisions.md#calibration-as-trained)
+        enc.train()
+    trainer = make_trainer(enc)
     try:
         spe = int(getattr(trainer, "steps_per_epoch", 0) or len(trainer.epoch_batches(0)))
         sec, pts = time_steps(trainer, steps)

@@ -1,0 +1,116 @@
+"""The work of the inference stages (index, fusion, evaluate) on a dataset's shape, as ``xc_dagster.planning.model``
+counts the training stages': the indexes built and searched, the shortlists merged and scored, the fusion's grid
+fitted per candidate of the kNN votes, the test points ranked."""
+
+from __future__ import annotations
+
+from xc_dagster.config import PipelineConfig
+from xc_dagster.planning.calibration import grid_points
+from xc_dagster.planning.model import (
+    F32,
+    LEXICAL_BYTES_PER_TOKEN,
+    TEXT_BYTES,
+    TEXT_BYTES_PER_TOKEN,
+    Costs,
+    Shape,
+    StagePlan,
+    index_work,
+    shortlist_memory,
+)
+from xc_dagster.retrieval.votes import parse_vote_grid
+
+
+def source_keys(cfg: PipelineConfig, s: Shape) -> dict[str, int]:
+    """Vectors per source's index: L; the kNN index every training point with include_validation, else rows."""
+    knn = s.n_train if cfg.index.include_validation and s.n_valid else s.rows
+    return {"W": s.n_labels, "label": s.n_labels, "centroid": s.n_labels, "knn": knn}
+
+
+def stage_index(c: Costs, cfg: PipelineConfig, s: Shape) -> StagePlan:
+    """Each part is built, written and let go in turn: the peak is the largest part (an index with the copy of
+    the vectors it is built from, or the lexical index with its texts), not their sum."""
+    p, plan, keys, parts = cfg.index, StagePlan("index"), source_keys(cfg, s), {}
+    hnsw = (p.hnsw_m, p.hnsw_ef_construction, p.hnsw_ef_search)
+    held_out = "centroid" in p.sources and cfg.index.include_validation and s.n_valid
+    builds = [(n, keys[n]) for n in p.sources if n != "lexical"] + [("centroid", s.n_labels)] * bool(held_out)
+    for name, n in builds:
+        part = StagePlan("index")
+        index_work(c, part, name, p.kind, n, 0, p.shortlist_size, hnsw)
+        label = name if name not in plan.kinds else f"held-out {name}"
+        plan.kinds.setdefault(name, part.kinds[name])
+        plan.parts.update({k.replace(name, label, 1): v for k, v in part.parts.items()})
+        plan.notes += [t.replace(name, label, 1) for t in part.notes]
+        parts[f"{label} index and its vectors"] = sum(part.memory.values()) + n * c.dim * F32
+    if "lexical" in p.sources:
+        n = keys["knn"] + s.n_labels
+        plan.parts[f"lexical TF-IDF fit, {n:,} texts"] = n * c.text()["lexical_fit_s_per_text"]
+        per_token = 2 * LEXICAL_BYTES_PER_TOKEN + TEXT_BYTES_PER_TOKEN
+        parts["lexical index and texts"] = n * (s.tokens * per_token + TEXT_BYTES)
+    if cfg.index.label_repr == "text+centroid":
+        parts["label centroids"] = s.n_labels * c.dim * F32  # computed and written before the indexes
+    largest = max(parts, key=parts.get, default=None)
+    if largest is not None:
+        plan.memory[f"{largest} (the largest part; one at a time)"] = parts[largest]
+    return plan
+
+
+def inference_work(c: Costs, cfg: PipelineConfig, s: Shape, plan: StagePlan, queries: int) -> int:
+    """Shortlisting ``queries`` points from every ``index.sources`` source (searches, lexical scoring, merging
+    and scoring the candidates), as ``retrieve`` does; returns the shortlist's width."""
+    p = cfg.index
+    keys = source_keys(cfg, s)
+    hnsw = (p.hnsw_m, p.hnsw_ef_construction, p.hnsw_ef_search)
+    for name in p.sources:
+        if name != "lexical":
+            index_work(c, plan, name, p.kind, keys[name], queries, p.shortlist_size, hnsw, build=False)
+    if "lexical" in p.sources:
+        t = c.text()
+        capped = p.lexical_max_postings if keys["knn"] > p.lexical_exact_points else 0
+        cal_capped = p.lexical_max_postings if t["lexical_points"] > p.lexical_exact_points else 0
+        # a query's cost: its terms' postings, ~ the indexed points up to the cap
+        scale = min(keys["knn"], capped or keys["knn"]) / min(t["lexical_points"], cal_capped or t["lexical_points"])
+        plan.parts[f"lexical scoring, {queries:,} queries"] = queries * t["lexical_query_s"] * max(scale, 1.0)
+        plan.memory["lexical index"] = 2 * (keys["knn"] + s.n_labels) * s.tokens * LEXICAL_BYTES_PER_TOKEN
+    width = p.shortlist_size * len(p.sources)
+    plan.parts["merge and score the shortlists"] = queries * width * c.retrieve_entry_s(p.shortlist_size)
+    shortlist_memory(plan, queries, width, c.dim, 2 + ("knn" in p.sources) + ("lexical" in p.sources))
+    # W and the label embeddings are scored from their indexes' copies (exact, HNSW), else read in
+    apart = sum(n not in p.sources or plan.kinds.get(n) == "ivf" for n in ("W", "label"))
+    apart += p.label_repr == "text+centroid"  # E(z_l) + v_l (the centroids it is made from are let go)
+    plan.memory["W, label embeddings, centroids (besides the indexes)"] = apart * s.n_labels * c.dim * F32
+    return width
+
+
+def stage_fusion(c: Costs, cfg: PipelineConfig, s: Shape, classifier_s: float) -> StagePlan:
+    plan, f, p = StagePlan("fusion"), cfg.fusion, cfg.index
+    cross = not s.n_valid and f.fit_on in ("auto", "cross_fit")
+    if not s.n_valid and not cross:
+        plan.notes.append("no validation points: a default blend, nothing fitted")
+        return plan
+    n = min(f.cross_fit_max_points, s.n_train) if cross else s.n_valid
+    width = inference_work(c, cfg, s, plan, n)
+    knn, lexical = "knn" in p.sources, "lexical" in p.sources
+    grid = grid_points(cfg, knn, lexical)
+    plan.parts[f"{f.method} fit, {grid:,} grid points x {n:,} points"] = grid * n * width * c.fusion(knn, lexical)[
+        "s_per_entry"]
+    votes = len(parse_vote_grid(f.vote_grid)) if knn or lexical else 0
+    if votes > 1:  # the shortlists and the fit once per candidate of the kNN votes (fusion.vote_grid)
+        plan.parts = {f"{k}, x {votes} vote candidates": v * votes for k, v in plan.parts.items()}
+    if cross:
+        folds = f.cross_fit_folds
+        plan.parts[f"{folds} fold classifiers"] = folds * classifier_s * (1 - 1 / folds)
+        plan.notes.append("cross-fitting: each fold's classifier planned as the classifier stage's training")
+    if f.method == "alpha" and (knn or lexical or f.propensity_grid_extend):
+        plan.notes.append("fusion grids extended when their largest weight wins (*_grid_extend) add to this")
+    return plan
+
+
+def stage_evaluate(c: Costs, cfg: PipelineConfig, s: Shape) -> StagePlan:
+    plan = StagePlan("evaluate", {f"encode {s.n_test:,} test texts": c.encode_s(s.n_test)})
+    width = inference_work(c, cfg, s, plan, s.n_test)
+    rankings = 3 + ("lexical" in cfg.index.sources)  # fused + each ranking on its own
+    fz = c.fusion("knn" in cfg.index.sources, "lexical" in cfg.index.sources)
+    plan.parts[f"fuse and rank ({rankings} rankings)"] = rankings * s.n_test * width * fz["rank_s_per_entry"]
+    plan.memory["test embeddings"] = s.n_test * c.dim * F32
+    plan.memory["predictions"] = s.n_test * cfg.evaluate.top_k * 12
+    return plan
