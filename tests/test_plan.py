@@ -97,6 +97,10 @@ def test_work_counts_of_a_hand_computed_shape(monkeypatch):
                                           None)}["fusion"]
     assert one.parts["alpha fit, 2,625 grid points x 10 points"] == pytest.approx(2625 * 10 * width * 1e-9)
     assert fusion.seconds == pytest.approx(2 * one.seconds)
+    # the user's own votes without a grid: the index's votes only, as the fusion stage counts them
+    mine = {p.name: p for p in plan_stages(Costs(FixedUnits(), cfg, s), _ngame(**{"index.knn_neighbours": 5}), s,
+                                           None)}["fusion"]
+    assert mine.seconds == pytest.approx(one.seconds) and not any("vote candidates" in k for k in mine.parts)
 
 
 def test_hnsw_above_the_exact_limit_scales_with_log_n(monkeypatch):

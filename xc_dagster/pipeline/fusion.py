@@ -16,13 +16,11 @@ from xc_dagster.data.splits import filter_rows, validation_targets
 from xc_dagster.errors import XCConfigError
 from xc_dagster.pipeline.context import StageContext
 from xc_dagster.pipeline.cross_fit import FIT_ON, cross_fit_shortlists
+from xc_dagster.retrieval import votes
 from xc_dagster.retrieval.fusion import check_method, fit_fusion, missed_positive_features
 from xc_dagster.retrieval.shortlist import Shortlist, ShortlistSources, retrieve
 from xc_dagster.retrieval.votes import VOTES_KEY, Votes, parse_vote_grid, votes_record, with_votes
 from xc_dagster.storage import save_json
-
-# settings a user may have set for the kNN votes themselves; set explicitly, they win over a strategy's vote grid
-VOTE_SETTINGS = ("index.knn_neighbours", "index.knn_power", "index.lexical_neighbours", "index.lexical_power")
 
 
 @dataclass
@@ -54,23 +52,17 @@ def validation_shortlists(ctx: StageContext, candidates: Sequence[Votes | None] 
     Yv, pairs, unseen = validation_targets(ds.Y_train, valid, ctx.read.train_rows(ds.num_train),
                                            filter_rows(ds.filter_train, valid))
     inv_prop = ctx.inv_prop(ds.Y_train)
-    for votes in candidates:
-        src = with_votes(m, votes)
+    for candidate in candidates:
+        src = with_votes(m, candidate)
         sl = retrieve(q, src, ctx.cfg.index.shortlist_size, lexical_queries=lex_q)
         yield ValidationShortlists(sl, Yv, pairs, inv_prop, q, src, unseen)
 
 
 def vote_candidates(ctx: StageContext) -> list[Votes | None]:
-    """The (K, p) candidates the fusion is fitted with: ``fusion.vote_grid`` (checked first), or [None] (the
-    index stage's votes) when it is empty, when the index has neither a kNN nor a lexical source, or when the
-    user set the votes themselves (``VOTE_SETTINGS``) but not the grid."""
-    grid = parse_vote_grid(ctx.cfg.fusion.vote_grid)
+    """The (K, p) candidates of ``fusion.vote_grid`` this model is fitted with, by the index stage's sources
+    (``xc_dagster.retrieval.votes.vote_candidates``)."""
     sources = ctx.read.summary("index").get("sources", ())
-    explicit = ctx.cfg.explicit
-    if not grid or not {"knn", "lexical"} & set(sources) or (
-            "fusion.vote_grid" not in explicit and any(k in explicit for k in VOTE_SETTINGS)):
-        return [None]
-    return grid
+    return votes.vote_candidates(ctx.cfg.fusion.vote_grid, sources, ctx.cfg.explicit)
 
 
 def fit_on(ctx: StageContext, n_valid: int) -> str:

@@ -17,7 +17,7 @@ from xc_dagster.planning.model import (
     index_work,
     shortlist_memory,
 )
-from xc_dagster.retrieval.votes import parse_vote_grid
+from xc_dagster.retrieval.votes import vote_candidates
 
 
 def source_keys(cfg: PipelineConfig, s: Shape) -> dict[str, int]:
@@ -93,7 +93,7 @@ def stage_fusion(c: Costs, cfg: PipelineConfig, s: Shape, classifier_s: float) -
     grid = grid_points(cfg, knn, lexical)
     plan.parts[f"{f.method} fit, {grid:,} grid points x {n:,} points"] = grid * n * width * c.fusion(knn, lexical)[
         "s_per_entry"]
-    votes = len(parse_vote_grid(f.vote_grid)) if knn or lexical else 0
+    votes = len(vote_candidates(f.vote_grid, p.sources, cfg.explicit))
     if votes > 1:  # the shortlists and the fit once per candidate of the kNN votes (fusion.vote_grid)
         plan.parts = {f"{k}, x {votes} vote candidates": v * votes for k, v in plan.parts.items()}
     if cross:

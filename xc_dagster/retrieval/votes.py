@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from xc_dagster.errors import XCConfigError
@@ -21,6 +21,8 @@ from xc_dagster.retrieval.sparse_rows import check_power
 
 VOTES_KEY = "votes"  # fusion.json: {"neighbours": K, "power": p}, absent when no grid was searched
 Votes = tuple[int, float]  # (K, p)
+# settings a user may have set for the kNN votes themselves; set explicitly, they win over a strategy's vote grid
+VOTE_SETTINGS = ("index.knn_neighbours", "index.knn_power", "index.lexical_neighbours", "index.lexical_power")
 
 
 def parse_vote_grid(items: Sequence[str], field: str = "fusion.vote_grid") -> list[Votes]:
@@ -39,6 +41,18 @@ def parse_vote_grid(items: Sequence[str], field: str = "fusion.vote_grid") -> li
         if votes not in out:
             out.append(votes)
     return out
+
+
+def vote_candidates(grid: Sequence[str], sources: Sequence[str], explicit: Collection[str]) -> list[Votes | None]:
+    """The (K, p) candidates a fusion is fitted with: the ``fusion.vote_grid`` items ``grid``, or [None] (the index
+    stage's votes) when it is empty, when ``sources`` have neither a kNN nor a lexical source, or when the user set
+    the votes themselves (``VOTE_SETTINGS`` in ``explicit``) but not the grid. The fusion stage and the planner
+    both count them here."""
+    candidates = parse_vote_grid(grid)
+    if not candidates or not {"knn", "lexical"} & set(sources) or (
+            "fusion.vote_grid" not in explicit and any(k in explicit for k in VOTE_SETTINGS)):
+        return [None]
+    return candidates
 
 
 def has_votes(src: ShortlistSources) -> bool:
