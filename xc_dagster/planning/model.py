@@ -151,7 +151,8 @@ def index_work(c: Costs, plan: StagePlan, name: str, kind: str, keys: int, queri
     ln n) and ``queries`` top-``k`` searches (exact: queries x keys pairs; HNSW: per query x ln n), with its memory."""
     plan.kinds[name] = kind = resolve_kind(kind, keys, c.dim)
     if kind == "exact":
-        plan.memory[f"{name} index"] = keys * c.dim * (F32 + getattr(exact_dtype(c.device), "itemsize", 0))  # + bf16/int8
+        # the float32 keys, plus their bf16/int8 copy where the exact search scores in one
+        plan.memory[f"{name} index"] = keys * c.dim * (F32 + getattr(exact_dtype(c.device), "itemsize", 0))
         if queries:
             plan.parts[f"{name} search (exact, {queries:,} x {keys:,})"] = queries * keys * c.exact_pair_s(k)
             plan.memory.setdefault("exact search block", exact_block_entries(c.device) * F32)
