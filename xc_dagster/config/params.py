@@ -343,6 +343,17 @@ class IndexParams:
     # (static index pruning; docs/decisions.md#lexical-postings-cap); 0 = every posting (exact cosines) at any N
     lexical_max_postings: int = 4096
     lexical_exact_points: int = 65_536
+    # the lexical source's third part: a sparse logistic regression per label over the TF-IDF rows, each label's
+    # weights on its positives' terms (at most lexical_classifier_max_terms), trained on the fit points against
+    # their hard lexical negatives and uniform random ones, lexical_classifier_epochs passes over at most
+    # lexical_classifier_max_pairs (point, label) pairs (xc_dagster.retrieval.lexical_classifier;
+    # docs/decisions.md#lexical-classifier); not trained when the fusion is cross-fitted
+    lexical_classifier: bool = True
+    lexical_classifier_epochs: float = 10.0
+    lexical_classifier_hard_negatives: int = 50
+    lexical_classifier_random_negatives: int = 100
+    lexical_classifier_max_terms: int = 1024
+    lexical_classifier_max_pairs: int = 50_000_000
 
 
 @dataclass

@@ -21,6 +21,7 @@ from xc_dagster.progress import in_one_call
 from xc_dagster.retrieval.ann import LabelIndex
 from xc_dagster.retrieval.exact_settings import resolve_kind
 from xc_dagster.retrieval.lexical import LEXICAL_DIR, LexicalIndex
+from xc_dagster.retrieval.lexical_classifier import ClassifierSettings
 from xc_dagster.retrieval.shortlist import (
     CENTROID_FILE,
     INDEX_FILES,
@@ -42,6 +43,9 @@ def _check(p: Any) -> None:
         raise XCConfigError(f"index.knn_neighbours: expected an int >= 0, got {p.knn_neighbours!r}")
     check_power(p.knn_power, "index.knn_power")
     check_power(p.lexical_power, "index.lexical_power")
+    if not isinstance(p.lexical_classifier, bool):
+        raise XCConfigError(f"index.lexical_classifier: expected true or false, got {p.lexical_classifier!r}")
+    classifier_settings(p, 0)
     if not isinstance(p.include_validation, bool):
         raise XCConfigError(f"index.include_validation: expected true or false, got {p.include_validation!r}")
     for name, least in (("lexical_neighbours", 1), ("lexical_min_df", 1), ("lexical_max_postings", 0),
@@ -49,6 +53,14 @@ def _check(p: Any) -> None:
         value = getattr(p, name)
         if not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
             raise XCConfigError(f"index.{name}: expected an int >= {least}, got {value!r}")
+
+
+def classifier_settings(p: Any, seed: int) -> ClassifierSettings:
+    """``index.lexical_classifier_*`` as the lexical classifiers' settings, checked."""
+    return ClassifierSettings(epochs=p.lexical_classifier_epochs, hard_negatives=p.lexical_classifier_hard_negatives,
+                              random_negatives=p.lexical_classifier_random_negatives,
+                              max_terms=p.lexical_classifier_max_terms, max_pairs=p.lexical_classifier_max_pairs,
+                              seed=seed).check()
 
 
 def lexical_index(ctx: StageContext, rows: np.ndarray, Y_train: Any, fit_rows: np.ndarray) -> LexicalIndex:
@@ -66,10 +78,18 @@ def lexical_index(ctx: StageContext, rows: np.ndarray, Y_train: Any, fit_rows: n
         texts = ctx.read.texts("train")
         points, labels = [texts[i] for i in rows], ctx.read.texts("label")
     fit_on = np.flatnonzero(np.isin(rows, fit_rows))
+    # a cross-fitted fusion scores every training point: classifiers trained on them would score their own labels
+    f = ctx.cfg.fusion.fit_on
+    cross_fit = f == "cross_fit" or (f == "auto" and len(fit_rows) >= Y_train.shape[0])
+    settings = classifier_settings(p, ctx.cfg.classifier.seed) if p.lexical_classifier and not cross_fit else None
+    valid = None  # validation points not indexed (index.include_validation false) still pick the classifiers' pass
+    held = np.setdiff1d(np.arange(Y_train.shape[0]), rows)
+    if settings is not None and len(held) and len(rows) == len(fit_rows):
+        valid = (X[held] if X is not None else [texts[i] for i in held], Y_train[held])
     try:
         return LexicalIndex.fit(points, labels, Y_train[rows], p.lexical_neighbours, p.lexical_min_df, fit_on,
                                 max_postings=p.lexical_max_postings if len(rows) > p.lexical_exact_points else 0,
-                                feature_words=words, power=p.lexical_power)
+                                feature_words=words, power=p.lexical_power, classifier=settings, valid=valid)
     except XCConfigError as e:
         raise XCConfigError(f"{ctx.name}: {e}") from None
 
@@ -156,7 +176,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
                             "input": lexical.input, "points": lexical.num_points,
                             "terms": int(lexical.points.shape[1]), "neighbours": lexical.neighbours,
                             "max_postings": lexical.max_postings, "label_text": lexical.labels is not None,
-                            "feature_words": lexical.words is not None}
+                            "feature_words": lexical.words is not None,
+                            "classifier_weights": 0 if lexical.classifier is None else len(lexical.classifier.keys),
+                            "classifier_history": [] if lexical.classifier is None else lexical.classifier.history}
                     del lexical
                 if need_centroids:
                     centroids = label_centroids(train_emb, ds.Y_train, deployed)

@@ -1,14 +1,17 @@
 """The lexical shortlist source: TF-IDF over the training points' texts (or shipped BoW features) and the labels'.
 
-A query is its L2-normalised TF-IDF row q. Its lexical score for label l is the sum of two parts, each in [0, 1]
-(so the score is in [0, 2]):
+A query is its L2-normalised TF-IDF row q. Its lexical score for label l is the sum of up to three parts, each in
+[0, 1] (so the score is in [0, 3]):
 
 * label text: cos(q, t_l), with t_l the TF-IDF row of the label's text (left out, 0, when the labels have no
   text in the feature space: BoW features without label features);
 * sparse kNN: (1 / K) * sum over the query's K nearest training points j (TF-IDF cosine, ties by smaller row;
   fewer when fewer share a term) of cos(q, x_j) * [j carries l]: the mean over the K neighbours of (similarity
   if the neighbour carries the label), as the dense kNN score (``index.knn_neighbours``) in the encoder's space;
-  with ``power`` p != 1 (``index.lexical_power``) each similarity is raised to p first.
+  with ``power`` p != 1 (``index.lexical_power``) each similarity is raised to p first;
+* classifier (``index.lexical_classifier``): sigmoid(w_l . q + b_l), a sparse logistic regression per label over
+  the TF-IDF rows (``xc_dagster.retrieval.lexical_classifier``), for the labels the other two parts score: the
+  one-vs-all linear model the linear peers win with on BoW data, re-ranking the lexical candidates.
 
 The TF-IDF model is scikit-learn's: ``TfidfVectorizer`` (sublinear tf, word 1-2 grams, ``index.lexical_min_df``,
 1 when that leaves no term) fitted on the training points' and the labels' texts, or ``TfidfTransformer`` (sublinear
@@ -39,6 +42,7 @@ in the rows of the dense kNN index) and ``labels.npz`` (TF-IDF rows of the label
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -49,8 +53,17 @@ import torch
 
 from xc_dagster.device import on_threads
 from xc_dagster.errors import XCConfigError, XCError
+from xc_dagster.retrieval.feature_words import FeatureWords
 from xc_dagster.retrieval.files import LEXICAL_DIR as LEXICAL_DIR  # the folder's name, re-exported with the index
-from xc_dagster.retrieval.sparse_rows import cap_postings, check_power, sparse_topk, vote_weights, work_blocks
+from xc_dagster.retrieval.lexical_classifier import ClassifierSettings, LexicalClassifier, hard_negatives
+from xc_dagster.retrieval.sparse_rows import (
+    cap_postings,
+    check_power,
+    sparse_lookup,
+    sparse_topk,
+    vote_weights,
+    work_blocks,
+)
 from xc_dagster.storage import load_json, save_json
 
 CONFIG_FILE = "lexical.json"
@@ -84,60 +97,6 @@ def _transformer() -> Any:
     return TfidfTransformer(sublinear_tf=True)
 
 
-def _split_words(text: str) -> list[str]:
-    """A text's pieces as ``xc_dagster.data.companions`` joins feature words into a point's text: split on single
-    spaces (empty pieces match no term)."""
-    return text.split(" ")
-
-
-def _counter(terms: list[str]) -> Any:
-    from sklearn.feature_extraction.text import CountVectorizer
-
-    return CountVectorizer(vocabulary=terms, binary=True, lowercase=False, analyzer=_split_words, dtype=np.float32)
-
-
-def _binary(X: sp.spmatrix) -> sp.csr_matrix:
-    """``X`` as 0/1 float32 CSR: every stored entry (an explicit 0 too, as a rebuilt text names its word) is 1."""
-    X = sp.csr_matrix(X, dtype=np.float32, copy=True)
-    X.sum_duplicates()
-    X.data[:] = 1.0
-    return X
-
-
-class FeatureWords:
-    """A feature vocabulary (one word per feature column) and the binary term rows of feature rows and texts.
-
-    The terms are the words' distinct non-empty pieces (split on single spaces), by first appearance: the words
-    themselves when each is one distinct piece (the usual case, no remapping). A feature row's terms are those of
-    its stored entries' words, a text's those of its pieces, so a text joined from a row's words has its terms."""
-
-    def __init__(self, words: Sequence[str]):
-        self.words = [str(w) for w in words]
-        if len(set(self.words)) == len(self.words) and not any(" " in w or not w for w in self.words):
-            self.terms, self.map = self.words, None
-        else:  # repeated, empty or multi-piece words: each feature column -> its words' terms
-            pieces = [[t for t in w.split(" ") if t] for w in self.words]
-            self.terms = list(dict.fromkeys(t for ps in pieces for t in ps))
-            col = {t: j for j, t in enumerate(self.terms)}
-            indptr = np.cumsum([0] + [len(ps) for ps in pieces])
-            indices = np.fromiter((col[t] for ps in pieces for t in ps), dtype=np.int64, count=int(indptr[-1]))
-            self.map = _binary(sp.csr_matrix((np.ones(len(indices), dtype=np.float32), indices, indptr),
-                                             shape=(len(self.words), len(self.terms))))
-        self._counter = _counter(self.terms) if self.terms else None
-
-    def of_features(self, X: sp.spmatrix) -> sp.csr_matrix:
-        """(rows, terms) 0/1 rows of feature rows (``len(words)`` columns)."""
-        B = _binary(X)
-        return B if self.map is None else _binary(B @ self.map)
-
-    def of_texts(self, texts: Sequence[str]) -> sp.csr_matrix:
-        """(texts, terms) 0/1 rows of raw texts: the terms among their single-space pieces (case kept)."""
-        texts = list(texts)
-        if not texts or self._counter is None:  # sklearn refuses zero rows
-            return sp.csr_matrix((len(texts), len(self.terms)), dtype=np.float32)
-        return _binary(self._counter.transform(texts))
-
-
 def _fit_texts(texts: list[str], min_df: int) -> Any:
     """The vectorizer fitted on ``texts``; min_df 1 when ``min_df`` leaves no term (tiny corpora). A corpus
     without any term is a config error."""
@@ -157,7 +116,7 @@ class LexicalIndex:
     def __init__(self, model: Any, points: sp.csr_matrix, point_labels: sp.csr_matrix,
                  labels: sp.csr_matrix | None, neighbours: int,
                  feature_words: FeatureWords | Sequence[str] | None = None, max_postings: int = 0,
-                 power: float = 1.0):
+                 power: float = 1.0, classifier: LexicalClassifier | None = None):
         self.model, self.neighbours, self.power = model, int(neighbours), check_power(power, "index.lexical_power")
         if not (isinstance(max_postings, (int, np.integer)) and not isinstance(max_postings, bool)
                 and max_postings >= 0):
@@ -183,6 +142,11 @@ class LexicalIndex:
         self._points_t = cap_postings(self.points.T.tocsr(), self.max_postings)
         self._labels_t = None if self.labels is None else cap_postings(self.labels.T.tocsr(), self.max_postings)
         self._work = np.diff(self._points_t.indptr) + (0 if self._labels_t is None else np.diff(self._labels_t.indptr))
+        self.classifier = classifier
+        if classifier is not None and (classifier.num_labels, classifier.num_terms) != (self.num_labels,
+                                                                                       self.points.shape[1]):
+            raise ValueError(f"classifiers of {classifier.num_labels} labels x {classifier.num_terms} terms for an "
+                             f"index of {self.num_labels} labels x {self.points.shape[1]} terms")
 
     @property
     def num_points(self) -> int:
@@ -210,14 +174,19 @@ class LexicalIndex:
     @classmethod
     def fit(cls, points: Sequence[str] | sp.spmatrix, labels: Sequence[str] | sp.spmatrix | None,
             point_labels: sp.spmatrix, neighbours: int, min_df: int = 2, fit_on: np.ndarray | None = None,
-            feature_words: Sequence[str] | None = None, max_postings: int = 0, power: float = 1.0) -> LexicalIndex:
+            feature_words: Sequence[str] | None = None, max_postings: int = 0, power: float = 1.0,
+            classifier: ClassifierSettings | None = None,
+            valid: tuple[Sequence[str] | sp.spmatrix, sp.spmatrix] | None = None) -> LexicalIndex:
         """Index the training points' texts with the label texts, or their BoW feature rows with the labels'
         (``labels`` None: no label-text part). The TF-IDF model is fitted on the labels and the points ``fit_on``
         (positions in ``points``; default all): the validation points, indexed but excluded from the fusion's kNN,
         stay out of the idf too. ``point_labels``: (points, L), binarised (a neighbour carries a label or not).
         ``max_postings``: each term's postings capped at this many points and labels (0: none; module docstring).
         ``feature_words``: with feature rows, one word per column; the rows are then read as word sets
-        (:class:`FeatureWords`) and the index serves raw text too."""
+        (:class:`FeatureWords`) and the index serves raw text too. ``classifier``: train the third part, the
+        sparse per-label logistic regressions, on the points ``fit_on`` (``xc_dagster.retrieval.lexical_classifier``;
+        None: no classifier part); ``valid``: held-out points (texts or feature rows, as ``points``) and their labels
+        that pick its training pass, when they are not indexed (else the indexed points outside ``fit_on`` do)."""
         if not (isinstance(min_df, int) and not isinstance(min_df, bool) and min_df >= 1):
             raise XCConfigError(f"index.lexical_min_df: expected an int >= 1, got {min_df!r}")
         Y = sp.csr_matrix(point_labels, dtype=np.float32, copy=True)
@@ -243,7 +212,48 @@ class LexicalIndex:
         if sp.csr_matrix(P).nnz == 0:
             raise XCConfigError("index.sources: the lexical source needs the training points' texts or BoW "
                                 "features, and these points have none (no term in any of them)")
-        return cls(model, P, Y, T, neighbours, words, max_postings, power)
+        index = cls(model, P, Y, T, neighbours, words, max_postings, power)
+        if classifier is not None:
+            held = None if valid is None else (index.transform(valid[0]), valid[1])
+            index.classifier = index.fit_classifier(fit_rows, classifier, held)
+        return index
+
+    def fit_classifier(self, rows: np.ndarray, settings: ClassifierSettings,
+                       valid: tuple[sp.csr_matrix, sp.spmatrix] | None = None) -> LexicalClassifier:
+        """The classifiers trained on the indexed points ``rows``, each against its hard negatives: the labels its
+        label-text and kNN parts score highest (its neighbours among ``rows``, itself left out) that it does not
+        carry, found in blocks of bounded work. Held-out points pick the training pass, the one whose lexical
+        scores reach the highest P@1 + P@5 on them: ``valid`` (TF-IDF rows, labels), else the indexed points
+        outside ``rows`` (the validation split), if any."""
+        settings = settings.check()
+        rows = np.asarray(rows, dtype=np.int64)
+        held = np.setdiff1d(np.arange(self.num_points), rows)  # never neighbours of the fit
+        plain = copy.copy(self)  # the other two parts only
+        plain.classifier = None
+
+        def parts(Q: sp.csr_matrix, own: np.ndarray | None, Y: sp.csr_matrix | None = None) -> sp.csr_matrix:
+            """The other parts' scores of ``Q`` by blocks, or with ``Y``, each block's hard negatives."""
+            out = []
+            for s, e in self.query_blocks(Q, 4096):
+                S = plain.scores(Q[s:e], held, None if own is None else own[s:e])
+                out.append(S if Y is None else hard_negatives(S, Y[s:e], settings.hard_negatives))
+            return sp.vstack(out, format="csr") if out else sp.csr_matrix((0, self.num_labels), dtype=np.float32)
+
+        Y = self.point_labels[rows]
+        Q = self.points[rows]
+        hard = parts(Q, rows, Y)
+        Qv, Yv = valid if valid is not None else (self.points[held], self.point_labels[held])
+        judge = None
+        if Qv.shape[0]:
+            Qv, Yv, Sv = sp.csr_matrix(Qv, dtype=np.float32), sp.csr_matrix(Yv, dtype=np.float32), parts(Qv, None)
+            Yv.sum_duplicates()
+
+            def judge(model: LexicalClassifier) -> float:
+                top, _ = sparse_topk(Sv + model.on_pattern(Qv, Sv), 5)
+                hits = sparse_lookup(Yv, top) > 0
+                return float(hits[:, 0].mean() + hits.mean())
+
+        return LexicalClassifier.fit(Q, Y, hard, settings, judge)
 
     def transform(self, inputs: Sequence[str] | sp.spmatrix) -> sp.csr_matrix:
         """The L2-normalised TF-IDF rows (float32 CSR) of raw texts (an index fitted on texts, or on feature rows
@@ -322,7 +332,8 @@ class LexicalIndex:
             votes = sp.csr_matrix((vote_weights(sims[ok], self.power), (rows, nbrs[ok])),
                                   shape=(q.shape[0], self.num_points))
             part = (votes @ self.point_labels) * np.float32(1.0 / self.neighbours)
-            return part if self._labels_t is None else part + q @ self._labels_t
+            part = part if self._labels_t is None else sp.csr_matrix(part + q @ self._labels_t)
+            return part if self.classifier is None else part + self.classifier.on_pattern(q, part)
 
         parts = on_threads(block, blocks, threads)
         out = sp.csr_matrix(sp.vstack(parts, format="csr") if parts else (0, self.num_labels), dtype=np.float32)
@@ -347,6 +358,8 @@ class LexicalIndex:
         sp.save_npz(folder / POINT_LABELS_FILE, self.point_labels)
         if self.labels is not None:
             sp.save_npz(folder / LABELS_FILE, self.labels)
+        if self.classifier is not None:
+            config["classifier"] = self.classifier.save(folder)
         save_json(folder / CONFIG_FILE, config)
 
     @classmethod
@@ -362,9 +375,11 @@ class LexicalIndex:
         model.idf_ = idf
         labels = sp.load_npz(folder / LABELS_FILE) if config.get("label_text") else None
         words = load_json(folder / FEATURE_WORDS_FILE) if config.get("feature_words") else None
+        classifier = LexicalClassifier.load(folder, config["classifier"]) if config.get("classifier") else None
         return cls(model, sp.load_npz(folder / POINTS_FILE), sp.load_npz(folder / POINT_LABELS_FILE), labels,
                    int(config["neighbours"]), words, int(config.get("max_postings", 0)),
-                   float(config.get("power", 1.0)))  # indexes written before the setting: plain similarities
+                   float(config.get("power", 1.0)),  # indexes written before the setting: plain similarities
+                   classifier)
 
 
 def read_config(folder: str | Path) -> dict[str, Any]:

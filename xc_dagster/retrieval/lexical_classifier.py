@@ -1,0 +1,267 @@
+"""The lexical source's classifiers: one sparse logistic regression per label over the TF-IDF rows.
+
+The third part of the lexical score (``xc_dagster.retrieval.lexical``), in (0, 1): sigmoid(w_l . q + b_l) for each
+label the other two parts propose, where what the linear peers (Omikuji, napkinXC, Parabel) win with lives: a
+one-vs-all linear model on the sparse features (DiSMEC, Babbar & Schoelkopf, WSDM 2017), made O(N log L):
+
+* **sparse weights**: label l's weights live only on the terms of its training positives (the support of its
+  TF-IDF centroid Y^T X), at most ``max_terms`` of them (the largest centroid weights: PPDSparse / Parabel-style
+  pruning), so the model holds at most min(nnz(Y^T X), L x max_terms) weights whatever the vocabulary;
+* **sampled negatives**: each point trains against its positives, its ``hard_negatives`` hardest lexical
+  negatives (the labels the label-text and kNN parts score highest that it does not carry: Slice's shortlisted
+  negatives, Jain et al., WSDM 2019) and ``random_negatives`` labels drawn uniformly per epoch, which calibrate the
+  biases (with the hard ones alone a label's bias only meets the points that vote for it: 28 P@1 on Delicious
+  against 66 with both; docs/decisions.md#lexical-classifier).
+
+The weights are one flat vector over the (label, term) keys l * V + t, sorted, so that a (point, label) pair's
+logit is a ``searchsorted`` lookup of the point's terms (torch, vectorised over a batch of pairs); the model is
+trained by Adagrad on mini-batches of pairs with an L2 penalty on the weights a batch touches, ``epochs`` passes
+over at most ``max_pairs`` pairs in all (fewer epochs, or a seeded sample of the points, beyond it).
+
+:class:`LexicalClassifier` owns its files (``classifier_*.npy`` and the settings in the lexical index's JSON).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+
+from xc_dagster.errors import XCConfigError, XCError
+
+KEYS_FILE = "classifier_keys.npy"
+WEIGHTS_FILE = "classifier_weights.npy"
+BIAS_FILE = "classifier_bias.npy"
+LOOKUP_BUDGET = 1 << 22  # (pair, term) lookups held at once when scoring: 4M x ~24 bytes
+
+
+@dataclass(frozen=True)
+class ClassifierSettings:
+    """``index.lexical_classifier_*``: how the classifiers are trained (module docstring)."""
+
+    epochs: float = 10.0
+    hard_negatives: int = 50
+    random_negatives: int = 100
+    max_terms: int = 1024
+    max_pairs: int = 50_000_000
+    lr: float = 0.3
+    l2: float = 1e-3
+    batch_pairs: int = 4096
+    seed: int = 0
+
+    def check(self) -> ClassifierSettings:
+        for name in ("hard_negatives", "random_negatives", "max_terms", "max_pairs", "batch_pairs"):
+            v = getattr(self, name)
+            least = 0 if name.endswith("negatives") else 1
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < least:
+                raise XCConfigError(f"index.lexical_classifier_{name}: expected an int >= {least}, got {v!r}")
+        for name in ("epochs", "lr", "l2"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 \
+                    or (v == 0 and name != "l2"):
+                raise XCConfigError(f"index.lexical_classifier_{name}: expected a number "
+                                    f"{'>= 0' if name == 'l2' else '> 0'}, got {v!r}")
+        return self
+
+
+def _csr_tensors(X: sp.csr_matrix) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    X = sp.csr_matrix(X, dtype=np.float32)
+    return (torch.from_numpy(X.indptr.astype(np.int64)), torch.from_numpy(X.indices.astype(np.int64)),
+            torch.from_numpy(X.data))
+
+
+def pruned_support(X: sp.csr_matrix, Y: sp.csr_matrix, max_terms: int) -> np.ndarray:
+    """The sorted keys l * V + t of each label's weights: the terms t of its positives' TF-IDF centroid, at most
+    ``max_terms`` of the largest (ties: smaller term)."""
+    C = sp.csr_matrix(Y.T @ X, dtype=np.float32)
+    C.sum_duplicates()
+    lengths = np.diff(C.indptr)
+    rows = np.repeat(np.arange(C.shape[0], dtype=np.int64), lengths)
+    if lengths.max(initial=0) > max_terms:  # keep each row's max_terms largest: one sort by (row, -weight, term)
+        order = np.lexsort((C.indices, -C.data, rows))
+        rank = np.arange(C.nnz) - np.repeat(C.indptr[:-1], lengths)
+        keep = order[rank < max_terms]
+        rows, cols = rows[keep], C.indices[keep]
+    else:
+        cols = C.indices
+    return np.sort(rows * np.int64(X.shape[1]) + cols.astype(np.int64))
+
+
+class LexicalClassifier:
+    """Sparse per-label logistic regressions over TF-IDF rows (module docstring): ``keys`` (sorted l * V + t),
+    their ``weights`` and one ``bias`` per label."""
+
+    def __init__(self, keys: np.ndarray, weights: np.ndarray, bias: np.ndarray, num_terms: int,
+                 settings: ClassifierSettings | None = None):
+        self.keys = torch.from_numpy(np.ascontiguousarray(keys, dtype=np.int64))
+        self.weights = torch.from_numpy(np.ascontiguousarray(weights, dtype=np.float32))
+        self.bias = torch.from_numpy(np.ascontiguousarray(bias, dtype=np.float32))
+        self.num_terms, self.settings = int(num_terms), settings or ClassifierSettings()
+        self.history: list[float] = []  # the held-out value after each training pass (fit's ``judge``)
+        if self.keys.shape != self.weights.shape or self.keys.ndim != 1:
+            raise ValueError(f"{tuple(self.keys.shape)} keys for {tuple(self.weights.shape)} weights")
+        if len(self.keys) and (int(self.keys[-1]) >= self.num_labels * self.num_terms or int(self.keys[0]) < 0):
+            raise ValueError(f"keys outside {self.num_labels} labels x {self.num_terms} terms")
+
+    @property
+    def num_labels(self) -> int:
+        return int(self.bias.shape[0])
+
+    def _lookup(self, X: tuple[torch.Tensor, torch.Tensor, torch.Tensor], rows: torch.Tensor,
+                labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each pair (rows[i], labels[i])'s terms found among the keys: (pair, weight position, term value)."""
+        indptr, indices, data = X
+        count = indptr[rows + 1] - indptr[rows]
+        pair = torch.repeat_interleave(torch.arange(len(rows)), count)
+        entry = torch.arange(int(count.sum())) + torch.repeat_interleave(indptr[rows] - (torch.cumsum(count, 0)
+                                                                                         - count), count)
+        key = labels[pair] * self.num_terms + indices[entry]
+        at = torch.searchsorted(self.keys, key).clamp_(max=max(len(self.keys) - 1, 0))
+        hit = self.keys[at] == key if len(self.keys) else torch.zeros(len(key), dtype=torch.bool)
+        return pair[hit], at[hit], data[entry[hit]]
+
+    def _logits(self, found: tuple[torch.Tensor, torch.Tensor, torch.Tensor], labels: torch.Tensor,
+                weights: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """w_l . x_r + b_l of each pair, from its terms :meth:`_lookup` found."""
+        pair, at, values = found
+        return torch.zeros(len(labels), dtype=weights.dtype).index_add(0, pair, weights[at] * values) + bias[labels]
+
+    def pair_scores(self, Q: sp.csr_matrix, rows: np.ndarray, labels: np.ndarray) -> np.ndarray:
+        """sigmoid(w_l . q + b_l) (float32) of each pair (``rows[i]`` of ``Q``, ``labels[i]``), in chunks of at
+        most LOOKUP_BUDGET term lookups."""
+        Q = sp.csr_matrix(Q, dtype=np.float32)
+        if Q.shape[1] != self.num_terms:
+            raise XCError(f"TF-IDF rows of {Q.shape[1]} terms, the lexical classifiers read {self.num_terms}")
+        X = _csr_tensors(Q)
+        rows, labels = np.asarray(rows, dtype=np.int64), np.asarray(labels, dtype=np.int64)
+        work = np.cumsum(np.diff(Q.indptr)[rows] + 1)
+        ends = np.unique(np.append(np.searchsorted(work, np.arange(LOOKUP_BUDGET, work[-1], LOOKUP_BUDGET),
+                                                   side="right"), len(rows))) if len(rows) else []
+        out = np.empty(len(rows), dtype=np.float32)
+        with torch.no_grad():
+            for s, e in zip(np.concatenate([[0], ends[:-1]]).astype(np.int64), ends):
+                r, lab = torch.from_numpy(rows[s:e]), torch.from_numpy(labels[s:e])
+                out[s:e] = torch.sigmoid(self._logits(self._lookup(X, r, lab), lab, self.weights,
+                                                       self.bias)).numpy()
+        return out
+
+    def on_pattern(self, Q: sp.csr_matrix, S: sp.csr_matrix) -> sp.csr_matrix:
+        """The classifiers' scores of the (query, label) entries ``S`` stores, in ``S``'s pattern."""
+        S = sp.csr_matrix(S)
+        rows = np.repeat(np.arange(S.shape[0]), np.diff(S.indptr))
+        return sp.csr_matrix((self.pair_scores(Q, rows, S.indices), S.indices.copy(), S.indptr.copy()),
+                             shape=S.shape)
+
+    @classmethod
+    def fit(cls, X: sp.csr_matrix, Y: sp.csr_matrix, hard: sp.csr_matrix, settings: ClassifierSettings,
+            judge: Callable[[LexicalClassifier], float] | None = None) -> LexicalClassifier:
+        """Train on the TF-IDF rows ``X`` (n, V) with their labels ``Y`` (n, L, binary): each point against its
+        positives, its hard negatives (the stored entries of its row of ``hard``, n x L: :func:`hard_negatives`)
+        and ``random_negatives`` uniform labels per epoch (module docstring). ``judge``: the model's value on
+        held-out points, called after each pass: the best pass's weights are kept (None: the last pass's)."""
+        settings = settings.check()
+        X, Y = sp.csr_matrix(X, dtype=np.float32), sp.csr_matrix(Y, dtype=np.float32, copy=True)
+        n, num_labels = Y.shape
+        if X.shape[0] != n or hard.shape != Y.shape:
+            raise ValueError(f"{X.shape[0]} TF-IDF rows, labels {Y.shape}, hard negatives {hard.shape}")
+        Y.data[:] = 1.0
+        Y.eliminate_zeros()
+        keys = pruned_support(X, Y, settings.max_terms)
+        model = cls(keys, np.zeros(len(keys), np.float32), np.zeros(num_labels, np.float32), X.shape[1], settings)
+        _train(model, X, Y, sp.csr_matrix(hard), np.random.default_rng(settings.seed), judge)
+        return model
+
+    def save(self, folder: str | Path) -> dict[str, Any]:
+        """Write the weights into ``folder``; the settings and sizes to keep in the index's JSON."""
+        folder = Path(folder)
+        np.save(folder / KEYS_FILE, self.keys.numpy(), allow_pickle=False)
+        np.save(folder / WEIGHTS_FILE, self.weights.numpy(), allow_pickle=False)
+        np.save(folder / BIAS_FILE, self.bias.numpy(), allow_pickle=False)
+        return {"num_terms": self.num_terms, "settings": asdict(self.settings)}
+
+    @classmethod
+    def load(cls, folder: str | Path, config: dict[str, Any]) -> LexicalClassifier:
+        folder = Path(folder)
+        return cls(np.load(folder / KEYS_FILE, allow_pickle=False), np.load(folder / WEIGHTS_FILE, allow_pickle=False),
+                   np.load(folder / BIAS_FILE, allow_pickle=False), int(config["num_terms"]),
+                   ClassifierSettings(**config.get("settings", {})))
+
+
+def hard_negatives(candidates: sp.csr_matrix, Y: sp.csr_matrix, m: int) -> sp.csr_matrix:
+    """Each row's ``m`` highest-scored ``candidates`` (n, L; ties: smaller label) that are not among its labels
+    ``Y``, as a binary CSR (n, L)."""
+    C = sp.csr_matrix(candidates, dtype=np.float32, copy=True)
+    C.sum_duplicates()
+    C = C - C.multiply(sp.csr_matrix(Y) != 0)  # positives out
+    C.eliminate_zeros()
+    C.data[C.data < 0] = 0  # (scores are >= 0; a negative one would vanish below)
+    C.eliminate_zeros()
+    if m == 0 or C.nnz == 0:
+        return sp.csr_matrix(Y.shape, dtype=np.float32)
+    lengths = np.diff(C.indptr)
+    rows = np.repeat(np.arange(C.shape[0]), lengths)
+    order = np.lexsort((C.indices, -C.data, rows))
+    keep = order[np.arange(C.nnz) - np.repeat(C.indptr[:-1], lengths) < m]
+    return sp.csr_matrix((np.ones(len(keep), np.float32), (rows[keep], C.indices[keep])), shape=C.shape)
+
+
+def _batch_pairs(points: np.ndarray, Y: sp.csr_matrix, hard: sp.csr_matrix, random: int, num_labels: int,
+                 rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(rows, labels, targets) of ``points``: their positives (1), hard negatives and random negatives (0; a
+    random draw that hits a positive is dropped)."""
+    Yp, Hp = Y[points], hard[points]
+    pr, pc = np.repeat(points, np.diff(Yp.indptr)), Yp.indices
+    hr, hc = np.repeat(points, np.diff(Hp.indptr)), Hp.indices
+    rr = np.repeat(points, random)
+    rc = rng.integers(0, num_labels, len(rr))
+    if len(rr):
+        ok = np.asarray(Y[rr, rc]).ravel() == 0
+        rr, rc = rr[ok], rc[ok]
+    rows = np.concatenate([pr, hr, rr]).astype(np.int64)
+    labels = np.concatenate([pc, hc, rc]).astype(np.int64)
+    targets = np.concatenate([np.ones(len(pr), np.float32), np.zeros(len(hr) + len(rr), np.float32)])
+    return rows, labels, targets
+
+
+def _train(model: LexicalClassifier, X: sp.csr_matrix, Y: sp.csr_matrix, hard: sp.csr_matrix,
+           rng: np.random.Generator, judge: Callable[[LexicalClassifier], float] | None) -> None:
+    """Adagrad on the logistic loss of mini-batches of ``batch_pairs`` pairs (a batch = whole points, shuffled
+    each epoch), ``epochs`` passes capped at ``max_pairs`` pairs: beyond the cap, a seeded sample of the points.
+    ``judge``: after each pass, the model's value on held-out points; the best pass is kept (the first of ties)."""
+    s = model.settings
+    n = X.shape[0]
+    per_point = (Y.nnz + hard.nnz) / max(n, 1) + s.random_negatives
+    total = min(s.epochs * n, s.max_pairs / max(per_point, 1e-9))  # point visits
+    points_per_batch = max(1, int(s.batch_pairs / max(per_point, 1e-9)))
+    Xt = _csr_tensors(X)
+    weights = model.weights.clone().requires_grad_(True)
+    bias = model.bias.clone().requires_grad_(True)
+    opt = torch.optim.Adagrad([weights, bias], lr=s.lr)
+    seen, best = 0, (-math.inf, model.weights, model.bias)
+    while seen < total and n:
+        order = rng.permutation(n)[:int(min(n, math.ceil(total - seen)))]
+        for start in range(0, len(order), points_per_batch):
+            rows, labels, targets = _batch_pairs(order[start:start + points_per_batch], Y, hard,
+                                                 s.random_negatives, model.num_labels, rng)
+            r, lab = torch.from_numpy(rows), torch.from_numpy(labels)
+            found = model._lookup(Xt, r, lab)
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(
+                model._logits(found, lab, weights, bias), torch.from_numpy(targets), reduction="sum")
+            # L2 on the weights the batch reads, once per reading
+            loss = (loss + 0.5 * s.l2 * (weights[found[1]] ** 2).sum()) / max(len(rows), 1)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        seen += len(order)
+        model.weights, model.bias = weights.detach().clone(), bias.detach().clone()
+        value = judge(model) if judge is not None else 0.0
+        model.history.append(round(float(value), 6))
+        if judge is None or value > best[0]:
+            best = (value, model.weights, model.bias)
+    model.weights, model.bias = best[1], best[2]
