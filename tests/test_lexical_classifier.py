@@ -57,6 +57,12 @@ def test_pair_scores_equal_the_dense_logistic_model_in_any_chunking(monkeypatch,
     r, c = S.nonzero()
     np.testing.assert_allclose(np.asarray(got[r, c]).ravel(), model.pair_scores(Q, r, c), rtol=1e-6)
     assert model.pair_scores(Q, np.zeros(0, int), np.zeros(0, int)).shape == (0,)
+    capped = LexicalClassifier(keys, w, b, V, ClassifierSettings(candidates=2)).on_pattern(Q, S.multiply(
+        sp.csr_matrix(np.arange(1, L + 1, dtype=np.float32)[None, :])))  # the two largest labels of each row
+    for i in range(9):
+        top = sorted(np.flatnonzero(S[i].toarray()[0]))[-2:]
+        assert capped[i].indices.tolist() == top
+        np.testing.assert_allclose(capped[i].data, model.pair_scores(Q, [i] * len(top), top), rtol=1e-6)
 
 
 def _topic_texts(n: int, labels: int, seed: int) -> tuple[list[str], sp.csr_matrix]:
@@ -129,7 +135,8 @@ def test_classifier_round_trips_with_the_index(tmp_path):
 
 
 @pytest.mark.parametrize("field,value", [("epochs", 0), ("hard_negatives", -1), ("max_terms", 0), ("lr", float("nan")),
-                                         ("l2", -1.0), ("random_negatives", True)])
+                                         ("l2", -1.0), ("random_negatives", True),
+                                         ("candidates", 0)])
 def test_bad_settings_name_their_field(field, value):
     with pytest.raises(XCConfigError, match=f"index.lexical_classifier_{field}"):
         ClassifierSettings(**{field: value}).check()

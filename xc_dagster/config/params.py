@@ -354,6 +354,7 @@ class IndexParams:
     lexical_classifier_random_negatives: int = 100
     lexical_classifier_max_terms: int = 1024
     lexical_classifier_max_pairs: int = 50_000_000
+    lexical_classifier_candidates: int = 200  # per query: the classifiers score the other parts' top this many labels
 
 
 @dataclass

@@ -60,7 +60,7 @@ def classifier_settings(p: Any, seed: int) -> ClassifierSettings:
     return ClassifierSettings(epochs=p.lexical_classifier_epochs, hard_negatives=p.lexical_classifier_hard_negatives,
                               random_negatives=p.lexical_classifier_random_negatives,
                               max_terms=p.lexical_classifier_max_terms, max_pairs=p.lexical_classifier_max_pairs,
-                              seed=seed).check()
+                              candidates=p.lexical_classifier_candidates, seed=seed).check()
 
 
 def lexical_index(ctx: StageContext, rows: np.ndarray, Y_train: Any, fit_rows: np.ndarray) -> LexicalIndex:

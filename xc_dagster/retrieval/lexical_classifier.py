@@ -34,6 +34,7 @@ import scipy.sparse as sp
 import torch
 
 from xc_dagster.errors import XCConfigError, XCError
+from xc_dagster.retrieval.sparse_rows import sparse_topk
 
 KEYS_FILE = "classifier_keys.npy"
 WEIGHTS_FILE = "classifier_weights.npy"
@@ -50,13 +51,14 @@ class ClassifierSettings:
     random_negatives: int = 100
     max_terms: int = 1024
     max_pairs: int = 50_000_000
+    candidates: int = 200
     lr: float = 0.3
     l2: float = 1e-3
     batch_pairs: int = 4096
     seed: int = 0
 
     def check(self) -> ClassifierSettings:
-        for name in ("hard_negatives", "random_negatives", "max_terms", "max_pairs", "batch_pairs"):
+        for name in ("hard_negatives", "random_negatives", "max_terms", "max_pairs", "candidates", "batch_pairs"):
             v = getattr(self, name)
             least = 0 if name.endswith("negatives") else 1
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < least:
@@ -152,8 +154,16 @@ class LexicalClassifier:
         return out
 
     def on_pattern(self, Q: sp.csr_matrix, S: sp.csr_matrix) -> sp.csr_matrix:
-        """The classifiers' scores of the (query, label) entries ``S`` stores, in ``S``'s pattern."""
+        """The classifiers' scores of the (query, label) entries ``S`` stores, or of each row's ``candidates``
+        highest-scored ones where it stores more (the others get none): a query costs at most ``candidates`` x its
+        terms lookups however many labels share a term with it."""
         S = sp.csr_matrix(S)
+        c = self.settings.candidates
+        if S.shape[0] and np.diff(S.indptr).max() > c:
+            ids, _ = sparse_topk(S, c)
+            ok = ids >= 0
+            rows, cols = np.repeat(np.arange(S.shape[0]), c)[ok.ravel()], ids[ok]
+            return sp.csr_matrix((self.pair_scores(Q, rows, cols), (rows, cols)), shape=S.shape)
         rows = np.repeat(np.arange(S.shape[0]), np.diff(S.indptr))
         return sp.csr_matrix((self.pair_scores(Q, rows, S.indices), S.indices.copy(), S.indptr.copy()),
                              shape=S.shape)
