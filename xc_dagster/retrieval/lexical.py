@@ -79,6 +79,9 @@ INPUTS = ("text", "features")  # what the TF-IDF model reads: raw texts, or the 
 VECTORIZER = {"sublinear_tf": True, "ngram_range": [1, 2], "lowercase": True, "token_pattern": r"(?u)\b\w\w+\b"}
 DENSE_TOPK_SHARE = 0.02  # a product block filling more than this share of its packed rows is partitioned, not sorted
 PRODUCT_BUDGET = 1 << 24  # at most this many (query, training point) products held at once (~200 MB)
+# the kNN votes (K, p) of the other parts when they pick the classifiers' hard negatives and training pass: fixed,
+# so that the classifiers do not depend on the votes an index is built or fitted with (fusion.vote_grid)
+CLASSIFIER_VOTES = (10, 1.0)
 CAPPED_TERMS = 64  # block_rows of a capped index: a query's products taken as at most this many terms x P
 
 
@@ -221,15 +224,15 @@ class LexicalIndex:
     def fit_classifier(self, rows: np.ndarray, settings: ClassifierSettings,
                        valid: tuple[sp.csr_matrix, sp.spmatrix] | None = None) -> LexicalClassifier:
         """The classifiers trained on the indexed points ``rows``, each against its hard negatives: the labels its
-        label-text and kNN parts score highest (its neighbours among ``rows``, itself left out) that it does not
-        carry, found in blocks of bounded work. Held-out points pick the training pass, the one whose lexical
-        scores reach the highest P@1 + P@5 on them: ``valid`` (TF-IDF rows, labels), else the indexed points
-        outside ``rows`` (the validation split), if any."""
+        label-text and kNN parts (with CLASSIFIER_VOTES) score highest (its neighbours among ``rows``, itself left
+        out) that it does not carry, found in blocks of bounded work. Held-out points pick the training pass, the
+        one whose lexical scores reach the highest P@1 + P@5 on them: ``valid`` (TF-IDF rows, labels), else the
+        indexed points outside ``rows`` (the validation split), if any."""
         settings = settings.check()
         rows = np.asarray(rows, dtype=np.int64)
         held = np.setdiff1d(np.arange(self.num_points), rows)  # never neighbours of the fit
-        plain = copy.copy(self)  # the other two parts only
-        plain.classifier = None
+        plain = copy.copy(self)  # the other two parts only, with the votes of CLASSIFIER_VOTES whatever the index's
+        plain.classifier, (plain.neighbours, plain.power) = None, CLASSIFIER_VOTES
 
         def parts(Q: sp.csr_matrix, own: np.ndarray | None, Y: sp.csr_matrix | None = None) -> sp.csr_matrix:
             """The other parts' scores of ``Q`` by blocks, or with ``Y``, each block's hard negatives."""
