@@ -95,12 +95,16 @@ def test_classifiers_learn_what_the_knn_vote_misses():
     assert _p_at_1(parts[found], Y_test[found]) >= 0.95 and _p_at_1(S0[found], Y_test[found]) <= 0.7
 
 
-def test_classifiers_train_on_the_fit_points_only_and_are_seeded():
+def test_classifiers_train_on_the_fit_points_only_and_are_seeded(monkeypatch):
     texts, Y = _topic_texts(400, 10, 2)
     fit_on = np.arange(300)
     a = LexicalIndex.fit(texts, None, Y, 5, min_df=1, fit_on=fit_on, classifier=ClassifierSettings(epochs=2))
     b = LexicalIndex.fit(texts, None, Y, 5, min_df=1, fit_on=fit_on, classifier=ClassifierSettings(epochs=2))
     np.testing.assert_array_equal(a.classifier.weights.numpy(), b.classifier.weights.numpy())
+    monkeypatch.setattr(lc, "SPARSE_FROM", 1)  # sparse gradients: the same model up to the sums' order
+    c = LexicalIndex.fit(texts, None, Y, 5, min_df=1, fit_on=fit_on, classifier=ClassifierSettings(epochs=2))
+    np.testing.assert_allclose(c.classifier.weights.numpy(), a.classifier.weights.numpy(), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(c.classifier.bias.numpy(), a.classifier.bias.numpy(), rtol=1e-4, atol=1e-5)
     # the held-out points' labels are not in the support: a label only they carry has no weights, its bias only
     # ever met random negatives
     Y2 = Y.tolil()
