@@ -168,9 +168,7 @@ class LexicalClassifier:
         S = sp.csr_matrix(S)
         c = self.settings.candidates
         if S.shape[0] and np.diff(S.indptr).max() > c:
-            ids, _ = sparse_topk(S, c)
-            ok = ids >= 0
-            rows, cols = np.repeat(np.arange(S.shape[0]), c)[ok.ravel()], ids[ok]
+            rows, cols = _top_entries(S, c)
             return sp.csr_matrix((self.pair_scores(Q, rows, cols), (rows, cols)), shape=S.shape)
         rows = np.repeat(np.arange(S.shape[0]), np.diff(S.indptr))
         return sp.csr_matrix((self.pair_scores(Q, rows, S.indices), S.indices.copy(), S.indptr.copy()),
@@ -222,11 +220,15 @@ def hard_negatives(candidates: sp.csr_matrix, Y: sp.csr_matrix, m: int) -> sp.cs
     C.eliminate_zeros()
     if m == 0 or C.nnz == 0:
         return sp.csr_matrix(Y.shape, dtype=np.float32)
-    lengths = np.diff(C.indptr)
-    rows = np.repeat(np.arange(C.shape[0]), lengths)
-    order = np.lexsort((C.indices, -C.data, rows))
-    keep = order[np.arange(C.nnz) - np.repeat(C.indptr[:-1], lengths) < m]
-    return sp.csr_matrix((np.ones(len(keep), np.float32), (rows[keep], C.indices[keep])), shape=C.shape)
+    rows, cols = _top_entries(C, m)
+    return sp.csr_matrix((np.ones(len(rows), np.float32), (rows, cols)), shape=C.shape)
+
+
+def _top_entries(S: sp.csr_matrix, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, columns) of each row's ``k`` largest stored entries of ``S`` (ties: smaller column)."""
+    ids, _ = sparse_topk(S, k)
+    ok = ids >= 0
+    return np.repeat(np.arange(S.shape[0]), k)[ok.ravel()], ids[ok]
 
 
 def _batch_pairs(points: np.ndarray, Y: sp.csr_matrix, hard: sp.csr_matrix, random: int, num_labels: int,
