@@ -32,10 +32,9 @@ from xc_dagster.retrieval.shortlist import (
     ShortlistSources,
     build_sources,
     check_sources,
-    load_sources,
     retrieve,
-    save_sources,
 )
+from xc_dagster.retrieval.source_files import load_sources, save_sources
 from xc_dagster.retrieval.sparse_rows import sparse_lookup, sparse_topk
 from xc_dagster.serving import bundle as serving_bundle
 from xc_dagster.storage import ArtifactStore

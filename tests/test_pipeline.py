@@ -306,7 +306,8 @@ def test_pretokenized_layout_uses_the_shipped_token_ids(tmp_path, monkeypatch, t
     assert ids.shape == (120, 12) and out["tokenize"]["train_pretokenized"] == 1.0
     assert np.array_equal(ids[0, :lens[0]], shipped[0, :lens[0]])
     # no texts: ngame's lexical source is left out with a note; asked for explicitly, it is an error naming it
-    assert out["index"]["sources"] == ["W", "label", "knn"] and "no term" in out["index"]["lexical_left_out"]
+    assert out["index"]["sources"] == ["W", "label", "knn", "cooccurrence"]
+    assert "no term" in out["index"]["lexical_left_out"]
     bad = StageContext(ctx.store, spec, spec.config({"index.sources": "W,label,lexical"}), home.cache)
     with pytest.raises(XCConfigError, match="index.sources"):
         run_all(bad, ("index",))

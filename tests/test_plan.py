@@ -90,12 +90,13 @@ def test_work_counts_of_a_hand_computed_shape(monkeypatch):
     assert ev.parts["encode 200 test texts"] == pytest.approx(0.2)
     fusion = stages["fusion"]  # ngame's vote grid: the shortlists and the fit for each of its 2 candidates
     assert fusion.parts["label search (exact, 10 x 300), x 2 vote candidates"] == pytest.approx(2 * 10 * 300 * 1e-9)
-    width = 100 * 4  # W, label, knn, lexical
-    assert fusion.parts["alpha fit, 2,625 grid points x 10 points, x 2 vote candidates"] == pytest.approx(
-        2 * 2625 * 10 * width * 1e-9)
+    width = 100 * 5  # W, label, knn, lexical, cooccurrence
+    # 21 alphas x 5 kNN x 5 lexical x 4 co-occurrence x 5 propensity weights
+    assert fusion.parts["alpha fit, 10,500 grid points x 10 points, x 2 vote candidates"] == pytest.approx(
+        2 * 10500 * 10 * width * 1e-9)
     one = {p.name: p for p in plan_stages(Costs(FixedUnits(), cfg, s), _ngame(**{"fusion.vote_grid": "10:2"}), s,
                                           None)}["fusion"]
-    assert one.parts["alpha fit, 2,625 grid points x 10 points"] == pytest.approx(2625 * 10 * width * 1e-9)
+    assert one.parts["alpha fit, 10,500 grid points x 10 points"] == pytest.approx(10500 * 10 * width * 1e-9)
     assert fusion.seconds == pytest.approx(2 * one.seconds)
     # the user's own votes without a grid: the index's votes only, as the fusion stage counts them
     mine = {p.name: p for p in plan_stages(Costs(FixedUnits(), cfg, s), _ngame(**{"index.knn_neighbours": 5}), s,

@@ -35,7 +35,8 @@ from xc_dagster.encoders.encode import encode_tokens
 from xc_dagster.encoders.loading import load_encoder
 from xc_dagster.encoders.tokenizer import load_tokenizer, tokenize_texts
 from xc_dagster.errors import XCConfigError
-from xc_dagster.retrieval.shortlist import build_sources, save_sources
+from xc_dagster.retrieval.shortlist import build_sources
+from xc_dagster.retrieval.source_files import save_sources
 from xc_dagster.serving import bundle as serving_bundle
 from xc_dagster.serving.limits import MAX_TEXTS_ENV, RequestLimits, text_char_limit
 from xc_dagster.serving.registry import MODEL_CODE

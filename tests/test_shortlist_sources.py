@@ -31,10 +31,9 @@ from xc_dagster.retrieval.shortlist import (
     knn_label_scores,
     label_centroids,
     label_representation,
-    load_sources,
     retrieve,
-    save_sources,
 )
+from xc_dagster.retrieval.source_files import load_sources, save_sources
 from xc_dagster.serving import bundle as serving_bundle
 from xc_dagster.storage import ArtifactStore, load_json
 from xc_dagster.training.losses import siamesexml_classifier_loss

@@ -52,7 +52,8 @@ from xc_dagster.encoders.tokenizer import load_tokens
 from xc_dagster.errors import XCError
 from xc_dagster.retrieval.files import CENTROID_FILE
 from xc_dagster.retrieval.fusion import load_fusion
-from xc_dagster.retrieval.shortlist import ShortlistSources, load_sources
+from xc_dagster.retrieval.shortlist import ShortlistSources
+from xc_dagster.retrieval.source_files import load_sources
 from xc_dagster.retrieval.votes import with_fitted_votes
 from xc_dagster.storage import VERSION, ArtifactStore, load_json
 

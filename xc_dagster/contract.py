@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from xc_dagster.errors import XCError
-from xc_dagster.retrieval.files import CENTROID_FILE, INDEX_FILES, KNN_LABELS_FILE, LEXICAL_DIR
+from xc_dagster.retrieval.files import CENTROID_FILE, COOCCURRENCE_FILE, INDEX_FILES, KNN_LABELS_FILE, LEXICAL_DIR
 
 # every stage
 SUMMARY = "summary.json"  # sizes, timings and key numbers of the run that wrote the folder
@@ -97,7 +97,7 @@ CONTRACT: dict[str, StageArtifacts] = {s.stage: s for s in (
     _stage("classifier", "classifiers", ("ingest", "tokenize", "pretrain", "mining"), W, ENCODER, TRAIN_EMB,
            LABEL_EMB),
     _stage("index", "ann_index", ("ingest", "pretrain", "mining", "classifier"), *INDEX_FILES.values(), KNN_LABELS_FILE,
-           CENTROID_FILE, LEXICAL_DIR, HELDOUT),
+           CENTROID_FILE, LEXICAL_DIR, COOCCURRENCE_FILE, HELDOUT),
     _stage("fusion", "fusion", ("ingest", "pretrain", "mining", "classifier", "index"), FUSION),
     _stage("evaluate", "evaluation", ("ingest", "tokenize", "pretrain", "mining", "classifier", "index", "fusion"),
            PREDICTIONS, METRICS, REPORTS, *PLOTS.values()),

@@ -37,9 +37,9 @@ POOLINGS = ("mean", "cls")
 # xc_dagster.sampling.stale_index, its kinds without "auto" (a checkpoint restores the index by the kind set)
 INDEX_KINDS = ("auto", "hnsw", "exact", "ivf")
 SAMPLER_INDEX_KINDS = ("hnsw", "exact", "ivf")
-# index.sources: xc_dagster.retrieval.shortlist.SOURCES; mining.sources: its ANN_SOURCES (lexical is an
-# inference source only)
-SOURCES = ("W", "label", "centroid", "knn", "lexical")
+# index.sources: xc_dagster.retrieval.shortlist.SOURCES; mining.sources: its ANN_SOURCES (lexical and
+# cooccurrence are inference sources only)
+SOURCES = ("W", "label", "centroid", "knn", "lexical", "cooccurrence")
 ANN_SOURCES = ("W", "label", "centroid", "knn")
 # index.label_repr, classifier.init: xc_dagster.retrieval.shortlist.LABEL_REPRS
 LABEL_REPRS = ("text", "text+centroid")

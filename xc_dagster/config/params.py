@@ -297,6 +297,10 @@ class FusionParams:
     # + d * lexical score; d = 0 is always tried; (0,) = no lexical term
     lexical_grid: tuple[float, ...] = (0.0, 0.125, 0.25, 0.5, 1.0)
     lexical_grid_extend: int = 6  # as knn_grid_extend, for the lexical weight
+    # alpha only, when the shortlist has co-occurrence votes (index.sources with cooccurrence): weights e tried
+    # jointly for + e * votes; e = 0 is always tried; (0,) = no co-occurrence term
+    cooccurrence_grid: tuple[float, ...] = (0.0, 0.25, 0.5, 1.0)
+    cooccurrence_grid_extend: int = 6  # as knn_grid_extend, for the co-occurrence weight
     # alpha only: weights b tried jointly with alpha and c for + b * log(1 / p_l), the labels' inverse propensity:
     # ranking by P(y_l) / p_l maximises PSP. b = 0 is always tried; (0,) = no propensity term
     # (docs/decisions.md#fusion-propensity-term)
@@ -355,6 +359,13 @@ class IndexParams:
     lexical_classifier_max_terms: int = 1024
     lexical_classifier_max_pairs: int = 50_000_000
     lexical_classifier_candidates: int = 200  # per query: the classifiers score the other parts' top this many labels
+    # cooccurrence source (xc_dagster.retrieval.cooccurrence, Gandalf's label points): the K nearest labels of the
+    # label source's search vote max(similarity, 0) ** power each for the labels co-occurring with them in
+    # training, P(l | h), each label keeping its max_entries most frequent co-occurring labels; not built when the
+    # fusion is cross-fitted (docs/decisions.md#label-cooccurrence)
+    cooccurrence_neighbours: int = 3
+    cooccurrence_power: float = 4.0
+    cooccurrence_max_entries: int = 100
 
 
 @dataclass

@@ -71,10 +71,11 @@ def upstream_seconds(ctx: StageContext) -> dict[str, float]:
 
 def _rankings(sl: Any) -> list[tuple[str, np.ndarray]]:
     """Each ranking on its own, as the papers' ablations report them (classifier only, embedding only; lexical
-    only with the lexical source)."""
+    only and co-occurrence only with those sources)."""
     out = [("classifier_only", sl.clf), ("embedding_only", sl.emb)]
-    if sl.lex is not None:
-        out.append(("lexical_only", np.where(sl.ids < 0, -np.inf, sl.lex).astype(np.float32)))
+    for name, scores in (("lexical_only", sl.lex), ("cooccurrence_only", sl.cooc)):
+        if scores is not None:
+            out.append((name, np.where(sl.ids < 0, -np.inf, scores).astype(np.float32)))
     return out
 
 

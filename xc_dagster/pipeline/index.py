@@ -19,6 +19,7 @@ from xc_dagster.pipeline.context import StageContext
 from xc_dagster.pipeline.kept import KeptWork
 from xc_dagster.progress import in_one_call
 from xc_dagster.retrieval.ann import LabelIndex
+from xc_dagster.retrieval.cooccurrence import CooccurrenceSettings, LabelCooccurrence
 from xc_dagster.retrieval.exact_settings import resolve_kind
 from xc_dagster.retrieval.lexical import LEXICAL_DIR, LexicalIndex
 from xc_dagster.retrieval.lexical_classifier import ClassifierSettings
@@ -46,6 +47,10 @@ def _check(p: Any) -> None:
     if not isinstance(p.lexical_classifier, bool):
         raise XCConfigError(f"index.lexical_classifier: expected true or false, got {p.lexical_classifier!r}")
     classifier_settings(p, 0)
+    cooccurrence_settings(p)
+    if "cooccurrence" in p.sources and "label" not in p.sources:
+        raise XCConfigError(f"index.sources: cooccurrence votes through the label source's neighbours; add label "
+                            f"(got {list(p.sources)})")
     if not isinstance(p.include_validation, bool):
         raise XCConfigError(f"index.include_validation: expected true or false, got {p.include_validation!r}")
     for name, least in (("lexical_neighbours", 1), ("lexical_min_df", 1), ("lexical_max_postings", 0),
@@ -63,6 +68,18 @@ def classifier_settings(p: Any, seed: int) -> ClassifierSettings:
                               candidates=p.lexical_classifier_candidates, seed=seed).check()
 
 
+def cooccurrence_settings(p: Any) -> CooccurrenceSettings:
+    """``index.cooccurrence_*`` as the co-occurrence source's settings, checked."""
+    return CooccurrenceSettings(p.cooccurrence_neighbours, p.cooccurrence_power, p.cooccurrence_max_entries).check()
+
+
+def cross_fitted(ctx: StageContext, fit_rows: np.ndarray, num_train: int) -> bool:
+    """Whether the fusion will be cross-fitted on the training points (``fusion.fit_on``): parts learned from
+    every training point's labels would then score their own labels."""
+    f = ctx.cfg.fusion.fit_on
+    return f == "cross_fit" or (f == "auto" and len(fit_rows) >= num_train)
+
+
 def lexical_index(ctx: StageContext, rows: np.ndarray, Y_train: Any, fit_rows: np.ndarray) -> LexicalIndex:
     """The lexical source over the training points ``rows`` (the kNN index's rows), its TF-IDF fitted on the
     points ``fit_rows`` (the models' training rows) and the labels: of their shipped BoW features when ingest
@@ -78,9 +95,7 @@ def lexical_index(ctx: StageContext, rows: np.ndarray, Y_train: Any, fit_rows: n
         texts = ctx.read.texts("train")
         points, labels = [texts[i] for i in rows], ctx.read.texts("label")
     fit_on = np.flatnonzero(np.isin(rows, fit_rows))
-    # a cross-fitted fusion scores every training point: classifiers trained on them would score their own labels
-    f = ctx.cfg.fusion.fit_on
-    cross_fit = f == "cross_fit" or (f == "auto" and len(fit_rows) >= Y_train.shape[0])
+    cross_fit = cross_fitted(ctx, fit_rows, Y_train.shape[0])
     settings = classifier_settings(p, ctx.cfg.classifier.seed) if p.lexical_classifier and not cross_fit else None
     valid = None  # validation points not indexed (index.include_validation false) still pick the classifiers' pass
     held = np.setdiff1d(np.arange(Y_train.shape[0]), rows)
@@ -105,6 +120,26 @@ def _lexical_or_note(ctx: StageContext, rows: np.ndarray, Y_train: Any,
             raise
         ctx.info(f"index {ctx.name}: the strategy's lexical source is left out: {e}")
         return None, str(e)
+
+
+def _cooccurrence(ctx: StageContext, Y_train: Any, deployed: np.ndarray, rows: np.ndarray, out: Path,
+                  held: Path | None) -> dict[str, Any]:
+    """Write into ``out`` the co-occurrence source of the ``deployed`` points' labels, and into ``held`` that of
+    the fit points ``rows`` (what the fusion is fitted with); its summary, or {"left_out": why}."""
+    if cross_fitted(ctx, rows, Y_train.shape[0]):
+        why = "the cooccurrence source is left out: the fusion is cross-fitted on the points it counts"
+        if "index.sources" in ctx.cfg.explicit:
+            raise XCConfigError(f"index.sources: {why} (fusion.fit_on); drop cooccurrence or fit on validation")
+        ctx.info(f"index {ctx.name}: {why}")
+        return {"left_out": why}
+    settings = cooccurrence_settings(ctx.cfg.index)
+    graph = LabelCooccurrence.fit(Y_train[deployed], settings)
+    graph.save(out)
+    if held is not None:
+        held.mkdir(parents=True, exist_ok=True)
+        LabelCooccurrence.fit(Y_train[rows], settings).save(held)
+    return {"entries": int(graph.matrix.nnz), "neighbours": settings.neighbours, "power": settings.power,
+            "max_entries": settings.max_entries}
 
 
 def _mining_label_index(ctx: StageContext, kind: str) -> Path | None:
@@ -146,6 +181,19 @@ def _build(ctx: StageContext, name: str, vectors: np.ndarray, out: Path, kept: K
     return kind
 
 
+def _summary(p: Any, kinds: dict[str, str], shape: tuple[int, ...], knn_points: int,
+             parts: dict[str, Any]) -> dict[str, Any]:
+    """The stage's summary: the sources built (a strategy's lexical or co-occurrence source may be left out), their
+    index kinds and the lexical / co-occurrence ``parts`` (falsy ones omitted)."""
+    cooc = parts.get("cooccurrence")
+    built = {"lexical": parts.get("lexical") is not None, "cooccurrence": bool(cooc) and "left_out" not in cooc}
+    sources = tuple(s for s in p.sources if built.get(s, True))
+    summary = {"kind": p.kind, "kinds": {n: kinds[n] for n in sources if n in kinds}, "sources": list(sources),
+               "label_repr": p.label_repr, "labels": int(shape[0]), "dim": int(shape[1]), "knn_points": knn_points,
+               "knn_neighbours": int(p.knn_neighbours) if "knn" in p.sources else 0, "knn_power": float(p.knn_power)}
+    return {**summary, **{k: v for k, v in parts.items() if v}}
+
+
 def run(ctx: StageContext) -> dict[str, Any]:
     """Build and save the indexes, one at a time; with ``index.include_validation`` the deployed kNN index and
     centroids hold every training point, and ``heldout/`` what the fusion is fitted with: the centroids without
@@ -157,11 +205,13 @@ def run(ctx: StageContext) -> dict[str, Any]:
     W = ctx.read.W(mmap=True)
     need_centroids = "centroid" in p.sources or p.label_repr == "text+centroid"
     points_knn = "knn" in p.sources or "lexical" in p.sources  # a kNN over training points, held out by rows
+    cooc = "cooccurrence" in p.sources
+    cooc_summary: dict[str, Any] | None = None
     kinds: dict[str, str] = {}
     with ctx.kept_work({"index": dataclasses.asdict(p)}) as kept:
         note, heldout, knn_points, lexical_summary = "", False, 0, None
         with ctx.writing() as out:
-            if need_centroids or points_knn:
+            if need_centroids or points_knn or cooc:
                 ds = ctx.read.labels()
                 rows = ctx.read.train_rows(ds.num_train)
                 # from the deployed encoder's embeddings: mining's centroids are stale once ASTRA/MIPS-s fine-tuned it
@@ -186,6 +236,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
                         kinds["centroid"] = _build(ctx, "centroid", centroids, out, kept)
                     np.save(out / CENTROID_FILE, centroids)
                     del centroids
+                if cooc:
+                    cooc_summary = _cooccurrence(ctx, ds.Y_train, deployed, rows, out,
+                                                 out / HELDOUT if heldout else None)
                 if "knn" in p.sources:
                     # every point (include_validation): the memory-mapped array, not a copy (3.5 GB at 2.25M x 384)
                     points = train_emb if len(deployed) == len(train_emb) else train_emb[deployed]
@@ -206,16 +259,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
                     np.save(held / CENTROID_FILE, h_centroids)
                 if points_knn:  # the validation rows, excluded from the deployed kNN and lexical neighbours
                     np.save(held / KNN_EXCLUDED_FILE, np.setdiff1d(np.arange(ds.num_train), rows))
-            sources = tuple(s for s in p.sources if s != "lexical" or lexical_summary is not None)
-            summary = {"kind": p.kind, "kinds": {n: kinds[n] for n in sources if n in kinds},
-                       "sources": list(sources), "label_repr": p.label_repr,
-                       "labels": int(len(W)), "dim": int(W.shape[1]), "knn_points": knn_points,
-                       "knn_neighbours": int(p.knn_neighbours) if "knn" in p.sources else 0,
-                       "knn_power": float(p.knn_power)}
-            if note:
-                summary["lexical_left_out"] = note
-            if lexical_summary is not None:
-                summary["lexical"] = lexical_summary
+            summary = _summary(p, kinds, W.shape, knn_points, {"lexical_left_out": note, "lexical": lexical_summary,
+                                                               "cooccurrence": cooc_summary})
             if heldout:
                 summary["heldout_knn_points"] = int(len(rows)) if points_knn else 0
             summary["seconds"] = time.perf_counter() - t0

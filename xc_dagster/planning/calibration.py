@@ -324,7 +324,8 @@ def fusion_unit(cfg: PipelineConfig, knn: bool, lexical: bool) -> dict[str, floa
                    rng.random((n, w), dtype=np.float32) if knn else None,
                    rng.random((n, w), dtype=np.float32) if lexical else None)
     Y = sp.csr_matrix((np.ones(n * 2, np.float32), (np.repeat(np.arange(n), 2), ids[:, :2].ravel())), shape=(n, L))
-    p = dataclasses.replace(cfg.fusion, knn_grid_extend=0, lexical_grid_extend=0, propensity_grid_extend=0,
+    p = dataclasses.replace(cfg.fusion, knn_grid_extend=0, lexical_grid_extend=0, cooccurrence_grid_extend=0,
+                            propensity_grid_extend=0,
                             tree_max_samples=min(cfg.fusion.tree_max_samples or n * w, n * w))
     inv = 1.0 + rng.random(L)
     t0 = time.perf_counter()
@@ -346,13 +347,14 @@ def retrieve_unit(dim: int, k: int, pair_s: float) -> dict[str, float]:
 
 
 def grid_points(cfg: PipelineConfig, knn: bool, lexical: bool) -> int:
-    """The fusion's grid points before any extension: alpha values x kNN weights x lexical weights x propensity
-    weights (``xc_dagster.retrieval.fusion.alpha.fit_alpha``); 1 for the tree."""
+    """The fusion's grid points before any extension: alpha values x kNN weights x lexical weights x
+    co-occurrence weights x propensity weights (``xc_dagster.retrieval.fusion.alpha.fit_alpha``); 1 for the tree."""
     f = cfg.fusion
     if f.method != "alpha":
         return 1
     alphas = len(np.arange(0.0, 1.0 + 1e-9, f.grid_step))
     cs = len(set(f.knn_grid)) if knn else 1
     ds = len(set(f.lexical_grid) | {0.0}) if lexical else 1
+    es = len(set(f.cooccurrence_grid) | {0.0}) if "cooccurrence" in cfg.index.sources else 1
     bs = len(set(f.propensity_grid) | {0.0})
-    return alphas * cs * ds * bs
+    return alphas * cs * ds * es * bs

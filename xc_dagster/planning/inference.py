@@ -17,6 +17,7 @@ from xc_dagster.planning.model import (
     index_work,
     shortlist_memory,
 )
+from xc_dagster.retrieval.cooccurrence import BLOCK_ENTRIES as COOCCURRENCE_BLOCK
 from xc_dagster.retrieval.votes import vote_candidates
 
 
@@ -32,7 +33,7 @@ def stage_index(c: Costs, cfg: PipelineConfig, s: Shape) -> StagePlan:
     p, plan, keys, parts = cfg.index, StagePlan("index"), source_keys(cfg, s), {}
     hnsw = (p.hnsw_m, p.hnsw_ef_construction, p.hnsw_ef_search)
     held_out = "centroid" in p.sources and cfg.index.include_validation and s.n_valid
-    builds = [(n, keys[n]) for n in p.sources if n != "lexical"] + [("centroid", s.n_labels)] * bool(held_out)
+    builds = [(n, keys[n]) for n in p.sources if n in keys] + [("centroid", s.n_labels)] * bool(held_out)
     for name, n in builds:
         part = StagePlan("index")
         index_work(c, part, name, p.kind, n, 0, p.shortlist_size, hnsw)
@@ -46,6 +47,9 @@ def stage_index(c: Costs, cfg: PipelineConfig, s: Shape) -> StagePlan:
         plan.parts[f"lexical TF-IDF fit, {n:,} texts"] = n * c.text()["lexical_fit_s_per_text"]
         per_token = 2 * LEXICAL_BYTES_PER_TOKEN + TEXT_BYTES_PER_TOKEN
         parts["lexical index and texts"] = n * (s.tokens * per_token + TEXT_BYTES)
+    if "cooccurrence" in p.sources:  # CSR rows capped at max_entries (float64, int32), and one block's products
+        products = min(COOCCURRENCE_BLOCK, s.n_train * s.labels_per_point ** 2)  # sum over points of |y_i|^2
+        parts["label co-occurrence"] = 12 * (s.n_labels * min(p.cooccurrence_max_entries, s.n_labels) + products)
     if cfg.index.label_repr == "text+centroid":
         parts["label centroids"] = s.n_labels * c.dim * F32  # computed and written before the indexes
     largest = max(parts, key=parts.get, default=None)
@@ -61,7 +65,7 @@ def inference_work(c: Costs, cfg: PipelineConfig, s: Shape, plan: StagePlan, que
     keys = source_keys(cfg, s)
     hnsw = (p.hnsw_m, p.hnsw_ef_construction, p.hnsw_ef_search)
     for name in p.sources:
-        if name != "lexical":
+        if name in keys:
             index_work(c, plan, name, p.kind, keys[name], queries, p.shortlist_size, hnsw, build=False)
     if "lexical" in p.sources:
         t = c.text()
@@ -73,7 +77,8 @@ def inference_work(c: Costs, cfg: PipelineConfig, s: Shape, plan: StagePlan, que
         plan.memory["lexical index"] = 2 * (keys["knn"] + s.n_labels) * s.tokens * LEXICAL_BYTES_PER_TOKEN
     width = p.shortlist_size * len(p.sources)
     plan.parts["merge and score the shortlists"] = queries * width * c.retrieve_entry_s(p.shortlist_size)
-    shortlist_memory(plan, queries, width, c.dim, 2 + ("knn" in p.sources) + ("lexical" in p.sources))
+    scores = 2 + sum(n in p.sources for n in ("knn", "lexical", "cooccurrence"))
+    shortlist_memory(plan, queries, width, c.dim, scores)
     # W and the label embeddings are scored from their indexes' copies (exact, HNSW), else read in
     apart = sum(n not in p.sources or plan.kinds.get(n) == "ivf" for n in ("W", "label"))
     apart += p.label_repr == "text+centroid"  # E(z_l) + v_l (the centroids it is made from are let go)
@@ -108,7 +113,7 @@ def stage_fusion(c: Costs, cfg: PipelineConfig, s: Shape, classifier_s: float) -
 def stage_evaluate(c: Costs, cfg: PipelineConfig, s: Shape) -> StagePlan:
     plan = StagePlan("evaluate", {f"encode {s.n_test:,} test texts": c.encode_s(s.n_test)})
     width = inference_work(c, cfg, s, plan, s.n_test)
-    rankings = 3 + ("lexical" in cfg.index.sources)  # fused + each ranking on its own
+    rankings = 3 + ("lexical" in cfg.index.sources) + ("cooccurrence" in cfg.index.sources)  # fused + each alone
     fz = c.fusion("knn" in cfg.index.sources, "lexical" in cfg.index.sources)
     plan.parts[f"fuse and rank ({rankings} rankings)"] = rankings * s.n_test * width * fz["rank_s_per_entry"]
     plan.memory["test embeddings"] = s.n_test * c.dim * F32

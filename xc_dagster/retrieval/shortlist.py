@@ -9,19 +9,21 @@ A shortlist is the union of candidates from one or more *sources* (``SOURCES``):
 * ``knn``: the labels of the query's nearest training points (SiameseXML Module II, ANNS^x), a label scored
   by the summed similarity of the neighbours that carry it;
 * ``lexical``: the labels of highest lexical score, TF-IDF cosine to the label's text plus a sparse kNN vote of
-  the training points (``xc_dagster.retrieval.lexical``); it reads the queries' TF-IDF rows, not embeddings.
+  the training points (``xc_dagster.retrieval.lexical``); it reads the queries' TF-IDF rows, not embeddings;
+* ``cooccurrence``: the labels co-occurring in training with the query's nearest labels (Gandalf's label points,
+  ``xc_dagster.retrieval.cooccurrence``), from the ``label`` source's search.
 
 Each candidate then gets exact scores: the classifier score w_l.e and the embedding score r_l.e, where r_l is
 the label representation the model uses (E(z_l), or E(z_l) + v_l as in SiameseXML's fusion), the kNN
-score (0 when the knn source did not propose it) and, with the lexical source, the lexical score of every
-candidate, whichever source proposed it. The fitted fusion combines them. Work is done in row blocks so memory
+score (0 when the knn source did not propose it) and, with the lexical and co-occurrence sources, their scores of
+every candidate, whichever source proposed it. The fitted fusion combines them (reading and writing the sources:
+``xc_dagster.retrieval.source_files``). Work is done in row blocks so memory
 stays bounded; every ANNS step is O(k) per query per source, independent of L.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -32,14 +34,19 @@ from xc_dagster.device import resolve_device
 from xc_dagster.errors import XCConfigError
 from xc_dagster.progress import Advance, Report, in_one_call
 from xc_dagster.retrieval.ann import LabelIndex, gathered_scores
-from xc_dagster.retrieval.files import CENTROID_FILE, INDEX_FILES, KNN_EXCLUDED_FILE, KNN_LABELS_FILE, LEXICAL_DIR
+from xc_dagster.retrieval.cooccurrence import LabelCooccurrence
+from xc_dagster.retrieval.files import CENTROID_FILE as CENTROID_FILE  # re-exported: stages read the names here
+from xc_dagster.retrieval.files import INDEX_FILES as INDEX_FILES
+from xc_dagster.retrieval.files import KNN_EXCLUDED_FILE as KNN_EXCLUDED_FILE
+from xc_dagster.retrieval.files import KNN_LABELS_FILE as KNN_LABELS_FILE
 from xc_dagster.retrieval.hnsw_build import GraphCheckpoint
 from xc_dagster.retrieval.lexical import LexicalIndex
 from xc_dagster.retrieval.sparse_rows import sparse_lookup, sparse_topk, vote_weights, work_blocks
 from xc_dagster.sampling.labels import dedupe_rows
 
-SOURCES = ("W", "label", "centroid", "knn", "lexical")
-ANN_SOURCES = SOURCES[:4]  # searched with embeddings in an ANNS index; "lexical" with TF-IDF rows
+SOURCES = ("W", "label", "centroid", "knn", "lexical", "cooccurrence")
+ANN_SOURCES = SOURCES[:4]  # searched with embeddings in an ANNS index; "lexical" with TF-IDF rows, "cooccurrence"
+# through the label index's search
 POINT_SOURCES = ("centroid", "knn")  # built from training points; "W" and "label" from the labels
 LABEL_REPRS = ("text", "text+centroid")
 CENTROID_BLOCK_ENTRIES = 1 << 17  # label_centroids: label entries per block (its float64 sums: <= 400 MB at D 384)
@@ -52,6 +59,7 @@ class Shortlist:
     emb: np.ndarray  # (n, C) float32 embedding scores r_l.e (-inf on padding)
     knn: np.ndarray | None = None  # (n, C) float32 kNN scores (0 where knn did not propose the label)
     lex: np.ndarray | None = None  # (n, C) float32 lexical scores of every candidate (0: none, or padding)
+    cooc: np.ndarray | None = None  # (n, C) float32 co-occurrence votes of every candidate (0: none, or padding)
 
 
 @dataclass
@@ -72,18 +80,23 @@ class ShortlistSources:
     # second index)
     knn_excluded: np.ndarray | None = None
     lexical: LexicalIndex | None = None  # the lexical source (its kNN over the same training points)
+    cooccurrence: LabelCooccurrence | None = None  # the co-occurrence source (votes of the label index's neighbours)
 
     def __post_init__(self) -> None:
         check_sources(self.names, "shortlist sources")
-        if "lexical" in self.indexes:
-            raise ValueError("the lexical source is a LexicalIndex (ShortlistSources.lexical), not an ANNS index")
+        if {"lexical", "cooccurrence"} & set(self.indexes):
+            raise ValueError("the lexical and co-occurrence sources are ShortlistSources.lexical / .cooccurrence, "
+                             "not ANNS indexes")
+        if self.cooccurrence is not None and "label" not in self.indexes:
+            raise XCConfigError("index.sources: cooccurrence votes through the label source's neighbours; add label")
         if "knn" in self.indexes and self.knn_labels is None:
             raise ValueError("the knn source needs knn_labels (labels of the indexed training points)")
 
     @property
     def names(self) -> tuple[str, ...]:
         """The sources, in the order their candidates are merged."""
-        return tuple(self.indexes) + (("lexical",) if self.lexical is not None else ())
+        return (tuple(self.indexes) + (("lexical",) if self.lexical is not None else ())
+                + (("cooccurrence",) if self.cooccurrence is not None else ()))
 
 
 def check_sources(sources: tuple[str, ...], where: str, allowed: tuple[str, ...] = SOURCES) -> None:
@@ -187,6 +200,7 @@ def retrieve(queries: np.ndarray, src: ShortlistSources, k: int, exclude_knn: np
     emb_all = np.full((n, width), -np.inf, dtype=np.float32)
     knn_all = np.zeros((n, width), dtype=np.float32) if "knn" in names else None
     lex_all = np.zeros((n, width), dtype=np.float32) if lexical is not None else None
+    cooc_all = np.zeros((n, width), dtype=np.float32) if src.cooccurrence is not None else None
     dev = device or resolve_device("auto")
     Wt = torch.from_numpy(np.ascontiguousarray(src.W, dtype=np.float32)).to(dev) if classifier_scores else None
     Rt = torch.from_numpy(np.ascontiguousarray(src.label_repr, dtype=np.float32)).to(dev)
@@ -205,7 +219,11 @@ def retrieve(queries: np.ndarray, src: ShortlistSources, k: int, exclude_knn: np
                     knn_ids, knn_sc = nearest_knn_scores(nbrs, sims, src.knn_labels, src.knn_neighbours, extra,
                                                           src.knn_power)
             else:
-                parts.append(src.indexes[name].search(q, k)[1])
+                sims, nbrs = src.indexes[name].search(q, k)
+                parts.append(nbrs)
+                if name == "label" and src.cooccurrence is not None:
+                    cooc = src.cooccurrence.votes(nbrs, sims)
+                    parts.append(sparse_topk(cooc, k, unique=True)[0])
         if lexical is not None:
             lex = lexical.scores(lexical_queries[s:s + len(q)], src.knn_excluded,
                                  None if exclude_knn is None else exclude_knn[s:s + len(q)])
@@ -223,9 +241,11 @@ def retrieve(queries: np.ndarray, src: ShortlistSources, k: int, exclude_knn: np
             knn_all[rows] = _lookup(ids, knn_ids, knn_sc, len(src.W))
         if lex_all is not None:
             lex_all[rows] = sparse_lookup(lex, ids)
+        if cooc_all is not None:
+            cooc_all[rows] = sparse_lookup(cooc, ids)
         if progress is not None:
             progress(len(q))
-    return Shortlist(ids_all, clf_all, emb_all, knn_all, lex_all)
+    return Shortlist(ids_all, clf_all, emb_all, knn_all, lex_all, cooc_all)
 
 
 def _lookup(ids: np.ndarray, keys: np.ndarray, values: np.ndarray, num_labels: int) -> np.ndarray:
@@ -261,18 +281,21 @@ def build_sources(sources: tuple[str, ...], W: np.ndarray, label_emb: np.ndarray
                   lexical: LexicalIndex | None = None, report: Report | None = None,
                   built: dict[str, LabelIndex] | None = None,
                   on_built: Callable[[str, LabelIndex], None] | None = None,
-                  checkpoints: Callable[[str], GraphCheckpoint | None] | None = None) -> ShortlistSources:
+                  checkpoints: Callable[[str], GraphCheckpoint | None] | None = None,
+                  cooccurrence: LabelCooccurrence | None = None) -> ShortlistSources:
     """Build the ANNS index of every source; ``point_emb`` / ``knn_labels``: the indexed training points;
-    ``lexical``: the fitted lexical source, when ``sources`` name it; ``report``: where each build's start and
+    ``lexical`` / ``cooccurrence``: the fitted lexical / co-occurrence source, when ``sources`` name it;
+    ``report``: where each build's start and
     end lines go (``xc_dagster.progress.in_one_call``); ``built``: indexes already built over the same vectors
     (a killed run's, kept), used as they are; ``on_built(name, index)``: called as each new index is built;
     ``checkpoints(name)``: where an HNSW build of source ``name`` keeps its graph as it goes (``hnsw_build``)."""
     vectors = {"W": W, "label": label_emb, "centroid": centroids, "knn": point_emb}
     indexes = {}
     for name in sources:
-        if name == "lexical":
-            if lexical is None:
-                raise ValueError("source 'lexical' needs its LexicalIndex")
+        if name in ("lexical", "cooccurrence"):
+            if {"lexical": lexical, "cooccurrence": cooccurrence}[name] is None:
+                part = {"lexical": "LexicalIndex", "cooccurrence": "LabelCooccurrence"}[name]
+                raise ValueError(f"source {name!r} needs its {part}")
             continue
         if vectors[name] is None:
             raise ValueError(f"source {name!r} needs its vectors")
@@ -286,75 +309,13 @@ def build_sources(sources: tuple[str, ...], W: np.ndarray, label_emb: np.ndarray
             on_built(name, indexes[name])
     return ShortlistSources(W, label_representation(label_emb, centroids, label_repr), indexes,
                             knn_labels.tocsr().astype(np.float64) if knn_labels is not None else None,
-                            lexical=lexical if "lexical" in sources else None)
+                            lexical=lexical if "lexical" in sources else None,
+                            cooccurrence=cooccurrence if "cooccurrence" in sources else None)
 
 
 def label_index_settings(kind: str, m: int, ef_construction: int) -> dict[str, Any]:
     """What decides a built label index's graph (the index stage reuses mining's when they match)."""
     return {"kind": kind, "m": int(m), "ef_construction": int(ef_construction)}
-
-
-def save_sources(src: ShortlistSources, folder, centroids: np.ndarray | None) -> None:
-    """Write every index as ``INDEX_FILES[name]``, the kNN label matrix and the centroids when used, and the
-    lexical index's folder ``LEXICAL_DIR``."""
-    save_parts(folder, src.indexes, src.knn_labels, centroids)
-    if src.lexical is not None:
-        src.lexical.save(Path(folder) / LEXICAL_DIR)
-
-
-def save_parts(folder, indexes: dict[str, LabelIndex], knn_labels: sp.csr_matrix | None,
-               centroids: np.ndarray | None) -> None:
-    """``save_sources`` for any subset of the parts, e.g. only those built from the training points."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    for name, index in indexes.items():
-        index.save(folder / INDEX_FILES[name])
-    if knn_labels is not None:
-        sp.save_npz(folder / KNN_LABELS_FILE, knn_labels.astype(np.float32))
-    if centroids is not None:
-        np.save(folder / CENTROID_FILE, centroids)
-
-
-def load_sources(folder, sources: tuple[str, ...], label_repr: str, kind: str, ef_search: int, W: np.ndarray,
-                 label_emb: np.ndarray, knn_neighbours: int = 0, point_folder=None,
-                 knn_power: float = 1.0) -> ShortlistSources:
-    """The sources ``save_sources`` wrote into ``folder`` (faiss files, .npy, .npz, JSON; no pickle); with
-    ``point_folder``, the parts built from training points (``POINT_SOURCES`` indexes, the kNN label matrix, the
-    label centroids) are read from there instead (what ``save_parts`` wrote, e.g. a held-out copy). A part the
-    copy lacks is the deployed one; its ``KNN_EXCLUDED_FILE`` names the deployed kNN rows (and lexical points)
-    it leaves out."""
-    folder = Path(folder)
-    points = folder if point_folder is None else Path(point_folder)
-    check_sources(tuple(sources), f"{folder}: sources")
-
-    def where(file: str, from_points: bool = True) -> Path:
-        return points / file if from_points and (points / file).exists() else folder / file
-
-    indexes = {name: LabelIndex.load(where(INDEX_FILES[name], name in POINT_SOURCES), kind, ef_search)
-               for name in sources if name != "lexical"}
-    W, label_emb = _held_by(indexes.get("W"), W), _held_by(indexes.get("label"), label_emb)
-    knn = excluded = None
-    if "knn" in sources:
-        knn = sp.load_npz(where(KNN_LABELS_FILE)).tocsr().astype(np.float64)  # as knn_label_scores sums
-    if ("knn" in sources or "lexical" in sources) and (points / KNN_EXCLUDED_FILE).exists() \
-            and not (points / INDEX_FILES["knn"]).exists():
-        excluded = np.load(points / KNN_EXCLUDED_FILE, allow_pickle=False)
-    lexical = LexicalIndex.load(folder / LEXICAL_DIR) if "lexical" in sources else None
-    path = points / CENTROID_FILE
-    centroids = np.load(path, allow_pickle=False) if path.exists() else None
-    return ShortlistSources(W, label_representation(label_emb, centroids, label_repr), indexes, knn, knn_neighbours,
-                            knn_power, excluded, lexical)
-
-
-def _held_by(index: LabelIndex | None, vectors: np.ndarray) -> np.ndarray:
-    """``vectors`` (e.g. a memmap of W) as the index over them stores them, so they are in memory once (at 1.3M
-    labels W and the label embeddings are 2 GB each), else read into memory."""
-    held = None if index is None else index.stored_vectors()
-    if held is not None and held.shape == vectors.shape:
-        return held
-    if isinstance(vectors, np.memmap):
-        return np.array(vectors, dtype=np.float32)  # into memory: a writable array, read once
-    return np.asarray(vectors, dtype=np.float32)
 
 
 def shortlist(queries: np.ndarray, W: np.ndarray, label_emb: np.ndarray, w_index: LabelIndex,
@@ -363,15 +324,19 @@ def shortlist(queries: np.ndarray, W: np.ndarray, label_emb: np.ndarray, w_index
     return retrieve(queries, ShortlistSources(W, label_emb, {"W": w_index, "label": e_index}), k, block=block)
 
 
-def fuse(sl: Shortlist, alpha: float, knn_weight: float = 0.0, lexical_weight: float = 0.0) -> np.ndarray:
+def fuse(sl: Shortlist, alpha: float, knn_weight: float = 0.0, lexical_weight: float = 0.0,
+         cooccurrence_weight: float = 0.0) -> np.ndarray:
     """Fused score a * classifier + (1 - a) * embedding (+ c * kNN score when ``knn_weight`` c > 0) (+ d * lexical
-    score when ``lexical_weight`` d > 0); -inf on padding."""
+    score when ``lexical_weight`` d > 0) (+ e * co-occurrence votes when ``cooccurrence_weight`` e > 0); -inf on
+    padding."""
     with np.errstate(invalid="ignore"):
         s = alpha * sl.clf + (1.0 - alpha) * sl.emb
         if knn_weight:
             s = s + knn_weight * sl.knn
         if lexical_weight:
             s = s + lexical_weight * sl.lex
+        if cooccurrence_weight:
+            s = s + cooccurrence_weight * sl.cooc
     return np.where(sl.ids < 0, -np.inf, s).astype(np.float32)
 
 

@@ -53,17 +53,15 @@ from xc_dagster.encoders.tokenizer import load_tokenizer, tokenize_texts
 from xc_dagster.errors import XCConfigError, XCError
 from xc_dagster.faiss_module import faiss
 from xc_dagster.retrieval.ann import LabelIndex, saved_kind
+from xc_dagster.retrieval.files import CENTROID_FILE, COOCCURRENCE_FILE, INDEX_FILES, KNN_LABELS_FILE
 from xc_dagster.retrieval.fusion import load_fusion
 from xc_dagster.retrieval.lexical import LEXICAL_DIR, read_config
 from xc_dagster.retrieval.shortlist import (
-    CENTROID_FILE,
-    INDEX_FILES,
-    KNN_LABELS_FILE,
     ShortlistSources,
-    load_sources,
     retrieve,
     topk_from_scores,
 )
+from xc_dagster.retrieval.source_files import load_sources
 from xc_dagster.retrieval.votes import fitted_votes, votes_record, with_fitted_votes
 from xc_dagster.serving.limits import RequestLimits, as_text, cut_texts, has_content
 from xc_dagster.storage import load_json, save_json
@@ -167,7 +165,8 @@ def write_bundle(ctx: "StageContext", out: Path, default_k: int = 10, shortlist_
     sources = idx_summary.get("sources", ["W", "label"])
     graphs = [INDEX_FILES[n] for n in sources if n in INDEX_FILES and (idx / INDEX_FILES[n]).exists()
               and _graph_copy(idx / INDEX_FILES[n], out / INDEX_FILES[n], graph_above, ctx)]
-    for name in [INDEX_FILES[n] for n in sources if n in INDEX_FILES] + [KNN_LABELS_FILE, CENTROID_FILE]:
+    parts = [KNN_LABELS_FILE, CENTROID_FILE, COOCCURRENCE_FILE]
+    for name in [INDEX_FILES[n] for n in sources if n in INDEX_FILES] + parts:
         if (idx / name).exists() and name not in graphs:
             _link_or_copy(idx / name, out / name)
     if "lexical" in sources:

@@ -55,6 +55,8 @@ class AlphaFusion:
     objective_smoothed: float | None = None  # ... averaged over its grid neighbours (fusion.smoothing), as chosen
     lexical_weight: float = 0.0  # d: weight of the lexical score (0: no lexical term)
     lexical_grid: list[tuple[float, float]] = field(default_factory=list)  # (d, best objective over alpha) tried
+    cooccurrence_weight: float = 0.0  # e: weight of the co-occurrence votes (0: no co-occurrence term)
+    cooccurrence_grid: list[tuple[float, float]] = field(default_factory=list)  # (e, best over alpha) tried
     method: str = field(default="alpha", init=False)
 
     @classmethod
@@ -71,17 +73,19 @@ class AlphaFusion:
                    [tuple(x) for x in d.get("knn_grid", [])], float(d.get("propensity_weight", 0.0)),
                    [tuple(x) for x in d.get("propensity_grid", [])], d.get("objective_value"),
                    d.get("objective_smoothed"), float(d.get("lexical_weight", 0.0)),
-                   [tuple(x) for x in d.get("lexical_grid", [])])
+                   [tuple(x) for x in d.get("lexical_grid", [])], float(d.get("cooccurrence_weight", 0.0)),
+                   [tuple(x) for x in d.get("cooccurrence_grid", [])])
 
     def score(self, sl: Shortlist, inv_prop: np.ndarray | None = None) -> np.ndarray:
-        """a * classifier + (1 - a) * embedding (+ c * kNN) (+ d * lexical) (+ b * log(1 / p_l): ``inv_prop``
-        needed when b > 0)."""
+        """a * classifier + (1 - a) * embedding (+ c * kNN) (+ d * lexical) (+ e * co-occurrence) (+ b * log(1 /
+        p_l): ``inv_prop`` needed when b > 0)."""
         for weight, scores, name, source in ((self.knn_weight, sl.knn, "kNN", "knn"),
-                                             (self.lexical_weight, sl.lex, "lexical", "lexical")):
+                                             (self.lexical_weight, sl.lex, "lexical", "lexical"),
+                                             (self.cooccurrence_weight, sl.cooc, "co-occurrence", "cooccurrence")):
             if weight and scores is None:
                 raise XCConfigError(f"the fusion weighs {name} scores ({weight}) but the shortlist has none: its "
                                     f"sources lack {source} (index.sources)")
-        s = fuse(sl, self.alpha, self.knn_weight, self.lexical_weight)
+        s = fuse(sl, self.alpha, self.knn_weight, self.lexical_weight, self.cooccurrence_weight)
         if self.propensity_weight:
             s = s + np.float32(self.propensity_weight) * propensity_boost(sl.ids, inv_prop)
         return s
@@ -89,6 +93,7 @@ class AlphaFusion:
     def to_dict(self) -> dict:
         return {"method": "alpha", "alpha": self.alpha, "grid": self.grid, "knn_weight": self.knn_weight,
                 "knn_grid": self.knn_grid, "lexical_weight": self.lexical_weight, "lexical_grid": self.lexical_grid,
+                "cooccurrence_weight": self.cooccurrence_weight, "cooccurrence_grid": self.cooccurrence_grid,
                 "propensity_weight": self.propensity_weight, "propensity_grid": self.propensity_grid,
                 "objective_value": self.objective_value, "objective_smoothed": self.objective_smoothed}
 
@@ -96,34 +101,38 @@ class AlphaFusion:
         value = self.objective_value if self.objective_value is not None else max(
             (o for _, o in self.grid), default=None)  # fits saved before the smoothed grid recorded their value
         return {"method": "alpha", "alpha": self.alpha, "knn_weight": self.knn_weight,
-                "lexical_weight": self.lexical_weight, "propensity_weight": self.propensity_weight,
-                "objective_value": value, "objective_smoothed": self.objective_smoothed}
+                "lexical_weight": self.lexical_weight, "cooccurrence_weight": self.cooccurrence_weight,
+                "propensity_weight": self.propensity_weight, "objective_value": value,
+                "objective_smoothed": self.objective_smoothed}
 
 
 class Blend:
-    """``fuse(sl, a, c, d)`` to the bit, cheaper across a grid: c * kNN and d * lexical are kept while their
-    weight repeats (alpha is the grid's inner axis) and the sums are made in place (float32 shortlists)."""
+    """``fuse(sl, a, c, d, e)`` to the bit, cheaper across a grid: c * kNN, d * lexical and e * co-occurrence are
+    kept while their weight repeats (alpha is the grid's inner axis) and the sums are made in place (float32
+    shortlists)."""
 
     def __init__(self, sl: Shortlist) -> None:
         self.sl = sl
-        scores = [x for x in (sl.clf, sl.emb, sl.knn, sl.lex) if x is not None]
+        scores = [x for x in (sl.clf, sl.emb, sl.knn, sl.lex, sl.cooc) if x is not None]
         self.float32 = all(isinstance(x, np.ndarray) and x.dtype == np.float32 and x.shape == sl.ids.shape
                            for x in scores)
         self.pad = sl.ids < 0 if self.float32 and (sl.ids < 0).any() else None
-        self.terms: dict[str, tuple[float, np.ndarray]] = {}  # "knn" / "lex" -> (weight, weight * scores)
+        self.terms: dict[str, tuple[float, np.ndarray]] = {}  # "knn" / "lex" / "cooc" -> (weight, weight * scores)
 
     def term(self, name: str, weight: float) -> np.ndarray:
-        """``weight * scores`` of the kNN or lexical scores (float32, as ``fuse`` computes it)."""
+        """``weight * scores`` of the kNN, lexical or co-occurrence scores (float32, as ``fuse`` computes it)."""
         if name not in self.terms or self.terms[name][0] != weight:
             with np.errstate(invalid="ignore"):
                 self.terms[name] = (weight, weight * getattr(self.sl, name))
         return self.terms[name][1]
 
-    def __call__(self, alpha: float, knn_weight: float = 0.0, lexical_weight: float = 0.0) -> np.ndarray:
+    def __call__(self, alpha: float, knn_weight: float = 0.0, lexical_weight: float = 0.0,
+                 cooccurrence_weight: float = 0.0) -> np.ndarray:
         """The fused scores (float32, -inf on padding): the same operations as ``fuse``, in the same order."""
         sl = self.sl
-        if not self.float32 or not all(type(w) is float for w in (alpha, knn_weight, lexical_weight)):
-            return fuse(sl, alpha, knn_weight, lexical_weight)
+        weights = (alpha, knn_weight, lexical_weight, cooccurrence_weight)
+        if not self.float32 or not all(type(w) is float for w in weights):
+            return fuse(sl, *weights)
         with np.errstate(invalid="ignore"):
             s = alpha * sl.clf
             s += (1.0 - alpha) * sl.emb
@@ -131,6 +140,8 @@ class Blend:
                 s += self.term("knn", knn_weight)
             if lexical_weight:
                 s += self.term("lex", lexical_weight)
+            if cooccurrence_weight:
+                s += self.term("cooc", cooccurrence_weight)
         if self.pad is not None:
             np.copyto(s, -np.inf, where=self.pad)
         return s
@@ -168,66 +179,80 @@ def smooth_grid(values: np.ndarray, width: int) -> np.ndarray:
 def fit_alpha(sl: Shortlist, Y_valid: sp.csr_matrix, params: FusionParams, inv_prop: np.ndarray | None,
               filter_pairs: np.ndarray | None, top_k: int = 10) -> AlphaFusion:
     """Grid-search ``alpha`` in [0, 1] jointly with the kNN weight c (``fusion.knn_grid``, shortlists with kNN
-    scores), the lexical weight d (``fusion.lexical_grid``, shortlists with lexical scores) and the propensity
-    weight b (``fusion.propensity_grid``) maximising ``params.objective`` on the validation shortlists, after
-    smoothing the objective over neighbouring grid points (``fusion.smoothing`` points per axis; 1 = the raw
-    argmax). Ties prefer the smaller c, then the smaller d, then the smaller b, then more classifier weight;
-    b = 0 and d = 0 are always tried (and c = 0 where ``knn_grid`` has it, as by default), so each added term can
-    only match or beat validation without it.
-    When the chosen c (or d, or b) is its grid's largest, the grid was too small: it keeps doubling, ``*_extend``
-    times at most, while the doubled weight is chosen. As the kNN and lexical grids need their scores, the
-    propensity grid needs ``inv_prop``: without them c, d, b stay 0."""
+    scores), the lexical weight d (``fusion.lexical_grid``, shortlists with lexical scores), the co-occurrence
+    weight e (``fusion.cooccurrence_grid``, shortlists with co-occurrence votes) and the propensity weight b
+    (``fusion.propensity_grid``) maximising ``params.objective`` on the validation shortlists, after smoothing the
+    objective over neighbouring grid points (``fusion.smoothing`` points per axis; 1 = the raw argmax). Ties
+    prefer the smaller c, then the smaller d, then the smaller e, then the smaller b, then more classifier weight;
+    b = 0, d = 0 and e = 0 are always tried (and c = 0 where ``knn_grid`` has it, as by default), so each added
+    term can only match or beat validation without it.
+    When the chosen c (or d, e, b) is its grid's largest, the grid was too small: it keeps doubling, ``*_extend``
+    times at most, while the doubled weight is chosen. As the kNN, lexical and co-occurrence grids need their
+    scores, the propensity grid needs ``inv_prop``: without them c, d, e, b stay 0."""
     _check_params(params)
     alphas = np.round(np.arange(0.0, 1.0 + 1e-9, params.grid_step), 6)
     cs = [0.0] if sl.knn is None else sorted(set(_check_weights("knn_grid", params.knn_grid)))
     ds = [0.0] if sl.lex is None else sorted(set(_check_weights("lexical_grid", params.lexical_grid)) | {0.0})
+    es = [0.0] if sl.cooc is None else sorted(set(_check_weights("cooccurrence_grid", params.cooccurrence_grid))
+                                              | {0.0})
     prop_grid = _check_weights("propensity_grid", params.propensity_grid)
-    for name in ("knn_grid_extend", "lexical_grid_extend", "propensity_grid_extend"):
+    for name in ("knn_grid_extend", "lexical_grid_extend", "cooccurrence_grid_extend", "propensity_grid_extend"):
         if getattr(params, name) < 0:
             raise XCConfigError(f"fusion.{name}: expected an int >= 0, got {getattr(params, name)}")
     boost = propensity_boost(sl.ids, inv_prop) if max(prop_grid) > 0 and inv_prop is not None else None
     bs = [0.0] if boost is None else sorted(set(prop_grid) | {0.0})
 
     objective = ObjectiveOnShortlist(sl.ids, Y_valid, params.objective, inv_prop, filter_pairs, top_k)
-    local = threading.local()  # a Blend per thread: it keeps the c and d terms of the cell it last scored
+    local = threading.local()  # a Blend per thread: it keeps the c, d and e terms of the cell it last scored
 
-    def grid(c_values: list[float], d_values: list[float], b_values: list[float]) -> np.ndarray:
-        """The objective at every (c, d, alpha, b): (len(c_values), len(d_values), len(alphas), len(b_values));
-        each (c, d, alpha)'s fused scores are computed once and shared by the b values. The cells run on the
+    def grid(axes: list[list[float]]) -> np.ndarray:
+        """The objective at every (c, d, e, alpha, b) of ``axes`` (its alpha axis ignored: always ``alphas``);
+        each (c, d, e, alpha)'s fused scores are computed once and shared by the b values. The cells run on the
         process's threads (numpy's array operations release the GIL; the objective only reads shared state)."""
-        out = np.empty((len(c_values), len(d_values), len(alphas), len(b_values)))
+        c_values, d_values, e_values, _, b_values = axes
+        out = np.empty((len(c_values), len(d_values), len(e_values), len(alphas), len(b_values)))
 
         def cell(t: tuple[int, ...]) -> None:
             if not hasattr(local, "blend"):
                 local.blend = Blend(sl)
-            blend = local.blend
-            s = blend(float(alphas[t[2]]), c_values[t[0]], d_values[t[1]])
+            s = local.blend(float(alphas[t[3]]), c_values[t[0]], d_values[t[1]], e_values[t[2]])
             for k, b in enumerate(b_values):
                 out[(*t, k)] = objective.value(s + np.float32(b) * boost if b else s)
 
-        on_threads(cell, list(np.ndindex(*out.shape[:3])))  # alpha innermost: consecutive cells share c and d
+        on_threads(cell, list(np.ndindex(*out.shape[:4])))  # alpha innermost: consecutive cells share c, d, e
         return out
 
-    raw = grid(cs, ds, bs)  # (c, d, alpha, b)
+    axes = [cs, ds, es, list(alphas), bs]
+    raw = grid(axes)  # (c, d, e, alpha, b)
     extends = [params.knn_grid_extend if sl.knn is not None else 0,
-               params.lexical_grid_extend if sl.lex is not None else 0, 0,
+               params.lexical_grid_extend if sl.lex is not None else 0,
+               params.cooccurrence_grid_extend if sl.cooc is not None else 0, 0,
                params.propensity_grid_extend if boost is not None else 0]
-    axes = [cs, ds, list(alphas), bs]
     while True:
         smooth = smooth_grid(raw, params.smoothing)
-        best = max(np.ndindex(*raw.shape), key=lambda t: (smooth[t], -t[0], -t[1], -t[3], t[2]))
-        edge = [a for a in (0, 1, 3) if best[a] == len(axes[a]) - 1 and axes[a][-1] > 0 and extends[a] > 0]
+        best = max(np.ndindex(*raw.shape), key=lambda t: (smooth[t], -t[0], -t[1], -t[2], -t[4], t[3]))
+        edge = [a for a in (0, 1, 2, 4) if best[a] == len(axes[a]) - 1 and axes[a][-1] > 0 and extends[a] > 0]
         if not edge:
             break
         a = edge[0]
         extends[a] -= 1
         axes[a].append(2.0 * axes[a][-1])
-        new = [v[-1:] if i == a else v for i, v in enumerate(axes)]
-        raw = np.concatenate([raw, grid(new[0], new[1], new[3])], axis=a)
-    i, l, j, k = best
+        raw = np.concatenate([raw, grid([v[-1:] if i == a else v for i, v in enumerate(axes)])], axis=a)
+    return _fitted(alphas, axes, raw, smooth, best, sl)
+
+
+def _fitted(alphas: np.ndarray, axes: list[list[float]], raw: np.ndarray, smooth: np.ndarray,
+            best: tuple[int, ...], sl: Shortlist) -> AlphaFusion:
+    """The fusion at grid point ``best`` with the grids' records: per weight, the best objective over alpha
+    along its axis, the other weights as chosen."""
+    i, l, m, j, k = best
+    cs, ds, es, _, bs = axes
     return AlphaFusion(
-        float(alphas[j]), [(float(a), float(v)) for a, v in zip(alphas, raw[i, l, :, k])], cs[i],
-        [(c, float(raw[ci, l, :, k].max())) for ci, c in enumerate(cs)] if sl.knn is not None else [], bs[k],
-        [(b, float(raw[i, l, :, bk].max())) for bk, b in enumerate(bs)] if boost is not None else [],
+        float(alphas[j]), [(float(a), float(v)) for a, v in zip(alphas, raw[i, l, m, :, k])], cs[i],
+        [(c, float(raw[x, l, m, :, k].max())) for x, c in enumerate(cs)] if sl.knn is not None else [], bs[k],
+        [(b, float(raw[i, l, m, :, x].max())) for x, b in enumerate(bs)] if len(bs) > 1 else [],
         objective_value=float(raw[best]), objective_smoothed=float(smooth[best]), lexical_weight=ds[l],
-        lexical_grid=[(d, float(raw[i, dl, :, k].max())) for dl, d in enumerate(ds)] if sl.lex is not None else [])
+        lexical_grid=[(d, float(raw[i, x, m, :, k].max())) for x, d in enumerate(ds)] if sl.lex is not None else [],
+        cooccurrence_weight=es[m],
+        cooccurrence_grid=[(e, float(raw[i, l, x, :, k].max())) for x, e in enumerate(es)] if sl.cooc is not None
+        else [])
