@@ -118,7 +118,7 @@ def test_calibration_times_the_trainer_in_train_mode(tmp_path, monkeypatch):
     assert not any(m.training for m in encoder.transformer.modules())
     seen = {}
 
-    def time_steps(trainer, n):
+    def time_steps(trainer, n, min_seconds=0.0):
         if trainer.encoder is not None:  # the classifier trainers' calibration: no encoder
             seen["modes"] = [m.training for m in trainer.encoder.transformer.modules()]
         return 2.0, 16.0
@@ -128,3 +128,36 @@ def test_calibration_times_the_trainer_in_train_mode(tmp_path, monkeypatch):
     assert got == (2.0, 16.0, 7) and seen["modes"] and all(seen["modes"])
     assert not any(m.training for m in encoder.transformer.modules())
     assert budget_module.calibrate(lambda enc: SimpleNamespace(encoder=enc, steps_per_epoch=1), None, 3)[2] == 1
+
+
+class _WarmingTrainer:
+    """Steps of 1.0 s (on a fake clock) for its first ``slow`` steps, then 0.1 s: a GPU meeting new batch shapes."""
+
+    def __init__(self, clock: list[float], slow: int) -> None:
+        self.clock, self.slow, self.done = clock, slow, 0
+
+    def epoch_batches(self, epoch: int) -> list[list[int]]:
+        return [[0] * 8 for _ in range(50)]
+
+    def step(self, batch: list[int]) -> float:
+        self.clock[0] += 1.0 if self.done < self.slow else 0.1
+        self.done += 1
+        return 0.0
+
+
+def test_calibration_times_past_the_warm_up(monkeypatch):
+    """Steps are timed for min_seconds: the second half's median is the run's 0.1 s, where the first three steps
+    alone read 1.0 (as an H200 did); without min_seconds, the three steps' mean as before; at most
+    CALIBRATION_MAX_STEPS; the least seconds are train.calibration_seconds, at most 2% of the budget."""
+    clock = [0.0]
+    monkeypatch.setattr(budget_module.time, "perf_counter", lambda: clock[0])
+    assert budget_module.time_steps(_WarmingTrainer(clock, 6), 3) == (1.0, 8.0)
+    assert budget_module.time_steps(_WarmingTrainer(clock, 6), 3, min_seconds=10.0) == (pytest.approx(0.1), 8.0)
+    trainer = _WarmingTrainer(clock, 0)
+    budget_module.time_steps(trainer, 3, min_seconds=1e9)
+    assert trainer.done == 1 + budget_module.CALIBRATION_MAX_STEPS
+    assert budget_module.calibration_seconds(SimpleNamespace(calibration_seconds=10.0, budget_minutes=30)) == 10.0
+    assert budget_module.calibration_seconds(SimpleNamespace(calibration_seconds=10.0, budget_minutes=5)) == 6.0
+    with pytest.raises(XCConfigError, match="train.calibration_seconds"):
+        check_train_params(SimpleNamespace(budget_minutes=5, calibration_steps=3, calibration_seconds=-1.0,
+                                           reserve=0.1, max_epochs=0))

@@ -22,7 +22,15 @@ from xc_dagster.pipeline.context import StageContext
 from xc_dagster.retrieval.shortlist import check_label_repr, label_representation
 from xc_dagster.sampling.negatives import SAMPLERS
 from xc_dagster.storage import save_json
-from xc_dagster.training.budget import BUDGET_PLAN, BudgetPlan, calibrate, check_train_params, encode_rate, plan_epochs
+from xc_dagster.training.budget import (
+    BUDGET_PLAN,
+    BudgetPlan,
+    calibrate,
+    calibration_seconds,
+    check_train_params,
+    encode_rate,
+    plan_epochs,
+)
 from xc_dagster.training.checkpoint import Checkpointer, fingerprint, fingerprint_files
 from xc_dagster.training.classifier import (
     propensity_label_weights,
@@ -53,7 +61,7 @@ def plan_classifiers(ctx: StageContext, sampled: bool, make_trainer: Any, encode
         return p, plan, started + max(0.0, 60.0 * b.budget_minutes * (1 - tail) - spent)
     kept = BudgetPlan.load(ctx.checkpoint_dir() / BUDGET_PLAN, key)
     if kept is None:
-        sec, pts, spe = calibrate(make_trainer, encoder, b.calibration_steps)
+        sec, pts, spe = calibrate(make_trainer, encoder, b.calibration_steps, calibration_seconds(b))
         pt, lt = ctx.read.tokens("train"), ctx.read.tokens("label")
         rate = encode_rate(lambda r: encode_tokens(encoder, pt[0][r], pt[1][r], ctx.device, None,
                                                    p.encode_batch_size), len(pt[1]), seed=p.seed)

@@ -24,7 +24,15 @@ from xc_dagster.errors import XCConfigError
 from xc_dagster.pipeline.context import StageContext
 from xc_dagster.serving.warm_start import check_same_vocabulary, classifier_init, resolve_warm_start
 from xc_dagster.storage import save_json
-from xc_dagster.training.budget import BUDGET_PLAN, BudgetPlan, calibrate, check_train_params, encode_rate, plan_epochs
+from xc_dagster.training.budget import (
+    BUDGET_PLAN,
+    BudgetPlan,
+    calibrate,
+    calibration_seconds,
+    check_train_params,
+    encode_rate,
+    plan_epochs,
+)
 from xc_dagster.training.checkpoint import Checkpointer, fingerprint, fingerprint_files
 from xc_dagster.training.distributed import DistEnv
 from xc_dagster.training.siamese import SiameseTrainer, train_siamese
@@ -46,7 +54,7 @@ def plan_pretraining(ctx: StageContext, encoder: Any, pt: Any, lt: Any, Y: Any, 
         return kept
     one = dataclasses.replace(p, epochs=1.0, seed_bank=False)
     sec, pts, spe = calibrate(lambda enc: SiameseTrainer(enc, pt, lt, Y, rows, one, ctx.device, dtype),
-                              encoder, b.calibration_steps)
+                              encoder, b.calibration_steps, calibration_seconds(b))
     rate = encode_rate(lambda r: encode_tokens(encoder, pt[0][r], pt[1][r], ctx.device, dtype,
                                                p.encode_batch_size), len(pt[1]), seed=p.seed)
     encode_s = (len(pt[1]) + len(lt[1])) / rate

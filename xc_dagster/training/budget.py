@@ -33,11 +33,15 @@ BUDGET_PLAN = "budget_plan.json"  # in a stage's checkpoint folder: the plan a r
 
 
 def check_train_params(p: Any) -> None:
-    """``train.*``: a budget >= 0 minutes, >= 1 calibration step, a reserve in [0, 1), max_epochs >= 0."""
+    """``train.*``: a budget >= 0 minutes, >= 1 calibration step, calibration seconds >= 0, a reserve in [0, 1),
+    max_epochs >= 0."""
     if not (isinstance(p.budget_minutes, (int, float)) and math.isfinite(p.budget_minutes) and p.budget_minutes >= 0):
         raise XCConfigError(f"train.budget_minutes: expected minutes >= 0 (0 = no budget), got {p.budget_minutes!r}")
     if not (isinstance(p.calibration_steps, int) and p.calibration_steps >= 1):
         raise XCConfigError(f"train.calibration_steps: expected an int >= 1, got {p.calibration_steps!r}")
+    if not (isinstance(p.calibration_seconds, (int, float)) and math.isfinite(p.calibration_seconds)
+            and p.calibration_seconds >= 0):
+        raise XCConfigError(f"train.calibration_seconds: expected seconds >= 0, got {p.calibration_seconds!r}")
     if not 0 <= p.reserve < 1:
         raise XCConfigError(f"train.reserve: expected a share of the budget in [0, 1), got {p.reserve!r}")
     if not p.max_epochs >= 0:
@@ -90,24 +94,50 @@ class BudgetPlan:
         return started + self.planned_train_seconds + slack * self.budget_seconds
 
 
-def time_steps(trainer: Any, steps: int) -> tuple[float, float]:
+CALIBRATION_MAX_STEPS = 200  # timed steps at most, however short each is
+
+
+def time_steps(trainer: Any, steps: int, min_seconds: float = 0.0) -> tuple[float, float]:
     """(seconds per step, points per step) of ``trainer`` on the first batches of its epoch 0, after one
-    untimed warm-up step (allocation, first-call kernels). ``trainer`` has ``epoch_batches`` and ``step``."""
+    untimed warm-up step (allocation, first-call kernels). ``trainer`` has ``epoch_batches`` and ``step`` (which
+    returns the loss value, so a GPU's queued work is done when it returns).
+
+    Steps are timed until ``steps`` of them ran and they took ``min_seconds``: on a GPU the first steps of each
+    new batch shape cost ~10x a step of the run (an H200 timed 0.99 s/step over 3 steps where the run took 0.11:
+    docs/decisions.md#calibration-warm-up). When more than twice ``steps`` ran, the first half is warm-up and the
+    rate is the second half's median step; a CPU's few long steps are all timed, as before."""
     batches = trainer.epoch_batches(0)
     if not batches:
         return 0.0, 0.0
     trainer.step(batches[0])
-    timed = [batches[i % len(batches)] for i in range(1, steps + 1)]
-    t0 = time.perf_counter()
-    points = 0
-    for b in timed:
+    seconds: list[float] = []
+    points: list[int] = []
+    started = time.perf_counter()
+    while len(seconds) < steps or (time.perf_counter() - started < min_seconds
+                                   and len(seconds) < CALIBRATION_MAX_STEPS):
+        b = batches[(len(seconds) + 1) % len(batches)]
+        t0 = time.perf_counter()
         trainer.step(b)
-        points += len(getattr(b, "labels", b))
-    return (time.perf_counter() - t0) / len(timed), points / len(timed)
+        seconds.append(time.perf_counter() - t0)
+        points.append(len(getattr(b, "labels", b)))
+    if len(seconds) > 2 * steps:  # the second half's median: past the warm-up, robust to a slow step
+        return float(np.median(seconds[len(seconds) // 2:])), float(np.mean(points[len(points) // 2:]))
+    return float(np.mean(seconds)), float(np.mean(points))
 
 
-def calibrate(make_trainer: Callable[[Any], Any], encoder: Any, steps: int) -> tuple[float, float, int]:
-    """Time ``steps`` steps of ``make_trainer(copy of encoder)`` (the real encoder is not touched).
+CALIBRATION_SHARE = 0.02  # of the budget at most, timing the steps
+
+
+def calibration_seconds(p: Any) -> float:
+    """The least seconds the calibration times steps for (``time_steps``): ``train.calibration_seconds``, at most
+    2% of the budget (a half-minute budget on a test's tiny data times its steps for 0.6 s)."""
+    return min(float(p.calibration_seconds), CALIBRATION_SHARE * 60.0 * float(p.budget_minutes))
+
+
+def calibrate(make_trainer: Callable[[Any], Any], encoder: Any, steps: int,
+              min_seconds: float = 0.0) -> tuple[float, float, int]:
+    """Time ``steps`` steps, and ``min_seconds`` at least, of ``make_trainer(copy of encoder)`` (the real encoder
+    is not touched; :func:`time_steps`).
 
     Returns (seconds per step, points per step, steps per epoch)."""
     enc = copy.deepcopy(encoder)
@@ -118,7 +148,7 @@ def calibrate(make_trainer: Callable[[Any], Any], encoder: Any, steps: int) -> t
     trainer = make_trainer(enc)
     try:
         spe = int(getattr(trainer, "steps_per_epoch", 0) or len(trainer.epoch_batches(0)))
-        sec, pts = time_steps(trainer, steps)
+        sec, pts = time_steps(trainer, steps, min_seconds)
     finally:
         close = getattr(trainer, "close", None)
         if close is not None:
@@ -127,10 +157,11 @@ def calibrate(make_trainer: Callable[[Any], Any], encoder: Any, steps: int) -> t
 
 
 def encode_rate(encode: Callable[[np.ndarray], Any], n_rows: int, sample: int = 512, seed: int = 0) -> float:
-    """Texts per second of ``encode(rows)`` on a seeded random sample of ``sample`` of ``n_rows`` rows."""
+    """Texts per second of ``encode(rows)`` on a seeded random sample of ``sample`` of ``n_rows`` rows, timed on
+    its second pass."""
     rng = np.random.default_rng(seed)
     rows = np.sort(rng.choice(n_rows, size=min(sample, n_rows), replace=False))
-    encode(rows[:min(32, len(rows))])  # warm-up
+    encode(rows)  # warm-up: the sample's batch shapes (a GPU's first call of each costs ~25x its run's rate)
     t0 = time.perf_counter()
     encode(rows)
     return len(rows) / max(time.perf_counter() - t0, 1e-9)
