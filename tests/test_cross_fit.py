@@ -113,3 +113,21 @@ def test_small_dataset_is_cross_fitted_end_to_end(tmp_path, monkeypatch):
     assert run_all(StageContext(ctx.store, spec, spec2, home.cache), ("fusion",))["fusion"]["fit_on"] == "none"
     with pytest.raises(XCConfigError, match="fusion.fit_on"):
         run_all(StageContext(ctx.store, spec, spec.config({"fusion.fit_on": "folds"}), home.cache), ("fusion",))
+
+
+def test_cross_fitting_a_fusion_needs_an_index_built_for_it(tmp_path, monkeypatch):
+    """The co-occurrence source (and the lexical classifiers) of an index built for a validation fit count every
+    training point: a cross-fitted fusion over it is refused, naming fusion.fit_on; the index stage run again
+    with it leaves them out, and the fusion is then cross-fitted."""
+    home = tiny_lf_home(tmp_path, monkeypatch, {**TINY, "pretrain.epochs": 1, "classifier.epochs": 2,
+                                                "fusion.cross_fit_folds": 3})
+    spec = Catalog(home.catalog).get("TinyTitles")
+    ctx = StageContext(ArtifactStore(home.artifacts), spec, spec.config(), home.cache)
+    out = run_all(ctx)
+    assert "cooccurrence" in out["index"]["sources"] and out["fusion"]["fit_on"] == "validation"
+    cross = StageContext(ctx.store, spec, spec.config({"fusion.fit_on": "cross_fit"}), home.cache)
+    with pytest.raises(XCConfigError, match="index stage was built for a fusion fitted on validation"):
+        run_all(cross, ("fusion",))
+    again = run_all(cross, ("index", "fusion"))
+    assert "cooccurrence" not in again["index"]["sources"] and "left_out" in again["index"]["cooccurrence"]
+    assert again["index"]["lexical"]["classifier_weights"] == 0 and again["fusion"]["fit_on"] == "cross_fit"

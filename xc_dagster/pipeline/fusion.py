@@ -82,6 +82,11 @@ def _fits(ctx: StageContext, how: str, candidates: list[Votes | None]) -> list[t
     p = ctx.cfg.fusion
     tree_extra = p.method == "tree" and p.tree_add_positives
     if how == "cross_fit":
+        index = ctx.read.summary("index")
+        if "cooccurrence" in index.get("sources", ()) or index.get("lexical", {}).get("classifier_weights"):
+            raise XCConfigError(f"fusion.fit_on: {ctx.name}'s index stage was built for a fusion fitted on validation: "
+                                "its co-occurrence source or lexical classifiers count every training point, which a "
+                                "cross-fitted fusion scores; run the index stage again with this fusion.fit_on")
         inv_prop = ctx.inv_prop(ctx.read.labels().Y_train)
         cfs = cross_fit_shortlists(ctx, inv_prop, missed_positive_features if tree_extra else None, candidates)
         return [(fit_fusion(cf.shortlist, cf.Y, p, inv_prop, cf.filter_pairs, extra=cf.extra),
