@@ -82,7 +82,7 @@ def test_every_enum_like_field_is_typed_with_exactly_its_registry_names():
                                    "'in-batch', 'both', 'uniform', 'astra', 'mips', got 'bogus'"),
     ("fusion.method=Tree", "--set: config field 'fusion.method': expected one of 'alpha', 'tree', got 'Tree'"),
     ("index.sources=W,bogus", "--set: config field 'index.sources': expected items, each one of 'W', 'label', "
-                              "'centroid', 'knn', 'lexical', got 'bogus'"),
+                              "'centroid', 'knn', 'lexical', 'cooccurrence', got 'bogus'"),
     ("mining.sources=label,lexical", "--set: config field 'mining.sources': expected items, each one of 'W', "
                                      "'label', 'centroid', 'knn', got 'lexical'"),
 ])
@@ -132,7 +132,8 @@ def test_the_dagster_config_class_refuses_a_bad_value_listing_the_allowed_ones()
         cls(negatives="bogus")
     assert ("Input should be 'shortlist', 'in-batch', 'both', 'uniform', 'astra' or 'mips'"
             in str(err.value))
-    with pytest.raises(pydantic.ValidationError, match="Input should be 'W', 'label', 'centroid', 'knn' or 'lexical'"):
+    with pytest.raises(pydantic.ValidationError,
+                       match="Input should be 'W', 'label', 'centroid', 'knn', 'lexical' or 'cooccurrence'"):
         CONFIG_CLASSES["index"](sources=["W", "bogus"])
     assert run_overrides("classifier", cls(negatives="in-batch", epochs=2)) == {
         "classifier.epochs": 2.0, "classifier.negatives": "in-batch"}
@@ -164,7 +165,8 @@ def test_descriptions_show_each_strategys_value():
     assert desc["fusion"]["method"].endswith("; one of 'alpha', 'tree'; default 'alpha'")
     assert desc["classifier"]["negatives"].endswith(
         "default ngame: 'shortlist', siamesexml: 'shortlist', astra: 'astra', mips: 'mips'")
-    assert desc["index"]["sources"].endswith("default ngame: 'W,label,knn,lexical', siamesexml: 'label,centroid,knn', "
+    assert desc["index"]["sources"].endswith("default ngame: 'W,label,knn,lexical,cooccurrence', "
+                                             "siamesexml: 'label,centroid,knn', "
                                              "astra: 'W,label,knn', mips: 'W,label,knn'")
     assert desc["pretrain"]["batch_size"].endswith("default quick preset: 256; paper preset: 1600")
     assert desc["pretrain"]["epochs"].endswith("default quick preset: ngame: 1.0, siamesexml: 3.0, astra: 0.0, "
