@@ -21,6 +21,7 @@ from xc_dagster.home import Home
 from xc_dagster.pipeline.cross_fit import FIT_ON
 from xc_dagster.retrieval.exact_settings import KINDS
 from xc_dagster.retrieval.fusion import FUSIONS
+from xc_dagster.retrieval.fusion.alpha import FUSION_SEARCHES
 from xc_dagster.retrieval.shortlist import ANN_SOURCES, LABEL_REPRS, SOURCES
 from xc_dagster.sampling.batches import BATCH_SAMPLERS
 from xc_dagster.sampling.hard_negatives import HARD_NEGATIVE_POOLS
@@ -49,6 +50,7 @@ REGISTRY_FIELDS = {
     "classifier.grad_cache": GRAD_CACHE_MODES,
     "fusion.method": tuple(FUSIONS),
     "fusion.fit_on": FIT_ON,
+    "fusion.search": FUSION_SEARCHES,
     "index.kind": KINDS,
     "index.sources": SOURCES,
     "index.label_repr": LABEL_REPRS,

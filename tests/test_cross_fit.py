@@ -88,7 +88,7 @@ def test_small_dataset_is_cross_fitted_end_to_end(tmp_path, monkeypatch):
     assert fus["fit_on"] == "cross_fit" and fus["cross_fit_folds"] == 4 and fus["cross_fit_points"] == 120
     fusion_file = json.loads((ctx.dir("fusion") / "fusion.json").read_text())
     fitted = load_fusion(fusion_file)
-    assert fitted.method == "alpha" and [g[:2] for g in fus["vote_grid"]] == [[10, 2.0], [50, 4.0]]  # ngame's
+    assert fitted.method == "alpha" and "vote_grid" not in fus  # ngame: the index's own votes
     # it was fitted on the out-of-fold shortlists; in-sample (the deployed sources, each point its own nearest
     # neighbour) the positives' kNN scores are far higher: what a fit on them would overrate
     ds = ctx.read.labels()

@@ -21,6 +21,7 @@ from xc_dagster.retrieval.shortlist import ShortlistSources
 from xc_dagster.retrieval.votes import fitted_votes, parse_vote_grid, with_votes
 from xc_dagster.serving import bundle as serving_bundle
 from xc_dagster.storage import ArtifactStore
+from xc_dagster.strategies import STRATEGIES
 
 
 def test_vote_grid_items_are_parsed_in_order_without_repeats():
@@ -108,7 +109,9 @@ def test_vote_grid_picks_the_candidate_validation_prefers_and_deploys_it(tmp_pat
 
 def test_the_vote_grid_yields_to_votes_the_user_set(tmp_path, monkeypatch):
     """A strategy's grid is skipped when the user set the votes (index.knn_neighbours, ...) but not the grid; a
-    bad grid fails the fusion stage before any work."""
+    bad grid fails the fusion stage before any work. (ngame searched 10:2 and 50:4 before its co-occurrence
+    source; a strategy with a grid is made here as it was.)"""
+    monkeypatch.setitem(STRATEGIES["ngame"].overrides, "fusion.vote_grid", ("10:2", "50:4"))
     home = tiny_lf_home(tmp_path, monkeypatch, TINY)
     spec = Catalog(home.catalog).get("TinyTitles")
     store = ArtifactStore(home.artifacts)

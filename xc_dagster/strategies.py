@@ -43,11 +43,11 @@ KNN_INFERENCE = {"index.sources": ("W", "label", "knn")}
 
 # the default strategy also shortlists and scores with the lexical (TF-IDF) channel, a fusion input whose weight
 # validation may set to 0 (docs/decisions.md#lexical-source); each kNN vote, dense or lexical, is its similarity
-# squared (docs/decisions.md#knn-vote-power), or, where validation prefers it, the 50 nearest vote their similarity
-# to the 4th (docs/decisions.md#vote-grid); the labels co-occurring with the query's nearest labels add candidates
-# and a fusion input (docs/decisions.md#label-cooccurrence)
+# squared (docs/decisions.md#knn-vote-power); the labels co-occurring with the query's nearest labels add
+# candidates and a fusion input (docs/decisions.md#label-cooccurrence), which made fusion.vote_grid's 50:4 lose to
+# 10:2 on every dataset (docs/decisions.md#vote-grid)
 LEXICAL_INFERENCE = {"index.sources": ("W", "label", "knn", "lexical", "cooccurrence"), "index.knn_power": 2.0,
-                     "index.lexical_power": 2.0, "fusion.vote_grid": ("10:2", "50:4")}
+                     "index.lexical_power": 2.0}
 
 # the hardest-negative trainer's positives weigh (1/p_l) (docs/decisions.md#classifier-propensity-weight)
 PROPENSITY_SCORED = {"classifier.propensity_weight": 1.0}

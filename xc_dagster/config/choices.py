@@ -47,6 +47,8 @@ LABEL_REPRS = ("text", "text+centroid")
 FUSION_METHODS = ("alpha", "tree")
 # fusion.fit_on: xc_dagster.pipeline.cross_fit.FIT_ON
 FIT_ON = ("auto", "validation", "cross_fit")
+# fusion.search: xc_dagster.retrieval.fusion.alpha.fit_alpha
+FUSION_SEARCHES = ("coordinate", "grid")
 # ingest.text: xc_dagster.catalog.TEXT_CHOICES or "auto" (by the dataset); ingest.label_text: the same fields
 # or "same" (as the points)
 INGEST_TEXTS = ("auto", "title", "title+content")
@@ -68,6 +70,7 @@ AnnSource = Literal[ANN_SOURCES]  # type: ignore[valid-type]
 LabelRepr = Literal[LABEL_REPRS]  # type: ignore[valid-type]
 FusionMethod = Literal[FUSION_METHODS]  # type: ignore[valid-type]
 FitOn = Literal[FIT_ON]  # type: ignore[valid-type]
+FusionSearch = Literal[FUSION_SEARCHES]  # type: ignore[valid-type]
 IngestText = Literal[INGEST_TEXTS]  # type: ignore[valid-type]
 LabelText = Literal[LABEL_TEXTS]  # type: ignore[valid-type]
 

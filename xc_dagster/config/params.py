@@ -15,6 +15,7 @@ from xc_dagster.config.choices import (
     EncoderNegatives,
     FitOn,
     FusionMethod,
+    FusionSearch,
     GradCacheMode,
     IndexKind,
     IngestText,
@@ -288,6 +289,10 @@ class FusionParams:
     # (docs/decisions.md#fusion-objective-four-metrics)
     objective: str = "precision_at_1+precision_at_5+psprecision_at_1+psprecision_at_5"
     grid_step: float = 0.05  # alpha only
+    # alpha only: how the weights (c, d, e, b below) are searched, alpha's whole grid with each: "coordinate" = one
+    # weight at a time, the others held, in rounds until none moves, then steps along two at once; "grid" = every
+    # combination (docs/decisions.md#fusion-coordinate-search)
+    search: FusionSearch = "coordinate"
     # alpha only: average the validation objective over this many neighbouring grid points per axis (a, c, b)
     # before the argmax; 1 = the raw argmax (docs/decisions.md#fusion-smoothing-off)
     smoothing: int = 1

@@ -324,15 +324,17 @@ def fusion_unit(cfg: PipelineConfig, knn: bool, lexical: bool) -> dict[str, floa
                    rng.random((n, w), dtype=np.float32) if knn else None,
                    rng.random((n, w), dtype=np.float32) if lexical else None)
     Y = sp.csr_matrix((np.ones(n * 2, np.float32), (np.repeat(np.arange(n), 2), ids[:, :2].ravel())), shape=(n, L))
-    p = dataclasses.replace(cfg.fusion, knn_grid_extend=0, lexical_grid_extend=0, cooccurrence_grid_extend=0,
-                            propensity_grid_extend=0,
+    # the whole grid: seconds per evaluation, whatever fusion.search (grid_points counts the search's evaluations)
+    p = dataclasses.replace(cfg.fusion, search="grid", knn_grid_extend=0, lexical_grid_extend=0,
+                            cooccurrence_grid_extend=0, propensity_grid_extend=0,
                             tree_max_samples=min(cfg.fusion.tree_max_samples or n * w, n * w))
     inv = 1.0 + rng.random(L)
     t0 = time.perf_counter()
     fit_fusion(sl, Y, p, inv, None)
     sec = time.perf_counter() - t0
     rank = best_seconds(lambda: topk_from_scores(ids, sl.emb, 100))
-    return {"s_per_entry": sec / (grid_points(cfg, knn, lexical) * n * w), "rank_s_per_entry": rank / (n * w)}
+    grid = grid_points(dataclasses.replace(cfg, fusion=p), knn, lexical)
+    return {"s_per_entry": sec / (grid * n * w), "rank_s_per_entry": rank / (n * w)}
 
 
 def retrieve_unit(dim: int, k: int, pair_s: float) -> dict[str, float]:
@@ -346,9 +348,14 @@ def retrieve_unit(dim: int, k: int, pair_s: float) -> dict[str, float]:
     return {"s_per_entry": max(sec - 2 * n * L * pair_s, 0.0) / (n * 2 * k)}
 
 
+COORDINATE_ROUNDS_PLANNED = 2  # fusion.search=coordinate: a round that moves the weights, one that finds none to move
+
+
 def grid_points(cfg: PipelineConfig, knn: bool, lexical: bool) -> int:
-    """The fusion's grid points before any extension: alpha values x kNN weights x lexical weights x
-    co-occurrence weights x propensity weights (``xc_dagster.retrieval.fusion.alpha.fit_alpha``); 1 for the tree."""
+    """The fusion's objective evaluations before any extension (``xc_dagster.retrieval.fusion.alpha.fit_alpha``):
+    alpha values x kNN weights x lexical weights x co-occurrence weights x propensity weights on the whole grid
+    (``fusion.search=grid``), alpha values x their sum per round of the coordinate search, two rounds planned
+    (each weight value once per round: an over-count, as a round's held point repeats); 1 for the tree."""
     f = cfg.fusion
     if f.method != "alpha":
         return 1
@@ -357,4 +364,6 @@ def grid_points(cfg: PipelineConfig, knn: bool, lexical: bool) -> int:
     ds = len(set(f.lexical_grid) | {0.0}) if lexical else 1
     es = len(set(f.cooccurrence_grid) | {0.0}) if "cooccurrence" in cfg.index.sources else 1
     bs = len(set(f.propensity_grid) | {0.0})
-    return alphas * cs * ds * es * bs
+    if f.search == "grid":
+        return alphas * cs * ds * es * bs
+    return alphas * (cs + ds + es + bs) * COORDINATE_ROUNDS_PLANNED

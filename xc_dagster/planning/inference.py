@@ -96,7 +96,8 @@ def stage_fusion(c: Costs, cfg: PipelineConfig, s: Shape, classifier_s: float) -
     width = inference_work(c, cfg, s, plan, n)
     knn, lexical = "knn" in p.sources, "lexical" in p.sources
     grid = grid_points(cfg, knn, lexical)
-    plan.parts[f"{f.method} fit, {grid:,} grid points x {n:,} points"] = grid * n * width * c.fusion(knn, lexical)[
+    unit = "grid points" if f.search == "grid" else "evaluations"
+    plan.parts[f"{f.method} fit, {grid:,} {unit} x {n:,} points"] = grid * n * width * c.fusion(knn, lexical)[
         "s_per_entry"]
     votes = len(vote_candidates(f.vote_grid, p.sources, cfg.explicit))
     if votes > 1:  # the shortlists and the fit once per candidate of the kNN votes (fusion.vote_grid)

@@ -9,7 +9,8 @@ similarity of the ``index.knn_neighbours`` nearest training points carrying the 
 has lexical scores (``index.sources`` with ``lexical``: TF-IDF cosine to the label text plus a sparse kNN vote,
 ``xc_dagster.retrieval.lexical``), d * lexical (``fusion.lexical_grid``, d = 0 always tried); and
 b * log(1 / p_l) (``fusion.propensity_grid``, docs/decisions.md#fusion-propensity-term); a, c, d and b are
-searched on one joint grid (docs/decisions.md#fusion-joint-grid). ``fusion.smoothing`` > 1 averages the grid's
+searched jointly (docs/decisions.md#fusion-joint-grid): one weight at a time, then two, or on the whole grid
+(``fusion.search``, docs/decisions.md#fusion-coordinate-search). ``fusion.smoothing`` > 1 averages the grid's
 objective over neighbouring weights before its argmax, so that sampling noise on the validation points does not
 pick a lone spike (off by default: docs/decisions.md#fusion-smoothing-off). The grid blends in place (:class:`Blend`)
 and ranks with the objective prepared once per fit (``ObjectiveOnShortlist``): the same numbers as ``fuse`` and
@@ -18,6 +19,7 @@ and ranks with the objective prepared once per fit (``ObjectiveOnShortlist``): t
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 from dataclasses import dataclass, field
@@ -27,6 +29,7 @@ import scipy.sparse as sp
 from scipy.ndimage import uniform_filter1d
 
 from xc_dagster.config import FusionParams
+from xc_dagster.config.choices import FUSION_SEARCHES
 from xc_dagster.device import on_threads
 from xc_dagster.errors import XCConfigError
 from xc_dagster.retrieval.fusion.objective import ObjectiveOnShortlist
@@ -176,21 +179,48 @@ def smooth_grid(values: np.ndarray, width: int) -> np.ndarray:
     return out
 
 
-def fit_alpha(sl: Shortlist, Y_valid: sp.csr_matrix, params: FusionParams, inv_prop: np.ndarray | None,
-              filter_pairs: np.ndarray | None, top_k: int = 10) -> AlphaFusion:
-    """Grid-search ``alpha`` in [0, 1] jointly with the kNN weight c (``fusion.knn_grid``, shortlists with kNN
-    scores), the lexical weight d (``fusion.lexical_grid``, shortlists with lexical scores), the co-occurrence
-    weight e (``fusion.cooccurrence_grid``, shortlists with co-occurrence votes) and the propensity weight b
-    (``fusion.propensity_grid``) maximising ``params.objective`` on the validation shortlists, after smoothing the
-    objective over neighbouring grid points (``fusion.smoothing`` points per axis; 1 = the raw argmax). Ties
-    prefer the smaller c, then the smaller d, then the smaller e, then the smaller b, then more classifier weight;
-    b = 0, d = 0 and e = 0 are always tried (and c = 0 where ``knn_grid`` has it, as by default), so each added
-    term can only match or beat validation without it.
-    When the chosen c (or d, e, b) is its grid's largest, the grid was too small: it keeps doubling, ``*_extend``
-    times at most, while the doubled weight is chosen. As the kNN, lexical and co-occurrence grids need their
-    scores, the propensity grid needs ``inv_prop``: without them c, d, e, b stay 0."""
-    _check_params(params)
-    alphas = np.round(np.arange(0.0, 1.0 + 1e-9, params.grid_step), 6)
+Weights = tuple[float, float, float, float]  # (c, d, e, b): the kNN, lexical, co-occurrence and propensity weights
+WEIGHT_AXES = 4
+COORDINATE_ROUNDS = 8  # sweeps of every weight at most (each round moves one weight or stops)
+
+
+class Cells:
+    """The validation objective at weights (c, d, e, b), for every alpha of the grid, each computed once: a
+    (c, d, e, alpha)'s fused scores are shared by the b values asked with it, and the cells run on the process's
+    threads (numpy's array operations release the GIL; the objective only reads shared state)."""
+
+    def __init__(self, sl: Shortlist, objective: ObjectiveOnShortlist, boost: np.ndarray | None,
+                 alphas: np.ndarray) -> None:
+        self.sl, self.objective, self.boost, self.alphas = sl, objective, boost, alphas
+        self.values: dict[Weights, np.ndarray] = {}  # (c, d, e, b) -> the objective at each alpha
+        self.local = threading.local()  # a Blend per thread: it keeps the c, d and e terms of the cell it last scored
+
+    def __call__(self, points: list[Weights]) -> list[np.ndarray]:
+        """The objective over alpha at each of ``points``, the ones not seen before computed."""
+        groups: dict[tuple[float, float, float], list[float]] = {}
+        for w in dict.fromkeys(points):
+            if w not in self.values:
+                groups.setdefault(w[:3], []).append(w[3])
+        todo = list(groups.items())
+        out = {(*cde, b): np.empty(len(self.alphas)) for cde, bs in todo for b in bs}
+
+        def cell(t: tuple[int, int]) -> None:
+            if not hasattr(self.local, "blend"):
+                self.local.blend = Blend(self.sl)
+            (c, d, e), bs = todo[t[0]]
+            s = self.local.blend(float(self.alphas[t[1]]), c, d, e)
+            for b in bs:
+                out[(c, d, e, b)][t[1]] = self.objective.value(s + np.float32(b) * self.boost if b else s)
+
+        on_threads(cell, [(g, j) for g in range(len(todo)) for j in range(len(self.alphas))])  # alpha innermost
+        self.values.update(out)
+        return [self.values[w] for w in points]
+
+
+def _axes(sl: Shortlist, params: FusionParams, inv_prop: np.ndarray | None
+          ) -> tuple[list[list[float]], list[int], np.ndarray | None]:
+    """The weight grids (c, d, e, b) this shortlist can use, their ``*_extend`` budgets and the propensity
+    feature (None without the propensity term)."""
     cs = [0.0] if sl.knn is None else sorted(set(_check_weights("knn_grid", params.knn_grid)))
     ds = [0.0] if sl.lex is None else sorted(set(_check_weights("lexical_grid", params.lexical_grid)) | {0.0})
     es = [0.0] if sl.cooc is None else sorted(set(_check_weights("cooccurrence_grid", params.cooccurrence_grid))
@@ -201,58 +231,134 @@ def fit_alpha(sl: Shortlist, Y_valid: sp.csr_matrix, params: FusionParams, inv_p
             raise XCConfigError(f"fusion.{name}: expected an int >= 0, got {getattr(params, name)}")
     boost = propensity_boost(sl.ids, inv_prop) if max(prop_grid) > 0 and inv_prop is not None else None
     bs = [0.0] if boost is None else sorted(set(prop_grid) | {0.0})
-
-    objective = ObjectiveOnShortlist(sl.ids, Y_valid, params.objective, inv_prop, filter_pairs, top_k)
-    local = threading.local()  # a Blend per thread: it keeps the c, d and e terms of the cell it last scored
-
-    def grid(axes: list[list[float]]) -> np.ndarray:
-        """The objective at every (c, d, e, alpha, b) of ``axes`` (its alpha axis ignored: always ``alphas``);
-        each (c, d, e, alpha)'s fused scores are computed once and shared by the b values. The cells run on the
-        process's threads (numpy's array operations release the GIL; the objective only reads shared state)."""
-        c_values, d_values, e_values, _, b_values = axes
-        out = np.empty((len(c_values), len(d_values), len(e_values), len(alphas), len(b_values)))
-
-        def cell(t: tuple[int, ...]) -> None:
-            if not hasattr(local, "blend"):
-                local.blend = Blend(sl)
-            s = local.blend(float(alphas[t[3]]), c_values[t[0]], d_values[t[1]], e_values[t[2]])
-            for k, b in enumerate(b_values):
-                out[(*t, k)] = objective.value(s + np.float32(b) * boost if b else s)
-
-        on_threads(cell, list(np.ndindex(*out.shape[:4])))  # alpha innermost: consecutive cells share c, d, e
-        return out
-
-    axes = [cs, ds, es, list(alphas), bs]
-    raw = grid(axes)  # (c, d, e, alpha, b)
     extends = [params.knn_grid_extend if sl.knn is not None else 0,
                params.lexical_grid_extend if sl.lex is not None else 0,
-               params.cooccurrence_grid_extend if sl.cooc is not None else 0, 0,
+               params.cooccurrence_grid_extend if sl.cooc is not None else 0,
                params.propensity_grid_extend if boost is not None else 0]
+    return [cs, ds, es, bs], extends, boost
+
+
+def fit_alpha(sl: Shortlist, Y_valid: sp.csr_matrix, params: FusionParams, inv_prop: np.ndarray | None,
+              filter_pairs: np.ndarray | None, top_k: int = 10) -> AlphaFusion:
+    """Search ``alpha`` in [0, 1] with the kNN weight c (``fusion.knn_grid``, shortlists with kNN scores), the
+    lexical weight d (``fusion.lexical_grid``, shortlists with lexical scores), the co-occurrence weight e
+    (``fusion.cooccurrence_grid``, shortlists with co-occurrence votes) and the propensity weight b
+    (``fusion.propensity_grid``) maximising ``params.objective`` on the validation shortlists.
+
+    ``fusion.search`` "grid" tries every combination, the objective smoothed over neighbouring grid points
+    (``fusion.smoothing`` points per axis; 1 = the raw argmax); "coordinate" moves one weight at a time over its
+    grid (alpha's whole grid with each value), the others held, from every weight at its smallest, in rounds until
+    no weight moves, then tries steps along two weights at once: the grid's choice on our five datasets with 5-20x
+    fewer evaluations (docs/decisions.md#fusion-coordinate-search); smoothing then averages each sweep's
+    (weight, alpha) plane.
+    Ties prefer the smaller c, then d, then e, then b, then more classifier weight; b = 0, d = 0 and e = 0 are
+    always tried (and c = 0 where ``knn_grid`` has it, as by default), so each added term can only match or beat
+    validation without it. When the chosen c (or d, e, b) is its grid's largest, the grid was too small: it keeps
+    doubling, ``*_extend`` times at most, while the doubled weight is chosen. As the kNN, lexical and
+    co-occurrence grids need their scores, the propensity grid needs ``inv_prop``: without them c, d, e, b stay 0."""
+    _check_params(params)
+    if params.search not in FUSION_SEARCHES:
+        raise XCConfigError(f"fusion.search: expected one of {' | '.join(FUSION_SEARCHES)}, got {params.search!r}")
+    alphas = np.round(np.arange(0.0, 1.0 + 1e-9, params.grid_step), 6)
+    axes, extends, boost = _axes(sl, params, inv_prop)
+    cells = Cells(sl, ObjectiveOnShortlist(sl.ids, Y_valid, params.objective, inv_prop, filter_pairs, top_k), boost,
+                  alphas)
+    search = _grid_search if params.search == "grid" else _coordinate_search
+    at, j, smoothed = search(cells, axes, extends, params.smoothing)
+    return _fitted(cells, axes, at, j, smoothed, sl)
+
+
+def _grid_search(cells: Cells, axes: list[list[float]], extends: list[int], smoothing: int
+                 ) -> tuple[list[int], int, float]:
+    """Every (c, d, e, b) of the grids with every alpha; returns the chosen weights' indexes in ``axes``, alpha's
+    index and the chosen point's smoothed objective."""
     while True:
-        smooth = smooth_grid(raw, params.smoothing)
-        best = max(np.ndindex(*raw.shape), key=lambda t: (smooth[t], -t[0], -t[1], -t[2], -t[4], t[3]))
-        edge = [a for a in (0, 1, 2, 4) if best[a] == len(axes[a]) - 1 and axes[a][-1] > 0 and extends[a] > 0]
+        points = list(itertools.product(*axes))
+        raw = np.stack(cells(points)).reshape(*(len(a) for a in axes), len(cells.alphas))
+        smooth = smooth_grid(raw, smoothing)
+        best = max(np.ndindex(*raw.shape), key=lambda t: (smooth[t], *(-x for x in t[:WEIGHT_AXES]), t[-1]))
+        edge = [a for a in range(WEIGHT_AXES) if best[a] == len(axes[a]) - 1 and axes[a][-1] > 0 and extends[a] > 0]
         if not edge:
+            return list(best[:WEIGHT_AXES]), best[-1], float(smooth[best])
+        extends[edge[0]] -= 1
+        axes[edge[0]].append(2.0 * axes[edge[0]][-1])
+
+
+def _coordinate_search(cells: Cells, axes: list[list[float]], extends: list[int], smoothing: int
+                       ) -> tuple[list[int], int, float]:
+    """Sweeps of one weight at a time (:func:`_sweeps`) from every weight at its smallest; where they stop, a step
+    along two weights at once (:func:`_pair_step`) that beats the point restarts them, as the weights trade
+    against each other along ridges a single weight cannot climb (Delicious' lexical and kNN weights:
+    docs/decisions.md#fusion-coordinate-search). Returns as :func:`_grid_search`."""
+    at, j, smoothed = _sweeps(cells, axes, extends, smoothing, [0] * WEIGHT_AXES)
+    for _ in range(COORDINATE_ROUNDS - 1):
+        step = _pair_step(cells, axes, at, j)
+        if step is None:
             break
-        a = edge[0]
-        extends[a] -= 1
-        axes[a].append(2.0 * axes[a][-1])
-        raw = np.concatenate([raw, grid([v[-1:] if i == a else v for i, v in enumerate(axes)])], axis=a)
-    return _fitted(alphas, axes, raw, smooth, best, sl)
+        at, j, smoothed = _sweeps(cells, axes, extends, smoothing, step)
+    return at, j, smoothed
 
 
-def _fitted(alphas: np.ndarray, axes: list[list[float]], raw: np.ndarray, smooth: np.ndarray,
-            best: tuple[int, ...], sl: Shortlist) -> AlphaFusion:
-    """The fusion at grid point ``best`` with the grids' records: per weight, the best objective over alpha
-    along its axis, the other weights as chosen."""
-    i, l, m, j, k = best
-    cs, ds, es, _, bs = axes
+def _sweeps(cells: Cells, axes: list[list[float]], extends: list[int], smoothing: int, at: list[int]
+            ) -> tuple[list[int], int, float]:
+    """From the weights at indexes ``at``: one weight at a time over its grid, alpha's whole grid with each value,
+    the other weights held, in rounds until one leaves every weight where it was (``COORDINATE_ROUNDS`` at most);
+    a weight whose largest value wins has its grid extended (``*_extend``). Returns as :func:`_grid_search`."""
+    at, j, smoothed = list(at), 0, -np.inf
+    for _ in range(COORDINATE_ROUNDS):
+        moved = False
+        for a in range(WEIGHT_AXES):
+            while True:
+                points = [tuple(axes[i][x if i == a else at[i]] for i in range(WEIGHT_AXES))
+                          for x in range(len(axes[a]))]
+                raw = np.stack(cells(points))  # (values of weight a, alpha)
+                smooth = smooth_grid(raw, smoothing)
+                x, j = max(np.ndindex(*raw.shape), key=lambda t: (smooth[t], -t[0], t[1]))
+                smoothed = float(smooth[x, j])
+                if not (x == len(axes[a]) - 1 and axes[a][-1] > 0 and extends[a] > 0):
+                    break
+                extends[a] -= 1
+                axes[a].append(2.0 * axes[a][-1])
+            moved |= x != at[a]
+            at[a] = x
+        if not moved:
+            break
+    return at, j, smoothed
+
+
+def _pair_step(cells: Cells, axes: list[list[float]], at: list[int], j: int) -> list[int] | None:
+    """The best of the points one grid step away along two weights at once, the others held (alpha's whole grid
+    with each), when it beats the point ``at`` (alpha index ``j``); else None."""
+    here = cells([tuple(axes[i][x] for i, x in enumerate(at))])[0][j]
+    moves = []
+    for a, b in itertools.combinations(range(WEIGHT_AXES), 2):
+        for da, db in itertools.product((-1, 1), repeat=2):
+            t = list(at)
+            t[a], t[b] = at[a] + da, at[b] + db
+            if 0 <= t[a] < len(axes[a]) and 0 <= t[b] < len(axes[b]):
+                moves.append(t)
+    if not moves:
+        return None
+    best = [float(v.max()) for v in cells([tuple(axes[i][x] for i, x in enumerate(t)) for t in moves])]
+    k = max(range(len(moves)), key=lambda m: (best[m], -m))
+    return moves[k] if best[k] > here else None
+
+
+def _fitted(cells: Cells, axes: list[list[float]], at: list[int], j: int, smoothed: float,
+            sl: Shortlist) -> AlphaFusion:
+    """The fusion at the chosen weights (indexes ``at`` in ``axes``) and alpha (index ``j``), with the grids'
+    records: per weight, the best objective over alpha along its axis, the other weights as chosen."""
+    chosen = [axes[i][x] for i, x in enumerate(at)]
+
+    def record(a: int) -> list[tuple[float, float]]:
+        points = [tuple(v if i == a else chosen[i] for i in range(WEIGHT_AXES)) for v in axes[a]]
+        return [(float(v), float(r.max())) for v, r in zip(axes[a], cells(points))]
+
+    c, d, e, b = chosen
+    (values,) = cells([(c, d, e, b)])
     return AlphaFusion(
-        float(alphas[j]), [(float(a), float(v)) for a, v in zip(alphas, raw[i, l, m, :, k])], cs[i],
-        [(c, float(raw[x, l, m, :, k].max())) for x, c in enumerate(cs)] if sl.knn is not None else [], bs[k],
-        [(b, float(raw[i, l, m, :, x].max())) for x, b in enumerate(bs)] if len(bs) > 1 else [],
-        objective_value=float(raw[best]), objective_smoothed=float(smooth[best]), lexical_weight=ds[l],
-        lexical_grid=[(d, float(raw[i, x, m, :, k].max())) for x, d in enumerate(ds)] if sl.lex is not None else [],
-        cooccurrence_weight=es[m],
-        cooccurrence_grid=[(e, float(raw[i, l, x, :, k].max())) for x, e in enumerate(es)] if sl.cooc is not None
-        else [])
+        float(cells.alphas[j]), [(float(x), float(v)) for x, v in zip(cells.alphas, values)], c,
+        record(0) if sl.knn is not None else [], b, record(3) if len(axes[3]) > 1 else [],
+        objective_value=float(values[j]), objective_smoothed=smoothed, lexical_weight=d,
+        lexical_grid=record(1) if sl.lex is not None else [], cooccurrence_weight=e,
+        cooccurrence_grid=record(2) if sl.cooc is not None else [])
