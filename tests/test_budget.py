@@ -16,6 +16,7 @@ from xc_dagster.config import resolve_config
 from xc_dagster.encoders.loading import load_encoder
 from xc_dagster.errors import XCConfigError
 from xc_dagster.pipeline import StageContext, run_all
+from xc_dagster.pipeline import index as index_stage
 from xc_dagster.storage import ArtifactStore
 from xc_dagster.training import budget as budget_module
 from xc_dagster.training import siamese
@@ -90,7 +91,7 @@ def test_deadline_stops_pretraining_between_steps(tiny_home, monkeypatch):  # no
     assert res.stopped_at_deadline and 1 <= res.steps <= 4 < full
 
 
-def test_budgeted_run_plans_pretraining_and_records_the_plan(tiny_home):  # noqa: F811
+def test_budgeted_run_plans_pretraining_and_records_the_plan(tiny_home, monkeypatch):  # noqa: F811
     over = {k: v for k, v in TINY.items() if k != "pretrain.epochs"}
     spec = DatasetSpec("BudgetTitles", Catalog(tiny_home.catalog).get("TinyTitles").source,
                        overrides={**over, "tokenize.encoder": Catalog(tiny_home.catalog).get("TinyTitles").overrides[
@@ -109,6 +110,26 @@ def test_budgeted_run_plans_pretraining_and_records_the_plan(tiny_home):  # noqa
     assert 0 < trained <= int(np.ceil(plan["planned_epochs"] * 7))
     assert trained >= 7 * min(1.0, plan["planned_epochs"]) - 1 or out["pretrain"]["stopped_at_deadline"]
     assert out["classifier"]["budget"]["explicit"]  # TINY sets classifier.epochs
+    # the index stage's lexical classifiers stop at the budget less the fusion's share, less what the stages before
+    # took (their summaries' seconds)
+    ctx = StageContext(store, spec, spec.config(), tiny_home.cache, stage="index")
+    spent = sum(out[s]["seconds"] for s in ("pretrain", "mining", "classifier"))
+    monkeypatch.setattr(index_stage, "time", SimpleNamespace(perf_counter=lambda: 100.0))
+    assert index_stage.classifier_deadline(ctx) == pytest.approx(100.0 + max(0.0, 30.0 * (1 - 0.15 / 6) - spent))
+    mine = StageContext(store, spec, spec.config({"index.lexical_classifier_epochs": 2}), tiny_home.cache,
+                        stage="index")
+    assert index_stage.classifier_deadline(mine) is None  # epochs set explicitly win
+    assert out["index"]["lexical"]["classifier_stopped_at_deadline"] is (len(
+        out["index"]["lexical"]["classifier_history"]) < ctx.cfg.index.lexical_classifier_epochs)
+
+
+def test_a_later_stage_stops_at_the_budget_less_what_it_keeps():
+    """``stage_deadline``: the budget (seconds) less the share kept for later stages, less the earlier stages'
+    seconds, counted from the stage's start; never before its start; no budget, no deadline."""
+    train = SimpleNamespace(budget_minutes=30.0)
+    assert budget_module.stage_deadline(train, 1000.0, 5.0, 0.05) == pytest.approx(5.0 + 1800 * 0.95 - 1000)
+    assert budget_module.stage_deadline(train, 2000.0, 5.0, 0.05) == 5.0
+    assert budget_module.stage_deadline(SimpleNamespace(budget_minutes=0.0), 10.0, 5.0, 0.05) is None
 
 
 def test_calibration_times_the_trainer_in_train_mode(tmp_path, monkeypatch):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import scipy.sparse as sp
@@ -123,6 +125,31 @@ def test_max_pairs_caps_the_training():
     capped = LexicalIndex.fit(texts, None, Y, 5, min_df=1, classifier=ClassifierSettings(epochs=3, max_pairs=500))
     # 500 pairs of ~105 per point: a sample of 5 points trained, so the weights barely moved
     assert np.abs(capped.classifier.weights.numpy()).sum() < 0.05 * np.abs(full.classifier.weights.numpy()).sum()
+
+
+def test_a_deadline_stops_training_after_the_first_pass(monkeypatch):
+    """The training budget's deadline: one pass at least, then the pass in progress is the last; the same seed
+    and no deadline train every pass, and a deadline that never comes changes nothing."""
+    texts, Y = _topic_texts(600, 10, 5)
+    fit_on = np.arange(500)  # the other 100 judge each pass
+    full = LexicalIndex.fit(texts, None, Y, 5, min_df=1, fit_on=fit_on, classifier=ClassifierSettings(epochs=4))
+    assert len(full.classifier.history) == 4 and not full.classifier.stopped_at_deadline
+    past = LexicalIndex.fit(texts, None, Y, 5, min_df=1, fit_on=fit_on, classifier=ClassifierSettings(epochs=4),
+                            deadline=0.0)
+    assert len(past.classifier.history) == 1 and past.classifier.stopped_at_deadline
+    assert past.classifier.history[0] == full.classifier.history[0]  # the same first pass, seeded
+    late = LexicalIndex.fit(texts, None, Y, 5, min_df=1, fit_on=fit_on, classifier=ClassifierSettings(epochs=4),
+                            deadline=float("inf"))
+    np.testing.assert_array_equal(late.classifier.weights.numpy(), full.classifier.weights.numpy())
+    # a deadline passed in the middle of the second pass: that pass is cut there, judged, and training ends
+    # (a clock read once per batch after the first pass: 0, 1, 2, ...; 2 batches of ~19 run)
+    clock = iter(range(10**6))
+    monkeypatch.setattr(lc, "time", SimpleNamespace(perf_counter=lambda: float(next(clock))))
+    cut = LexicalIndex.fit(texts, None, Y, 5, min_df=1, fit_on=fit_on, classifier=ClassifierSettings(epochs=4),
+                           deadline=1.5)
+    assert len(cut.classifier.history) == 2 and cut.classifier.stopped_at_deadline
+    assert next(clock) == 3  # the second pass read the clock three times: two batches, then the stop
+    assert cut.classifier.history[1] != full.classifier.history[1]  # a part of the pass, not the whole
 
 
 def test_classifier_round_trips_with_the_index(tmp_path):

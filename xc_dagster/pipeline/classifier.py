@@ -25,11 +25,10 @@ from xc_dagster.storage import save_json
 from xc_dagster.training.budget import (
     BUDGET_PLAN,
     BudgetPlan,
-    calibrate,
-    calibration_seconds,
+    calibrate_stage,
     check_train_params,
-    encode_rate,
     plan_epochs,
+    stage_deadline,
 )
 from xc_dagster.training.checkpoint import Checkpointer, fingerprint, fingerprint_files
 from xc_dagster.training.classifier import (
@@ -58,16 +57,14 @@ def plan_classifiers(ctx: StageContext, sampled: bool, make_trainer: Any, encode
     tail = TAIL_RESERVE * b.reserve
     if not (sampled and p.train_encoder):
         plan = plan_epochs("classifier.epochs", b.budget_minutes, p.epochs, True, 0.0, 0.0, 0, 0.0, spent, tail)
-        return p, plan, started + max(0.0, 60.0 * b.budget_minutes * (1 - tail) - spent)
+        return p, plan, stage_deadline(b, spent, started, tail)
     kept = BudgetPlan.load(ctx.checkpoint_dir() / BUDGET_PLAN, key)
     if kept is None:
-        sec, pts, spe = calibrate(make_trainer, encoder, b.calibration_steps, calibration_seconds(b))
-        pt, lt = ctx.read.tokens("train"), ctx.read.tokens("label")
-        rate = encode_rate(lambda r: encode_tokens(encoder, pt[0][r], pt[1][r], ctx.device, None,
-                                                   p.encode_batch_size), len(pt[1]), seed=p.seed)
-        kept = plan_epochs("classifier.epochs", b.budget_minutes, p.epochs, False, sec, pts, spe,
-                           (len(pt[1]) + len(lt[1])) / rate, spent + time.perf_counter() - started, tail,
-                           b.max_epochs)
+        sec, pts, spe, encode_s = calibrate_stage(make_trainer, encoder, b, ctx.read.tokens("train"),
+                                                  ctx.read.tokens("label"), ctx.device, None, p.encode_batch_size,
+                                                  p.seed)
+        kept = plan_epochs("classifier.epochs", b.budget_minutes, p.epochs, False, sec, pts, spe, encode_s,
+                           spent + time.perf_counter() - started, tail, b.max_epochs)
         kept.save(ctx.checkpoint_dir() / BUDGET_PLAN, key)
     scale = kept.planned_epochs / p.epochs
     changes: dict[str, float] = {"epochs": kept.planned_epochs}

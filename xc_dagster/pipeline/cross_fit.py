@@ -18,6 +18,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from xc_dagster.data.splits import cross_fit_folds, filter_rows, validation_targets
+from xc_dagster.errors import XCConfigError
 from xc_dagster.pipeline.classifier import fold_trainer
 from xc_dagster.pipeline.context import StageContext
 from xc_dagster.retrieval.ann import LabelIndex
@@ -41,6 +42,17 @@ def concat_shortlists(parts: list[Shortlist]) -> Shortlist:
         return None if arrays[0] is None else np.concatenate(arrays)
 
     return Shortlist(*(cat(f.name) for f in dataclasses.fields(Shortlist)))
+
+
+def fit_on(ctx: StageContext, n_valid: int) -> str:
+    """What ``fusion.fit_on`` resolves to: "validation", "cross_fit", or "none" (no validation points and
+    cross-fitting not asked for: a default blend)."""
+    choice = ctx.cfg.fusion.fit_on
+    if choice not in FIT_ON:
+        raise XCConfigError(f"fusion.fit_on: expected one of {' | '.join(FIT_ON)}, got {choice!r}")
+    if choice == "auto":
+        return "validation" if n_valid else "cross_fit"
+    return "none" if choice == "validation" and not n_valid else choice
 
 
 def fold_sources(m: ShortlistSources, W: np.ndarray, point_emb: np.ndarray, label_emb: np.ndarray,

@@ -15,7 +15,7 @@ from xc_dagster.artifacts import FUSION, SUMMARY
 from xc_dagster.data.splits import filter_rows, validation_targets
 from xc_dagster.errors import XCConfigError
 from xc_dagster.pipeline.context import StageContext
-from xc_dagster.pipeline.cross_fit import FIT_ON, cross_fit_shortlists
+from xc_dagster.pipeline.cross_fit import cross_fit_shortlists, fit_on
 from xc_dagster.retrieval import votes
 from xc_dagster.retrieval.fusion import check_method, fit_fusion, missed_positive_features
 from xc_dagster.retrieval.shortlist import Shortlist, ShortlistSources, retrieve
@@ -63,17 +63,6 @@ def vote_candidates(ctx: StageContext) -> list[Votes | None]:
     (``xc_dagster.retrieval.votes.vote_candidates``)."""
     sources = ctx.read.summary("index").get("sources", ())
     return votes.vote_candidates(ctx.cfg.fusion.vote_grid, sources, ctx.cfg.explicit)
-
-
-def fit_on(ctx: StageContext, n_valid: int) -> str:
-    """What ``fusion.fit_on`` resolves to: "validation", "cross_fit", or "none" (no validation points and
-    cross-fitting not asked for: a default blend)."""
-    choice = ctx.cfg.fusion.fit_on
-    if choice not in FIT_ON:
-        raise XCConfigError(f"fusion.fit_on: expected one of {' | '.join(FIT_ON)}, got {choice!r}")
-    if choice == "auto":
-        return "validation" if n_valid else "cross_fit"
-    return "none" if choice == "validation" and not n_valid else choice
 
 
 def _fits(ctx: StageContext, how: str, candidates: list[Votes | None]) -> list[tuple[Any, dict[str, Any]]]:

@@ -16,6 +16,7 @@ import scipy.sparse as sp
 from xc_dagster.artifacts import HELDOUT, MINING_LABEL_INDEX, SUMMARY
 from xc_dagster.errors import XCConfigError
 from xc_dagster.pipeline.context import StageContext
+from xc_dagster.pipeline.cross_fit import fit_on
 from xc_dagster.pipeline.kept import KeptWork
 from xc_dagster.progress import in_one_call
 from xc_dagster.retrieval.ann import LabelIndex
@@ -35,6 +36,7 @@ from xc_dagster.retrieval.shortlist import (
 )
 from xc_dagster.retrieval.sparse_rows import check_power
 from xc_dagster.storage import save_json
+from xc_dagster.training.budget import stage_deadline
 
 
 def _check(p: Any) -> None:
@@ -74,10 +76,24 @@ def cooccurrence_settings(p: Any) -> CooccurrenceSettings:
 
 
 def cross_fitted(ctx: StageContext, fit_rows: np.ndarray, num_train: int) -> bool:
-    """Whether the fusion will be cross-fitted on the training points (``fusion.fit_on``): parts learned from
-    every training point's labels would then score their own labels."""
-    f = ctx.cfg.fusion.fit_on
-    return f == "cross_fit" or (f == "auto" and len(fit_rows) >= num_train)
+    """Whether the fusion will be cross-fitted on the training points (``fusion.fit_on``, resolved as the fusion
+    stage resolves it): parts learned from every training point's labels would then score their own labels."""
+    return fit_on(ctx, num_train - len(fit_rows)) == "cross_fit"
+
+
+FUSION_RESERVE = 1 / 6  # of train.reserve: what the stages after the lexical classifiers keep (the fusion's fit)
+
+
+def classifier_deadline(ctx: StageContext) -> float | None:
+    """When the lexical classifiers stop training under ``train.budget_minutes``: the budget less what the
+    encoder's and classifiers' stages took, less the fusion's share (``stage_deadline``); None when their epochs
+    were set explicitly (they win over the budget, as every stage's)."""
+    b = ctx.cfg.train
+    if "index.lexical_classifier_epochs" in ctx.cfg.explicit:
+        return None
+    spent = sum(float((ctx.read.summary(s, missing_ok=True) or {}).get("seconds", 0.0))
+                for s in ("pretrain", "mining", "classifier"))
+    return stage_deadline(b, spent, time.perf_counter(), FUSION_RESERVE * b.reserve)
 
 
 def lexical_index(ctx: StageContext, rows: np.ndarray, Y_train: Any, fit_rows: np.ndarray) -> LexicalIndex:
@@ -104,7 +120,8 @@ def lexical_index(ctx: StageContext, rows: np.ndarray, Y_train: Any, fit_rows: n
     try:
         return LexicalIndex.fit(points, labels, Y_train[rows], p.lexical_neighbours, p.lexical_min_df, fit_on,
                                 max_postings=p.lexical_max_postings if len(rows) > p.lexical_exact_points else 0,
-                                feature_words=words, power=p.lexical_power, classifier=settings, valid=valid)
+                                feature_words=words, power=p.lexical_power, classifier=settings, valid=valid,
+                                deadline=classifier_deadline(ctx))
     except XCConfigError as e:
         raise XCConfigError(f"{ctx.name}: {e}") from None
 
@@ -228,7 +245,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
                             "max_postings": lexical.max_postings, "label_text": lexical.labels is not None,
                             "feature_words": lexical.words is not None,
                             "classifier_weights": 0 if lexical.classifier is None else len(lexical.classifier.keys),
-                            "classifier_history": [] if lexical.classifier is None else lexical.classifier.history}
+                            "classifier_history": [] if lexical.classifier is None else lexical.classifier.history,
+                            "classifier_stopped_at_deadline": lexical.classifier is not None
+                            and lexical.classifier.stopped_at_deadline}
                     del lexical
                 if need_centroids:
                     centroids = label_centroids(train_emb, ds.Y_train, deployed)

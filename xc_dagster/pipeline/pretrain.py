@@ -27,10 +27,8 @@ from xc_dagster.storage import save_json
 from xc_dagster.training.budget import (
     BUDGET_PLAN,
     BudgetPlan,
-    calibrate,
-    calibration_seconds,
+    calibrate_stage,
     check_train_params,
-    encode_rate,
     plan_epochs,
 )
 from xc_dagster.training.checkpoint import Checkpointer, fingerprint, fingerprint_files
@@ -53,11 +51,8 @@ def plan_pretraining(ctx: StageContext, encoder: Any, pt: Any, lt: Any, Y: Any, 
     if kept is not None:
         return kept
     one = dataclasses.replace(p, epochs=1.0, seed_bank=False)
-    sec, pts, spe = calibrate(lambda enc: SiameseTrainer(enc, pt, lt, Y, rows, one, ctx.device, dtype),
-                              encoder, b.calibration_steps, calibration_seconds(b))
-    rate = encode_rate(lambda r: encode_tokens(encoder, pt[0][r], pt[1][r], ctx.device, dtype,
-                                               p.encode_batch_size), len(pt[1]), seed=p.seed)
-    encode_s = (len(pt[1]) + len(lt[1])) / rate
+    sec, pts, spe, encode_s = calibrate_stage(lambda enc: SiameseTrainer(enc, pt, lt, Y, rows, one, ctx.device, dtype),
+                                              encoder, b, pt, lt, ctx.device, dtype, p.encode_batch_size, p.seed)
     plan = plan_epochs("pretrain.epochs", b.budget_minutes, p.epochs, False, sec, pts, spe, encode_s,
                        time.perf_counter() - t0, b.reserve, b.max_epochs)
     plan.save(ctx.checkpoint_dir() / BUDGET_PLAN, key)

@@ -179,7 +179,8 @@ class LexicalIndex:
             point_labels: sp.spmatrix, neighbours: int, min_df: int = 2, fit_on: np.ndarray | None = None,
             feature_words: Sequence[str] | None = None, max_postings: int = 0, power: float = 1.0,
             classifier: ClassifierSettings | None = None,
-            valid: tuple[Sequence[str] | sp.spmatrix, sp.spmatrix] | None = None) -> LexicalIndex:
+            valid: tuple[Sequence[str] | sp.spmatrix, sp.spmatrix] | None = None,
+            deadline: float | None = None) -> LexicalIndex:
         """Index the training points' texts with the label texts, or their BoW feature rows with the labels'
         (``labels`` None: no label-text part). The TF-IDF model is fitted on the labels and the points ``fit_on``
         (positions in ``points``; default all): the validation points, indexed but excluded from the fusion's kNN,
@@ -189,7 +190,8 @@ class LexicalIndex:
         (:class:`FeatureWords`) and the index serves raw text too. ``classifier``: train the third part, the
         sparse per-label logistic regressions, on the points ``fit_on`` (``xc_dagster.retrieval.lexical_classifier``;
         None: no classifier part); ``valid``: held-out points (texts or feature rows, as ``points``) and their labels
-        that pick its training pass, when they are not indexed (else the indexed points outside ``fit_on`` do)."""
+        that pick its training pass, when they are not indexed (else the indexed points outside ``fit_on`` do);
+        ``deadline``: the classifiers' training stops past it (``LexicalClassifier.fit``)."""
         if not (isinstance(min_df, int) and not isinstance(min_df, bool) and min_df >= 1):
             raise XCConfigError(f"index.lexical_min_df: expected an int >= 1, got {min_df!r}")
         Y = sp.csr_matrix(point_labels, dtype=np.float32, copy=True)
@@ -218,16 +220,17 @@ class LexicalIndex:
         index = cls(model, P, Y, T, neighbours, words, max_postings, power)
         if classifier is not None:
             held = None if valid is None else (index.transform(valid[0]), valid[1])
-            index.classifier = index.fit_classifier(fit_rows, classifier, held)
+            index.classifier = index.fit_classifier(fit_rows, classifier, held, deadline)
         return index
 
     def fit_classifier(self, rows: np.ndarray, settings: ClassifierSettings,
-                       valid: tuple[sp.csr_matrix, sp.spmatrix] | None = None) -> LexicalClassifier:
+                       valid: tuple[sp.csr_matrix, sp.spmatrix] | None = None,
+                       deadline: float | None = None) -> LexicalClassifier:
         """The classifiers trained on the indexed points ``rows``, each against its hard negatives: the labels its
         label-text and kNN parts (with CLASSIFIER_VOTES) score highest (its neighbours among ``rows``, itself left
         out) that it does not carry, found in blocks of bounded work. Held-out points pick the training pass, the
         one whose lexical scores reach the highest P@1 + P@5 on them: ``valid`` (TF-IDF rows, labels), else the
-        indexed points outside ``rows`` (the validation split), if any."""
+        indexed points outside ``rows`` (the validation split), if any. ``deadline``: as ``LexicalClassifier.fit``."""
         settings = settings.check()
         rows = np.asarray(rows, dtype=np.int64)
         held = np.setdiff1d(np.arange(self.num_points), rows)  # never neighbours of the fit
@@ -256,7 +259,7 @@ class LexicalIndex:
                 hits = sparse_lookup(Yv, top) > 0
                 return float(hits[:, 0].mean() + hits.mean())
 
-        return LexicalClassifier.fit(Q, Y, hard, settings, judge)
+        return LexicalClassifier.fit(Q, Y, hard, settings, judge, deadline)
 
     def transform(self, inputs: Sequence[str] | sp.spmatrix) -> sp.csr_matrix:
         """The L2-normalised TF-IDF rows (float32 CSR) of raw texts (an index fitted on texts, or on feature rows

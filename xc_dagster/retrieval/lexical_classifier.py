@@ -25,6 +25,7 @@ at most ``max_pairs`` pairs in all (fewer epochs, or a seeded sample of the poin
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -110,6 +111,7 @@ class LexicalClassifier:
         self.bias = torch.from_numpy(np.ascontiguousarray(bias, dtype=np.float32))
         self.num_terms, self.settings = int(num_terms), settings or ClassifierSettings()
         self.history: list[float] = []  # the held-out value after each training pass (fit's ``judge``)
+        self.stopped_at_deadline = False  # fit's ``deadline`` cut the training short
         if self.keys.shape != self.weights.shape or self.keys.ndim != 1:
             raise ValueError(f"{tuple(self.keys.shape)} keys for {tuple(self.weights.shape)} weights")
         if len(self.keys) and (int(self.keys[-1]) >= self.num_labels * self.num_terms or int(self.keys[0]) < 0):
@@ -176,11 +178,14 @@ class LexicalClassifier:
 
     @classmethod
     def fit(cls, X: sp.csr_matrix, Y: sp.csr_matrix, hard: sp.csr_matrix, settings: ClassifierSettings,
-            judge: Callable[[LexicalClassifier], float] | None = None) -> LexicalClassifier:
+            judge: Callable[[LexicalClassifier], float] | None = None,
+            deadline: float | None = None) -> LexicalClassifier:
         """Train on the TF-IDF rows ``X`` (n, V) with their labels ``Y`` (n, L, binary): each point against its
         positives, its hard negatives (the stored entries of its row of ``hard``, n x L: :func:`hard_negatives`)
         and ``random_negatives`` uniform labels per epoch (module docstring). ``judge``: the model's value on
-        held-out points, called after each pass: the best pass's weights are kept (None: the last pass's)."""
+        held-out points, called after each pass: the best pass's weights are kept (None: the last pass's).
+        ``deadline``: a ``time.perf_counter()`` value past which training stops, after one pass at least (the
+        training budget's: ``xc_dagster.training.budget.stage_deadline``); the cut pass is judged as the others."""
         settings = settings.check()
         X, Y = sp.csr_matrix(X, dtype=np.float32), sp.csr_matrix(Y, dtype=np.float32, copy=True)
         n, num_labels = Y.shape
@@ -190,7 +195,7 @@ class LexicalClassifier:
         Y.eliminate_zeros()
         keys = pruned_support(X, Y, settings.max_terms)
         model = cls(keys, np.zeros(len(keys), np.float32), np.zeros(num_labels, np.float32), X.shape[1], settings)
-        _train(model, X, Y, sp.csr_matrix(hard), np.random.default_rng(settings.seed), judge)
+        _train(model, X, Y, sp.csr_matrix(hard), np.random.default_rng(settings.seed), judge, deadline)
         return model
 
     def save(self, folder: str | Path) -> dict[str, Any]:
@@ -250,10 +255,12 @@ def _batch_pairs(points: np.ndarray, Y: sp.csr_matrix, hard: sp.csr_matrix, rand
 
 
 def _train(model: LexicalClassifier, X: sp.csr_matrix, Y: sp.csr_matrix, hard: sp.csr_matrix,
-           rng: np.random.Generator, judge: Callable[[LexicalClassifier], float] | None) -> None:
+           rng: np.random.Generator, judge: Callable[[LexicalClassifier], float] | None,
+           deadline: float | None = None) -> None:
     """Adagrad on the logistic loss of mini-batches of ``batch_pairs`` pairs (a batch = whole points, shuffled
     each epoch), ``epochs`` passes capped at ``max_pairs`` pairs: beyond the cap, a seeded sample of the points.
-    ``judge``: after each pass, the model's value on held-out points; the best pass is kept (the first of ties)."""
+    ``judge``: after each pass, the model's value on held-out points; the best pass is kept (the first of ties).
+    Past ``deadline`` (``time.perf_counter()``), after the first pass, the pass in progress is the last."""
     s = model.settings
     n = X.shape[0]
     per_point = (Y.nnz + hard.nnz) / max(n, 1) + s.random_negatives
@@ -267,7 +274,11 @@ def _train(model: LexicalClassifier, X: sp.csr_matrix, Y: sp.csr_matrix, hard: s
     seen, best = 0, (-math.inf, model.weights, model.bias)
     while seen < total and n:
         order = rng.permutation(n)[:int(min(n, math.ceil(total - seen)))]
+        trained = 0
         for start in range(0, len(order), points_per_batch):
+            if deadline is not None and model.history and time.perf_counter() > deadline:
+                model.stopped_at_deadline = True
+                break
             rows, labels, targets = _batch_pairs(order[start:start + points_per_batch], Y, hard,
                                                  s.random_negatives, model.num_labels, rng)
             r, lab = torch.from_numpy(rows), torch.from_numpy(labels)
@@ -280,10 +291,15 @@ def _train(model: LexicalClassifier, X: sp.csr_matrix, Y: sp.csr_matrix, hard: s
             loss.backward()
             with torch.sparse.check_sparse_tensor_invariants(enable=False):  # torch's own coalesced gradients
                 opt.step()
+            trained += 1
+        if not trained:  # stopped before this pass's first batch: nothing new to judge
+            break
         seen += len(order)
         model.weights, model.bias = weights.detach()[:, 0].clone(), bias.detach()[:, 0].clone()
         value = judge(model) if judge is not None else 0.0
         model.history.append(round(float(value), 6))
         if judge is None or value > best[0]:
             best = (value, model.weights, model.bias)
+        if model.stopped_at_deadline:
+            break
     model.weights, model.bias = best[1], best[2]

@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from xc_dagster.encoders.encode import encode_tokens
 from xc_dagster.errors import XCConfigError
 
 BUDGET_PLAN = "budget_plan.json"  # in a stage's checkpoint folder: the plan a resumed run keeps
@@ -154,6 +155,27 @@ def calibrate(make_trainer: Callable[[Any], Any], encoder: Any, steps: int,
         if close is not None:
             close()
     return sec, pts, spe
+
+
+def calibrate_stage(make_trainer: Callable[[Any], Any], encoder: Any, train: Any, tokens: tuple[Any, Any],
+                    label_tokens: tuple[Any, Any], device: Any, dtype: Any, batch_size: int,
+                    seed: int) -> tuple[float, float, int, float]:
+    """What a stage training the encoder plans its epochs from, under ``train`` (``train.*``): :func:`calibrate`'s
+    (seconds per step, points per step, steps per epoch) and the seconds to encode every point (``tokens``) and
+    label (``label_tokens``) after training, from :func:`encode_rate` on a sample of the points."""
+    sec, pts, spe = calibrate(make_trainer, encoder, train.calibration_steps, calibration_seconds(train))
+    rate = encode_rate(lambda r: encode_tokens(encoder, tokens[0][r], tokens[1][r], device, dtype, batch_size),
+                       len(tokens[1]), seed=seed)
+    return sec, pts, spe, (len(tokens[1]) + len(label_tokens[1])) / rate
+
+
+def stage_deadline(train: Any, spent_seconds: float, started: float, keep: float) -> float | None:
+    """The ``time.perf_counter()`` value at which a stage after the encoder's training stops its own iterations
+    (the classifiers' epochs, the lexical classifiers' passes): the budget less the share ``keep`` of it that the
+    stages after this one keep, less ``spent_seconds`` the earlier stages took; None without a budget."""
+    if train.budget_minutes <= 0:
+        return None
+    return started + max(0.0, 60.0 * train.budget_minutes * (1.0 - keep) - spent_seconds)
 
 
 def encode_rate(encode: Callable[[np.ndarray], Any], n_rows: int, sample: int = 512, seed: int = 0) -> float:
