@@ -248,7 +248,7 @@ def fit_alpha(sl: Shortlist, Y_valid: sp.csr_matrix, params: FusionParams, inv_p
     ``fusion.search`` "grid" tries every combination, the objective smoothed over neighbouring grid points
     (``fusion.smoothing`` points per axis; 1 = the raw argmax); "coordinate" moves one weight at a time over its
     grid (alpha's whole grid with each value), the others held, from every weight at its smallest, in rounds until
-    no weight moves, then tries steps along two weights at once: the grid's choice on our five datasets with 5-20x
+    no weight moves, then tries steps along two weights at once: the grid's choice on our five datasets with 4-12x
     fewer evaluations (docs/decisions.md#fusion-coordinate-search); smoothing then averages each sweep's
     (weight, alpha) plane.
     Ties prefer the smaller c, then d, then e, then b, then more classifier weight; b = 0, d = 0 and e = 0 are
