@@ -115,6 +115,11 @@ class ArtifactReader:
             return None
         return load_json(self.path(stage, SUMMARY))
 
+    def spent_seconds(self, *stages: str) -> float:
+        """The wall seconds ``stages`` recorded in their summaries (0 for one not materialized): what a training
+        budget counts as spent before the stage reading it."""
+        return sum(float((self.summary(s, missing_ok=True) or {}).get("seconds", 0.0)) for s in stages)
+
     # ---- ingest
     def dataset_dir(self) -> Path:
         return self.path("ingest", DATASET)

@@ -50,7 +50,7 @@ def plan_classifiers(ctx: StageContext, sampled: bool, make_trainer: Any, encode
     p, b = ctx.cfg.classifier, ctx.cfg.train
     check_train_params(b)
     explicit = "classifier.epochs" in ctx.cfg.explicit
-    spent = sum(float((ctx.read.summary(s, missing_ok=True) or {}).get("seconds", 0.0)) for s in ("pretrain", "mining"))
+    spent = ctx.read.spent_seconds("pretrain", "mining")
     if b.budget_minutes <= 0 or explicit or p.epochs <= 0:
         return p, plan_epochs("classifier.epochs", b.budget_minutes, p.epochs, True, 0.0, 0.0, 0, 0.0, spent,
                               b.reserve), None

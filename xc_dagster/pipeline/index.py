@@ -91,8 +91,7 @@ def classifier_deadline(ctx: StageContext) -> float | None:
     b = ctx.cfg.train
     if "index.lexical_classifier_epochs" in ctx.cfg.explicit:
         return None
-    spent = sum(float((ctx.read.summary(s, missing_ok=True) or {}).get("seconds", 0.0))
-                for s in ("pretrain", "mining", "classifier"))
+    spent = ctx.read.spent_seconds("pretrain", "mining", "classifier")
     return stage_deadline(b, spent, time.perf_counter(), FUSION_RESERVE * b.reserve)
 
 
