@@ -24,9 +24,11 @@ from xc_dagster.storage import ArtifactStore
 from xc_dagster.training import label_points
 from xc_dagster.training.checkpoint import Checkpointer, fingerprint
 from xc_dagster.training.classifier import train_classifiers
+from xc_dagster.training.end_to_end import examples
 from xc_dagster.training.label_points import (
     classifier_label_points,
     label_neighbours,
+    label_point_targets,
     siamese_label_points,
     with_label_rows,
 )
@@ -88,6 +90,37 @@ def test_classifier_label_points_extend_embeddings_rows_and_shortlist():
         classifier_label_points(X, None, Y, np.array([0]), sl, CPU)
     Yr, rr = with_label_rows(Y, np.array([2]))
     assert Yr.shape == (7, 4) and rr.tolist() == [2, 3, 4, 5, 6]
+
+
+def test_gandalf_targets_add_the_labels_on_a_share_of_a_labels_points():
+    # rows 0-3 train (row 4 is held out: its labels must not count); label 0 is on rows 0, 1, 2, with label 1
+    # on 2 of them (share 2/3) and label 2 on 1 (1/3); label 1 on rows 0, 1 with 0 on both (1) and 3 on row 1 (1/2);
+    # label 3 on row 1 and 3; label 4 only on the held-out row
+    Y = csr([[0, 1], [0, 1, 3], [0, 2], [3], [2, 4]], 5)
+    rows = np.array([0, 1, 2, 3])
+    want_half = np.eye(5)
+    want_half[0, 1] = want_half[1, 0] = want_half[1, 3] = want_half[2, 0] = want_half[3, 0] = 1
+    want_half[3, 1] = 1  # label 3: on rows 1, 3; 0 and 1 on one of the two (1/2)
+    T = label_point_targets(Y, rows, 0.5)
+    assert np.array_equal(T.toarray(), want_half)
+    assert np.array_equal(label_point_targets(Y, rows, 0.0).toarray(), np.eye(5))  # Renee: itself only
+    want_one = np.eye(5)
+    want_one[1, 0] = want_one[2, 0] = 1  # every point of label 1 (and 2) carries label 0
+    assert np.array_equal(label_point_targets(Y, rows, 1.0).toarray(), want_one)
+    Yx, rx = with_label_rows(Y, rows, T)
+    assert np.array_equal(Yx[5:].toarray(), want_half) and rx.tolist() == [0, 1, 2, 3, 5, 6, 7, 8, 9]
+    X, E = np.eye(5, 4, dtype=np.float32), F.normalize(torch.rand(5, 4, generator=torch.Generator().manual_seed(0)),
+                                                       dim=-1).numpy()
+    _, Yc, _, _ = classifier_label_points(X, E, Y, rows, np.zeros((5, 2), np.int64), CPU, min_share=0.5)
+    assert np.array_equal(Yc[5:].toarray(), want_half)
+    src, Yex = examples(Y, rows, True, 0.5)  # the end-to-end trainer's examples: the same targets
+    assert np.array_equal(Yex[4:].toarray(), want_half) and src[4:].tolist() == [-1, -2, -3, -4, -5]
+    for bad in (-0.1, 1.5, True, "half"):
+        with pytest.raises(XCConfigError, match="classifier.label_point_cooccurrence"):
+            label_point_targets(Y, rows, bad)
+    with pytest.raises(XCConfigError, match="needs classifier.label_points=true"):
+        train_classifiers(X, E, Y, np.zeros((5, 2), np.int64), rows,
+                          ClassifierParams(epochs=1, label_point_cooccurrence=0.5), CPU)
 
 
 # -------------------------------------------------------------------------------- Siamese pretraining

@@ -68,9 +68,8 @@ class IngestParams:
 class TokenizeParams:
     """Tokenization with the encoder's fast tokenizer."""
 
-    encoder: str = "minilm"  # "minilm" = the packaged all-MiniLM-L6-v2; "bag" / "bag:<dim>" = bag of
-    # embeddings (SiameseXML/Astec; CPU-fast, MiniLM's tokenizer; train it with pretrain.lr=0.01); else an HF
-    # local path or hub name
+    encoder: str = "minilm"  # "minilm" = the packaged all-MiniLM-L6-v2; "bag" / "bag:<dim>" = bag of embeddings
+    # (SiameseXML/Astec; CPU-fast, MiniLM's tokenizer; train it with pretrain.lr=0.01); else an HF path or hub name
     max_len: int = 32  # 32 for titles, 128 full text, 256 Wikipedia (NGAME)
     label_max_len: int = 0  # 0 = same as max_len
 
@@ -105,8 +104,7 @@ class PretrainParams:
     # encoder's gradient, so activations are one chunk's, not the batch's; "auto" = on when the plain step's
     # predicted memory does not fit, "on", "off" (docs/decisions.md#grad-cache)
     grad_cache: GradCacheMode = "auto"
-    # "auto" (CUDA: bf16, else fp16; CPU: bf16 only where it pays, docs/decisions.md#amp-auto-on-cpu) | "bf16" |
-    # "fp16" | "off"
+    # "auto" (CUDA: bf16, else fp16; CPU: bf16 where it pays, decisions.md#amp-auto-on-cpu) | "bf16" | "fp16" | "off"
     amp: AmpMode = "auto"
     encode_batch_size: int = 256
     sampler: PretrainSampler = "random"  # "random" batches | "ngame": unions of clusters of the memory-bank embeddings
@@ -186,6 +184,8 @@ class ClassifierCommonParams:
     w_optimizer: RowOptimizer = "sparse-adam"
     weight_decay: float = 0.0  # classifiers, on the rows a step touches (ASTRA: 1e-4; sampled negatives only)
     label_points: bool = False  # every label also a training point, its one positive itself (ASTRA, Renee)
+    # > 0 (Gandalf): a label point's positives also hold the labels on >= this share of its label's training points
+    label_point_cooccurrence: float = 0.0
     seed: int = 0
 
 

@@ -38,7 +38,7 @@ from xc_dagster.sampling.negatives import SAMPLED_NEGATIVES
 from xc_dagster.training.checkpoint import Checkpointer, Resumable, Resumed, restore_rng
 from xc_dagster.training.data_parallel import average_gradients, past
 from xc_dagster.training.distributed import DistEnv
-from xc_dagster.training.label_points import classifier_label_points
+from xc_dagster.training.label_points import check_label_point_share, classifier_label_points
 from xc_dagster.training.label_sharded import RankShardedClassifier, RankShardedOptimizer
 from xc_dagster.training.losses import CLASSIFIER_LOSSES
 from xc_dagster.training.sharded import ShardedClassifier, ShardedOptimizer
@@ -57,6 +57,7 @@ def check_hard_negative_params(params: HardNegativeTrainerParams) -> None:
     if params.epochs != int(params.epochs) or params.epochs < 0:
         raise XCConfigError(f"classifier.epochs: the hardest-negative trainer takes whole epochs >= 0, got "
                             f"{params.epochs} (fractions work with classifier.negatives={SAMPLED})")
+    check_label_point_share(params.label_points, params.label_point_cooccurrence)
 
 
 def propensity_label_weights(inv_prop: np.ndarray, Y: sp.csr_matrix, rows: np.ndarray,
@@ -116,7 +117,8 @@ class ClassifierTrainer(Resumable):
         if params.label_points:  # Renee: label l is point N + l, its candidates its nearest labels
             uses_shortlist = getattr(HARD_NEGATIVE_POOLS[params.negatives], "uses_shortlist", True)
             point_emb, Y, train_rows, shortlist = classifier_label_points(
-                point_emb, label_point_emb, Y, train_rows, shortlist, device, encoder, uses_shortlist)
+                point_emb, label_point_emb, Y, train_rows, shortlist, device, encoder, uses_shortlist,
+                params.label_point_cooccurrence)
         self.Y = Y.tocsr()
         rows = np.asarray(train_rows, dtype=np.int64)
         self.rows = rows[np.diff(self.Y.indptr)[rows] > 0]

@@ -39,6 +39,7 @@ from xc_dagster.training.checkpoint import Checkpointer, Resumable, Resumed, res
 from xc_dagster.training.data_parallel import average_gradients, broadcast_module, embed_global, past
 from xc_dagster.training.distributed import DistEnv
 from xc_dagster.training.grad_cache import StepEmbedder
+from xc_dagster.training.label_points import check_label_point_share, label_point_targets
 from xc_dagster.training.label_sharded import RankShardedClassifier, RankShardedOptimizer
 from xc_dagster.training.losses import masked_bce_loss
 from xc_dagster.training.memory import (
@@ -78,6 +79,7 @@ def check_end_to_end_params(params: EndToEndTrainerParams, has_encoder: bool) ->
         raise XCConfigError(f"classifier.grad_cache: expected one of {GRAD_CACHE_MODES}, got {params.grad_cache!r}")
     if params.chunk_size < 1:
         raise XCConfigError(f"classifier.chunk_size: expected an int >= 1, got {params.chunk_size!r}")
+    check_label_point_share(params.label_points, params.label_point_cooccurrence)
 
 
 def end_to_end_memory_plan(encoder: torch.nn.Module, point_tokens: Tokens, label_tokens: Tokens,
@@ -97,8 +99,10 @@ def end_to_end_memory_plan(encoder: torch.nn.Module, point_tokens: Tokens, label
                             available_memory(device), fields, loss, "classifier.grad_cache")
 
 
-def examples(Y: sp.csr_matrix, train_rows: np.ndarray, label_points: bool) -> tuple[np.ndarray, sp.csr_matrix]:
-    """The training examples' source rows (>= 0: point row; < 0: label -1 - id) and their label matrix."""
+def examples(Y: sp.csr_matrix, train_rows: np.ndarray, label_points: bool,
+             min_share: float = 0.0) -> tuple[np.ndarray, sp.csr_matrix]:
+    """The training examples' source rows (>= 0: point row; < 0: label -1 - id) and their label matrix (a label
+    point's positives: ``label_point_targets`` with ``min_share``)."""
     Y = Y.tocsr()
     rows = np.asarray(train_rows, dtype=np.int64)
     rows = rows[np.diff(Y.indptr)[rows] > 0]
@@ -106,7 +110,7 @@ def examples(Y: sp.csr_matrix, train_rows: np.ndarray, label_points: bool) -> tu
     src = [rows]
     if label_points:
         L = Y.shape[1]
-        parts.append(sp.identity(L, dtype=np.float32, format="csr"))
+        parts.append(label_point_targets(Y, rows, min_share))
         src.append(-1 - np.arange(L, dtype=np.int64))
     Yex = sp.vstack(parts, format="csr")
     Yex.sort_indices()
@@ -163,7 +167,7 @@ class EndToEndTrainer(Resumable):
             params = dataclasses.replace(params, refresh_async=False)
         self.params, self.device, self.dtype, self.label_weight = params, device, dtype, label_weight
         self.encoder, self.point_tokens, self.label_tokens = encoder, point_tokens, label_tokens
-        self.src, self.Yex = examples(Y, train_rows, params.label_points)
+        self.src, self.Yex = examples(Y, train_rows, params.label_points, params.label_point_cooccurrence)
         n = len(self.src)
         is_label = self.src < 0
         self.n_label_points = int(is_label.sum())

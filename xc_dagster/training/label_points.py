@@ -1,5 +1,6 @@
 """Label texts as extra training points (Renee, ASTRA): each label's own text is a training point whose single
-positive is that label.
+positive is that label -- or, with a co-occurrence share (Gandalf, Kharbanda et al., KDD 2023), whose positives are
+that label and the labels on at least that share of its training points (``label_point_targets``).
 
 The N points keep their rows and label l becomes row N + l: the label matrix gains an identity block below and
 the training rows gain N .. N + L - 1 (``with_label_rows``). ``siamese_label_points`` extends the Siamese
@@ -16,19 +17,55 @@ import scipy.sparse as sp
 import torch
 
 from xc_dagster.encoders.bag import BagOfEmbeddingsEncoder, embed_from_intermediate
+from xc_dagster.errors import XCConfigError
 from xc_dagster.retrieval.ann import LabelIndex, exact_topk
+from xc_dagster.retrieval.cooccurrence import CooccurrenceSettings, LabelCooccurrence
 
+MAX_COOCCURRING = 100  # G's entries kept per label (its largest): a label point's positives beyond itself at most
 EXACT_MAX_LABELS = 50_000  # above this, label neighbours come from an HNSW index: exact search is L^2 D
 
 Tokens = tuple[np.ndarray, np.ndarray]  # token ids (N, T), lengths (N,)
 
 
-def with_label_rows(Y: sp.csr_matrix, rows: np.ndarray) -> tuple[sp.csr_matrix, np.ndarray]:
-    """``Y`` (N x L) with the L x L identity below (row N + l: label l's text, positive l) and ``rows`` followed
-    by N .. N + L - 1."""
+def check_label_point_share(label_points: bool, share: float) -> None:
+    """Raise XCConfigError unless ``classifier.label_point_cooccurrence`` is a share in [0, 1], > 0 only with
+    ``classifier.label_points``."""
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= float(share) <= 1.0:
+        raise XCConfigError(f"classifier.label_point_cooccurrence: expected a share in [0, 1], got {share!r}")
+    if share > 0 and not label_points:
+        raise XCConfigError(f"classifier.label_point_cooccurrence: {share} needs classifier.label_points=true "
+                            "(the label points it gives co-occurring positives)")
+
+
+def label_point_targets(Y: sp.csr_matrix, rows: np.ndarray, min_share: float = 0.0) -> sp.csr_matrix:
+    """The label points' positives, L x L binary CSR: the identity (Renee: label l's point is positive for l) and,
+    with ``min_share`` > 0, Gandalf's co-occurring labels: every h on at least ``min_share`` of the training
+    points (``Y[rows]``) that carry l, G[l, h] = #(points with l and h) / #(points with l) >= min_share (G as the
+    ``cooccurrence`` source builds it, its ``MAX_COOCCURRING`` largest entries per label)."""
+    check_label_point_share(True, min_share)
+    L = Y.shape[1]
+    eye = sp.identity(L, dtype=np.float32, format="csr")
+    if min_share <= 0:
+        return eye
+    G = LabelCooccurrence.fit(sp.csr_matrix(Y)[np.asarray(rows, dtype=np.int64)],
+                              CooccurrenceSettings(max_entries=MAX_COOCCURRING)).matrix
+    G.data = (G.data >= float(min_share) - 1e-12).astype(np.float32)  # shares computed as k / n: exact up to fp
+    G.eliminate_zeros()
+    T = (eye + G.astype(np.float32)).tocsr()
+    T.sort_indices()
+    return T
+
+
+def with_label_rows(Y: sp.csr_matrix, rows: np.ndarray,
+                    targets: sp.csr_matrix | None = None) -> tuple[sp.csr_matrix, np.ndarray]:
+    """``Y`` (N x L) with the label points' L x L ``targets`` below (default the identity: row N + l is label l's
+    text, positive l; :func:`label_point_targets`) and ``rows`` followed by N .. N + L - 1."""
     Y = Y.tocsr()
     N, L = Y.shape
-    Yx = sp.vstack([Y, sp.identity(L, dtype=Y.dtype, format="csr")], format="csr")
+    below = sp.identity(L, dtype=Y.dtype, format="csr") if targets is None else targets.astype(Y.dtype)
+    if below.shape != (L, L):
+        raise ValueError(f"with_label_rows: label point targets {below.shape} for {L} labels")
+    Yx = sp.vstack([Y, below], format="csr")
     return Yx, np.concatenate([np.asarray(rows, dtype=np.int64), N + np.arange(L, dtype=np.int64)])
 
 
@@ -68,14 +105,15 @@ def label_neighbours(label_emb: np.ndarray, k: int, device: torch.device | None 
 
 def classifier_label_points(point_emb: np.ndarray, label_point_emb: np.ndarray | None, Y: sp.csr_matrix,
                             rows: np.ndarray, shortlist: np.ndarray, device: torch.device,
-                            encoder: BagOfEmbeddingsEncoder | None = None,
-                            neighbours: bool = True) -> tuple[np.ndarray, sp.csr_matrix, np.ndarray, np.ndarray]:
+                            encoder: BagOfEmbeddingsEncoder | None = None, neighbours: bool = True,
+                            min_share: float = 0.0) -> tuple[np.ndarray, sp.csr_matrix, np.ndarray, np.ndarray]:
     """The hardest-negative trainer's (point embeddings, Y, rows, shortlist) with every label as a point.
 
     ``label_point_emb`` (L, D): the labels' embeddings in ``point_emb``'s space (with ``encoder``, SiameseXML
     Module IV: the intermediate embeddings f_E(z_l)). A label point's shortlist row holds its
     ``shortlist.shape[1]`` nearest other labels by the final label embedding (with ``encoder``: N(R(f_E(z_l)))
-    at the start of training); -1 padding without ``neighbours`` (a negative pool that reads no shortlist).
+    at the start of training); -1 padding without ``neighbours`` (a negative pool that reads no shortlist). Its
+    positives: :func:`label_point_targets` with ``min_share`` (``classifier.label_point_cooccurrence``).
     """
     L = Y.shape[1]
     if label_point_emb is None or label_point_emb.shape != (L, point_emb.shape[1]):
@@ -90,5 +128,5 @@ def classifier_label_points(point_emb: np.ndarray, label_point_emb: np.ndarray |
             final = embed_from_intermediate(encoder.to(device), label_point_emb, device)
         nearest = label_neighbours(final, k, device)
     X = np.concatenate([np.asarray(point_emb, dtype=np.float32), np.asarray(label_point_emb, dtype=np.float32)])
-    Yx, rows_x = with_label_rows(Y, rows)
+    Yx, rows_x = with_label_rows(Y, rows, label_point_targets(Y, rows, min_share))
     return X, Yx, rows_x, np.concatenate([shortlist, nearest.astype(shortlist.dtype)])
