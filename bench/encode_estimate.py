@@ -1,0 +1,60 @@
+"""The training budget's estimate of the encoding after pretraining against the encoding itself, on a home's
+tokenized dataset: ``encode_rate`` with one 512-row pass (``--min-seconds 0``, the estimate before
+docs/decisions.md#encode-rate-sample) and with its default, each turned into seconds for every point and label,
+and the timed encoding of every point and label with the configured (untrained) encoder.
+
+  python bench/encode_estimate.py --home <home> --name <NAME> [--json out.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from xc_dagster.catalog import Catalog
+from xc_dagster.device import amp_dtype
+from xc_dagster.encoders.encode import encode_tokens
+from xc_dagster.encoders.loading import load_encoder
+from xc_dagster.home import Home
+from xc_dagster.pipeline import StageContext
+from xc_dagster.storage import ArtifactStore
+from xc_dagster.training.budget import ENCODE_SAMPLE_SECONDS, encode_rate
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--home", type=Path, required=True)
+    ap.add_argument("--name", required=True)
+    ap.add_argument("--json", type=Path, help="append the row to this JSON-lines file")
+    args = ap.parse_args()
+    home = Home(args.home)
+    spec = Catalog(home.catalog).get(args.name)
+    ctx = StageContext(ArtifactStore(home.artifacts), spec, spec.config(), home.cache, stage="pretrain")
+    p = ctx.cfg.pretrain
+    encoder = load_encoder(ctx.cfg.tokenize.encoder, p.pooling).to(ctx.device)
+    dtype = amp_dtype(ctx.device, p.amp)
+    pt, lt = ctx.read.tokens("train"), ctx.read.tokens("label")
+    n = len(pt[1]) + len(lt[1])
+
+    def encode(rows):
+        return encode_tokens(encoder, pt[0][rows], pt[1][rows], ctx.device, dtype, p.encode_batch_size)
+
+    row = {"name": args.name, "texts": n, "device": str(ctx.device)}
+    for key, min_seconds in (("one_pass", 0.0), ("lasting", ENCODE_SAMPLE_SECONDS)):
+        t0 = time.perf_counter()
+        rate = encode_rate(encode, len(pt[1]), seed=p.seed, min_seconds=min_seconds)
+        row[f"{key}_estimate_s"], row[f"{key}_probe_s"] = round(n / rate, 1), round(time.perf_counter() - t0, 1)
+    t0 = time.perf_counter()
+    for ids, lens in (pt, lt):
+        encode_tokens(encoder, ids, lens, ctx.device, dtype, p.encode_batch_size)
+    row["actual_s"] = round(time.perf_counter() - t0, 1)
+    print(json.dumps(row))
+    if args.json:
+        with args.json.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
