@@ -430,6 +430,13 @@ def test_speedup_interleaves_the_runs_drops_the_warm_ups_and_compares_the_fastes
                            reps=4)
     assert order == ["s", "f"] * 5
     assert ratio == 3.0  # fastest slow 3.0 / fastest fast 1.0
+    # a second-long product: the runs stop once one of each was timed past max_seconds (the EPYC's int8 product)
+    order.clear()
+    clock = _FakeClock([1.0, 1.7, 0.09, 1.5, 0.09, 1.2, 0.09, 1.0])
+    monkeypatch.setattr(device, "time", clock)
+    ratio = device.speedup(lambda: (order.append("s"), clock.tick()), lambda: (order.append("f"), clock.tick()),
+                           reps=31, max_seconds=1.0)
+    assert order == ["s", "f"] * 2 and ratio == pytest.approx(0.09 / 1.5)
 
 
 @pytest.mark.parametrize("fp32_s, bf16_s, pays", [(2.0, 1.0, True), (0.75, 0.625, True),  # exactly 1.2x

@@ -114,19 +114,28 @@ def _feed_forward(dtype: torch.dtype | None) -> Callable[[], object]:
     return run
 
 
-def speedup(slow: Callable[[], object], fast: Callable[[], object], reps: int = 7) -> float:
+def speedup(slow: Callable[[], object], fast: Callable[[], object], reps: int = 7,
+            max_seconds: float = float("inf")) -> float:
     """How many times faster ``fast`` runs than ``slow``: their fastest of ``reps`` timed runs each, interleaved
     (slow, fast, slow, ...) after a warm-up of each. The fastest, not the median: these products take milliseconds,
     less than a scheduler quantum, so on a busy machine (another process on the cores) a run is slowed by whether
     its threads got the cores, not by its precision: beside a test suite a median of 5 sequential runs measured int8
-    0.83-1.25x and bf16 once 1.29x (4.2x and 0.45x alone), flipping both decisions (docs/decisions.md#probe-fastest)."""
+    0.83-1.25x and bf16 once 1.29x (4.2x and 0.45x alone), flipping both decisions (docs/decisions.md#probe-fastest).
+    Runs stop once one of each was timed and ``max_seconds`` passed: where a product takes a second, a few say
+    enough (the AMD EPYC's int8 product 1.0-1.7 s against fp32's 0.09: 31 of each took 31 s)."""
     best = [float("inf"), float("inf")]
+    started = time.perf_counter()
     for i in range(2 * (reps + 1)):
         t = time.perf_counter()
         (fast if i % 2 else slow)()
         if i >= 2:  # the first of each is the warm-up
             best[i % 2] = min(best[i % 2], time.perf_counter() - t)
+        if i >= 3 and i % 2 and time.perf_counter() - started > max_seconds:
+            break
     return best[0] / best[1]
+
+
+PROBE_MAX_SECONDS = 1.0  # the int8 probe's runs stop past this (a CPU whose products take 2-8 ms runs all 31)
 
 
 @functools.lru_cache(maxsize=1)
@@ -138,7 +147,8 @@ def cpu_int8_pays(min_speedup: float = 1.5) -> bool:
     if not hasattr(torch, "_int_mm"):
         return False
     try:
-        return speedup(_search_product(torch.float32), _search_product(torch.int8), reps=31) >= min_speedup
+        return speedup(_search_product(torch.float32), _search_product(torch.int8), reps=31,
+                       max_seconds=PROBE_MAX_SECONDS) >= min_speedup
     except RuntimeError:
         return False
 

@@ -172,11 +172,14 @@ def _steps(make_trainer: Callable[[Any], Any], encoder: Any, steps: int) -> floa
 def exact_unit(dim: int, k: int, device: torch.device) -> dict[str, float]:
     """``exact_topk`` seconds per (query x key) at width ``dim`` and top ``k`` (bf16 where it pays: its pass and
     fp32 re-rank, without the second search of uncertain queries, which trained embeddings rarely need but
-    random vectors, whose scores crowd together, mostly would)."""
+    random vectors, whose scores crowd together, mostly would). In the precision of a search too large to skip
+    the probes (``exact_dtype``), whatever this sample's size."""
     rng = np.random.default_rng(0)
     q, keys = unit_vectors(rng, EXACT_QUERIES, dim), unit_vectors(rng, EXACT_KEYS, dim)
     cache: dict = {}
-    sec = best_seconds(lambda: exact_topk(q, keys, k, device=device, cache=cache, certify=False), reps=4)
+    low = {torch.bfloat16: "bf16", torch.int8: "int8"}.get(exact_dtype(device), "fp32")
+    sec = best_seconds(lambda: exact_topk(q, keys, k, device=device, cache=cache, certify=False, precision=low),
+                       reps=4)
     return {"pair_s": sec / (EXACT_QUERIES * EXACT_KEYS)}
 
 

@@ -48,7 +48,9 @@ def exact_topk(queries: np.ndarray, keys: np.ndarray, k: int, block: int = 4096,
     counts) between calls. ``certify=False`` skips the second search (the run planner times the common path with
     it; near-ties may then be missed)."""
     device = device or resolve_device("auto")
-    low = exact_dtype(device, precision) if len(keys) else None  # no keys: nothing to score at all
+    cache = {} if cache is None else cache
+    cache["work"] = cache.get("work", 0) + len(queries) * keys.size  # multiply-adds on these keys, this call's too
+    low = exact_dtype(device, precision, cache["work"]) if len(keys) else None  # no keys: nothing to score at all
     n, L = len(queries), len(keys)
     block = max(1, min(block, exact_block_entries(device) // max(L, 1)))
     kk = min(k, L)
@@ -56,7 +58,6 @@ def exact_topk(queries: np.ndarray, keys: np.ndarray, k: int, block: int = 4096,
     width = kk1 if low is None else min(L, rerank_width(k, low))
     scores = np.full((n, k), -np.inf, dtype=np.float32)
     ids = np.full((n, k), -1, dtype=np.int64)
-    cache = {} if cache is None else cache
     K, K_low = _key_tensors(keys, device, low, cache)
     drop = None if exclude is None else torch.from_numpy(np.asarray(exclude, dtype=np.int64)).to(device)
     out = _ScoreBuffers(L, device)

@@ -25,13 +25,17 @@ GPU_KEYS_SHARE = 1 / 8  # ... while one index's keys (fp32 and the scoring copy)
 EXACT_BLOCK_ENTRIES = 1 << 25  # on a CPU: at most this many query x key scores held at once (128 MiB float32)
 EXACT_BLOCK_ENTRIES_GPU = 1 << 29  # on a GPU: up to this many (2 GiB), at most GPU_BLOCK_SHARE of its memory:
 GPU_BLOCK_SHARE = 1 / 32  # blocks of 25 queries at 1.3M keys left an H200 1.7x slower than blocks of 411
+# A CPU search (over the calls on one set of keys) of fewer multiply-adds than this scores in fp32 without the
+# precision probes: they cost more than a lower precision could save it (docs/decisions.md#probe-small-searches)
+PROBE_MIN_WORK = 1 << 34
 
 
-def exact_dtype(device: torch.device, precision: str | None = None) -> torch.dtype | None:
+def exact_dtype(device: torch.device, precision: str | None = None, work: int | None = None) -> torch.dtype | None:
     """The dtype exact search scores in before its fp32 re-rank, None = fp32 throughout: ``precision`` (default
     ``$XC_EXACT_PRECISION``) ``fp32``, ``bf16``, ``int8`` (CPU) or ``auto`` = bf16 where its matrix products pay
     (CUDA; AMX or a measured speed-up on a CPU: ``device.amp_dtype``), else int8 on a CPU whose int8 products
-    measure faster (``device.cpu_int8_pays``), else fp32 (docs/decisions.md#exact-bf16, #exact-int8)."""
+    measure faster (``device.cpu_int8_pays``), else fp32 (docs/decisions.md#exact-bf16, #exact-int8). ``work``:
+    the search's multiply-adds; ``auto`` on a CPU below PROBE_MIN_WORK is fp32, unprobed."""
     precision = (precision or os.environ.get("XC_EXACT_PRECISION", "").strip() or "auto").lower()
     if precision not in PRECISIONS:
         raise XCConfigError(f"XC_EXACT_PRECISION: expected one of {'|'.join(PRECISIONS)}, got {precision!r}")
@@ -44,6 +48,8 @@ def exact_dtype(device: torch.device, precision: str | None = None) -> torch.dty
             raise XCConfigError(f"XC_EXACT_PRECISION=int8 scores on a CPU only; this search runs on {device.type} "
                                 "(use bf16 or auto there)")
         return torch.int8
+    if device.type == "cpu" and work is not None and work < PROBE_MIN_WORK:
+        return None
     if amp_dtype(device, "auto") is not None:
         return torch.bfloat16
     return torch.int8 if device.type == "cpu" and cpu_int8_pays() else None
@@ -76,9 +82,13 @@ def exact_max_vectors(device: torch.device, dim: int) -> int:
 
 def resolve_kind(kind: str, n: int, dim: int) -> str:
     """The index kind built for ``n`` vectors of width ``dim`` searched where exact search runs (the GPU when
-    there is one): ``auto`` is exact up to ``exact_max_vectors``, else HNSW."""
+    there is one): ``auto`` is exact up to ``exact_max_vectors``, else HNSW. On a CPU up to the lower of its two
+    limits without asking which precision exact search scores in (which may run the CPU probes)."""
     if kind not in KINDS:
         raise XCConfigError(f"index kind: expected one of {'|'.join(KINDS)}, got {kind!r}")
     if kind != "auto":
         return kind
-    return "exact" if n <= exact_max_vectors(resolve_device("auto"), dim) else "hnsw"
+    device = resolve_device("auto")
+    if device.type != "cuda" and n <= min(EXACT_MAX_VECTORS, EXACT_MAX_VECTORS_LOW):
+        return "exact"
+    return "exact" if n <= exact_max_vectors(device, dim) else "hnsw"
