@@ -13,6 +13,12 @@ step waits forever ("Step blocked by limit for pool xc_training"). ``release_dea
 and frees their slots when the definitions load (every ``xc-dagster materialize``, the webserver, the daemon); a
 run's process is its run worker, named in its tags by its first step (``record_run_owner``) or, before a step ran,
 by the pid of its RUN_START event (docs/decisions.md#dead-run-slots).
+
+A step that asks for a slot while another run's step frees the last one can wait forever too: Dagster checks for
+an unassigned slot, the other run frees its slot and assigns it to the steps already waiting (none), and only then
+is the asking step queued, unassigned; a slot is assigned only when one is freed, so nothing assigns it (dagster
+1.13.27, SQLite and PostgreSQL alike). ``repair_lost_assignments`` makes a blocked claim that finds a slot nobody
+was assigned assign the queue's next step, as freeing that slot would have (docs/decisions.md#concurrent-runs-time).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import logging
 
 import dagster as dg
 import psutil
+from dagster._core.storage.event_log.sql_event_log import SqlEventLogStorage
 from dagster._core.storage.sqlite_storage import SqliteRunStorage
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -106,3 +113,25 @@ def release_dead_runs(instance: dg.DagsterInstance, pool: str = TRAINING_POOL) -
         released.append(run_id)
         log.warning("run %s: its process is gone; marked failed and its %s slot freed", run_id, pool)
     return released
+
+
+def _claim_repairing(claim):
+    """``SqlEventLogStorage.claim_concurrency_slot`` that, when the step is left queued unassigned while the pool
+    has a slot assigned to no step, assigns the queue's next step (by priority, then age) and claims again."""
+
+    def claim_concurrency_slot(self, concurrency_key: str, run_id: str, step_key: str, priority: int | None = None):
+        status = claim(self, concurrency_key, run_id, step_key, priority)
+        if status.is_claimed or status.is_assigned or not self.has_unassigned_slots(concurrency_key):
+            return status
+        self.assign_pending_steps([concurrency_key])  # two runs doing so at once: the slot rows still admit one
+        return claim(self, concurrency_key, run_id, step_key, priority)
+
+    claim_concurrency_slot.repairs = claim
+    return claim_concurrency_slot
+
+
+def repair_lost_assignments() -> None:
+    """Install ``_claim_repairing`` on Dagster's SQL event log storages (SQLite, PostgreSQL) of this process: the
+    run worker, which loads these definitions and claims its steps' slots. Once per process."""
+    if not hasattr(SqlEventLogStorage.claim_concurrency_slot, "repairs"):
+        SqlEventLogStorage.claim_concurrency_slot = _claim_repairing(SqlEventLogStorage.claim_concurrency_slot)

@@ -171,10 +171,13 @@ def test_a_dataset_added_while_dagster_dev_runs_is_launchable_without_a_reload(h
 
 
 def test_steps_fork_from_a_server_that_preloaded_the_code_location(home):
-    """The job's multiprocess executor starts step processes from a forkserver that imported the definitions."""
+    """The job's multiprocess executor starts step processes from a forkserver that imported the definitions and
+    the modules the stages would otherwise import on first use (torch's compiler front end, scikit-learn's text
+    features)."""
     from xc_dagster.definitions import build_definitions
 
     executor = build_definitions(home).resolve_job_def("xc_pipeline").executor_def
     assert executor.name == "multiprocess"
     config = executor.config_schema.resolve_config({}).value["config"]
-    assert config["start_method"] == {"forkserver": {"preload_modules": ["xc_dagster.definitions"]}}
+    assert config["start_method"] == {"forkserver": {"preload_modules": [
+        "xc_dagster.definitions", "torch._dynamo", "sklearn.feature_extraction.text"]}}

@@ -16,15 +16,20 @@ from assets.automation import build_click_log_sensor, build_retrain_schedule  # 
 from resources.clicklogs import ClickLogFeedResource  # noqa: E402
 from resources.compute import ComputeResource  # noqa: E402
 from resources.home import XCHomeResource, dataset_partitions, sync_on_load  # noqa: E402
+from resources.pools import repair_lost_assignments  # noqa: E402
 from resources.tracking import MLflowResource  # noqa: E402
 from xc_dagster.home import Home  # noqa: E402
 from xc_dagster.strategies import STRATEGIES  # noqa: E402
 
 PIPELINE_JOB = "xc_pipeline"
 # Each step process forks from a server that imported the code location (torch, transformers, the pipeline, the
-# definitions) once, instead of importing it all again (docs/decisions.md#forkserver-steps).
+# definitions) once, instead of importing it all again (docs/decisions.md#forkserver-steps), and the modules the
+# stages would import on first use: torch._dynamo (torch's optimizers import it when first made) and scikit-learn's
+# text features (the lexical index), 2-5 s of each training, index, fusion and evaluation step
+# (docs/decisions.md#concurrent-runs-time).
+STEP_PRELOAD = ["xc_dagster.definitions", "torch._dynamo", "sklearn.feature_extraction.text"]
 EXECUTOR = dg.multiprocess_executor.configured(
-    {"start_method": {"forkserver": {"preload_modules": ["xc_dagster.definitions"]}}}, name="multiprocess")
+    {"start_method": {"forkserver": {"preload_modules": STEP_PRELOAD}}}, name="multiprocess")
 JOB_DESCRIPTION = ("Every stage of one dataset partition, ingest to evaluation, then the registered MLflow model "
                    "and its champion gate. The dataset's catalog entry picks the strategy (`xc-dagster strategies` "
                    "prints each one's settings):\n\n"
@@ -41,6 +46,7 @@ def build_definitions(home: Home | None = None) -> dg.Definitions:
     registers the catalog's datasets and the click-log feed's folders with the instance (``DAGSTER_HOME``) when
     it lacks them; later ones are added by ``xc-dagster datasets add`` and by the click-log sensor."""
     home = (home or Home.from_env()).ensure()
+    repair_lost_assignments()  # the run worker claims its steps' pool slots in this process
     clicklogs = ClickLogFeedResource()
     sync_on_load(home, extra=clicklogs.partition_names(home))
     partitions = dataset_partitions()

@@ -1,0 +1,74 @@
+"""A training step that asks for the pool's slot while another run's step frees it must get the slot: Dagster
+(1.13.27) checks for an unassigned slot, the other step frees it and assigns it to the steps already queued
+(none), then queues the asking step unassigned, and nothing assigns it again (its run waited forever, its executor
+busy, in two partitions materialized at once). The interleaving is forced here, in one process, on the home's real
+SQLite instance: between two processes it happens only by timing (tests/test_concurrent_partitions.py runs them)."""
+
+from __future__ import annotations
+
+import dagster as dg
+import pytest
+from dagster._core.storage.event_log.sql_event_log import SqlEventLogStorage
+
+from resources.pools import repair_lost_assignments
+from xc_dagster.home import TRAINING_POOL, Home
+
+
+@pytest.fixture
+def instance(tmp_path, monkeypatch):
+    monkeypatch.delenv("XC_TRAINING_CONCURRENCY", raising=False)
+    monkeypatch.delenv("XC_DAGSTER_POSTGRES_URL", raising=False)
+    home = Home(tmp_path / "home").ensure()
+    with dg.DagsterInstance.from_config(str(home.dagster_home)) as inst:
+        inst.event_log_storage.initialize_concurrency_limit_to_default(TRAINING_POOL)  # the yaml's limit: 1
+        yield inst
+
+
+def _claim_racing_a_free(storage, holder: tuple[str, str], asker: tuple[str, str]):
+    """``asker``'s first claim, with ``holder``'s step freeing the slot right after the claim looked for an
+    unassigned one."""
+    real = type(storage).has_unassigned_slots
+
+    def racing(self, key):
+        answer = real(self, key)
+        if self.get_concurrency_info(key).claimed_slots:  # once: the holder frees between the check and the queue
+            self.free_concurrency_slot_for_step(*holder)
+        return answer
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(type(storage), "has_unassigned_slots", racing)
+        return storage.claim_concurrency_slot(TRAINING_POOL, *asker)
+
+
+def _race(storage) -> list[bool]:
+    assert storage.claim_concurrency_slot(TRAINING_POOL, "run-b", "fusion").is_claimed
+    first = _claim_racing_a_free(storage, ("run-b", "fusion"), ("run-a", "fusion"))
+    again = [storage.claim_concurrency_slot(TRAINING_POOL, "run-a", "fusion").is_claimed for _ in range(3)]
+    return [first.is_claimed, *again]
+
+
+def test_a_step_queued_as_the_slot_is_freed_gets_it(instance, monkeypatch):
+    storage = instance.event_log_storage
+    assert isinstance(storage, SqlEventLogStorage)
+    # Dagster's own claim: the asking step stays queued, unassigned, with the pool's only slot free
+    monkeypatch.setattr(SqlEventLogStorage, "claim_concurrency_slot", SqlEventLogStorage.claim_concurrency_slot)
+    unrepaired = getattr(SqlEventLogStorage.claim_concurrency_slot, "repairs", None)
+    if unrepaired is not None:  # the definitions were loaded in this process already
+        monkeypatch.setattr(SqlEventLogStorage, "claim_concurrency_slot", unrepaired)
+    assert _race(storage) == [False, False, False, False]
+    info = storage.get_concurrency_info(TRAINING_POOL)
+    assert info.claimed_slots == [] and [s.assigned_timestamp for s in info.pending_steps] == [None]
+
+    storage.free_concurrency_slots_for_run("run-a")
+    repair_lost_assignments()
+    repair_lost_assignments()  # once per process: not wrapped twice
+    assert not hasattr(SqlEventLogStorage.claim_concurrency_slot.repairs, "repairs")
+    assert _race(storage) == [True, True, True, True]  # the first claim after the free takes the slot
+    info = storage.get_concurrency_info(TRAINING_POOL)
+    assert [(s.run_id, s.step_key) for s in info.claimed_slots] == [("run-a", "fusion")]
+
+    # the pool's limit still holds: with the slot taken, a third step waits, and gets it once it is freed
+    assert not storage.claim_concurrency_slot(TRAINING_POOL, "run-c", "classifiers").is_claimed
+    storage.free_concurrency_slot_for_step("run-a", "fusion")
+    assert storage.claim_concurrency_slot(TRAINING_POOL, "run-c", "classifiers").is_claimed
+    assert not storage.claim_concurrency_slot(TRAINING_POOL, "run-d", "classifiers").is_claimed
