@@ -115,10 +115,18 @@ class ArtifactReader:
             return None
         return load_json(self.path(stage, SUMMARY))
 
+    def stage_seconds(self, stage: str) -> float | None:
+        """The wall seconds ``stage`` recorded in its summary (a summary written before stages recorded them: its
+        training and encoding seconds); None when the stage is not materialized."""
+        s = self.summary(stage, missing_ok=True)
+        if s is None:
+            return None
+        return float(s.get("seconds", s.get("train_seconds", 0.0) + s.get("encode_seconds", 0.0)))
+
     def spent_seconds(self, *stages: str) -> float:
-        """The wall seconds ``stages`` recorded in their summaries (0 for one not materialized): what a training
-        budget counts as spent before the stage reading it."""
-        return sum(float((self.summary(s, missing_ok=True) or {}).get("seconds", 0.0)) for s in stages)
+        """The wall seconds ``stages`` recorded (0 for one not materialized): what a training budget counts as
+        spent before the stage reading it."""
+        return sum(self.stage_seconds(s) or 0.0 for s in stages)
 
     # ---- ingest
     def dataset_dir(self) -> Path:

@@ -61,12 +61,8 @@ def encode_split_reused(ctx: StageContext, split: str) -> tuple[np.ndarray, bool
 
 def upstream_seconds(ctx: StageContext) -> dict[str, float]:
     """Wall seconds of every stage before evaluation, from the summaries they recorded (model comparison)."""
-    out: dict[str, float] = {}
-    for stage in STAGE_ORDER[:-1]:
-        s = ctx.read.summary(stage, missing_ok=True)
-        if s is not None:
-            out[stage] = float(s.get("seconds", s.get("train_seconds", 0.0) + s.get("encode_seconds", 0.0)))
-    return out
+    seconds = {stage: ctx.read.stage_seconds(stage) for stage in STAGE_ORDER[:-1]}
+    return {stage: s for stage, s in seconds.items() if s is not None}
 
 
 def _rankings(sl: Any) -> list[tuple[str, np.ndarray]]:
