@@ -320,7 +320,8 @@ def test_int8_is_chosen_where_its_products_pay_and_only_on_a_cpu(monkeypatch):
     seconds = {torch.float32: 3.0, torch.int8: 2.0}
     products = []
 
-    def speedup(slow, fast, reps=7, max_seconds=None):  # the probe's two products, as exact search runs them: their seconds' ratio
+    def speedup(slow, fast, reps=7, max_seconds=None):
+        # the probe's two products, as exact search runs them: their seconds' ratio
         products.append((tuple(slow().shape), fast().dtype))
         return seconds[torch.float32] / seconds[torch.int8]
 
