@@ -1,7 +1,8 @@
 """The training budget's estimate of the encoding after pretraining against the encoding itself, on a home's
-tokenized dataset: ``encode_rate`` with one 512-row pass (``--min-seconds 0``, the estimate before
-docs/decisions.md#encode-rate-sample) and with its default, each turned into seconds for every point and label,
-and the timed encoding of every point and label with the configured (untrained) encoder.
+tokenized dataset: ``encode_rate`` with one 512-row pass (the estimate before docs/decisions.md#encode-rate-sample),
+with a pass lasting 2 s, and with a pass lasting 2 s that is encoded as the whole set is (the pipeline's, as
+``calibrate_stage`` calls it), each turned into seconds for every point and label, and the timed encoding of every
+point and label with the configured (untrained) encoder.
 
   python bench/encode_estimate.py --home <home> --name <NAME> [--json out.jsonl]
 """
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from xc_dagster.catalog import Catalog
 from xc_dagster.device import amp_dtype
-from xc_dagster.encoders.encode import encode_tokens
+from xc_dagster.encoders.encode import encode_plan, encode_tokens
 from xc_dagster.encoders.loading import load_encoder
 from xc_dagster.home import Home
 from xc_dagster.pipeline import StageContext
@@ -41,10 +42,16 @@ def main() -> None:
     def encode(rows):
         return encode_tokens(encoder, pt[0][rows], pt[1][rows], ctx.device, dtype, p.encode_batch_size)
 
-    row = {"name": args.name, "texts": n, "device": str(ctx.device)}
-    for key, min_seconds in (("one_pass", 0.0), ("lasting", ENCODE_SAMPLE_SECONDS)):
+    threads = encode_plan(encoder, pt[1], ctx.device, p.encode_batch_size)[1]
+
+    def as_whole(rows):
+        return encode_plan(encoder, pt[1][rows], ctx.device, p.encode_batch_size)[1] == threads
+
+    row = {"name": args.name, "texts": n, "device": str(ctx.device), "threads": threads}
+    for key, min_seconds, whole in (("one_pass", 0.0, None), ("lasting", ENCODE_SAMPLE_SECONDS, None),
+                                    ("as_whole", ENCODE_SAMPLE_SECONDS, as_whole)):
         t0 = time.perf_counter()
-        rate = encode_rate(encode, len(pt[1]), seed=p.seed, min_seconds=min_seconds)
+        rate = encode_rate(encode, len(pt[1]), seed=p.seed, min_seconds=min_seconds, runs_as_whole=whole)
         row[f"{key}_estimate_s"], row[f"{key}_probe_s"] = round(n / rate, 1), round(time.perf_counter() - t0, 1)
     t0 = time.perf_counter()
     for ids, lens in (pt, lt):

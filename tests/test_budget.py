@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 from tests.test_pipeline import TINY, tiny_home  # noqa: F401  (fixture)
 from tests.tinydata import write_tiny_encoder
@@ -202,3 +203,31 @@ def test_encoding_rate_is_timed_on_a_sample_that_lasts(monkeypatch):
     calls.clear()
     assert budget_module.encode_rate(encode, 300) == pytest.approx(300 / 0.35)
     assert [len(r) for r in calls] == [300, 300]
+
+
+def test_encoding_rate_waits_for_a_sample_encoded_as_the_whole_set(monkeypatch):
+    """Long-tailed lengths: 512 rows of mostly short texts fill two 256-row chunks, too few for one torch thread
+    each, so their pass runs on one thread however long it lasts; the sample doubles until it is split over the
+    threads as the whole set is (here 2,048 rows: 8 chunks for 2 threads), and that pass's rate counts."""
+    from xc_dagster.encoders import encode as encode_module
+
+    monkeypatch.setattr(encode_module.torch, "get_num_threads", lambda: 2)
+    cpu, enc = torch.device("cpu"), SimpleNamespace(cpu_batch_tokens=8192)
+    lengths = np.full(100_000, 8)
+    lengths[::1000] = 128  # one long text in a thousand: a chunk of at most 64 of them
+    assert encode_module.encode_plan(enc, lengths[:512], cpu, 256)[1] == 1  # 2 chunks (+1 of the long one)
+    assert encode_module.encode_plan(enc, lengths, cpu, 256)[1] == 2
+    assert encode_module.encode_plan(SimpleNamespace(), lengths, cpu, 256)[1] == 1  # no token budget: intra-op
+    clock, calls = [0.0], []
+    monkeypatch.setattr(budget_module.time, "perf_counter", lambda: clock[0])
+
+    def encode(rows):
+        calls.append(rows)
+        clock[0] += 0.005 * len(rows)  # every pass lasts 2 s or more
+
+    whole = lambda r: encode_module.encode_plan(enc, lengths[r], cpu, 256)[1] == 2  # noqa: E731
+    assert budget_module.encode_rate(encode, 100_000, runs_as_whole=whole) == pytest.approx(200.0)
+    assert [len(r) for r in calls] == [512, 512, 1024, 2048]
+    calls.clear()
+    assert budget_module.encode_rate(encode, 100_000) == pytest.approx(200.0)
+    assert [len(r) for r in calls] == [512, 512]  # without the condition the first pass would count

@@ -37,6 +37,17 @@ def chunk_tensors(ids: np.ndarray, lengths: np.ndarray, rows: np.ndarray,
     return t_ids, mask.to(device=device, dtype=torch.long)
 
 
+def encode_plan(encoder: torch.nn.Module, lengths: np.ndarray, device: torch.device,
+                batch_size: int) -> tuple[list[np.ndarray], int]:
+    """How :func:`encode_tokens` runs rows of these lengths: their chunks, and the threads that share them (1: the
+    chunks in turn, each on the process's intra-op threads; a CPU encoding of at least ``CHUNKS_PER_THREAD``
+    chunks per thread runs them on one torch thread each)."""
+    tokens = getattr(encoder, "cpu_batch_tokens", None) if device.type == "cpu" else None
+    chunks = length_sorted_chunks(np.asarray(lengths), batch_size, tokens)
+    threads = torch.get_num_threads() if tokens is not None else 1
+    return chunks, (threads if threads > 1 and len(chunks) >= CHUNKS_PER_THREAD * threads else 1)
+
+
 def encode_tokens(encoder: torch.nn.Module, ids: np.ndarray, lengths: np.ndarray, device: torch.device,
                   dtype: torch.dtype | None, batch_size: int = 256, progress: Callable[[int], None] | None = None,
                   forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> np.ndarray:
@@ -52,8 +63,7 @@ def encode_tokens(encoder: torch.nn.Module, ids: np.ndarray, lengths: np.ndarray
     out = np.zeros((n, encoder.dim), dtype=np.float32)
     encoder.eval()
     fn = encoder if forward is None else forward
-    tokens = getattr(encoder, "cpu_batch_tokens", None) if device.type == "cpu" else None
-    chunks = length_sorted_chunks(np.asarray(lengths), batch_size, tokens)
+    chunks, threads = encode_plan(encoder, lengths, device, batch_size)
     lock = threading.Lock()
 
     def run(part: list[np.ndarray]) -> None:
@@ -65,8 +75,7 @@ def encode_tokens(encoder: torch.nn.Module, ids: np.ndarray, lengths: np.ndarray
                     with lock:
                         progress(len(rows))
 
-    threads = torch.get_num_threads() if tokens is not None else 1
-    if threads > 1 and len(chunks) >= CHUNKS_PER_THREAD * threads:  # chunks dealt round-robin: similar widths
+    if threads > 1:  # chunks dealt round-robin: similar widths
         one_torch_thread_each(run, [chunks[i::threads] for i in range(threads)])
     else:
         run(chunks)

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from xc_dagster.encoders.encode import encode_tokens
+from xc_dagster.encoders.encode import encode_plan, encode_tokens
 from xc_dagster.errors import XCConfigError
 
 BUDGET_PLAN = "budget_plan.json"  # in a stage's checkpoint folder: the plan a resumed run keeps
@@ -164,8 +164,10 @@ def calibrate_stage(make_trainer: Callable[[Any], Any], encoder: Any, train: Any
     (seconds per step, points per step, steps per epoch) and the seconds to encode every point (``tokens``) and
     label (``label_tokens``) after training, from :func:`encode_rate` on a sample of the points."""
     sec, pts, spe = calibrate(make_trainer, encoder, train.calibration_steps, calibration_seconds(train))
+    threads = encode_plan(encoder, tokens[1], device, batch_size)[1]  # how the whole set will be encoded
     rate = encode_rate(lambda r: encode_tokens(encoder, tokens[0][r], tokens[1][r], device, dtype, batch_size),
-                       len(tokens[1]), seed=seed)
+                       len(tokens[1]), seed=seed,
+                       runs_as_whole=lambda r: encode_plan(encoder, tokens[1][r], device, batch_size)[1] == threads)
     return sec, pts, spe, (len(tokens[1]) + len(label_tokens[1])) / rate
 
 
@@ -182,15 +184,19 @@ ENCODE_SAMPLE_SECONDS = 2.0  # the encoding's timed pass lasts this long at leas
 
 
 def encode_rate(encode: Callable[[np.ndarray], Any], n_rows: int, sample: int = 512, seed: int = 0,
-                min_seconds: float = ENCODE_SAMPLE_SECONDS) -> float:
+                min_seconds: float = ENCODE_SAMPLE_SECONDS,
+                runs_as_whole: Callable[[np.ndarray], bool] | None = None) -> float:
     """Texts per second of ``encode(rows)`` on seeded random samples of ``n_rows`` rows: an untimed warm-up pass
     over ``sample`` rows, then timed passes over samples doubling from ``sample`` rows until one lasts
-    ``min_seconds`` or holds every row; the last pass's rate.
+    ``min_seconds`` and ``runs_as_whole(rows)`` (the sample is encoded the way the whole set will be), or holds
+    every row; the last pass's rate.
 
     A sample of a few hundred short texts runs unlike the whole set: on a CPU fewer than ``CHUNKS_PER_THREAD``
     chunks per thread run on one thread (intra-op) instead of one torch thread each, and per-chunk costs weigh
     more (MiniLM on Titles, EPYC: 512 points read 602 texts/s, 2,048 717, 8,192 863; the pipeline's 512-point
-    estimates were 1.2-2.3x the runs' encoding seconds, docs/decisions.md#encode-rate-sample)."""
+    estimates were 1.2-2.3x the runs' encoding seconds, docs/decisions.md#encode-rate-sample). Long-tailed lengths
+    pack a sample's many short texts into few full chunks, whose pass can last ``min_seconds`` on the one thread:
+    hence ``runs_as_whole``."""
     order = np.random.default_rng(seed).permutation(n_rows)
     size = min(sample, n_rows)
     encode(np.sort(order[:size]))  # warm-up: the batch shapes (a GPU's first call of each costs ~25x its run's rate)
@@ -199,7 +205,7 @@ def encode_rate(encode: Callable[[np.ndarray], Any], n_rows: int, sample: int = 
         t0 = time.perf_counter()
         encode(rows)
         seconds = max(time.perf_counter() - t0, 1e-9)
-        if seconds >= min_seconds or size >= n_rows:
+        if size >= n_rows or (seconds >= min_seconds and (runs_as_whole is None or runs_as_whole(rows))):
             return size / seconds
         size = min(2 * size, n_rows)
 
