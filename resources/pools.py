@@ -19,14 +19,21 @@ an unassigned slot, the other run frees its slot and assigns it to the steps alr
 is the asking step queued, unassigned; a slot is assigned only when one is freed, so nothing assigns it (dagster
 1.13.27, SQLite and PostgreSQL alike). ``repair_lost_assignments`` makes a blocked claim that finds a slot nobody
 was assigned assign the queue's next step, as freeing that slot would have (docs/decisions.md#concurrent-runs-time).
+
+While a run's only runnable steps wait for a slot, Dagster's multiprocess executor loops without pausing (its step
+processes' events are awaited with a timeout, but with none in flight nothing waits): the waiting run's worker
+spins a whole core for as long as the other run trains, on a 2-core machine half of what that training had.
+``pause_blocked_runs`` makes that loop pause ``BLOCKED_PAUSE`` between passes (docs/decisions.md#blocked-run-pause).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
 import dagster as dg
 import psutil
+from dagster._core.execution.plan.active import ActiveExecution
 from dagster._core.storage.event_log.sql_event_log import SqlEventLogStorage
 from dagster._core.storage.sqlite_storage import SqliteRunStorage
 from sqlalchemy.exc import SQLAlchemyError
@@ -35,6 +42,9 @@ from xc_dagster.home import TRAINING_POOL
 from xc_dagster.tracking import OWNER_HOST, owner_alive, owner_tags
 
 log = logging.getLogger("xc_dagster")
+# A run worker's pause between passes while its only runnable steps wait for a pool slot: Dagster re-asks for the
+# slot every 1-15 s, so a slot freed is taken at most this much later; a termination is answered as soon
+BLOCKED_PAUSE = 0.5
 
 
 def _limit(instance: dg.DagsterInstance, pool: str) -> tuple[int, bool] | None:
@@ -135,3 +145,25 @@ def repair_lost_assignments() -> None:
     run worker, which loads these definitions and claims its steps' slots. Once per process."""
     if not hasattr(SqlEventLogStorage.claim_concurrency_slot, "repairs"):
         SqlEventLogStorage.claim_concurrency_slot = _claim_repairing(SqlEventLogStorage.claim_concurrency_slot)
+
+
+def _steps_pausing(get_steps):
+    """``ActiveExecution.get_steps_to_execute`` that pauses ``BLOCKED_PAUSE`` when it has no step to start, none is
+    in flight and some wait for a pool slot: the multiprocess executor's loop asks again at once otherwise."""
+
+    def get_steps_to_execute(self, limit: int | None = None):
+        steps = get_steps(self, limit)
+        waiting = self._instance_concurrency_context  # None where no step of the run has a pool
+        if not steps and not self._in_flight and waiting is not None and waiting.has_pending_claims():
+            time.sleep(BLOCKED_PAUSE)
+        return steps
+
+    get_steps_to_execute.pauses = get_steps
+    return get_steps_to_execute
+
+
+def pause_blocked_runs() -> None:
+    """Install ``_steps_pausing`` on Dagster's ``ActiveExecution`` in this process (the run worker, which loads these
+    definitions and runs the executor's loop). Once per process."""
+    if not hasattr(ActiveExecution.get_steps_to_execute, "pauses"):
+        ActiveExecution.get_steps_to_execute = _steps_pausing(ActiveExecution.get_steps_to_execute)

@@ -6,7 +6,14 @@ SQLite instance: between two processes it happens only by timing (tests/test_con
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import dagster as dg
+import psutil
 import pytest
 from dagster._core.storage.event_log.sql_event_log import SqlEventLogStorage
 
@@ -72,3 +79,71 @@ def test_a_step_queued_as_the_slot_is_freed_gets_it(instance, monkeypatch):
     storage.free_concurrency_slot_for_step("run-a", "fusion")
     assert storage.claim_concurrency_slot(TRAINING_POOL, "run-c", "classifiers").is_claimed
     assert not storage.claim_concurrency_slot(TRAINING_POOL, "run-d", "classifiers").is_claimed
+
+
+WAITING_RUN = '''
+import sys
+
+import dagster as dg
+
+from resources.pools import pause_blocked_runs
+
+if sys.argv[1:] == ["pause"]:
+    pause_blocked_runs()
+
+
+@dg.op(pool="{pool}")
+def train():
+    return 1
+
+
+@dg.job(executor_def=dg.multiprocess_executor)
+def waits():
+    train()
+
+
+if __name__ == "__main__":
+    with dg.DagsterInstance.get() as instance:
+        sys.exit(0 if dg.execute_job(dg.reconstructable(waits), instance=instance).success else 1)
+'''
+
+
+def _cpu_while_blocked(tmp_path, mode: str) -> float:
+    """CPU seconds a real run worker (multiprocess executor) spends in 3 s while its one step waits for the pool's
+    only slot, which another run holds; the slot is then freed and the run must finish."""
+    home = Home(tmp_path / mode).ensure()
+    script = tmp_path / f"waits_{mode}.py"
+    script.write_text(WAITING_RUN.replace("{pool}", TRAINING_POOL))
+    env = {**os.environ, "DAGSTER_HOME": str(home.dagster_home), "PYTHONPATH": str(Path(__file__).parents[1])}
+    with dg.DagsterInstance.from_config(str(home.dagster_home)) as inst:
+        storage = inst.event_log_storage
+        storage.initialize_concurrency_limit_to_default(TRAINING_POOL)
+        assert storage.claim_concurrency_slot(TRAINING_POOL, "holder", "train").is_claimed
+        proc = subprocess.Popen([sys.executable, str(script), mode], env=env, cwd=tmp_path,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 120
+            while not [s for s in storage.get_concurrency_info(TRAINING_POOL).pending_steps if s.run_id != "holder"]:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()[-3000:]
+                time.sleep(0.1)
+            worker = psutil.Process(proc.pid)
+            time.sleep(1.0)  # the claim's first retry is due 1 s after the step was queued
+            before = sum(worker.cpu_times()[:2])
+            time.sleep(3.0)
+            spent = sum(worker.cpu_times()[:2]) - before
+            storage.free_concurrency_slot_for_step("holder", "train")
+            out = proc.communicate(timeout=120)[0].decode()
+            assert proc.returncode == 0, out[-3000:]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    return spent
+
+
+def test_a_run_waiting_for_the_pool_does_not_spin_a_core(tmp_path):
+    """Dagster's multiprocess executor asks for its next steps again at once while its only step waits for a slot
+    (alone 3.0 CPU seconds of 3: a core; a third of one at least on a busy 2-core machine); with
+    ``pause_blocked_runs``, as the definitions install it, it pauses between passes (0.02 s alone), and the run
+    still takes the slot once it is freed."""
+    assert _cpu_while_blocked(tmp_path, "spin") > 1.0
+    assert _cpu_while_blocked(tmp_path, "pause") < 0.3

@@ -16,7 +16,7 @@ from assets.automation import build_click_log_sensor, build_retrain_schedule  # 
 from resources.clicklogs import ClickLogFeedResource  # noqa: E402
 from resources.compute import ComputeResource  # noqa: E402
 from resources.home import XCHomeResource, dataset_partitions, sync_on_load  # noqa: E402
-from resources.pools import repair_lost_assignments  # noqa: E402
+from resources.pools import pause_blocked_runs, repair_lost_assignments  # noqa: E402
 from resources.tracking import MLflowResource  # noqa: E402
 from xc_dagster.home import Home  # noqa: E402
 from xc_dagster.strategies import STRATEGIES  # noqa: E402
@@ -47,6 +47,7 @@ def build_definitions(home: Home | None = None) -> dg.Definitions:
     it lacks them; later ones are added by ``xc-dagster datasets add`` and by the click-log sensor."""
     home = (home or Home.from_env()).ensure()
     repair_lost_assignments()  # the run worker claims its steps' pool slots in this process
+    pause_blocked_runs()  # ... and loops over its steps while they wait for them
     clicklogs = ClickLogFeedResource()
     sync_on_load(home, extra=clicklogs.partition_names(home))
     partitions = dataset_partitions()
