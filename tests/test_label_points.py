@@ -115,6 +115,9 @@ def test_gandalf_targets_add_the_labels_on_a_share_of_a_labels_points():
     assert np.array_equal(Yc[5:].toarray(), want_half)
     src, Yex = examples(Y, rows, True, 0.5)  # the end-to-end trainer's examples: the same targets
     assert np.array_equal(Yex[4:].toarray(), want_half) and src[4:].tolist() == [-1, -2, -3, -4, -5]
+    tok = (np.ones((5, 3), np.int32), np.full(5, 3, np.int32))  # the Siamese trainer's label points: the same
+    _, Ys, rs = siamese_label_points(tok, tok, Y, rows, min_share=0.5)
+    assert np.array_equal(Ys[5:].toarray(), want_half) and rs.tolist() == rx.tolist()
     for bad in (-0.1, 1.5, True, "half"):
         with pytest.raises(XCConfigError, match="classifier.label_point_cooccurrence"):
             label_point_targets(Y, rows, bad)
@@ -165,6 +168,21 @@ def test_siamese_trains_on_label_texts_too(texts, sampler):
         assert res.reclusterings == 1 and res.points > base.points >= 20 + 20 // 2
     assert np.isfinite(res.final_loss)
     assert not torch.equal(w, w_base) and torch.equal(w, w_again) and res.final_loss == again.final_loss
+
+
+def test_siamese_label_points_with_cooccurring_positives(texts):
+    """Gandalf's label points in pretraining: a label's text is also positive for the labels on half its points
+    or more (4 such pairs among the 8 labels here), which changes the training; the share needs label points."""
+    pt, lt, Y = texts
+    extra = label_point_targets(Y, np.arange(20), 0.5).nnz - Y.shape[1]
+    assert extra == 4
+    renee, w_renee = _siamese(texts, label_points=True)
+    res, w = _siamese(texts, label_points=True, label_point_cooccurrence=0.5)
+    again, w_again = _siamese(texts, label_points=True, label_point_cooccurrence=0.5)
+    assert res.points == renee.points == 2 * (20 + 8) and np.isfinite(res.final_loss)
+    assert not torch.equal(w, w_renee) and torch.equal(w, w_again)
+    with pytest.raises(XCConfigError, match="pretrain.label_point_cooccurrence: 0.5 needs pretrain.label_points"):
+        _siamese(texts, label_point_cooccurrence=0.5)
 
 
 def test_siamesexml_sampler_refuses_label_points(texts):

@@ -114,15 +114,16 @@ class PretrainParams:
     # the paper's schedule (docs/decisions.md#ngame-cluster-batches-after-first-epoch)
     curriculum: tuple[int, ...] = (1, 1, 1)
     cluster_every: int = 5  # ngame: re-cluster every tau epochs (from the memory bank, no extra encoding)
-    # ngame: fill the memory bank with the starting encoder's embeddings (one forward pass) before training, so
-    # a curriculum starting at epoch 0 clusters from the first batch. The paper starts at C = 1 because its
-    # encoder starts poor; a pretrained sentence encoder's zero-shot embeddings already give hard negatives.
+    # ngame: fill the memory bank with the starting encoder's embeddings (one forward pass) before training, so a
+    # curriculum starting at epoch 0 clusters from the first batch (decisions.md#pretrain-seed-bank-and-symmetric-off)
     seed_bank: bool = False
     # point batches: also the label-anchored direction (each sampled label against the batch's points, as
     # SiameseXML's Module I), from the same similarity matrix: a second loss term at no extra encoding
     symmetric: bool = False
-    # also train on every label's text as a point whose one positive is that label (Renee); samplers random, ngame
+    # every label's text also a point, positive for that label (Renee; samplers random, ngame) and, with a share > 0,
+    # for the labels on at least that share of its label's training points (Gandalf)
     label_points: bool = False
+    label_point_cooccurrence: float = 0.0
     # sampler "siamesexml" (SiameseXML Module I): each batch is `batch_size` distinct labels drawn with
     # probability ~ freq ** label_power (freq = training points of the label), one random positive point each;
     # one epoch = ceil(labels with freq > 0 / batch_size) batches.

@@ -27,13 +27,13 @@ EXACT_MAX_LABELS = 50_000  # above this, label neighbours come from an HNSW inde
 Tokens = tuple[np.ndarray, np.ndarray]  # token ids (N, T), lengths (N,)
 
 
-def check_label_point_share(label_points: bool, share: float) -> None:
-    """Raise XCConfigError unless ``classifier.label_point_cooccurrence`` is a share in [0, 1], > 0 only with
-    ``classifier.label_points``."""
+def check_label_point_share(label_points: bool, share: float, stage: str = "classifier") -> None:
+    """Raise XCConfigError unless ``<stage>.label_point_cooccurrence`` is a share in [0, 1], > 0 only with
+    ``<stage>.label_points``."""
     if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= float(share) <= 1.0:
-        raise XCConfigError(f"classifier.label_point_cooccurrence: expected a share in [0, 1], got {share!r}")
+        raise XCConfigError(f"{stage}.label_point_cooccurrence: expected a share in [0, 1], got {share!r}")
     if share > 0 and not label_points:
-        raise XCConfigError(f"classifier.label_point_cooccurrence: {share} needs classifier.label_points=true "
+        raise XCConfigError(f"{stage}.label_point_cooccurrence: {share} needs {stage}.label_points=true "
                             "(the label points it gives co-occurring positives)")
 
 
@@ -69,11 +69,12 @@ def with_label_rows(Y: sp.csr_matrix, rows: np.ndarray,
     return Yx, np.concatenate([np.asarray(rows, dtype=np.int64), N + np.arange(L, dtype=np.int64)])
 
 
-def siamese_label_points(point_tokens: Tokens, label_tokens: Tokens, Y: sp.csr_matrix,
-                         rows: np.ndarray) -> tuple[Tokens, sp.csr_matrix, np.ndarray]:
+def siamese_label_points(point_tokens: Tokens, label_tokens: Tokens, Y: sp.csr_matrix, rows: np.ndarray,
+                         min_share: float = 0.0) -> tuple[Tokens, sp.csr_matrix, np.ndarray]:
     """The Siamese trainer's (tokens, Y, rows) with every label's text appended as a point: the token ids are
     stacked (the narrower array zero-padded to the wider one's width; lengths mask the padding) and Y and the
-    rows extended by ``with_label_rows``."""
+    rows extended by ``with_label_rows``, the label points' positives :func:`label_point_targets` at
+    ``min_share``."""
     (p_ids, p_len), (l_ids, l_len) = point_tokens, label_tokens
     if len(p_ids) != Y.shape[0] or len(l_ids) != Y.shape[1]:
         raise ValueError(f"siamese_label_points: {len(p_ids)} point and {len(l_ids)} label token rows for a "
@@ -83,7 +84,7 @@ def siamese_label_points(point_tokens: Tokens, label_tokens: Tokens, Y: sp.csr_m
     ids[:len(p_ids), :p_ids.shape[1]] = p_ids
     ids[len(p_ids):, :l_ids.shape[1]] = l_ids
     lens = np.concatenate([p_len, l_len]).astype(np.result_type(p_len.dtype, l_len.dtype))
-    Yx, rows_x = with_label_rows(Y, rows)
+    Yx, rows_x = with_label_rows(Y, rows, label_point_targets(Y, rows, min_share) if min_share > 0 else None)
     return (ids, lens), Yx, rows_x
 
 

@@ -54,7 +54,7 @@ from xc_dagster.training.data_parallel import (
 )
 from xc_dagster.training.distributed import DistEnv, gather_rows, rank_rows
 from xc_dagster.training.grad_cache import StepEmbedder
-from xc_dagster.training.label_points import siamese_label_points
+from xc_dagster.training.label_points import check_label_point_share, siamese_label_points
 from xc_dagster.training.losses import PAIR_LOSSES, PairLoss
 from xc_dagster.training.memory import (
     GRAD_CACHE_MODES,
@@ -153,11 +153,13 @@ class SiameseTrainer:
                  train_rows: np.ndarray, params: PretrainParams, device: torch.device, dtype: torch.dtype | None,
                  env: DistEnv | None = None):
         check_pretrain_params(params)
+        check_label_point_share(params.label_points, params.label_point_cooccurrence, "pretrain")
         self.env = DistEnv() if env is None else env
         check_group(self.env, "pretraining")
         self.encoder, self.params, self.device, self.dtype = encoder, params, device, dtype
-        if params.label_points:  # Renee: label l's text is point N + l, with l its one positive
-            point_tokens, Y, train_rows = siamese_label_points(point_tokens, label_tokens, Y, train_rows)
+        if params.label_points:  # Renee: label l's text is point N + l, positive for l (Gandalf: and co-occurring)
+            point_tokens, Y, train_rows = siamese_label_points(point_tokens, label_tokens, Y, train_rows,
+                                                               params.label_point_cooccurrence)
         self.point_tokens, self.label_tokens = point_tokens, label_tokens
         self.Y = Y.tocsr()
         rows = np.asarray(train_rows, dtype=np.int64)
