@@ -5,7 +5,9 @@ runs many test files in one process, and a leaked ``MLFLOW_TRACKING_URI`` sends 
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +20,20 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ[var] = "1"
     torch.set_num_threads(1)
+
+FILE_SECONDS = Path(__file__).with_name("file_seconds.json")  # each test file's seconds in a timed run of the suite
+
+
+def pytest_collection_modifyitems(config, items):
+    """Test files longest first (the longest-processing-time rule; unknown files after, in collection order),
+    tests within a file as collected: the README's command (``--dist loadfile --no-loadscope-reorder``) deals
+    files to the two workers in this order, so a long file no longer starts last and leaves one core idle to the
+    end. ``python -m tests.file_seconds <junit.xml>`` re-times the files."""
+    seconds = json.loads(FILE_SECONDS.read_text()) if FILE_SECONDS.is_file() else {}
+    first = {}
+    for i, item in enumerate(items):
+        first.setdefault(item.nodeid.split("::")[0], i)
+    items.sort(key=lambda item: (-seconds.get(item.nodeid.split("::")[0], 0.0), first[item.nodeid.split("::")[0]]))
 
 
 @pytest.fixture(autouse=True)
@@ -40,7 +56,6 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-
 
 
 @pytest.fixture(scope="module")
