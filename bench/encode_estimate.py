@@ -10,7 +10,7 @@ point and label with the configured (untrained) encoder.
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import time
 from pathlib import Path
 
@@ -22,6 +22,9 @@ from xc_dagster.home import Home
 from xc_dagster.pipeline import StageContext
 from xc_dagster.storage import ArtifactStore
 from xc_dagster.training.budget import ENCODE_SAMPLE_SECONDS, encode_rate
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for bench.rows
+from bench.rows import emit  # noqa: E402
 
 
 def main() -> None:
@@ -57,10 +60,7 @@ def main() -> None:
     for ids, lens in (pt, lt):
         encode_tokens(encoder, ids, lens, ctx.device, dtype, p.encode_batch_size)
     row["actual_s"] = round(time.perf_counter() - t0, 1)
-    print(json.dumps(row))
-    if args.json:
-        with args.json.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+    emit(row, args.json)
 
 
 if __name__ == "__main__":
