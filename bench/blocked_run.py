@@ -4,9 +4,10 @@ the `xc_training` pool's slot, and the waiting run worker's CPU meanwhile (docs/
   python bench/blocked_run.py --home <new folder> [--budget-minutes 3] [--json out.jsonl]
 
 Registers partitions A and B of the embedded LF-WordNetNouns titles in a new home, starts `xc-dagster materialize A`,
-and once A's pretraining holds the slot starts `xc-dagster materialize B`, whose training steps then wait. Samples
-B's run worker (the `dagster asset materialize` process and its children) every second until A's pretraining has
-written its summary, then stops both runs. Run it with PYTHONPATH pointing at the code to measure.
+and once A's pretraining holds the slot starts `xc-dagster materialize B`, whose training steps then wait. B's run
+worker's CPU (the `dagster asset materialize` process and its children) is read when its step starts waiting and
+when A's pretraining has written its summary; then both runs are stopped. Run it with PYTHONPATH pointing at the
+code to measure.
 """
 
 from __future__ import annotations
@@ -89,6 +90,8 @@ def main() -> None:
         for proc in runs.values():
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
+        for f in logs.values():
+            f.close()
     pre = json.loads(summary.read_text())
     row = {"code": os.environ.get("PYTHONPATH", ""), "budget_minutes": args.budget_minutes,
            "a_points_per_s": round(pre["points_per_s"], 1), "a_steps": pre["steps"],

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from xc_dagster.catalog import Catalog
 from xc_dagster.device import amp_dtype
-from xc_dagster.encoders.encode import encode_plan, encode_tokens
+from xc_dagster.encoders.encode import encode_plan, encode_tokens, encoded_as
 from xc_dagster.encoders.loading import load_encoder
 from xc_dagster.home import Home
 from xc_dagster.pipeline import StageContext
@@ -45,11 +45,8 @@ def main() -> None:
     def encode(rows):
         return encode_tokens(encoder, pt[0][rows], pt[1][rows], ctx.device, dtype, p.encode_batch_size)
 
+    as_whole = encoded_as(encoder, pt[1], ctx.device, p.encode_batch_size)
     threads = encode_plan(encoder, pt[1], ctx.device, p.encode_batch_size)[1]
-
-    def as_whole(rows):
-        return encode_plan(encoder, pt[1][rows], ctx.device, p.encode_batch_size)[1] == threads
-
     row = {"name": args.name, "texts": n, "device": str(ctx.device), "threads": threads}
     for key, min_seconds, whole in (("one_pass", 0.0, None), ("lasting", ENCODE_SAMPLE_SECONDS, None),
                                     ("as_whole", ENCODE_SAMPLE_SECONDS, as_whole)):

@@ -22,8 +22,9 @@ was assigned assign the queue's next step, as freeing that slot would have (docs
 
 While a run's only runnable steps wait for a slot, Dagster's multiprocess executor loops without pausing (its step
 processes' events are awaited with a timeout, but with none in flight nothing waits): the waiting run's worker
-spins a whole core for as long as the other run trains, on a 2-core machine half of what that training had.
-``pause_blocked_runs`` makes that loop pause ``BLOCKED_PAUSE`` between passes (docs/decisions.md#blocked-run-pause).
+spins a whole core for as long as the other run trains (on a 2-core machine the other run's calibration then
+read 18.4 s a step instead of ~3 and planned no pretraining: docs/decisions.md#blocked-run-pause).
+``pause_blocked_runs`` makes that loop pause ``BLOCKED_PAUSE`` between passes.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from xc_dagster.tracking import OWNER_HOST, owner_alive, owner_tags
 
 log = logging.getLogger("xc_dagster")
 # A run worker's pause between passes while its only runnable steps wait for a pool slot: Dagster re-asks for the
-# slot every 1-15 s, so a slot freed is taken at most this much later; a termination is answered as soon
+# slot every 1-15 s, so a slot freed is taken at most this much later, and an interrupt is seen within it
 BLOCKED_PAUSE = 0.5
 
 

@@ -30,10 +30,12 @@ def pytest_collection_modifyitems(config, items):
     files to the two workers in this order, so a long file no longer starts last and leaves one core idle to the
     end. ``python -m tests.file_seconds <junit.xml>`` re-times the files."""
     seconds = json.loads(FILE_SECONDS.read_text()) if FILE_SECONDS.is_file() else {}
-    first = {}
-    for i, item in enumerate(items):
-        first.setdefault(item.nodeid.split("::")[0], i)
-    items.sort(key=lambda item: (-seconds.get(item.nodeid.split("::")[0], 0.0), first[item.nodeid.split("::")[0]]))
+    files = [item.nodeid.split("::")[0] for item in items]
+    first: dict[str, int] = {}
+    for i, f in enumerate(files):
+        first.setdefault(f, i)
+    order = sorted(range(len(items)), key=lambda i: (-seconds.get(files[i], 0.0), first[files[i]], i))
+    items[:] = [items[i] for i in order]
 
 
 @pytest.fixture(autouse=True)

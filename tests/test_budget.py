@@ -225,7 +225,7 @@ def test_encoding_rate_waits_for_a_sample_encoded_as_the_whole_set(monkeypatch):
         calls.append(rows)
         clock[0] += 0.005 * len(rows)  # every pass lasts 2 s or more
 
-    whole = lambda r: encode_module.encode_plan(enc, lengths[r], cpu, 256)[1] == 2  # noqa: E731
+    whole = encode_module.encoded_as(enc, lengths, cpu, 256)  # as the budget's calibration asks
     assert budget_module.encode_rate(encode, 100_000, runs_as_whole=whole) == pytest.approx(200.0)
     assert [len(r) for r in calls] == [512, 512, 1024, 2048]
     calls.clear()

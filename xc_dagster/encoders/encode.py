@@ -48,6 +48,14 @@ def encode_plan(encoder: torch.nn.Module, lengths: np.ndarray, device: torch.dev
     return chunks, (threads if threads > 1 and len(chunks) >= CHUNKS_PER_THREAD * threads else 1)
 
 
+def encoded_as(encoder: torch.nn.Module, lengths: np.ndarray, device: torch.device,
+               batch_size: int) -> Callable[[np.ndarray], bool]:
+    """Whether rows (indices into ``lengths``) are encoded as all of them would be: the same number of threads
+    sharing their chunks (:func:`encode_plan`), the condition under which a sample's rate stands for the set's."""
+    threads = encode_plan(encoder, lengths, device, batch_size)[1]
+    return lambda rows: encode_plan(encoder, lengths[rows], device, batch_size)[1] == threads
+
+
 def encode_tokens(encoder: torch.nn.Module, ids: np.ndarray, lengths: np.ndarray, device: torch.device,
                   dtype: torch.dtype | None, batch_size: int = 256, progress: Callable[[int], None] | None = None,
                   forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> np.ndarray:

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from xc_dagster.encoders.encode import encode_plan, encode_tokens
+from xc_dagster.encoders.encode import encode_tokens, encoded_as
 from xc_dagster.errors import XCConfigError
 
 BUDGET_PLAN = "budget_plan.json"  # in a stage's checkpoint folder: the plan a resumed run keeps
@@ -164,10 +164,8 @@ def calibrate_stage(make_trainer: Callable[[Any], Any], encoder: Any, train: Any
     (seconds per step, points per step, steps per epoch) and the seconds to encode every point (``tokens``) and
     label (``label_tokens``) after training, from :func:`encode_rate` on a sample of the points."""
     sec, pts, spe = calibrate(make_trainer, encoder, train.calibration_steps, calibration_seconds(train))
-    threads = encode_plan(encoder, tokens[1], device, batch_size)[1]  # how the whole set will be encoded
     rate = encode_rate(lambda r: encode_tokens(encoder, tokens[0][r], tokens[1][r], device, dtype, batch_size),
-                       len(tokens[1]), seed=seed,
-                       runs_as_whole=lambda r: encode_plan(encoder, tokens[1][r], device, batch_size)[1] == threads)
+                       len(tokens[1]), seed=seed, runs_as_whole=encoded_as(encoder, tokens[1], device, batch_size))
     return sec, pts, spe, (len(tokens[1]) + len(label_tokens[1])) / rate
 
 

@@ -84,7 +84,7 @@ def siamese_label_points(point_tokens: Tokens, label_tokens: Tokens, Y: sp.csr_m
     ids[:len(p_ids), :p_ids.shape[1]] = p_ids
     ids[len(p_ids):, :l_ids.shape[1]] = l_ids
     lens = np.concatenate([p_len, l_len]).astype(np.result_type(p_len.dtype, l_len.dtype))
-    Yx, rows_x = with_label_rows(Y, rows, label_point_targets(Y, rows, min_share) if min_share > 0 else None)
+    Yx, rows_x = with_label_rows(Y, rows, label_point_targets(Y, rows, min_share))
     return (ids, lens), Yx, rows_x
 
 

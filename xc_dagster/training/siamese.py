@@ -93,6 +93,7 @@ def check_pretrain_params(params: PretrainParams) -> None:
     for ok, name, expected in checks:
         if not ok:
             raise XCConfigError(f"pretrain.{name}: expected {expected}, got {getattr(params, name)!r}")
+    check_label_point_share(params.label_points, params.label_point_cooccurrence, "pretrain")
 
 
 def point_batch_loss(sim: torch.Tensor, mask: torch.Tensor, loss: PairLoss, symmetric: bool) -> torch.Tensor:
@@ -153,7 +154,6 @@ class SiameseTrainer:
                  train_rows: np.ndarray, params: PretrainParams, device: torch.device, dtype: torch.dtype | None,
                  env: DistEnv | None = None):
         check_pretrain_params(params)
-        check_label_point_share(params.label_points, params.label_point_cooccurrence, "pretrain")
         self.env = DistEnv() if env is None else env
         check_group(self.env, "pretraining")
         self.encoder, self.params, self.device, self.dtype = encoder, params, device, dtype
