@@ -12,7 +12,6 @@ appends them, with the command, to ``--json``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -24,6 +23,9 @@ from xc_dagster.config import parse_set_options
 from xc_dagster.home import Home
 from xc_dagster.pipeline import StageContext, run_all
 from xc_dagster.storage import ArtifactStore
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for bench.rows
+from bench.rows import emit  # noqa: E402
 
 SHOWN = ("precision_at_1", "precision_at_3", "precision_at_5", "psprecision_at_1", "psprecision_at_3",
          "psprecision_at_5", "ndcg_at_5")
@@ -70,10 +72,7 @@ def main() -> None:
     row = {"name": args.name, "from": args.start, "set": args.set, "argv": sys.argv,
            **{k: metrics.get(k) for k in SHOWN}, "fusion": {k: v for k, v in out.get("fusion", {}).items()
                                                              if isinstance(v, (int, float, str))}}
-    print(json.dumps(row))
-    if args.json:
-        with open(args.json, "a") as f:
-            f.write(json.dumps(row) + "\n")
+    emit(row, args.json)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ nothing else.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -28,6 +27,9 @@ from xc_dagster.retrieval.fusion import fit_alpha
 from xc_dagster.retrieval.fusion.objective import ObjectiveOnShortlist
 from xc_dagster.retrieval.shortlist import retrieve, topk_from_scores
 from xc_dagster.storage import ArtifactStore
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for bench.rows
+from bench.rows import emit  # noqa: E402
 
 WEIGHTS = ("alpha", "knn_weight", "lexical_weight", "cooccurrence_weight", "propensity_weight", "objective_value")
 SHOWN = ("precision_at_1", "precision_at_5", "psprecision_at_1", "psprecision_at_5")
@@ -69,10 +71,7 @@ def main() -> None:
         row = {"name": args.name, "search": search, "seconds": round(seconds, 2), "evaluations": evaluations,
                "n_valid": int(vs.Y.shape[0]), **{k: fit.summary()[k] for k in WEIGHTS},
                **{k: round(100 * metrics[k], 2) for k in SHOWN}, "argv": sys.argv}
-        print(json.dumps(row), flush=True)
-        if args.json:
-            with open(args.json, "a") as f:
-                f.write(json.dumps(row) + "\n")
+        emit(row, args.json)
 
 
 if __name__ == "__main__":

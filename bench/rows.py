@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def emit(row: dict, path: Path | None = None) -> None:
-    print(json.dumps(row))
+    print(json.dumps(row), flush=True)
     if path:
         with Path(path).open("a") as f:
             f.write(json.dumps(row) + "\n")
