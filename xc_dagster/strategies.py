@@ -58,7 +58,9 @@ STRATEGIES: dict[str, Strategy] = {
         "NGAME: Siamese pretraining on cluster batches, then classifiers on the hardest negatives; dual MIPS.",
         "Module M1: the Siamese encoder trained with the OHNM triplet loss (margin 0.3) on in-batch hard "
         "negatives; batches come from Algorithm 1's sampler (pretrain.sampler=ngame: clusters of the memory-bank "
-        "embeddings, the cluster size C doubling on the curriculum, re-clustered every tau epochs). The quick "
+        "embeddings, the cluster size C doubling on the curriculum, re-clustered every tau epochs), with every label's "
+        "text a training point too, positive for its label and the labels on half its label's points (Gandalf; "
+        "pretrain.label_points=false for the paper's points alone, and where labels have no names). The quick "
         "preset clusters from epoch 1 (C = 8), so its single epoch is random batches that fill the memory bank "
         "and pretrain.epochs >= 2 adds cluster batches. M2/M4: one-vs-all classifiers initialised from the label "
         "embeddings and trained with the multi-positive triplet loss on the hardest mined negatives "
@@ -71,6 +73,8 @@ STRATEGIES: dict[str, Strategy] = {
         "(fusion.method=tree for the paper's depth-7 tree).",
         {"pretrain.sampler": "ngame", "fusion.method": "alpha",
          "index.label_repr": "text+centroid",  # docs/decisions.md#ngame-label-centroid-score
+         # Gandalf's label points in the Siamese pretraining: docs/decisions.md#gandalf-label-points
+         "pretrain.label_points": True, "pretrain.label_point_cooccurrence": 0.5,
          **LEXICAL_INFERENCE, **PROPENSITY_SCORED},
     ),
     "siamesexml": Strategy(

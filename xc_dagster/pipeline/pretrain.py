@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 
 from xc_dagster.artifacts import CLASSIFIER_INIT, ENCODER, LABEL_EMB, SUMMARY, TRAIN_EMB
+from xc_dagster.config import PretrainParams
+from xc_dagster.data.companions import generic_labels
 from xc_dagster.device import amp_dtype, seed_everything
 from xc_dagster.encoders.encode import encode_tokens
 from xc_dagster.encoders.loading import load_encoder, save_encoder
@@ -36,13 +38,13 @@ from xc_dagster.training.distributed import DistEnv
 from xc_dagster.training.siamese import SiameseTrainer, train_siamese
 
 
-def plan_pretraining(ctx: StageContext, encoder: Any, pt: Any, lt: Any, Y: Any, rows: np.ndarray,
-                     dtype: Any, key: str) -> BudgetPlan:
+def plan_pretraining(ctx: StageContext, p: PretrainParams, encoder: Any, pt: Any, lt: Any, Y: Any,
+                     rows: np.ndarray, dtype: Any, key: str) -> BudgetPlan:
     """``pretrain.epochs`` planned from ``train.budget_minutes`` (xc_dagster.training.budget): a few timed steps
     of the Siamese trainer on a copy of the encoder and the timed encoding of a sample of points. A plan kept
     by an interrupted run of the same configuration (``key``) is reused."""
     t0 = time.perf_counter()
-    p, b = ctx.cfg.pretrain, ctx.cfg.train
+    b = ctx.cfg.train
     check_train_params(b)
     explicit = "pretrain.epochs" in ctx.cfg.explicit
     if b.budget_minutes <= 0 or explicit or p.epochs <= 0:
@@ -59,6 +61,18 @@ def plan_pretraining(ctx: StageContext, encoder: Any, pt: Any, lt: Any, Y: Any, 
     ctx.info(f"pretrain {ctx.name}: budget {b.budget_minutes} min, {sec:.2f} s/step ({plan.points_per_second:.0f} "
              f"points/s), {spe} steps/epoch, encoding ~{encode_s:.0f} s: {plan.planned_epochs} epochs planned")
     return plan
+
+
+def label_points_named(ctx: StageContext, p: PretrainParams) -> PretrainParams:
+    """``p`` without the strategy's label points where the labels have placeholder names alone (a layout without
+    ``Y.txt``: "label 17" says nothing of the label); ``pretrain.label_points`` set by the user still wins."""
+    if not p.label_points or "pretrain.label_points" in ctx.cfg.explicit:
+        return p
+    texts = ctx.read.label_texts()
+    if texts != generic_labels(len(texts)):
+        return p
+    ctx.info(f"pretrain {ctx.name}: no label points (the labels have placeholder names, no Y.txt)")
+    return dataclasses.replace(p, label_points=False, label_point_cooccurrence=0.0)
 
 
 def check_data_parallel(ctx: StageContext, env: DistEnv) -> None:
@@ -85,7 +99,7 @@ def run(ctx: StageContext, env: DistEnv | None = None) -> dict[str, Any]:
     started = time.perf_counter()
     env = DistEnv() if env is None else env
     check_data_parallel(ctx, env)
-    p = ctx.cfg.pretrain
+    p = label_points_named(ctx, ctx.cfg.pretrain)
     seed_everything(p.seed)
     ds = ctx.read.labels()
     train_rows = ctx.read.train_rows(ds.num_train)
@@ -104,7 +118,7 @@ def run(ctx: StageContext, env: DistEnv | None = None) -> dict[str, Any]:
     key = fingerprint({**dataclasses.asdict(p), "encoder": ctx.cfg.tokenize.encoder,
                        "warm": fingerprint_files(warm / ENCODER) if warm else "", "sampler_state": "registry",
                        "budget": dataclasses.asdict(ctx.cfg.train)}, pt[0], lt[0], train_rows, ds.Y_train.indices)
-    plan = plan_pretraining(ctx, encoder, pt, lt, ds.Y_train, train_rows, dtype, key)
+    plan = plan_pretraining(ctx, p, encoder, pt, lt, ds.Y_train, train_rows, dtype, key)
     if not plan.explicit:
         p = dataclasses.replace(p, epochs=plan.planned_epochs)
         key = fingerprint({"configured": key, "planned_epochs": plan.planned_epochs})
@@ -132,8 +146,8 @@ def run(ctx: StageContext, env: DistEnv | None = None) -> dict[str, Any]:
                "final_loss": res.final_loss, "encode_seconds": encode_s,
                "texts_per_s": (len(pt[1]) + len(lt[1])) / max(encode_s, 1e-9), "device": str(ctx.device),
                "amp": str(dtype), "dim": encoder.dim, "encoder_type": type(encoder).__name__,
-               "stopped_at_deadline": res.stopped_at_deadline, "budget": plan.summary(), "memory": res.memory,
-               "seconds": time.perf_counter() - started}  # the stage's wall time (what the budget counts)
+               "stopped_at_deadline": res.stopped_at_deadline, "label_points": p.label_points, "budget": plan.summary(),
+               "memory": res.memory, "seconds": time.perf_counter() - started}  # the stage's wall time (budgeted)
     if env.world_size > 1:
         summary["world_size"] = env.world_size
     with ctx.writing() as out:
