@@ -4,6 +4,7 @@ the Siamese trainer over it, and the hardest-negative trainer (W keeps its L row
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,12 +15,14 @@ import torch.nn.functional as F
 from tests.tinydata import WORDS, tiny_lf_home
 from xc_dagster.catalog import Catalog
 from xc_dagster.config import ClassifierParams, PretrainParams
+from xc_dagster.data.companions import generic_labels
 from xc_dagster.device import seed_everything
 from xc_dagster.encoders.bag import create_bag_encoder
 from xc_dagster.encoders.loading import load_encoder
 from xc_dagster.encoders.tokenizer import load_tokenizer
 from xc_dagster.errors import XCConfigError
 from xc_dagster.pipeline import StageContext, run_all
+from xc_dagster.pipeline.pretrain import label_points_named
 from xc_dagster.storage import ArtifactStore
 from xc_dagster.training import label_points
 from xc_dagster.training.checkpoint import Checkpointer, fingerprint
@@ -288,6 +291,28 @@ def test_the_stages_train_on_label_points(tmp_path, monkeypatch):
     assert out["classifier"]["label_points"] == 20 and out["classifier"]["steps"] == 2 * 4  # (108 + 20) / 32
     W = np.load(ArtifactStore(home.artifacts).stage_dir("TinyTitles", "classifier") / "W.npy")
     assert W.shape == (20, 32)
+
+
+def test_ngame_label_points_only_where_labels_have_names(tmp_path, monkeypatch):
+    """ngame trains on label points by default; placeholder label names (a layout without Y.txt) or the siamesexml
+    sampler leave them out unless the user set pretrain.label_points, and real names keep them."""
+    home = tiny_lf_home(tmp_path, monkeypatch, {})
+    cfg = Catalog(home.catalog).get("TinyTitles").config()
+    assert cfg.pretrain.label_points and cfg.pretrain.label_point_cooccurrence == 0.5
+    said = []
+
+    def ctx(texts, config):
+        return SimpleNamespace(cfg=config, name="T", info=said.append, read=SimpleNamespace(label_texts=lambda: texts))
+
+    kept = label_points_named(ctx(["cat", "dog", "fish"], cfg), cfg.pretrain)
+    dropped = label_points_named(ctx(generic_labels(3), cfg), cfg.pretrain)
+    assert kept.label_points and kept.label_point_cooccurrence == 0.5
+    assert not dropped.label_points and dropped.label_point_cooccurrence == 0 and "placeholder names" in said[0]
+    explicit = Catalog(home.catalog).get("TinyTitles").config({"pretrain.label_points": True})
+    assert label_points_named(ctx(generic_labels(3), explicit), explicit.pretrain).label_points and len(said) == 1
+    label_batches = Catalog(home.catalog).get("TinyTitles").config({"pretrain.sampler": "siamesexml"})
+    assert not label_points_named(ctx(["cat", "dog", "fish"], label_batches), label_batches.pretrain).label_points
+    assert "siamesexml sampler" in said[1]
 
 
 def test_label_neighbours_of_many_labels_come_from_hnsw_with_high_recall(monkeypatch):

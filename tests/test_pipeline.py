@@ -244,7 +244,8 @@ def test_ngame_sampler_through_the_pretrain_stage(tiny_home):
     ctx = StageContext(ArtifactStore(tiny_home.artifacts), spec, cfg, tiny_home.cache)
     out = run_all(ctx, ("ingest", "tokenize", "pretrain"))
     assert out["pretrain"]["reclusterings"] == 2  # epochs 1 and 2 (epoch 0 is C = 1, random batches)
-    assert out["pretrain"]["points"] == 3 * 108  # every non-validation point once per epoch
+    # every non-validation point and every label's text (ngame's label points) once per epoch
+    assert out["pretrain"]["points"] == 3 * (108 + 20) and out["pretrain"]["label_points"]
 
 
 def test_classifier_init_from_text_or_text_plus_centroid(tiny_home):

@@ -64,14 +64,19 @@ def plan_pretraining(ctx: StageContext, p: PretrainParams, encoder: Any, pt: Any
 
 
 def label_points_named(ctx: StageContext, p: PretrainParams) -> PretrainParams:
-    """``p`` without the strategy's label points where the labels have placeholder names alone (a layout without
-    ``Y.txt``: "label 17" says nothing of the label); ``pretrain.label_points`` set by the user still wins."""
+    """``p`` without the strategy's label points where they cannot serve: labels with placeholder names alone (a
+    layout without ``Y.txt``: "label 17" says nothing of the label), or the ``siamesexml`` sampler (label batches,
+    which refuses them). ``pretrain.label_points`` set by the user still wins (and is checked)."""
     if not p.label_points or "pretrain.label_points" in ctx.cfg.explicit:
         return p
-    texts = ctx.read.label_texts()
-    if texts != generic_labels(len(texts)):
-        return p
-    ctx.info(f"pretrain {ctx.name}: no label points (the labels have placeholder names, no Y.txt)")
+    if p.sampler == "siamesexml":
+        why = "the siamesexml sampler draws its points from the training points"
+    else:
+        texts = ctx.read.label_texts()
+        if texts != generic_labels(len(texts)):
+            return p
+        why = "the labels have placeholder names, no Y.txt"
+    ctx.info(f"pretrain {ctx.name}: no label points ({why})")
     return dataclasses.replace(p, label_points=False, label_point_cooccurrence=0.0)
 
 
