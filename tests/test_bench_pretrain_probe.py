@@ -43,7 +43,8 @@ def test_one_probe_end_to_end_appends_a_record(tmp_path, monkeypatch, capsys):
     r = records[0]
     assert r["label"] == "tiny" and r["pretrain"]["batch_size"] == 16 and r["pretrain"]["epochs"] == 2.0
     assert r["pretrain"]["sampler"] == "random" and r["pretrain"]["num_negatives"] == 30  # override, default
-    assert r["points"] == 2 * 108 and r["steps"] == 2 * 7  # 120 - 12 validation points, batches of 16
+    # 120 - 12 validation points and ngame's 20 label points, batches of 16
+    assert r["points"] == 2 * (108 + 20) and r["steps"] == 2 * 8
     assert set(r["metrics"]) == {"valid", "test"}
     for split in ("valid", "test"):
         for repr_name in ("text", "text+centroid"):

@@ -101,15 +101,16 @@ def test_budgeted_run_plans_pretraining_and_records_the_plan(tiny_home, monkeypa
     store = ArtifactStore(tiny_home.artifacts)
     out = run_all(StageContext(store, spec, spec.config(), tiny_home.cache))
     plan = out["pretrain"]["budget"]
-    assert not plan["explicit"] and plan["seconds_per_step"] > 0 and plan["steps_per_epoch"] == 7
+    spe = 8  # (108 points + ngame's 20 label points) / batches of 16
+    assert not plan["explicit"] and plan["seconds_per_step"] > 0 and plan["steps_per_epoch"] == spe
     left = plan["budget_seconds"] - plan["spent_seconds"] - plan["encode_seconds"] - plan["reserved_seconds"]
     # 30 s leave room for the 3 epochs even on a loaded machine; none left would plan 0 (max(0, left))
     expected = min(3.0, np.floor(100 * max(0.0, left) / (plan["seconds_per_step"] * plan["steps_per_epoch"])) / 100)
     assert plan["planned_epochs"] == pytest.approx(expected)
-    # the planned epochs were trained (ngame's cluster batches after the first epoch may number fewer than 7)
+    # the planned epochs were trained (ngame's cluster batches after the first epoch may number fewer than spe)
     trained = out["pretrain"]["steps"]
-    assert 0 < trained <= int(np.ceil(plan["planned_epochs"] * 7))
-    assert trained >= 7 * min(1.0, plan["planned_epochs"]) - 1 or out["pretrain"]["stopped_at_deadline"]
+    assert 0 < trained <= int(np.ceil(plan["planned_epochs"] * spe))
+    assert trained >= spe * min(1.0, plan["planned_epochs"]) - 1 or out["pretrain"]["stopped_at_deadline"]
     assert out["classifier"]["budget"]["explicit"]  # TINY sets classifier.epochs
     # the index stage's lexical classifiers stop at the budget less the fusion's share, less what the stages before
     # took (their summaries' seconds)

@@ -146,7 +146,8 @@ def test_quick_curriculum_epoch_0_is_the_random_sampler_then_clusters_of_8(tmp_p
 
     path, pt, lt, Y = _tiny_pretrain_data(tmp_path)
     rows = np.arange(32)
-    base = dataclasses.replace(quick, epochs=1, batch_size=8, chunk_size=16, amp="off", warmup_steps=1)
+    base = dataclasses.replace(quick, epochs=1, batch_size=8, chunk_size=16, amp="off", warmup_steps=1,
+                               label_points=False, label_point_cooccurrence=0.0)  # the samplers alone
 
     banks = []  # the memory bank is allocated only when some epoch of the run clusters
 

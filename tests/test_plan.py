@@ -68,8 +68,9 @@ def test_work_counts_of_a_hand_computed_shape(monkeypatch):
     # every training point searches the L label embeddings: queries x keys x the per-pair cost
     assert mining.parts["label search (exact, 1,000 x 300)"] == pytest.approx(1000 * 300 * 1e-9)
     assert mining.kinds == {"label": resolve_kind("auto", 300, 8)} == {"label": "exact"}
-    # pretraining: ceil(epochs x rows / batch) steps (rows = 990 without the validation points)
-    steps = math.ceil(2 * math.ceil(990 / 256))
+    # pretraining: ceil(epochs x rows / batch) steps (rows = 990 without the validation points, and ngame's 300
+    # label points)
+    steps = math.ceil(2 * math.ceil((990 + 300) / 256))
     assert stages["pretrain"].parts[f"{steps:,} training steps (2.0 epochs x batch 256)"] == pytest.approx(steps * 0.5)
     assert stages["pretrain"].parts["encode 1,300 texts"] == pytest.approx(1.3)
     cls = stages["classifier"]
