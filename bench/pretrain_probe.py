@@ -42,6 +42,7 @@ from xc_dagster.encoders.loading import load_encoder
 from xc_dagster.encoders.names import parse_bag_name
 from xc_dagster.evaluation.metrics import evaluate, remove_filtered
 from xc_dagster.pipeline import StageContext, run_all
+from xc_dagster.pipeline.pretrain import label_points_named
 from xc_dagster.retrieval.ann import exact_topk
 from xc_dagster.retrieval.shortlist import label_centroids, label_representation
 from xc_dagster.storage import ArtifactStore
@@ -81,7 +82,7 @@ def main() -> None:
     prep = [s for s in ("ingest", "tokenize") if not ctx.store.stage_dir(args.name, s).is_dir()]
     if prep:
         run_all(ctx, tuple(prep))
-    p = cfg.pretrain
+    p = label_points_named(ctx, cfg.pretrain)  # the label points the pretrain stage would train on
     seed_everything(p.seed)
     ds = ctx.read.labels()
     valid = ctx.read.valid_rows()
