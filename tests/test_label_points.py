@@ -301,13 +301,18 @@ def test_ngame_label_points_only_where_labels_have_names(tmp_path, monkeypatch):
     assert cfg.pretrain.label_points and cfg.pretrain.label_point_cooccurrence == 0.5
     said = []
 
-    def ctx(texts, config):
-        return SimpleNamespace(cfg=config, name="T", info=said.append, read=SimpleNamespace(label_texts=lambda: texts))
+    def ctx(texts, config, ingest=None):  # ingest: the ingest summary (None: one from before it kept label_names)
+        read = SimpleNamespace(label_texts=lambda: texts, summary=lambda stage, missing_ok=False: ingest)
+        return SimpleNamespace(cfg=config, name="T", info=said.append, read=read)
 
     kept = label_points_named(ctx(["cat", "dog", "fish"], cfg), cfg.pretrain)
     dropped = label_points_named(ctx(generic_labels(3), cfg), cfg.pretrain)
     assert kept.label_points and kept.label_point_cooccurrence == 0.5
     assert not dropped.label_points and dropped.label_point_cooccurrence == 0 and "placeholder names" in said[0]
+    # the ingest summary's record wins over the texts (it is read, the texts are not compared)
+    assert not label_points_named(ctx(["cat", "dog", "fish"], cfg, {"label_names": False}), cfg.pretrain).label_points
+    assert label_points_named(ctx(generic_labels(3), cfg, {"label_names": True}), cfg.pretrain).label_points
+    del said[1]
     explicit = Catalog(home.catalog).get("TinyTitles").config({"pretrain.label_points": True})
     assert label_points_named(ctx(generic_labels(3), explicit), explicit.pretrain).label_points and len(said) == 1
     label_batches = Catalog(home.catalog).get("TinyTitles").config({"pretrain.sampler": "siamesexml"})

@@ -3,6 +3,7 @@ shape from summaries or options, the CLI's table and JSON, the calibration cache
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -73,6 +74,14 @@ def test_work_counts_of_a_hand_computed_shape(monkeypatch):
     steps = math.ceil(2 * math.ceil((990 + 300) / 256))
     assert stages["pretrain"].parts[f"{steps:,} training steps (2.0 epochs x batch 256)"] == pytest.approx(steps * 0.5)
     assert stages["pretrain"].parts["encode 1,300 texts"] == pytest.approx(1.3)
+    # placeholder label names (the ingest summary's label_names false): the stage trains no label points, unless set
+    unnamed = dataclasses.replace(s, label_names=False)
+    plain = math.ceil(2 * math.ceil(990 / 256))
+    assert f"{plain:,} training steps (2.0 epochs x batch 256)" in plan_stages(
+        Costs(FixedUnits(), cfg, unnamed), cfg, unnamed, None)[2].parts
+    told = _ngame(**{"pretrain.epochs": 2, "train.budget_minutes": 0, "pretrain.label_points": True})
+    assert f"{steps:,} training steps (2.0 epochs x batch 256)" in plan_stages(
+        Costs(FixedUnits(), told, unnamed), told, unnamed, None)[2].parts
     cls = stages["classifier"]
     assert cls.parts[f"{3 * math.ceil(990 / 1024)} training steps (3.0 epochs x batch 1024)"] == pytest.approx(0.75)
     assert cls.memory["W and its start"] == 2 * 300 * 8 * 4

@@ -111,6 +111,7 @@ def test_counts_verified_on_real_wordnet(home):
     out = _ingest(home, DatasetSpec("LF-WordNetNounsTitles", str(WORDNET)))
     assert out["registry"] == "LF-WordNetNounsTitles" and out["counts_verified"]
     assert (out["n_train"], out["n_test"], out["n_labels"]) == (57_480, 24_599, 21_523)
+    assert out["label_names"]  # its labels are named: ngame's pretraining may use them as points
     checks = json.loads((home.artifacts / "LF-WordNetNounsTitles" / "ingest" / "checks.json").read_text())
     assert checks["checks"]["counts_match"]["passed"] and checks["checks"]["label_ids_in_range"]["passed"]
 
@@ -137,9 +138,20 @@ def test_count_mismatch_fails_clearly_and_writes_nothing(home, tmp_path):
     assert not (home.artifacts / "EURLex-4K" / "ingest").exists()
     out = _ingest(home, spec, verify_counts=False)  # the option skips it; the check then records it
     assert not out["counts_verified"] and out["check_counts"]["count_mismatches"] == 3
+    assert out["label_names"]  # lbl.json.gz titles
     checks = json.loads((home.artifacts / "EURLex-4K" / "ingest" / "checks.json").read_text())
     mism = checks["checks"]["counts_match"]["metadata"]["mismatches"]
     assert {"field": "n_labels (published)", "expected": 3993, "got": 4} in mism
+
+
+def test_ingest_records_placeholder_label_names(home, tmp_path):
+    """A layout without Y.txt gets placeholder names ("label 0" ...): ingest records it, so that the pretraining
+    leaves them out as points and the planner does not count them."""
+    from tests.test_data import make_bow
+
+    named = _ingest(home, DatasetSpec("Toy", str(make_bow(tmp_path / "named"))))
+    bare = _ingest(home, DatasetSpec("ToyBare", str(make_bow(tmp_path / "bare", y=None))))
+    assert named["label_names"] and not bare["label_names"]
 
 
 # -------------------------------------------------------------------------------------------- checks

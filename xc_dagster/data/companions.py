@@ -76,6 +76,12 @@ def generic_labels(n: int) -> list[str]:
     return [f"label {i}" for i in range(n)]
 
 
+def has_label_names(label_texts: list[str]) -> bool:
+    """Whether the labels have names of their own: not the placeholders ``generic_labels`` gives a layout without
+    ``Y.txt`` ("label 17" says nothing of a label)."""
+    return label_texts != generic_labels(len(label_texts))
+
+
 def _texts_from_vocab(X: sp.csr_matrix, vocab: np.ndarray) -> list[str]:
     """Each row's feature words, by descending feature value (ties by feature id), joined by spaces."""
     rows = np.repeat(np.arange(X.shape[0]), np.diff(X.indptr))

@@ -12,6 +12,7 @@ from xc_dagster.artifacts import CHECKS, DATASET, LABEL_FREQ, LABEL_FREQ_PLOT, S
 from xc_dagster.catalog import BUILTIN_PREFIX, builtin_path
 from xc_dagster.data import read_dataset, resolve_source, save_dataset
 from xc_dagster.data.checks import check_counts, compute_checks, label_frequencies, label_frequency_plot
+from xc_dagster.data.companions import has_label_names
 from xc_dagster.data.registry import verify_counts
 from xc_dagster.data.splits import validation_split
 from xc_dagster.errors import XCError
@@ -65,6 +66,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         stats.update({"n_valid": int(len(valid)), "layout": ds.layout, "text": text, "source": str(folder),
                       "registry": known.name if known else None, "source_fingerprint": source_digest,
                       "counts_verified": bool(known is not None and p.verify_counts),
+                      "label_names": has_label_names(ds.label_texts),
                       "checks_failed": checks["failed"], "check_counts": check_counts(checks),
                       "label_frequency": checks["label_frequency"],
                       "seconds": time.perf_counter() - t0})

@@ -16,7 +16,7 @@ import numpy as np
 
 from xc_dagster.artifacts import CLASSIFIER_INIT, ENCODER, LABEL_EMB, SUMMARY, TRAIN_EMB
 from xc_dagster.config import PretrainParams
-from xc_dagster.data.companions import generic_labels
+from xc_dagster.data.companions import has_label_names
 from xc_dagster.device import amp_dtype, seed_everything
 from xc_dagster.encoders.encode import encode_tokens
 from xc_dagster.encoders.loading import load_encoder, save_encoder
@@ -72,12 +72,18 @@ def label_points_named(ctx: StageContext, p: PretrainParams) -> PretrainParams:
     if p.sampler == "siamesexml":
         why = "the siamesexml sampler draws its points from the training points"
     else:
-        texts = ctx.read.label_texts()
-        if texts != generic_labels(len(texts)):
+        if labels_named(ctx):
             return p
         why = "the labels have placeholder names, no Y.txt"
     ctx.info(f"pretrain {ctx.name}: no label points ({why})")
     return dataclasses.replace(p, label_points=False, label_point_cooccurrence=0.0)
+
+
+def labels_named(ctx: StageContext) -> bool:
+    """Whether the dataset's labels have names (``Y.txt``): the ingest summary's ``label_names``, or, for an ingest
+    from before it recorded that, the label texts compared with the placeholders."""
+    named = (ctx.read.summary("ingest", missing_ok=True) or {}).get("label_names")
+    return has_label_names(ctx.read.label_texts()) if named is None else bool(named)
 
 
 def check_data_parallel(ctx: StageContext, env: DistEnv) -> None:

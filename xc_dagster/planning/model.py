@@ -53,6 +53,7 @@ class Shape:
     n_valid: int
     token_percentiles: tuple[int, ...] = ()  # 0th..100th percentiles of the point texts' token lengths; () unknown
     label_token_percentiles: tuple[int, ...] = ()  # the same of the label texts' (both: the tokenize stage's)
+    label_names: bool = True  # the labels have names (Y.txt): the ingest summary's; placeholders train no label points
 
     @property
     def rows(self) -> int:
@@ -200,7 +201,9 @@ def pretrain_steps(cfg: PipelineConfig, s: Shape, step_s: float, encode_s: float
     """(epochs, steps, note): the configured epochs, or those ``train.budget_minutes`` plans from the step time
     (``xc_dagster.training.budget.plan_epochs``); an epoch is the sampler's batches."""
     p, b = cfg.pretrain, cfg.train
-    examples = s.n_labels if p.sampler == "siamesexml" else s.rows + (s.n_labels if p.label_points else 0)
+    # the pretrain stage's label points: ngame's default leaves placeholder label names out (label_points_named)
+    label_points = p.label_points and (s.label_names or "pretrain.label_points" in cfg.explicit)
+    examples = s.n_labels if p.sampler == "siamesexml" else s.rows + (s.n_labels if label_points else 0)
     spe = math.ceil(examples / p.batch_size)
     epochs, note = p.epochs, ""
     if b.budget_minutes > 0 and "pretrain.epochs" not in cfg.explicit and p.epochs > 0 and step_s > 0:
