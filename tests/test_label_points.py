@@ -63,6 +63,23 @@ def test_siamese_label_points_append_label_tokens_and_an_identity_block():
     assert Y.shape == (4, 3)  # the input is not changed
     with pytest.raises(ValueError, match="label token rows"):
         siamese_label_points((p_ids, p_len), (l_ids[:2], l_len[:2]), Y, np.array([0]))
+    # gathered on indexing, in the order asked (repeats and negative rows included), as the stacked array would be
+    stacked = np.zeros((7, 5), dtype=np.int32)
+    stacked[:4], stacked[4:, :3] = p_ids, l_ids
+    for rows in ([6, 0, 5, 0, 3], np.array([[4, 1], [2, 6]]), [-1], slice(2, 6), np.arange(7) % 2 == 0, []):
+        assert np.array_equal(ids[rows], stacked[rows]) and np.array_equal(ids[rows, :2], stacked[rows, :2])
+    assert ids[[5], 1:].tolist() == [[11, 0, 0, 0]] and len(ids) == 7
+    with pytest.raises(IndexError, match="7 rows"):
+        ids[[7]]
+
+
+def test_siamese_label_points_leave_memory_mapped_point_tokens_on_disk(tmp_path):
+    """The point tokens stay the memory-mapped array (no stacked copy of the N rows in RAM)."""
+    p_ids = np.lib.format.open_memmap(tmp_path / "ids.npy", mode="w+", dtype=np.int32, shape=(4, 5))
+    p_ids[:] = np.arange(20).reshape(4, 5)
+    (ids, _), _, _ = siamese_label_points((p_ids, np.full(4, 5)), (np.ones((3, 2), np.int32), np.full(3, 2)),
+                                          csr([[0], [1], [2], [0]], 3), np.arange(4))
+    assert ids.top is p_ids and ids[[3, 4]].tolist() == [[15, 16, 17, 18, 19], [1, 1, 0, 0, 0]]
 
 
 def test_label_neighbours_exclude_the_label_itself_and_pad():

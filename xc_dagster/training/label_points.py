@@ -69,23 +69,54 @@ def with_label_rows(Y: sp.csr_matrix, rows: np.ndarray,
     return Yx, np.concatenate([np.asarray(rows, dtype=np.int64), N + np.arange(L, dtype=np.int64)])
 
 
+class StackedTokens:
+    """Two token-id arrays read as one (len(top) + len(bottom), T): row i < len(top) is ``top``'s, row
+    len(top) + j is ``bottom``'s row j, zero-padded to the wider width. Rows are gathered on indexing
+    (``ids[rows]``, ``ids[rows, :width]``), so memory-mapped point tokens stay on disk: no copy of the N point
+    rows for the L label points."""
+
+    ndim = 2
+
+    def __init__(self, top: np.ndarray, bottom: np.ndarray):
+        self.top, self.bottom = top, bottom
+        self.shape = (len(top) + len(bottom), max(top.shape[1], bottom.shape[1]))
+        self.dtype = np.result_type(top.dtype, bottom.dtype)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, key):
+        rows, cols = key if isinstance(key, tuple) else (key, slice(None))
+        if isinstance(rows, slice):
+            rows = np.arange(*rows.indices(self.shape[0]))
+        rows = np.asarray(rows)
+        if rows.dtype == bool:
+            rows = np.flatnonzero(rows)
+        flat = rows.reshape(-1).astype(np.int64)
+        flat = np.where(flat < 0, flat + self.shape[0], flat)
+        if len(flat) and (flat.min() < 0 or flat.max() >= self.shape[0]):
+            raise IndexError(f"row index out of range for {self.shape[0]} rows")
+        out = np.zeros((len(flat), self.shape[1]), dtype=self.dtype)
+        n = len(self.top)
+        for part, sel, start in ((self.top, flat < n, 0), (self.bottom, flat >= n, n)):
+            if sel.any():
+                out[sel, :part.shape[1]] = part[np.sort(flat[sel] - start)][np.argsort(np.argsort(flat[sel]))]
+        return out.reshape(*rows.shape, self.shape[1])[..., cols]
+
+
 def siamese_label_points(point_tokens: Tokens, label_tokens: Tokens, Y: sp.csr_matrix, rows: np.ndarray,
                          min_share: float = 0.0) -> tuple[Tokens, sp.csr_matrix, np.ndarray]:
-    """The Siamese trainer's (tokens, Y, rows) with every label's text appended as a point: the token ids are
-    stacked (the narrower array zero-padded to the wider one's width; lengths mask the padding) and Y and the
-    rows extended by ``with_label_rows``, the label points' positives :func:`label_point_targets` at
-    ``min_share``."""
+    """The Siamese trainer's (tokens, Y, rows) with every label's text appended as a point: the token ids read as
+    one array (``StackedTokens``: the narrower array zero-padded to the wider one's width, no copy; lengths mask
+    the padding) and Y and the rows extended by ``with_label_rows``, the label points' positives
+    :func:`label_point_targets` at ``min_share``."""
     (p_ids, p_len), (l_ids, l_len) = point_tokens, label_tokens
     if len(p_ids) != Y.shape[0] or len(l_ids) != Y.shape[1]:
         raise ValueError(f"siamese_label_points: {len(p_ids)} point and {len(l_ids)} label token rows for a "
                          f"{Y.shape[0]} x {Y.shape[1]} label matrix")
-    ids = np.zeros((len(p_ids) + len(l_ids), max(p_ids.shape[1], l_ids.shape[1])),
-                   dtype=np.result_type(p_ids.dtype, l_ids.dtype))
-    ids[:len(p_ids), :p_ids.shape[1]] = p_ids
-    ids[len(p_ids):, :l_ids.shape[1]] = l_ids
     lens = np.concatenate([p_len, l_len]).astype(np.result_type(p_len.dtype, l_len.dtype))
     Yx, rows_x = with_label_rows(Y, rows, label_point_targets(Y, rows, min_share))
-    return (ids, lens), Yx, rows_x
+    return (StackedTokens(p_ids, l_ids), lens), Yx, rows_x
 
 
 def label_neighbours(label_emb: np.ndarray, k: int, device: torch.device | None = None,
