@@ -128,6 +128,7 @@ def test_seed_bank_clusters_the_starting_encoders_embeddings_from_epoch_0(monkey
     seen = []
     real = batches.balanced_clusters
     monkeypatch.setattr(batches, "balanced_clusters", lambda X, *a, **k: (seen.append(np.array(X)), real(X, *a, **k))[1])
+    monkeypatch.setattr(siamese, "ENCODE_ROWS", 7)  # the bank encoded in blocks of 7 rows: the same embeddings
     res = siamese.train_siamese(enc, pt, lt, Y, rows, dataclasses.replace(params, seed_bank=True),
                                 torch.device("cpu"), None)
     assert res.reclusterings == 1 and res.steps >= 30 // 8

@@ -70,6 +70,7 @@ from xc_dagster.training.window import MetricsWindow
 
 MetricsFn = Callable[[int, dict[str, float]], None]
 Tokens = tuple[np.ndarray, np.ndarray]  # token ids (N, T), lengths (N,)
+ENCODE_ROWS = 65_536  # rows the memory bank encodes at once: their token ids are the only copy read into memory
 
 
 def check_pretrain_params(params: PretrainParams) -> None:
@@ -212,10 +213,11 @@ class SiameseTrainer:
         ids, lens = self.point_tokens
         env = self.env
         mine = rank_rows(rows, env.rank, env.world_size)
-        emb = np.zeros((0, self.encoder.dim), dtype=np.float32)
-        if len(mine):
-            emb = encode_tokens(self.encoder, ids[mine], lens[mine], self.device, self.dtype,
-                                self.params.encode_batch_size)
+        emb = np.zeros((len(mine), self.encoder.dim), dtype=np.float32)
+        for start in range(0, len(mine), ENCODE_ROWS):  # blocks: a memory-mapped ids array is never read whole
+            part = mine[start:start + ENCODE_ROWS]
+            emb[start:start + len(part)] = encode_tokens(self.encoder, ids[part], lens[part], self.device,
+                                                         self.dtype, self.params.encode_batch_size)
         self.encoder.train()
         if env.world_size > 1:
             emb = gather_rows(torch.from_numpy(np.ascontiguousarray(emb, dtype=np.float32)).to(env.device))[0]
