@@ -69,8 +69,9 @@ def test_siamese_label_points_append_label_tokens_and_an_identity_block():
     for rows in ([6, 0, 5, 0, 3], np.array([[4, 1], [2, 6]]), [-1], slice(2, 6), np.arange(7) % 2 == 0, []):
         assert np.array_equal(ids[rows], stacked[rows]) and np.array_equal(ids[rows, :2], stacked[rows, :2])
     assert ids[[5], 1:].tolist() == [[11, 0, 0, 0]] and len(ids) == 7
-    with pytest.raises(IndexError, match="7 rows"):
-        ids[[7]]
+    for bad in ([7], np.ones(6, dtype=bool)):
+        with pytest.raises(IndexError, match="7 rows"):
+            ids[bad]
 
 
 def test_siamese_label_points_leave_memory_mapped_point_tokens_on_disk(tmp_path):

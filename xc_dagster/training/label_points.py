@@ -87,10 +87,14 @@ class StackedTokens:
 
     def __getitem__(self, key):
         rows, cols = key if isinstance(key, tuple) else (key, slice(None))
+        if not isinstance(cols, (slice, int, np.integer)):
+            raise IndexError("StackedTokens: columns by a slice or an int only")
         if isinstance(rows, slice):
             rows = np.arange(*rows.indices(self.shape[0]))
         rows = np.asarray(rows)
         if rows.dtype == bool:
+            if rows.shape != (self.shape[0],):
+                raise IndexError(f"boolean index of {rows.shape} for {self.shape[0]} rows")
             rows = np.flatnonzero(rows)
         flat = rows.reshape(-1).astype(np.int64)
         flat = np.where(flat < 0, flat + self.shape[0], flat)
