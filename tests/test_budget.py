@@ -38,6 +38,11 @@ def test_plan_fills_what_is_left_of_the_budget():
     assert capped.planned_epochs == 4.0 and capped.capped
     # nothing left: no training rather than an overrun
     assert plan_epochs("pretrain.epochs", 1, 1.0, False, 2.0, 256, 7, 60.0, 30.0, 0.15).planned_epochs == 0.0
+    # an encoding longer than the share: the later stages keep at least the encoding's seconds (they search every
+    # point against every label, work that grows as the encoding does): 600 - 30 - 150 - 150 = 270 s at 14 s/epoch
+    big = plan_epochs("pretrain.epochs", 10, 1.0, False, 2.0, 256, 7, 150.0, 30.0, 0.15)
+    assert big.reserved_seconds == 150.0 and big.planned_epochs == 19.28
+    assert plan.reserved_seconds == 90.0  # the share where the encoding is shorter
     explicit = plan_epochs("pretrain.epochs", 10, 2.0, True, 2.0, 256, 7, 60.0, 30.0, 0.15)
     assert explicit.planned_epochs == 2.0 and explicit.deadline(0.0) is None
     assert plan.deadline(100.0) == pytest.approx(100.0 + 420.0 + 0.02 * 600)
@@ -117,7 +122,9 @@ def test_budgeted_run_plans_pretraining_and_records_the_plan(tiny_home, monkeypa
     ctx = StageContext(store, spec, spec.config(), tiny_home.cache, stage="index")
     spent = sum(out[s]["seconds"] for s in ("pretrain", "mining", "classifier"))
     monkeypatch.setattr(index_stage, "time", SimpleNamespace(perf_counter=lambda: 100.0))
-    assert index_stage.classifier_deadline(ctx) == pytest.approx(100.0 + max(0.0, 30.0 * (1 - 0.15 / 6) - spent))
+    assert plan["reserved_seconds"] == pytest.approx(max(30.0 * 0.15, plan["encode_seconds"]))
+    keep = plan["reserved_seconds"] / 6
+    assert index_stage.classifier_deadline(ctx) == pytest.approx(100.0 + max(0.0, 30.0 - keep - spent))
     mine = StageContext(store, spec, spec.config({"index.lexical_classifier_epochs": 2}), tiny_home.cache,
                         stage="index")
     assert index_stage.classifier_deadline(mine) is None  # epochs set explicitly win
@@ -129,9 +136,22 @@ def test_a_later_stage_stops_at_the_budget_less_what_it_keeps():
     """``stage_deadline``: the budget (seconds) less the share kept for later stages, less the earlier stages'
     seconds, counted from the stage's start; never before its start; no budget, no deadline."""
     train = SimpleNamespace(budget_minutes=30.0)
-    assert budget_module.stage_deadline(train, 1000.0, 5.0, 0.05) == pytest.approx(5.0 + 1800 * 0.95 - 1000)
-    assert budget_module.stage_deadline(train, 2000.0, 5.0, 0.05) == 5.0
-    assert budget_module.stage_deadline(SimpleNamespace(budget_minutes=0.0), 10.0, 5.0, 0.05) is None
+    assert budget_module.stage_deadline(train, 1000.0, 5.0, 90.0) == pytest.approx(5.0 + 1800 - 90 - 1000)
+    assert budget_module.stage_deadline(train, 2000.0, 5.0, 90.0) == 5.0
+    assert budget_module.stage_deadline(SimpleNamespace(budget_minutes=0.0), 10.0, 5.0, 90.0) is None
+
+
+def test_the_later_stages_keep_what_the_pretrainings_plan_reserved():
+    """``reserved_after_pretraining``: the seconds the pretraining's plan kept (its share or its encoding), else
+    the share of the budget (no plan: explicit epochs, another budget, no pretraining summary)."""
+    train = SimpleNamespace(budget_minutes=30.0, reserve=0.15)
+    plan = plan_epochs("pretrain.epochs", 30, 1.0, False, 2.0, 256, 7, 400.0, 30.0, 0.15).summary()
+    assert budget_module.reserved_after_pretraining({"budget": plan}, train) == 400.0
+    assert budget_module.reserved_after_pretraining(None, train) == pytest.approx(270.0)
+    explicit = plan_epochs("pretrain.epochs", 30, 1.0, True, 2.0, 256, 7, 400.0, 30.0, 0.15).summary()
+    assert budget_module.reserved_after_pretraining({"budget": explicit}, train) == pytest.approx(270.0)
+    other = SimpleNamespace(budget_minutes=60.0, reserve=0.15)  # a later stage re-run under another budget
+    assert budget_module.reserved_after_pretraining({"budget": plan}, other) == pytest.approx(540.0)
 
 
 def test_calibration_times_the_trainer_in_train_mode(tmp_path, monkeypatch):

@@ -28,6 +28,7 @@ from xc_dagster.training.budget import (
     calibrate_stage,
     check_train_params,
     plan_epochs,
+    reserved_after_pretraining,
     stage_deadline,
 )
 from xc_dagster.training.checkpoint import Checkpointer, fingerprint, fingerprint_files
@@ -38,7 +39,7 @@ from xc_dagster.training.classifier import (
 from xc_dagster.training.distributed import DistEnv
 from xc_dagster.training.end_to_end import EndToEndTrainer, train_end_to_end
 
-TAIL_RESERVE = 1 / 3  # of train.reserve: what the index and fusion stages keep after this stage
+TAIL_RESERVE = 1 / 3  # of the pretraining's reserve: what the index and fusion stages keep after this stage
 
 
 def plan_classifiers(ctx: StageContext, sampled: bool, make_trainer: Any, encoder: Any, key: str,
@@ -56,8 +57,10 @@ def plan_classifiers(ctx: StageContext, sampled: bool, make_trainer: Any, encode
                               b.reserve), None
     tail = TAIL_RESERVE * b.reserve
     if not (sampled and p.train_encoder):
-        plan = plan_epochs("classifier.epochs", b.budget_minutes, p.epochs, True, 0.0, 0.0, 0, 0.0, spent, tail)
-        return p, plan, stage_deadline(b, spent, started, tail)
+        keep = TAIL_RESERVE * reserved_after_pretraining(ctx.read.summary("pretrain", missing_ok=True), b)
+        plan = plan_epochs("classifier.epochs", b.budget_minutes, p.epochs, True, 0.0, 0.0, 0, 0.0, spent,
+                           keep / (60.0 * b.budget_minutes))
+        return p, plan, stage_deadline(b, spent, started, keep)
     kept = BudgetPlan.load(ctx.checkpoint_dir() / BUDGET_PLAN, key)
     if kept is None:
         sec, pts, spe, encode_s = calibrate_stage(make_trainer, encoder, b, ctx.read.tokens("train"),

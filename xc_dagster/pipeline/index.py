@@ -36,7 +36,7 @@ from xc_dagster.retrieval.shortlist import (
 )
 from xc_dagster.retrieval.sparse_rows import check_power
 from xc_dagster.storage import save_json
-from xc_dagster.training.budget import stage_deadline
+from xc_dagster.training.budget import reserved_after_pretraining, stage_deadline
 
 
 def _check(p: Any) -> None:
@@ -81,7 +81,7 @@ def cross_fitted(ctx: StageContext, fit_rows: np.ndarray, num_train: int) -> boo
     return fit_on(ctx, num_train - len(fit_rows)) == "cross_fit"
 
 
-FUSION_RESERVE = 1 / 6  # of train.reserve: what the stages after the lexical classifiers keep (the fusion's fit)
+FUSION_RESERVE = 1 / 6  # of the pretraining's reserve: kept after the lexical classifiers (the fusion's fit)
 
 
 def classifier_deadline(ctx: StageContext) -> float | None:
@@ -92,7 +92,8 @@ def classifier_deadline(ctx: StageContext) -> float | None:
     if "index.lexical_classifier_epochs" in ctx.cfg.explicit:
         return None
     spent = ctx.read.spent_seconds("pretrain", "mining", "classifier")
-    return stage_deadline(b, spent, time.perf_counter(), FUSION_RESERVE * b.reserve)
+    keep = FUSION_RESERVE * reserved_after_pretraining(ctx.read.summary("pretrain", missing_ok=True), b)
+    return stage_deadline(b, spent, time.perf_counter(), keep)
 
 
 def lexical_index(ctx: StageContext, rows: np.ndarray, Y_train: Any, fit_rows: np.ndarray) -> LexicalIndex:

@@ -29,6 +29,7 @@ from xc_dagster.planning.calibration import (
 from xc_dagster.retrieval.exact_settings import exact_block_entries, exact_dtype, resolve_kind
 from xc_dagster.retrieval.shortlist import STREAM_ROWS
 from xc_dagster.sampling.negatives import SAMPLERS
+from xc_dagster.training.budget import reserve_seconds
 from xc_dagster.training.memory import EncoderShape, plan_step_memory, step_loss_bytes
 
 F32 = 4
@@ -208,7 +209,8 @@ def pretrain_steps(cfg: PipelineConfig, s: Shape, step_s: float, encode_s: float
     epochs, note = p.epochs, ""
     if b.budget_minutes > 0 and "pretrain.epochs" not in cfg.explicit and p.epochs > 0 and step_s > 0:
         budget = 60.0 * b.budget_minutes
-        epochs = math.floor(max(0.0, budget - encode_s - b.reserve * budget) / (step_s * spe) * 100) / 100
+        left = budget - encode_s - reserve_seconds(b.reserve, budget, encode_s)
+        epochs = math.floor(max(0.0, left) / (step_s * spe) * 100) / 100
         if b.max_epochs > 0:
             epochs = min(epochs, b.max_epochs)
         note = f"pretrain.epochs {epochs} planned from train.budget_minutes={b.budget_minutes}"
@@ -279,8 +281,10 @@ def stage_classifier(c: Costs, cfg: PipelineConfig, s: Shape, spent: float) -> S
     steps = math.ceil(p.epochs * spe) if sampled else int(p.epochs) * spe
     plan, train_s = StagePlan("classifier"), steps * c.classifier_step_s()
     if b.budget_minutes > 0 and "classifier.epochs" not in cfg.explicit and p.epochs > 0:
-        tail = b.reserve / 3
-        left = max(0.0, 60.0 * b.budget_minutes * (1 - tail) - spent)
+        budget = 60.0 * b.budget_minutes  # the index and fusion keep a third of the pretraining's reserve
+        planned = "pretrain.epochs" not in cfg.explicit and cfg.pretrain.epochs > 0
+        encode = c.encode_s(s.n_train + s.n_labels) if planned else 0.0
+        left = max(0.0, budget - reserve_seconds(b.reserve, budget, encode) / 3 - spent)
         if train_s > left:
             plan.notes.append(f"classifier training cut at the budget's deadline ({left:.0f} s left of "
                               f"train.budget_minutes={b.budget_minutes})")

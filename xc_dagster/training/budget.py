@@ -9,8 +9,10 @@ the encoding of a sample of texts, then plans its epochs so that the training st
     epochs = (budget - spent - encoding - reserve) / (seconds per step * steps per epoch)
 
 ``spent`` is what the earlier training stages took, ``encoding`` the estimated embedding of every point and
-label after training, ``reserve`` the share of the budget kept for the stages after it (mining, classifiers,
-index, fusion: ``train.reserve``). The LR schedules follow the planned length (they are built from it), and a
+label after training, ``reserve`` what is kept for the stages after it (mining, classifiers, index, fusion): the
+share ``train.reserve`` of the budget, and at least the encoding's seconds (``reserve_seconds``: the later
+stages search every point against every label, work that grows with the data as the encoding does, where a
+share of the budget does not). The LR schedules follow the planned length (they are built from it), and a
 deadline at the planned end stops a run that goes slower than measured, so the budget is never overrun by more
 than the steps in flight. Epochs set explicitly (catalog overrides, ``--set``, run config) win over the plan.
 """
@@ -169,13 +171,31 @@ def calibrate_stage(make_trainer: Callable[[Any], Any], encoder: Any, train: Any
     return sec, pts, spe, (len(tokens[1]) + len(label_tokens[1])) / rate
 
 
-def stage_deadline(train: Any, spent_seconds: float, started: float, keep: float) -> float | None:
+def reserve_seconds(share: float, budget_seconds: float, encode_seconds: float) -> float:
+    """What the stages after the encoder's training keep of the budget: its ``share``, and at least the
+    encoding's seconds. On the 131K shape (MiniLM, 2-core CPU without AMX) the later stages took 0.8x the
+    encoding of every point and label, full text 1.35x (AMD EPYC), Titles 1.9x, where a 15% share of 30 minutes
+    covers them (docs/decisions.md#reserve-at-least-the-encoding)."""
+    return max(share * budget_seconds, encode_seconds)
+
+
+def reserved_after_pretraining(pretrain_summary: dict[str, Any] | None, train: Any) -> float:
+    """The seconds the pretraining's plan kept for the stages after it (its summary's ``budget``), or the share
+    ``train.reserve`` of the budget where it planned none (epochs set explicitly, no pretraining)."""
+    plan = (pretrain_summary or {}).get("budget") or {}
+    share = train.reserve * 60.0 * train.budget_minutes
+    if plan.get("explicit", True) or float(plan.get("budget_seconds", 0.0)) != 60.0 * train.budget_minutes:
+        return share
+    return max(share, float(plan.get("reserved_seconds", 0.0)))
+
+
+def stage_deadline(train: Any, spent_seconds: float, started: float, keep_seconds: float) -> float | None:
     """The ``time.perf_counter()`` value at which a stage after the encoder's training stops its own iterations
-    (the classifiers' epochs, the lexical classifiers' passes): the budget less the share ``keep`` of it that the
+    (the classifiers' epochs, the lexical classifiers' passes): the budget less the ``keep_seconds`` that the
     stages after this one keep, less ``spent_seconds`` the earlier stages took; None without a budget."""
     if train.budget_minutes <= 0:
         return None
-    return started + max(0.0, 60.0 * train.budget_minutes * (1.0 - keep) - spent_seconds)
+    return started + max(0.0, 60.0 * train.budget_minutes - keep_seconds - spent_seconds)
 
 
 ENCODE_SAMPLE_SECONDS = 2.0  # the encoding's timed pass lasts this long at least (or holds every row)
@@ -211,9 +231,10 @@ def encode_rate(encode: Callable[[np.ndarray], Any], n_rows: int, sample: int = 
 def plan_epochs(field: str, budget_minutes: float, configured: float, explicit: bool, seconds_per_step: float,
                 points_per_step: float, steps_per_epoch: int, encode_seconds: float, spent_seconds: float,
                 reserve: float, max_epochs: float = 0.0) -> BudgetPlan:
-    """The epochs that fill what is left of the budget (at least 0; at most ``max_epochs`` when > 0)."""
+    """The epochs that fill what is left of the budget (at least 0; at most ``max_epochs`` when > 0), less the
+    share ``reserve`` of it or the encoding's seconds, whichever is more (``reserve_seconds``)."""
     budget = 60.0 * budget_minutes
-    reserved = reserve * budget
+    reserved = reserve * budget if explicit else reserve_seconds(reserve, budget, encode_seconds)
     plan = BudgetPlan(field, budget, float(configured), float(configured), explicit, seconds_per_step,
                       points_per_step / max(seconds_per_step, 1e-9), steps_per_epoch, encode_seconds, reserved,
                       spent_seconds)
