@@ -234,7 +234,7 @@ def plan_epochs(field: str, budget_minutes: float, configured: float, explicit: 
     """The epochs that fill what is left of the budget (at least 0; at most ``max_epochs`` when > 0), less the
     share ``reserve`` of it or the encoding's seconds, whichever is more (``reserve_seconds``)."""
     budget = 60.0 * budget_minutes
-    reserved = reserve * budget if explicit else reserve_seconds(reserve, budget, encode_seconds)
+    reserved = reserve_seconds(reserve, budget, encode_seconds)
     plan = BudgetPlan(field, budget, float(configured), float(configured), explicit, seconds_per_step,
                       points_per_step / max(seconds_per_step, 1e-9), steps_per_epoch, encode_seconds, reserved,
                       spent_seconds)

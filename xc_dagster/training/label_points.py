@@ -104,7 +104,7 @@ class StackedTokens:
         n = len(self.top)
         for part, sel, start in ((self.top, flat < n, 0), (self.bottom, flat >= n, n)):
             if sel.any():
-                out[sel, :part.shape[1]] = part[np.sort(flat[sel] - start)][np.argsort(np.argsort(flat[sel]))]
+                out[sel, :part.shape[1]] = part[flat[sel] - start]
         return out.reshape(*rows.shape, self.shape[1])[..., cols]
 
 
