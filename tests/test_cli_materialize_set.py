@@ -34,6 +34,8 @@ def test_run_config_puts_each_value_under_its_stage_asset_coerced():
     assert run_config_for({"fusion.method": "tree"}, "fusion,evaluation") == {
         "ops": {"fusion": {"config": {"method": "tree"}}}}
     assert run_config_for({"fusion.method": "tree"}, "fusion+") == {"ops": {"fusion": {"config": {"method": "tree"}}}}
+    for select in ("*fusion", "++ann_index", "dataset,tokens", "registered_model", "key:fusion", "tag:x=y"):
+        assert run_config_for({}, select) == {}  # known names, and other selection syntax left to Dagster
 
 
 @pytest.mark.parametrize("sets, select, message", [
@@ -47,6 +49,11 @@ def test_run_config_puts_each_value_under_its_stage_asset_coerced():
     ({"fusion.method": "tree"}, "evaluation",
      "--set fusion.method: the asset of stage 'fusion', 'fusion', is not in --select 'evaluation', so the value "
      "would not be used"),
+    ({}, "*tokenize", "--select '*tokenize': no asset 'tokenize' (did you mean 'tokens'?); the assets, in order: "
+     "dataset, tokens, siamese_encoder, negative_shortlist, classifiers, ann_index, fusion, evaluation, "
+     "registered_model"),
+    ({}, "dataset, clasifiers+", "--select 'dataset, clasifiers+': no asset 'clasifiers' (did you mean "
+     "'classifiers'?)"),
 ])
 def test_run_config_refuses_what_the_run_would_not_use(sets, select, message):
     with pytest.raises(XCConfigError) as err:
