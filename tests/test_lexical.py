@@ -353,6 +353,7 @@ def test_lexical_source_on_shipped_bow_features(tmp_path, monkeypatch):
     summary = dict(out["index"]["lexical"])
     assert summary.pop("classifier_weights") > 0 and len(summary.pop("classifier_history")) == 10  # a value per pass
     assert summary.pop("classifier_stopped_at_deadline") is False  # the budget leaves the tiny run every pass
+    assert summary.pop("classifier_skipped_at_deadline") is False
     assert summary == {"input": "features", "points": 120, "terms": 30, "neighbours": 10, "label_text": False,
                        "feature_words": True, "max_postings": 0}
     assert out["evaluate"]["metrics"]["lexical_only_precision_at_1"] > 0.5

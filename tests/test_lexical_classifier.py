@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -150,6 +151,35 @@ def test_a_deadline_stops_training_after_the_first_pass(monkeypatch):
     assert len(cut.classifier.history) == 2 and cut.classifier.stopped_at_deadline
     assert next(clock) == 3  # the second pass read the clock three times: two batches, then the stop
     assert cut.classifier.history[1] != full.classifier.history[1]  # a part of the pass, not the whole
+
+
+def test_ends_past_projects_the_rate_so_far(monkeypatch):
+    """10 s for 1 of 3 units: 20 s more at that rate, so the work ends at now + 20."""
+    monkeypatch.setattr(lc, "time", SimpleNamespace(perf_counter=lambda: 100.0))
+    assert lc.ends_past(115.0, 90.0, 1, 3) and not lc.ends_past(125.0, 90.0, 1, 3)
+    assert not lc.ends_past(None, 90.0, 1, 3) and not lc.ends_past(0.0, 90.0, 0, 3)  # no deadline, no rate yet
+
+
+def test_hard_negatives_that_would_outlast_the_deadline_leave_the_classifiers_out(monkeypatch):
+    """Finding the hard negatives (the other parts' scores of every fit point) is the classifiers' work that no
+    pass boundary cuts: where its first blocks project past the deadline the classifiers are left out, the index
+    scoring as one built without them; a deadline that the blocks' rate meets trains as before."""
+    texts, Y = _topic_texts(600, 10, 5)
+    fit_on = np.arange(500)
+    blocks = LexicalIndex.query_blocks
+    monkeypatch.setattr(LexicalIndex, "query_blocks", lambda self, Q, step: blocks(self, Q, 100))  # 5 blocks
+    settings = ClassifierSettings(epochs=2)
+    full = LexicalIndex.fit(texts, None, Y, 5, min_df=1, fit_on=fit_on, classifier=settings)
+    assert full.classifier is not None and not full.classifier_skipped
+    past = LexicalIndex.fit(texts, None, Y, 5, min_df=1, fit_on=fit_on, classifier=settings, deadline=0.0)
+    assert past.classifier is None and past.classifier_skipped
+    plain = LexicalIndex.fit(texts, None, Y, 5, min_df=1, fit_on=fit_on)
+    Q = plain.transform(texts[:50])
+    np.testing.assert_array_equal(past.scores(Q).toarray(), plain.scores(Q).toarray())
+    met = LexicalIndex.fit(texts, None, Y, 5, min_df=1, fit_on=fit_on, classifier=settings,
+                           deadline=time.perf_counter() + 3600)
+    assert not met.classifier_skipped
+    np.testing.assert_array_equal(met.classifier.weights.numpy(), full.classifier.weights.numpy())
 
 
 def test_classifier_round_trips_with_the_index(tmp_path):

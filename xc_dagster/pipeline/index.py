@@ -118,12 +118,16 @@ def lexical_index(ctx: StageContext, rows: np.ndarray, Y_train: Any, fit_rows: n
     if settings is not None and len(held) and len(rows) == len(fit_rows):
         valid = (X[held] if X is not None else [texts[i] for i in held], Y_train[held])
     try:
-        return LexicalIndex.fit(points, labels, Y_train[rows], p.lexical_neighbours, p.lexical_min_df, fit_on,
-                                max_postings=p.lexical_max_postings if len(rows) > p.lexical_exact_points else 0,
-                                feature_words=words, power=p.lexical_power, classifier=settings, valid=valid,
-                                deadline=classifier_deadline(ctx))
+        index = LexicalIndex.fit(points, labels, Y_train[rows], p.lexical_neighbours, p.lexical_min_df, fit_on,
+                                 max_postings=p.lexical_max_postings if len(rows) > p.lexical_exact_points else 0,
+                                 feature_words=words, power=p.lexical_power, classifier=settings, valid=valid,
+                                 deadline=classifier_deadline(ctx))
     except XCConfigError as e:
         raise XCConfigError(f"{ctx.name}: {e}") from None
+    if index.classifier_skipped:
+        ctx.info(f"index {ctx.name}: the lexical classifiers left out: their hard negatives alone would end past "
+                 f"the deadline of train.budget_minutes={ctx.cfg.train.budget_minutes:g}")
+    return index
 
 
 def _lexical_or_note(ctx: StageContext, rows: np.ndarray, Y_train: Any,
@@ -247,7 +251,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
                             "classifier_weights": 0 if lexical.classifier is None else len(lexical.classifier.keys),
                             "classifier_history": [] if lexical.classifier is None else lexical.classifier.history,
                             "classifier_stopped_at_deadline": lexical.classifier is not None
-                            and lexical.classifier.stopped_at_deadline}
+                            and lexical.classifier.stopped_at_deadline,
+                            "classifier_skipped_at_deadline": lexical.classifier_skipped}
                     del lexical
                 if need_centroids:
                     centroids = label_centroids(train_emb, ds.Y_train, deployed)

@@ -6,43 +6,39 @@ A query is its L2-normalised TF-IDF row q. Its lexical score for label l is the 
 * label text: cos(q, t_l), with t_l the TF-IDF row of the label's text (left out, 0, when the labels have no
   text in the feature space: BoW features without label features);
 * sparse kNN: (1 / K) * sum over the query's K nearest training points j (TF-IDF cosine, ties by smaller row;
-  fewer when fewer share a term) of cos(q, x_j) * [j carries l]: the mean over the K neighbours of (similarity
-  if the neighbour carries the label), as the dense kNN score (``index.knn_neighbours``) in the encoder's space;
-  with ``power`` p != 1 (``index.lexical_power``) each similarity is raised to p first;
+  fewer when fewer share a term) of cos(q, x_j) ** p * [j carries l] (p: ``index.lexical_power``), as the dense
+  kNN score (``index.knn_neighbours``) in the encoder's space;
 * classifier (``index.lexical_classifier``): sigmoid(w_l . q + b_l), a sparse logistic regression per label over
-  the TF-IDF rows (``xc_dagster.retrieval.lexical_classifier``), for the labels the other two parts score: the
-  one-vs-all linear model the linear peers win with on BoW data, re-ranking the lexical candidates.
+  the TF-IDF rows (``xc_dagster.retrieval.lexical_classifier``) re-ranking the other two parts' labels: the
+  one-vs-all linear model the linear peers win with on BoW data.
 
 The TF-IDF model is scikit-learn's: ``TfidfVectorizer`` (sublinear tf, word 1-2 grams, ``index.lexical_min_df``,
-1 when that leaves no term) fitted on the training points' and the labels' texts, or ``TfidfTransformer`` (sublinear
-tf) fitted on the shipped BoW features of the points (and of the labels, when shipped); validation points are
-indexed (excluded from the fusion's kNN as the dense kNN excludes them) but left out of the fit. Both parts are sparse
-products, computed in row blocks whose products with the training points and with the labels hold at most
-``PRODUCT_BUDGET`` entries each (:attr:`LexicalIndex.block_rows` queries, split further by their terms' postings).
+1 when that leaves no term) on the points' and labels' texts, or ``TfidfTransformer`` (sublinear tf) on the shipped
+BoW features; validation points are indexed (excluded from the fusion's kNN, as the dense kNN excludes them) but
+left out of the fit. Both parts are sparse products in row blocks holding at most ``PRODUCT_BUDGET`` entries each
+(:attr:`LexicalIndex.block_rows` queries, split further by their terms' postings).
 
 At scale the products are bounded by static index pruning (Carmel et al., SIGIR 2001): with ``max_postings`` P > 0
 (``index.lexical_max_postings``) each term keeps only the P points, and the P labels, where its TF-IDF weight is
-largest, so a query costs at most (its terms) x P products whatever the number of points or labels, where the
-whole postings cost O(N) per query for a common term (an O(N^2) evaluation). A point's score then sums only its
-kept terms: an approximation of the cosine, exact for every term in at most P points
-(docs/decisions.md#lexical-postings-cap).
+largest, so a query costs at most (its terms) x P products at any N (the whole postings of a common term: O(N) per
+query). A score then sums only kept terms, exact for terms in at most P points (decisions.md#lexical-postings-cap).
 
-A features index given the dataset's feature words (its BoW vocabulary, one word per feature column) reads every
-feature row as the set of its words (:class:`FeatureWords`): binary rows over the words' terms, whether they come
-from feature rows (fit, evaluation) or from raw texts split on single spaces, as the BoW layouts rebuild a point's
-text (``xc_dagster.data.companions``). A point's rebuilt text and its feature row then have the same TF-IDF row,
-so the index serves raw text; without the words it cannot (a clear error).
+A features index given the dataset's feature words (its BoW vocabulary, one per column) reads every feature row as
+the set of its words (:class:`FeatureWords`), as it reads raw texts split on single spaces (how the BoW layouts
+rebuild a point's text, ``xc_dagster.data.companions``): the same TF-IDF row either way, so the index serves raw
+text; without the words it cannot (a clear error).
 
 :class:`LexicalIndex` owns its files, one folder (``LEXICAL_DIR`` in the index stage's), no pickle:
 ``lexical.json`` (input kind, K, the vectorizer's settings), ``vocabulary.json`` (the terms, by column; text input
 only), ``feature_words.json`` (the feature words, by column; features input with words only), ``idf.npy``,
-``points.npz`` / ``point_labels.npz`` (TF-IDF rows and labels of the indexed training points,
-in the rows of the dense kNN index) and ``labels.npz`` (TF-IDF rows of the label texts, when there are any).
+``points.npz`` / ``point_labels.npz`` (TF-IDF rows and labels of the indexed training points, in the rows of the
+dense kNN index) and ``labels.npz`` (TF-IDF rows of the label texts, when there are any).
 """
 
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -55,7 +51,7 @@ from xc_dagster.device import on_threads
 from xc_dagster.errors import XCConfigError, XCError
 from xc_dagster.retrieval.feature_words import FeatureWords
 from xc_dagster.retrieval.files import LEXICAL_DIR as LEXICAL_DIR  # the folder's name, re-exported with the index
-from xc_dagster.retrieval.lexical_classifier import ClassifierSettings, LexicalClassifier, hard_negatives
+from xc_dagster.retrieval.lexical_classifier import ClassifierSettings, LexicalClassifier, ends_past, hard_negatives
 from xc_dagster.retrieval.sparse_rows import (
     cap_postings,
     check_power,
@@ -145,7 +141,7 @@ class LexicalIndex:
         self._points_t = cap_postings(self.points.T.tocsr(), self.max_postings)
         self._labels_t = None if self.labels is None else cap_postings(self.labels.T.tocsr(), self.max_postings)
         self._work = np.diff(self._points_t.indptr) + (0 if self._labels_t is None else np.diff(self._labels_t.indptr))
-        self.classifier = classifier
+        self.classifier, self.classifier_skipped = classifier, False  # skipped: fit() left them out (not saved)
         if classifier is not None and (classifier.num_labels, classifier.num_terms) != (self.num_labels,
                                                                                        self.points.shape[1]):
             raise ValueError(f"classifiers of {classifier.num_labels} labels x {classifier.num_terms} terms for an "
@@ -178,20 +174,19 @@ class LexicalIndex:
     def fit(cls, points: Sequence[str] | sp.spmatrix, labels: Sequence[str] | sp.spmatrix | None,
             point_labels: sp.spmatrix, neighbours: int, min_df: int = 2, fit_on: np.ndarray | None = None,
             feature_words: Sequence[str] | None = None, max_postings: int = 0, power: float = 1.0,
-            classifier: ClassifierSettings | None = None,
-            valid: tuple[Sequence[str] | sp.spmatrix, sp.spmatrix] | None = None,
-            deadline: float | None = None) -> LexicalIndex:
+            classifier: ClassifierSettings | None = None, valid: tuple[Sequence[str] | sp.spmatrix, sp.spmatrix]
+            | None = None, deadline: float | None = None) -> LexicalIndex:
         """Index the training points' texts with the label texts, or their BoW feature rows with the labels'
         (``labels`` None: no label-text part). The TF-IDF model is fitted on the labels and the points ``fit_on``
         (positions in ``points``; default all): the validation points, indexed but excluded from the fusion's kNN,
         stay out of the idf too. ``point_labels``: (points, L), binarised (a neighbour carries a label or not).
         ``max_postings``: each term's postings capped at this many points and labels (0: none; module docstring).
-        ``feature_words``: with feature rows, one word per column; the rows are then read as word sets
-        (:class:`FeatureWords`) and the index serves raw text too. ``classifier``: train the third part, the
+        ``feature_words``: with feature rows, one word per column, read as word sets (:class:`FeatureWords`) so
+        that the index serves raw text too. ``classifier``: train the third part, the
         sparse per-label logistic regressions, on the points ``fit_on`` (``xc_dagster.retrieval.lexical_classifier``;
         None: no classifier part); ``valid``: held-out points (texts or feature rows, as ``points``) and their labels
         that pick its training pass, when they are not indexed (else the indexed points outside ``fit_on`` do);
-        ``deadline``: the classifiers' training stops past it (``LexicalClassifier.fit``)."""
+        ``deadline``: as :meth:`fit_classifier`'s (``classifier_skipped`` when it left the classifiers out)."""
         if not (isinstance(min_df, int) and not isinstance(min_df, bool) and min_df >= 1):
             raise XCConfigError(f"index.lexical_min_df: expected an int >= 1, got {min_df!r}")
         Y = sp.csr_matrix(point_labels, dtype=np.float32, copy=True)
@@ -221,33 +216,38 @@ class LexicalIndex:
         if classifier is not None:
             held = None if valid is None else (index.transform(valid[0]), valid[1])
             index.classifier = index.fit_classifier(fit_rows, classifier, held, deadline)
+            index.classifier_skipped = index.classifier is None
         return index
 
     def fit_classifier(self, rows: np.ndarray, settings: ClassifierSettings,
                        valid: tuple[sp.csr_matrix, sp.spmatrix] | None = None,
-                       deadline: float | None = None) -> LexicalClassifier:
+                       deadline: float | None = None) -> LexicalClassifier | None:
         """The classifiers trained on the indexed points ``rows``, each against its hard negatives: the labels its
-        label-text and kNN parts (with CLASSIFIER_VOTES) score highest (its neighbours among ``rows``, itself left
-        out) that it does not carry, found in blocks of bounded work. Held-out points pick the training pass, the
-        one whose lexical scores reach the highest P@1 + P@5 on them: ``valid`` (TF-IDF rows, labels), else the
-        indexed points outside ``rows`` (the validation split), if any. ``deadline``: as ``LexicalClassifier.fit``."""
+        label-text and kNN parts (CLASSIFIER_VOTES; neighbours among ``rows``, itself left out) score highest that it
+        does not carry. Held-out points pick the pass whose lexical scores reach the highest P@1 + P@5 on them:
+        ``valid`` (TF-IDF rows, labels), else the indexed points outside ``rows``. ``deadline``: as
+        ``LexicalClassifier.fit``; None (no classifiers) where the hard negatives' blocks project past it."""
         settings = settings.check()
         rows = np.asarray(rows, dtype=np.int64)
         held = np.setdiff1d(np.arange(self.num_points), rows)  # never neighbours of the fit
         plain = copy.copy(self)  # the other two parts only, with the votes of CLASSIFIER_VOTES whatever the index's
         plain.classifier, (plain.neighbours, plain.power) = None, CLASSIFIER_VOTES
 
-        def parts(Q: sp.csr_matrix, own: np.ndarray | None, Y: sp.csr_matrix | None = None) -> sp.csr_matrix:
-            """The other parts' scores of ``Q`` by blocks, or with ``Y``, each block's hard negatives."""
-            out = []
+        def parts(Q: sp.csr_matrix, own: np.ndarray | None, Y: sp.csr_matrix | None = None,
+                  stop_at: float | None = None) -> sp.csr_matrix | None:
+            """The other parts' scores of ``Q`` by blocks, or with ``Y``, each block's hard negatives; None once
+            the blocks' projected end is past ``stop_at`` (:func:`ends_past`)."""
+            out, started = [], time.perf_counter()
             for s, e in self.query_blocks(Q, 4096):
                 S = plain.scores(Q[s:e], held, None if own is None else own[s:e])
                 out.append(S if Y is None else hard_negatives(S, Y[s:e], settings.hard_negatives))
+                if e < Q.shape[0] and ends_past(stop_at, started, e, Q.shape[0]):
+                    return None
             return sp.vstack(out, format="csr") if out else sp.csr_matrix((0, self.num_labels), dtype=np.float32)
 
-        Y = self.point_labels[rows]
-        Q = self.points[rows]
-        hard = parts(Q, rows, Y)
+        Y, Q = self.point_labels[rows], self.points[rows]
+        if (hard := parts(Q, rows, Y, deadline)) is None:  # would outlast the budget: no classifier part
+            return None
         Qv, Yv = valid if valid is not None else (self.points[held], self.point_labels[held])
         judge = None
         if Qv.shape[0]:

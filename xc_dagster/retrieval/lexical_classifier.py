@@ -214,6 +214,15 @@ class LexicalClassifier:
                    ClassifierSettings(**config.get("settings", {})))
 
 
+def ends_past(deadline: float | None, started: float, done: int, total: int) -> bool:
+    """Whether work of ``total`` units, ``done`` of them in the seconds since ``started`` (``time.perf_counter()``),
+    ends past ``deadline`` at its rate so far (never without a deadline)."""
+    if deadline is None or done <= 0:
+        return False
+    now = time.perf_counter()
+    return now + (now - started) * (total - done) / done > deadline
+
+
 def hard_negatives(candidates: sp.csr_matrix, Y: sp.csr_matrix, m: int) -> sp.csr_matrix:
     """Each row's ``m`` highest-scored ``candidates`` (n, L; ties: smaller label) that are not among its labels
     ``Y``, as a binary CSR (n, L)."""
