@@ -1,12 +1,12 @@
 """Re-run the later stages of a trained model with overrides, in a copy of its home: an ablation without retraining.
 
   python bench/ablate.py --home /tmp/h --name LF-WordNetNounsTitles --out /tmp/h-lex --from index \
-      --set index.sources=W,label,knn,lexical [--json results.jsonl]
+      --set index.sources=W,label,knn,lexical [--to fusion] [--json results.jsonl]
 
 The home's artifacts of ``--name`` are copied to ``--out`` (files hard-linked where the file system allows; each
 stage replaces its folder as a whole, so the original is never written), its catalog entry gets the overrides,
-and ``--from`` stage onwards runs with ``xc_dagster.pipeline.run_all``. Prints the test metrics (P@k, PSP@k) and
-appends them, with the command, to ``--json``.
+and the stages from ``--from`` to ``--to`` run with ``xc_dagster.pipeline.run_all``. Prints the test metrics (P@k,
+PSP@k; when the evaluate stage ran) and each stage's seconds, and appends them, with the command, to ``--json``.
 """
 
 from __future__ import annotations
@@ -56,6 +56,8 @@ def main() -> None:
     ap.add_argument("--name", required=True)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--from", dest="start", choices=STAGE_ORDER, default="index")
+    ap.add_argument("--to", dest="stop", choices=STAGE_ORDER, default=STAGE_ORDER[-1],
+                    help="the last stage run (default: evaluate); before it, the row holds the stages' seconds")
     ap.add_argument("--set", action="append", default=[], metavar="STAGE.FIELD=VALUE")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -66,12 +68,16 @@ def main() -> None:
     spec = cat.get(args.name)
     spec.overrides = {**spec.overrides, **parse_set_options(args.set)}
     cat.add(spec, replace=True)
-    stages = STAGE_ORDER[STAGE_ORDER.index(args.start):]
+    stages = STAGE_ORDER[STAGE_ORDER.index(args.start):STAGE_ORDER.index(args.stop) + 1]
+    if not stages:
+        raise SystemExit(f"--to {args.stop} comes before --from {args.start}")
     out = run_all(StageContext(ArtifactStore(home.artifacts), spec, spec.config(), home.cache), stages)
-    metrics = out["evaluate"]["metrics"] if "metrics" in out["evaluate"] else out["evaluate"]
-    row = {"name": args.name, "from": args.start, "set": args.set, "argv": sys.argv,
+    metrics = out.get("evaluate", {}).get("metrics", out.get("evaluate", {}))
+    row = {"name": args.name, "from": args.start, "to": args.stop, "set": args.set, "argv": sys.argv,
            **{k: metrics.get(k) for k in SHOWN}, "fusion": {k: v for k, v in out.get("fusion", {}).items()
-                                                             if isinstance(v, (int, float, str))}}
+                                                             if isinstance(v, (int, float, str))},
+           "stage_seconds": {s: round(float(out[s].get("wall_seconds", out[s].get("seconds", 0.0))), 1)
+                             for s in stages}}
     emit(row, args.json)
 
 
