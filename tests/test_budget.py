@@ -128,6 +128,17 @@ def test_budgeted_run_plans_pretraining_and_records_the_plan(tiny_home, monkeypa
     mine = StageContext(store, spec, spec.config({"index.lexical_classifier_epochs": 2}), tiny_home.cache,
                         stage="index")
     assert index_stage.classifier_deadline(mine) is None  # epochs set explicitly win
+    # the classifiers are left out where their hard negatives project past the deadline plus 5% of the budget
+    captured = {}
+    monkeypatch.setattr(index_stage, "LexicalIndex", SimpleNamespace(
+        fit=lambda *a, **k: captured.update(k) or SimpleNamespace(classifier_skipped=False)))
+    ds = ctx.read.labels()
+    rows = ctx.read.train_rows(ds.num_train)
+    index_stage.lexical_index(ctx, rows, ds.Y_train, rows)
+    assert captured["deadline"] == pytest.approx(100.0 + max(0.0, 30.0 - keep - spent))
+    assert captured["skip_after"] == pytest.approx(captured["deadline"] + 0.05 * 30.0)
+    index_stage.lexical_index(mine, rows, ds.Y_train, rows)
+    assert captured["deadline"] is None and captured["skip_after"] is None
     assert out["index"]["lexical"]["classifier_stopped_at_deadline"] is (len(
         out["index"]["lexical"]["classifier_history"]) < ctx.cfg.index.lexical_classifier_epochs)
 

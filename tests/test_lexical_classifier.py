@@ -162,8 +162,8 @@ def test_ends_past_projects_the_rate_so_far(monkeypatch):
 
 def test_hard_negatives_that_would_outlast_the_deadline_leave_the_classifiers_out(monkeypatch):
     """Finding the hard negatives (the other parts' scores of every fit point) is the classifiers' work that no
-    pass boundary cuts: where its first blocks project past the deadline the classifiers are left out, the index
-    scoring as one built without them; a deadline that the blocks' rate meets trains as before."""
+    pass boundary cuts: where its first blocks project past ``skip_after`` the classifiers are left out, the index
+    scoring as one built without them; a time that the blocks' rate meets trains as before."""
     texts, Y = _topic_texts(600, 10, 5)
     fit_on = np.arange(500)
     blocks = LexicalIndex.query_blocks
@@ -171,13 +171,17 @@ def test_hard_negatives_that_would_outlast_the_deadline_leave_the_classifiers_ou
     settings = ClassifierSettings(epochs=2)
     full = LexicalIndex.fit(texts, None, Y, 5, min_df=1, fit_on=fit_on, classifier=settings)
     assert full.classifier is not None and not full.classifier_skipped
-    past = LexicalIndex.fit(texts, None, Y, 5, min_df=1, fit_on=fit_on, classifier=settings, deadline=0.0)
+    past = LexicalIndex.fit(texts, None, Y, 5, min_df=1, fit_on=fit_on, classifier=settings, deadline=0.0,
+                            skip_after=0.0)
     assert past.classifier is None and past.classifier_skipped
+    # past the deadline but with no skip_after: one pass, as before
+    one = LexicalIndex.fit(texts, None, Y, 5, min_df=1, fit_on=fit_on, classifier=settings, deadline=0.0)
+    assert len(one.classifier.history) == 1 and not one.classifier_skipped
     plain = LexicalIndex.fit(texts, None, Y, 5, min_df=1, fit_on=fit_on)
     Q = plain.transform(texts[:50])
     np.testing.assert_array_equal(past.scores(Q).toarray(), plain.scores(Q).toarray())
     met = LexicalIndex.fit(texts, None, Y, 5, min_df=1, fit_on=fit_on, classifier=settings,
-                           deadline=time.perf_counter() + 3600)
+                           deadline=time.perf_counter() + 3600, skip_after=time.perf_counter() + 3600)
     assert not met.classifier_skipped
     np.testing.assert_array_equal(met.classifier.weights.numpy(), full.classifier.weights.numpy())
 

@@ -82,6 +82,9 @@ def cross_fitted(ctx: StageContext, fit_rows: np.ndarray, num_train: int) -> boo
 
 
 FUSION_RESERVE = 1 / 6  # of the pretraining's reserve: kept after the lexical classifiers (the fusion's fit)
+# of the budget: how far past their deadline the lexical classifiers' hard negatives may project before the
+# classifiers are left out (the budget's tolerance is 10%; docs/decisions.md#lexical-classifiers-left-out)
+SKIP_SLACK = 0.05
 
 
 def classifier_deadline(ctx: StageContext) -> float | None:
@@ -117,16 +120,18 @@ def lexical_index(ctx: StageContext, rows: np.ndarray, Y_train: Any, fit_rows: n
     held = np.setdiff1d(np.arange(Y_train.shape[0]), rows)
     if settings is not None and len(held) and len(rows) == len(fit_rows):
         valid = (X[held] if X is not None else [texts[i] for i in held], Y_train[held])
+    deadline = classifier_deadline(ctx)
     try:
         index = LexicalIndex.fit(points, labels, Y_train[rows], p.lexical_neighbours, p.lexical_min_df, fit_on,
                                  max_postings=p.lexical_max_postings if len(rows) > p.lexical_exact_points else 0,
                                  feature_words=words, power=p.lexical_power, classifier=settings, valid=valid,
-                                 deadline=classifier_deadline(ctx))
+                                 deadline=deadline, skip_after=None if deadline is None
+                                 else deadline + SKIP_SLACK * 60.0 * ctx.cfg.train.budget_minutes)
     except XCConfigError as e:
         raise XCConfigError(f"{ctx.name}: {e}") from None
     if index.classifier_skipped:
-        ctx.info(f"index {ctx.name}: the lexical classifiers left out: their hard negatives alone would end past "
-                 f"the deadline of train.budget_minutes={ctx.cfg.train.budget_minutes:g}")
+        ctx.info(f"index {ctx.name}: the lexical classifiers left out: their hard negatives alone would end "
+                 f"{SKIP_SLACK:.0%} of train.budget_minutes={ctx.cfg.train.budget_minutes:g} past its deadline")
     return index
 
 

@@ -175,7 +175,7 @@ class LexicalIndex:
             point_labels: sp.spmatrix, neighbours: int, min_df: int = 2, fit_on: np.ndarray | None = None,
             feature_words: Sequence[str] | None = None, max_postings: int = 0, power: float = 1.0,
             classifier: ClassifierSettings | None = None, valid: tuple[Sequence[str] | sp.spmatrix, sp.spmatrix]
-            | None = None, deadline: float | None = None) -> LexicalIndex:
+            | None = None, deadline: float | None = None, skip_after: float | None = None) -> LexicalIndex:
         """Index the training points' texts with the label texts, or their BoW feature rows with the labels'
         (``labels`` None: no label-text part). The TF-IDF model is fitted on the labels and the points ``fit_on``
         (positions in ``points``; default all): the validation points, indexed but excluded from the fusion's kNN,
@@ -186,7 +186,7 @@ class LexicalIndex:
         sparse per-label logistic regressions, on the points ``fit_on`` (``xc_dagster.retrieval.lexical_classifier``;
         None: no classifier part); ``valid``: held-out points (texts or feature rows, as ``points``) and their labels
         that pick its training pass, when they are not indexed (else the indexed points outside ``fit_on`` do);
-        ``deadline``: as :meth:`fit_classifier`'s (``classifier_skipped`` when it left the classifiers out)."""
+        ``deadline``, ``skip_after``: as :meth:`fit_classifier`'s (``classifier_skipped``: it left them out)."""
         if not (isinstance(min_df, int) and not isinstance(min_df, bool) and min_df >= 1):
             raise XCConfigError(f"index.lexical_min_df: expected an int >= 1, got {min_df!r}")
         Y = sp.csr_matrix(point_labels, dtype=np.float32, copy=True)
@@ -215,18 +215,18 @@ class LexicalIndex:
         index = cls(model, P, Y, T, neighbours, words, max_postings, power)
         if classifier is not None:
             held = None if valid is None else (index.transform(valid[0]), valid[1])
-            index.classifier = index.fit_classifier(fit_rows, classifier, held, deadline)
+            index.classifier = index.fit_classifier(fit_rows, classifier, held, deadline, skip_after)
             index.classifier_skipped = index.classifier is None
         return index
 
     def fit_classifier(self, rows: np.ndarray, settings: ClassifierSettings,
                        valid: tuple[sp.csr_matrix, sp.spmatrix] | None = None,
-                       deadline: float | None = None) -> LexicalClassifier | None:
+                       deadline: float | None = None, skip_after: float | None = None) -> LexicalClassifier | None:
         """The classifiers trained on the indexed points ``rows``, each against its hard negatives: the labels its
         label-text and kNN parts (CLASSIFIER_VOTES; neighbours among ``rows``, itself left out) score highest that it
         does not carry. Held-out points pick the pass whose lexical scores reach the highest P@1 + P@5 on them:
         ``valid`` (TF-IDF rows, labels), else the indexed points outside ``rows``. ``deadline``: as
-        ``LexicalClassifier.fit``; None (no classifiers) where the hard negatives' blocks project past it."""
+        ``LexicalClassifier.fit``; None (no classifiers) where the hard negatives' blocks end past ``skip_after``."""
         settings = settings.check()
         rows = np.asarray(rows, dtype=np.int64)
         held = np.setdiff1d(np.arange(self.num_points), rows)  # never neighbours of the fit
@@ -246,7 +246,7 @@ class LexicalIndex:
             return sp.vstack(out, format="csr") if out else sp.csr_matrix((0, self.num_labels), dtype=np.float32)
 
         Y, Q = self.point_labels[rows], self.points[rows]
-        if (hard := parts(Q, rows, Y, deadline)) is None:  # would outlast the budget: no classifier part
+        if (hard := parts(Q, rows, Y, skip_after)) is None:  # would outlast the budget: no classifier part
             return None
         Qv, Yv = valid if valid is not None else (self.points[held], self.point_labels[held])
         judge = None
