@@ -158,6 +158,7 @@ def test_ends_past_projects_the_rate_so_far(monkeypatch):
     monkeypatch.setattr(lc, "time", SimpleNamespace(perf_counter=lambda: 100.0))
     assert lc.ends_past(115.0, 90.0, 1, 3) and not lc.ends_past(125.0, 90.0, 1, 3)
     assert not lc.ends_past(None, 90.0, 1, 3) and not lc.ends_past(0.0, 90.0, 0, 3)  # no deadline, no rate yet
+    assert lc.ends_past(115.0, 90.0, 10, 100) and not lc.ends_past(115.0, 90.0, 9, 100)  # judged from 10% done
 
 
 def test_hard_negatives_that_would_outlast_the_deadline_leave_the_classifiers_out(monkeypatch):
