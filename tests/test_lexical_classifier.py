@@ -151,6 +151,13 @@ def test_a_deadline_stops_training_after_the_first_pass(monkeypatch):
     assert len(cut.classifier.history) == 2 and cut.classifier.stopped_at_deadline
     assert next(clock) == 3  # the second pass read the clock three times: two batches, then the stop
     assert cut.classifier.history[1] != full.classifier.history[1]  # a part of the pass, not the whole
+    # a hard stop cuts the first pass too, after a batch: the clock read before the 2nd, 3rd and 4th batches
+    # (one block of hard negatives: no projection reads the clock)
+    clock = iter(range(10**6))
+    hard = LexicalIndex.fit(texts, None, Y, 5, min_df=1, fit_on=fit_on, classifier=ClassifierSettings(epochs=4),
+                            skip_after=1.5)
+    assert len(hard.classifier.history) == 1 and hard.classifier.stopped_at_deadline and next(clock) == 3
+    assert hard.classifier.history[0] != full.classifier.history[0]  # three batches of the first pass
 
 
 def test_ends_past_projects_the_rate_so_far(monkeypatch):

@@ -224,9 +224,9 @@ class LexicalIndex:
                        deadline: float | None = None, skip_after: float | None = None) -> LexicalClassifier | None:
         """The classifiers trained on the indexed points ``rows``, each against its hard negatives: the labels its
         label-text and kNN parts (CLASSIFIER_VOTES; neighbours among ``rows``, itself left out) score highest that it
-        does not carry. Held-out points pick the pass whose lexical scores reach the highest P@1 + P@5 on them:
-        ``valid`` (TF-IDF rows, labels), else the indexed points outside ``rows``. ``deadline``: as
-        ``LexicalClassifier.fit``; None (no classifiers) where the hard negatives' blocks end past ``skip_after``."""
+        does not carry. Held-out points (``valid``, else the indexed points outside ``rows``) pick the pass of the
+        best P@1 + P@5. ``deadline``: as ``LexicalClassifier.fit``; None (no classifiers) where the hard negatives
+        would end past ``skip_after``, where the first pass stops too (its ``hard_stop``)."""
         settings = settings.check()
         rows = np.asarray(rows, dtype=np.int64)
         held = np.setdiff1d(np.arange(self.num_points), rows)  # never neighbours of the fit
@@ -259,7 +259,7 @@ class LexicalIndex:
                 hits = sparse_lookup(Yv, top) > 0
                 return float(hits[:, 0].mean() + hits.mean())
 
-        return LexicalClassifier.fit(Q, Y, hard, settings, judge, deadline)
+        return LexicalClassifier.fit(Q, Y, hard, settings, judge, deadline, skip_after)
 
     def transform(self, inputs: Sequence[str] | sp.spmatrix) -> sp.csr_matrix:
         """The L2-normalised TF-IDF rows (float32 CSR) of raw texts (an index fitted on texts, or on feature rows

@@ -179,13 +179,14 @@ class LexicalClassifier:
     @classmethod
     def fit(cls, X: sp.csr_matrix, Y: sp.csr_matrix, hard: sp.csr_matrix, settings: ClassifierSettings,
             judge: Callable[[LexicalClassifier], float] | None = None,
-            deadline: float | None = None) -> LexicalClassifier:
+            deadline: float | None = None, hard_stop: float | None = None) -> LexicalClassifier:
         """Train on the TF-IDF rows ``X`` (n, V) with their labels ``Y`` (n, L, binary): each point against its
         positives, its hard negatives (the stored entries of its row of ``hard``, n x L: :func:`hard_negatives`)
         and ``random_negatives`` uniform labels per epoch (module docstring). ``judge``: the model's value on
         held-out points, called after each pass: the best pass's weights are kept (None: the last pass's).
         ``deadline``: a ``time.perf_counter()`` value past which training stops, after one pass at least (the
-        training budget's: ``xc_dagster.training.budget.stage_deadline``); the cut pass is judged as the others."""
+        training budget's: ``xc_dagster.training.budget.stage_deadline``); the cut pass is judged as the others.
+        ``hard_stop``: past it the first pass stops too, after a batch."""
         settings = settings.check()
         X, Y = sp.csr_matrix(X, dtype=np.float32), sp.csr_matrix(Y, dtype=np.float32, copy=True)
         n, num_labels = Y.shape
@@ -195,7 +196,7 @@ class LexicalClassifier:
         Y.eliminate_zeros()
         keys = pruned_support(X, Y, settings.max_terms)
         model = cls(keys, np.zeros(len(keys), np.float32), np.zeros(num_labels, np.float32), X.shape[1], settings)
-        _train(model, X, Y, sp.csr_matrix(hard), np.random.default_rng(settings.seed), judge, deadline)
+        _train(model, X, Y, sp.csr_matrix(hard), np.random.default_rng(settings.seed), judge, deadline, hard_stop)
         return model
 
     def save(self, folder: str | Path) -> dict[str, Any]:
@@ -269,11 +270,12 @@ def _batch_pairs(points: np.ndarray, Y: sp.csr_matrix, hard: sp.csr_matrix, rand
 
 def _train(model: LexicalClassifier, X: sp.csr_matrix, Y: sp.csr_matrix, hard: sp.csr_matrix,
            rng: np.random.Generator, judge: Callable[[LexicalClassifier], float] | None,
-           deadline: float | None = None) -> None:
+           deadline: float | None = None, hard_stop: float | None = None) -> None:
     """Adagrad on the logistic loss of mini-batches of ``batch_pairs`` pairs (a batch = whole points, shuffled
     each epoch), ``epochs`` passes capped at ``max_pairs`` pairs: beyond the cap, a seeded sample of the points.
     ``judge``: after each pass, the model's value on held-out points; the best pass is kept (the first of ties).
-    Past ``deadline`` (``time.perf_counter()``), after the first pass, the pass in progress is the last."""
+    Past ``deadline`` (``time.perf_counter()``), after the first pass, the pass in progress is the last; past
+    ``hard_stop``, after a batch, the first pass too."""
     s = model.settings
     n = X.shape[0]
     per_point = (Y.nnz + hard.nnz) / max(n, 1) + s.random_negatives
@@ -289,7 +291,8 @@ def _train(model: LexicalClassifier, X: sp.csr_matrix, Y: sp.csr_matrix, hard: s
         order = rng.permutation(n)[:int(min(n, math.ceil(total - seen)))]
         trained = 0
         for start in range(0, len(order), points_per_batch):
-            if deadline is not None and model.history and time.perf_counter() > deadline:
+            limits = [t for t, on in ((deadline, model.history), (hard_stop, trained)) if t is not None and on]
+            if limits and time.perf_counter() > min(limits):
                 model.stopped_at_deadline = True
                 break
             rows, labels, targets = _batch_pairs(order[start:start + points_per_batch], Y, hard,
