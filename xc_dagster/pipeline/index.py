@@ -130,8 +130,8 @@ def lexical_index(ctx: StageContext, rows: np.ndarray, Y_train: Any, fit_rows: n
     except XCConfigError as e:
         raise XCConfigError(f"{ctx.name}: {e}") from None
     if index.classifier_skipped:
-        ctx.info(f"index {ctx.name}: the lexical classifiers left out: their hard negatives alone would end "
-                 f"{SKIP_SLACK:.0%} of train.budget_minutes={ctx.cfg.train.budget_minutes:g} past its deadline")
+        ctx.info(f"index {ctx.name}: the lexical classifiers left out: their hard negatives alone would end more "
+                 f"than {SKIP_SLACK:.0%} of train.budget_minutes={ctx.cfg.train.budget_minutes:g} past their deadline")
     return index
 
 
