@@ -87,6 +87,13 @@ def test_work_counts_of_a_hand_computed_shape(monkeypatch):
     assert cls.memory["W and its start"] == 2 * 300 * 8 * 4
     index = stages["index"]
     assert index.kinds == {"W": "exact", "label": "exact", "knn": "exact"}  # lexical: no ANNS index
+    # the lexical classifiers' hard negatives: the 990 fit points scored as queries (1 ms each: the index's 1,000
+    # points, as calibrated), their passes not planned; none when cross-fitting (the classifiers then never train)
+    assert index.parts["lexical classifiers' hard negatives, 990 points"] == pytest.approx(0.99)
+    crossed = _ngame(**{"fusion.fit_on": "cross_fit"})
+    crossed_index = {p.name: p for p in plan_stages(Costs(FixedUnits(), crossed, s), crossed, s, None)}["index"]
+    assert "lexical TF-IDF fit, 1,300 texts" in crossed_index.parts
+    assert not any("hard negatives" in k for k in crossed_index.parts)
     # one part at a time: the peak is the largest part, here the lexical index of 1,300 texts of 6 tokens (TF-IDF
     # entries and the texts), over the kNN index of every training point (include_validation) and its vectors
     lexical, knn = 1300 * (2 * 6 * 24 + 60 + 5 * 6), 2 * 1000 * 8 * 4

@@ -27,6 +27,22 @@ def source_keys(cfg: PipelineConfig, s: Shape) -> dict[str, int]:
     return {"W": s.n_labels, "label": s.n_labels, "centroid": s.n_labels, "knn": knn}
 
 
+def lexical_query_s(c: Costs, cfg: PipelineConfig, s: Shape) -> float:
+    """Seconds to score one query against the lexical index: the calibrated query's, scaled by the indexed points
+    a query's terms' postings reach (up to ``index.lexical_max_postings`` where the index caps them)."""
+    p, t, knn = cfg.index, c.text(), source_keys(cfg, s)["knn"]
+    capped = p.lexical_max_postings if knn > p.lexical_exact_points else 0
+    cal_capped = p.lexical_max_postings if t["lexical_points"] > p.lexical_exact_points else 0
+    scale = min(knn, capped or knn) / min(t["lexical_points"], cal_capped or t["lexical_points"])
+    return t["lexical_query_s"] * max(scale, 1.0)
+
+
+def cross_fits(cfg: PipelineConfig, s: Shape) -> bool:
+    """The fusion is cross-fitted: ``fusion.fit_on`` cross_fit, or auto without a validation split (as the fusion
+    stage resolves it, ``xc_dagster.pipeline.cross_fit.fit_on``)."""
+    return cfg.fusion.fit_on == "cross_fit" or (cfg.fusion.fit_on == "auto" and not s.n_valid)
+
+
 def stage_index(c: Costs, cfg: PipelineConfig, s: Shape) -> StagePlan:
     """Each part is built, written and let go in turn: the peak is the largest part (an index with the copy of
     the vectors it is built from, or the lexical index with its texts), not their sum."""
@@ -45,6 +61,10 @@ def stage_index(c: Costs, cfg: PipelineConfig, s: Shape) -> StagePlan:
     if "lexical" in p.sources:
         n = keys["knn"] + s.n_labels
         plan.parts[f"lexical TF-IDF fit, {n:,} texts"] = n * c.text()["lexical_fit_s_per_text"]
+        if p.lexical_classifier and not cross_fits(cfg, s):  # their hard negatives: every fit point scored
+            plan.parts[f"lexical classifiers' hard negatives, {s.rows:,} points"] = s.rows * lexical_query_s(c, cfg, s)
+            plan.notes.append("the lexical classifiers' passes are not planned (under train.budget_minutes they stop "
+                              "at its deadline, 5% of it past at most)")
         per_token = 2 * LEXICAL_BYTES_PER_TOKEN + TEXT_BYTES_PER_TOKEN
         parts["lexical index and texts"] = n * (s.tokens * per_token + TEXT_BYTES)
     if "cooccurrence" in p.sources:  # CSR rows capped at max_entries (float64, int32), and one block's products
@@ -68,12 +88,7 @@ def inference_work(c: Costs, cfg: PipelineConfig, s: Shape, plan: StagePlan, que
         if name in keys:
             index_work(c, plan, name, p.kind, keys[name], queries, p.shortlist_size, hnsw, build=False)
     if "lexical" in p.sources:
-        t = c.text()
-        capped = p.lexical_max_postings if keys["knn"] > p.lexical_exact_points else 0
-        cal_capped = p.lexical_max_postings if t["lexical_points"] > p.lexical_exact_points else 0
-        # a query's cost: its terms' postings, ~ the indexed points up to the cap
-        scale = min(keys["knn"], capped or keys["knn"]) / min(t["lexical_points"], cal_capped or t["lexical_points"])
-        plan.parts[f"lexical scoring, {queries:,} queries"] = queries * t["lexical_query_s"] * max(scale, 1.0)
+        plan.parts[f"lexical scoring, {queries:,} queries"] = queries * lexical_query_s(c, cfg, s)
         plan.memory["lexical index"] = 2 * (keys["knn"] + s.n_labels) * s.tokens * LEXICAL_BYTES_PER_TOKEN
     width = p.shortlist_size * len(p.sources)
     plan.parts["merge and score the shortlists"] = queries * width * c.retrieve_entry_s(p.shortlist_size)
@@ -88,7 +103,7 @@ def inference_work(c: Costs, cfg: PipelineConfig, s: Shape, plan: StagePlan, que
 
 def stage_fusion(c: Costs, cfg: PipelineConfig, s: Shape, classifier_s: float) -> StagePlan:
     plan, f, p = StagePlan("fusion"), cfg.fusion, cfg.index
-    cross = not s.n_valid and f.fit_on in ("auto", "cross_fit")
+    cross = cross_fits(cfg, s)
     if not s.n_valid and not cross:
         plan.notes.append("no validation points: a default blend, nothing fitted")
         return plan
