@@ -36,7 +36,7 @@ from xc_dagster.retrieval.shortlist import (
 )
 from xc_dagster.retrieval.sparse_rows import check_power
 from xc_dagster.storage import save_json
-from xc_dagster.training.budget import reserved_after_pretraining, stage_deadline
+from xc_dagster.training.budget import SKIP_SLACK, reserved_after_pretraining, stage_deadline
 
 
 def _check(p: Any) -> None:
@@ -82,9 +82,6 @@ def cross_fitted(ctx: StageContext, fit_rows: np.ndarray, num_train: int) -> boo
 
 
 FUSION_RESERVE = 1 / 6  # of the pretraining's reserve: kept after the lexical classifiers (the fusion's fit)
-# of the budget: how far past their deadline the lexical classifiers' hard negatives may project before the
-# classifiers are left out (the budget's tolerance is 10%; docs/decisions.md#lexical-classifiers-left-out)
-SKIP_SLACK = 0.05
 
 
 def classifier_deadline(ctx: StageContext) -> float | None:

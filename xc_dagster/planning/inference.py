@@ -19,6 +19,7 @@ from xc_dagster.planning.model import (
 )
 from xc_dagster.retrieval.cooccurrence import BLOCK_ENTRIES as COOCCURRENCE_BLOCK
 from xc_dagster.retrieval.votes import vote_candidates
+from xc_dagster.training.budget import SKIP_SLACK
 
 
 def source_keys(cfg: PipelineConfig, s: Shape) -> dict[str, int]:
@@ -64,7 +65,7 @@ def stage_index(c: Costs, cfg: PipelineConfig, s: Shape) -> StagePlan:
         if p.lexical_classifier and not cross_fits(cfg, s):  # their hard negatives: every fit point scored
             plan.parts[f"lexical classifiers' hard negatives, {s.rows:,} points"] = s.rows * lexical_query_s(c, cfg, s)
             plan.notes.append("the lexical classifiers' passes are not planned (under train.budget_minutes they stop "
-                              "at its deadline, 5% of it past at most)")
+                              f"at its deadline, {SKIP_SLACK:.0%} of it past at most)")
         per_token = 2 * LEXICAL_BYTES_PER_TOKEN + TEXT_BYTES_PER_TOKEN
         parts["lexical index and texts"] = n * (s.tokens * per_token + TEXT_BYTES)
     if "cooccurrence" in p.sources:  # CSR rows capped at max_entries (float64, int32), and one block's products

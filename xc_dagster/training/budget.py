@@ -97,6 +97,10 @@ class BudgetPlan:
         return started + self.planned_train_seconds + slack * self.budget_seconds
 
 
+# of the budget: how far past their deadline the lexical classifiers' hard negatives may project before the
+# classifiers are left out, and where their first pass stops (the budget's tolerance is 10%;
+# docs/decisions.md#lexical-classifiers-left-out)
+SKIP_SLACK = 0.05
 CALIBRATION_MAX_STEPS = 200  # timed steps at most, however short each is
 
 
