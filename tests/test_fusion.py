@@ -422,12 +422,47 @@ def test_coordinate_search_climbs_a_ridge_by_steps_along_two_weights():
     """An objective that grows only where c and d grow together (c + d - 10 (c - d)^2): one weight at a time
     never leaves (0, 0); the steps along two at once climb the ridge to the grid's corner (3, 3)."""
     def cells(points):
-        return [np.full(3, c + d - 10.0 * (c - d) ** 2) for c, d, _, _ in points]
+        return [np.full(3, c + d - 10.0 * (c - d) ** 2) for c, d, *_ in points]
 
-    axes = [[0.0, 1.0, 2.0, 3.0], [0.0, 1.0, 2.0, 3.0], [0.0], [0.0]]
-    assert alpha_module._sweeps(cells, axes, [0, 0, 0, 0], 1, [0, 0, 0, 0])[0] == [0, 0, 0, 0]
-    at, j, value = alpha_module._coordinate_search(cells, axes, [0, 0, 0, 0], 1)
-    assert at == [3, 3, 0, 0] and j == 2 and value == 6.0  # ties over alpha: the most classifier weight
+    axes = [[0.0, 1.0, 2.0, 3.0], [0.0, 1.0, 2.0, 3.0], [0.0], [0.0], [0.0]]
+    assert alpha_module._sweeps(cells, axes, [0] * 5, 1, [0] * 5)[0] == [0] * 5
+    at, j, value = alpha_module._coordinate_search(cells, axes, [0] * 5, 1)
+    assert at == [3, 3, 0, 0, 0] and j == 2 and value == 6.0  # ties over alpha: the most classifier weight
+
+
+def test_alpha_fits_a_knn_discount_where_a_head_labels_crowd_outvotes_the_tail():
+    """Odd rows: the relevant label is a head label (100 points in the kNN index) voted 0.5 against another's 0.1
+    (1 point); even rows: a tail label (1 point) voted 0.3 trails a head decoy's 0.5 (100 points); the classifier
+    and embedding scores level. c * kNN gets the odd rows right (P@1 0.5); dividing the votes by n_l ** f gets the
+    even rows too for 5/3 < 100 ** f < 5 (f 0.25 of the grid: 0.1 and 0.5 fall either side). The fit picks it, scores
+    as c * kNN / n_l ** f by hand, round-trips, and without counts the discount is never tried or used."""
+    rng = np.random.default_rng(3)
+    n, C, L = 200, 6, 400
+    ids = np.stack([rng.permutation(L)[:C] for _ in range(n)]).astype(np.int64)
+    knn, count = np.zeros((n, C), np.float32), np.full((n, C), 20.0, np.float32)
+    knn[0::2, 0], count[0::2, 0], knn[0::2, 1], count[0::2, 1] = 0.5, 100.0, 0.3, 1.0  # decoy, relevant tail
+    knn[1::2, 0], count[1::2, 0], knn[1::2, 1], count[1::2, 1] = 0.1, 1.0, 0.5, 100.0  # other, relevant head
+    level = np.full((n, C), 0.2, np.float32)
+    Y = sp.csr_matrix((np.ones(n), (np.arange(n), ids[:, 1])), shape=(n, L))
+    sl = Shortlist(ids, level.copy(), level.copy(), knn, None, None, count)
+    p = FusionParams(grid_step=0.5, objective="precision_at_1", knn_grid=(0.0, 1.0), knn_grid_extend=0,
+                     propensity_grid=(0.0,))
+    off = fit_alpha(sl, Y, p, None, None)
+    assert (off.knn_weight, off.knn_discount, off.knn_discount_grid, off.objective_value) == (1.0, 0.0, [], 0.5)
+    fit = fit_alpha(sl, Y, replace(p, knn_discount_grid=(0.1, 0.25, 0.5)), None, None)
+    assert (fit.knn_weight, fit.knn_discount, fit.objective_value) == (1.0, 0.25, 1.0)
+    assert dict(fit.knn_discount_grid) == {0.0: 0.5, 0.1: 0.5, 0.25: 1.0, 0.5: 0.5}
+    want = fit.alpha * level + (1 - fit.alpha) * level + knn / count ** 0.25
+    np.testing.assert_allclose(fit.score(sl), want, rtol=1e-6)
+    back = _roundtrip(fit)
+    assert back.knn_discount == 0.25 and back.summary()["knn_discount"] == 0.25
+    np.testing.assert_array_equal(back.score(sl), fit.score(sl))
+    bare = replace(sl, knn_count=None)
+    assert fit_alpha(bare, Y, replace(p, knn_discount_grid=(0.1, 0.25)), None, None).knn_discount == 0.0
+    with pytest.raises(XCConfigError, match="knn_count"):
+        fit.score(bare)
+    with pytest.raises(XCConfigError, match="fusion.knn_discount_grid"):
+        fit_alpha(sl, Y, replace(p, knn_discount_grid=(0.0, -0.5)), None, None)
 
 
 def test_objective_sums_metrics_joined_by_plus():

@@ -161,17 +161,18 @@ def _shortlist(seed: int, n: int = 150, C: int = 40, L: int = 300, dtype=np.floa
     knn[rng.random((n, C)) < 0.5] = 0.0
     clf[pad] = emb[pad] = -np.inf
     knn[pad] = lex[pad] = 0.0
-    sl = Shortlist(ids, clf.astype(dtype), emb.astype(dtype), knn.astype(dtype), lex.astype(dtype))
+    count = np.where(pad, 0, rng.integers(1, 60, (n, C))).astype(np.float32)  # the kNN index's points per label
+    sl = Shortlist(ids, clf.astype(dtype), emb.astype(dtype), knn.astype(dtype), lex.astype(dtype), None, count)
     return sl, Y, inv_prop, fp
 
 
 def test_blend_equals_fuse_bit_for_bit():
     sl, *_ = _shortlist(2)
     blend = Blend(sl)
-    for c in (0.0, 0.25, 1.0):
+    for c, f in ((0.0, 0.0), (0.25, 0.0), (1.0, 0.0), (0.25, 0.25), (1.0, 0.5)):
         for d in (0.0, 0.5):
             for a in np.round(np.arange(0.0, 1.0 + 1e-9, 0.05), 6):
-                got, want = blend(float(a), c, d), fuse(sl, float(a), c, d)
+                got, want = blend(float(a), c, d, 0.0, f), fuse(sl, float(a), c, d, 0.0, f)
                 assert got.dtype == want.dtype == np.float32
                 np.testing.assert_array_equal(got.view(np.int32), want.view(np.int32))
     sl64, *_ = _shortlist(2, dtype=np.float64)
@@ -187,7 +188,7 @@ def test_fit_alpha_chooses_the_same_fusion_as_the_slow_objective(monkeypatch, ob
     sl, Y, inv_prop, fp = _shortlist(4)
     p = FusionParams(objective=objective, grid_step=0.1, knn_grid=(0.0, 0.5, 1.0), lexical_grid=(0.0, 0.5),
                      propensity_grid=(0.0, 0.02, 0.04), knn_grid_extend=1, lexical_grid_extend=1,
-                     propensity_grid_extend=1)
+                     propensity_grid_extend=1, knn_discount_grid=(0.0, 0.25, 0.5))
     fast = [fit_alpha(sl, Y, p, inv_prop, fp).to_dict(), fit_alpha(sl, Y, replace(p, smoothing=3), inv_prop,
                                                                     None).to_dict()]
     monkeypatch.setattr("xc_dagster.retrieval.fusion.alpha.ObjectiveOnShortlist",

@@ -153,6 +153,26 @@ def test_retrieve_is_the_union_of_each_source_with_exact_scores(monkeypatch):
     assert np.isneginf(bare.clf).all()
 
 
+def test_retrieve_counts_each_candidates_knn_points_without_the_excluded_rows():
+    """``knn_count``: how many of the kNN index's points carry each candidate label, the excluded rows (a held-out
+    fit's validation points) left out, 0 on padding -- the counts the fusion's kNN discount divides by."""
+    E, Y, X, rng = _problem(3, L=30, N=40)
+    src = build_sources(("label", "knn"), E, E, None, X, Y, "text", "exact", 8, 40, 40)
+    counts = np.asarray((Y != 0).sum(0)).ravel()
+    assert np.array_equal(src.knn_counts, counts)
+    excluded = np.flatnonzero(np.diff(Y.indptr))[:3]  # rows that carry labels
+    held = dataclasses.replace(src, knn_excluded=excluded)
+    kept = np.setdiff1d(np.arange(len(X)), excluded)
+    assert np.array_equal(held.knn_counts, np.asarray((Y[kept] != 0).sum(0)).ravel())
+    assert held.knn_counts.sum() == counts.sum() - Y[excluded].nnz > 0
+    sl = retrieve(_unit(rng.standard_normal((9, 16))), held, 6, block=4)
+    ok = sl.ids >= 0
+    assert sl.knn_count.dtype == np.float32 and (~ok).any()
+    assert np.array_equal(sl.knn_count[ok], held.knn_counts[sl.ids[ok]]) and not sl.knn_count[~ok].any()
+    assert retrieve(_unit(rng.standard_normal((2, 16))), dataclasses.replace(src, indexes={"label": src.indexes[
+        "label"]}, knn_labels=None), 6).knn_count is None  # no kNN source, no counts
+
+
 def test_retrieve_excludes_the_query_point_itself_from_knn():
     E, Y, X, _ = _problem(1, L=50, N=60)
     src = build_sources(("knn",), E, E, None, X, Y, "text", "exact", 8, 40, 40)

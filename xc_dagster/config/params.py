@@ -310,6 +310,10 @@ class FusionParams:
     # jointly for + e * votes; e = 0 is always tried; (0,) = no co-occurrence term
     cooccurrence_grid: tuple[float, ...] = (0.0, 0.25, 0.5, 1.0)
     cooccurrence_grid_extend: int = 6  # as knn_grid_extend, for the co-occurrence weight
+    # alpha only, with kNN scores: exponents f tried jointly for c * kNN / n_l ** f, n_l the kNN index's points
+    # carrying label l (a head label's votes come from its crowd, not the query); f = 0 is always tried; (0,) = off
+    # (docs/decisions.md#fusion-knn-discount)
+    knn_discount_grid: tuple[float, ...] = (0.0,)
     # alpha only: weights b tried jointly with alpha and c for + b * log(1 / p_l), the labels' inverse propensity:
     # ranking by P(y_l) / p_l maximises PSP. b = 0 is always tried; (0,) = no propensity term
     # (docs/decisions.md#fusion-propensity-term)

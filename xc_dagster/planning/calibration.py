@@ -325,7 +325,8 @@ def fusion_unit(cfg: PipelineConfig, knn: bool, lexical: bool) -> dict[str, floa
     ids = np.stack([rng.choice(L, w, replace=False) for _ in range(n)]).astype(np.int64)
     sl = Shortlist(ids, rng.random((n, w), dtype=np.float32), rng.random((n, w), dtype=np.float32),
                    rng.random((n, w), dtype=np.float32) if knn else None,
-                   rng.random((n, w), dtype=np.float32) if lexical else None)
+                   rng.random((n, w), dtype=np.float32) if lexical else None, None,
+                   rng.integers(1, 100, (n, w)).astype(np.float32) if knn else None)
     Y = sp.csr_matrix((np.ones(n * 2, np.float32), (np.repeat(np.arange(n), 2), ids[:, :2].ravel())), shape=(n, L))
     # the whole grid: seconds per evaluation, whatever fusion.search (grid_points counts the search's evaluations)
     p = dataclasses.replace(cfg.fusion, search="grid", knn_grid_extend=0, lexical_grid_extend=0,
@@ -356,8 +357,8 @@ COORDINATE_ROUNDS_PLANNED = 2  # fusion.search=coordinate: a round that moves th
 
 def grid_points(cfg: PipelineConfig, knn: bool, lexical: bool) -> int:
     """The fusion's objective evaluations before any extension (``xc_dagster.retrieval.fusion.alpha.fit_alpha``):
-    alpha values x kNN weights x lexical weights x co-occurrence weights x propensity weights on the whole grid
-    (``fusion.search=grid``), alpha values x their sum per round of the coordinate search, two rounds planned
+    alpha values x kNN weights x lexical weights x co-occurrence weights x kNN discounts x propensity weights on the
+    whole grid (``fusion.search=grid``), alpha values x their sum per round of the coordinate search, two rounds planned
     (each weight value once per round: an over-count, as a round's held point repeats); 1 for the tree."""
     f = cfg.fusion
     if f.method != "alpha":
@@ -366,7 +367,8 @@ def grid_points(cfg: PipelineConfig, knn: bool, lexical: bool) -> int:
     cs = len(set(f.knn_grid)) if knn else 1
     ds = len(set(f.lexical_grid) | {0.0}) if lexical else 1
     es = len(set(f.cooccurrence_grid) | {0.0}) if "cooccurrence" in cfg.index.sources else 1
+    fs = len(set(f.knn_discount_grid) | {0.0}) if knn else 1
     bs = len(set(f.propensity_grid) | {0.0})
     if f.search == "grid":
-        return alphas * cs * ds * es * bs
-    return alphas * (cs + ds + es + bs) * COORDINATE_ROUNDS_PLANNED
+        return alphas * cs * ds * es * fs * bs
+    return alphas * (cs + ds + es + (fs if fs > 1 else 0) + bs) * COORDINATE_ROUNDS_PLANNED  # f off: no sweep

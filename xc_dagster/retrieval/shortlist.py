@@ -23,6 +23,7 @@ stays bounded; every ANNS step is O(k) per query per source, independent of L.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -60,6 +61,9 @@ class Shortlist:
     knn: np.ndarray | None = None  # (n, C) float32 kNN scores (0 where knn did not propose the label)
     lex: np.ndarray | None = None  # (n, C) float32 lexical scores of every candidate (0: none, or padding)
     cooc: np.ndarray | None = None  # (n, C) float32 co-occurrence votes of every candidate (0: none, or padding)
+    # (n, C) float32 with kNN scores: how many points of the kNN index carry the candidate (0 on padding), the
+    # head bias of its votes that the fusion's kNN discount divides out (docs/decisions.md#fusion-knn-discount)
+    knn_count: np.ndarray | None = None
 
 
 @dataclass
@@ -97,6 +101,16 @@ class ShortlistSources:
         """The sources, in the order their candidates are merged."""
         return (tuple(self.indexes) + (("lexical",) if self.lexical is not None else ())
                 + (("cooccurrence",) if self.cooccurrence is not None else ()))
+
+    @functools.cached_property
+    def knn_counts(self) -> np.ndarray:
+        """(L,) float32: each label's points in the kNN index, its excluded rows left out (what the votes see)."""
+        lab = self.knn_labels
+        counts = np.bincount(lab.indices[lab.data != 0], minlength=lab.shape[1])
+        if self.knn_excluded is not None and len(self.knn_excluded):
+            gone = lab[np.asarray(self.knn_excluded, dtype=np.int64)]
+            counts = counts - np.bincount(gone.indices[gone.data != 0], minlength=lab.shape[1])
+        return counts.astype(np.float32)
 
 
 def check_sources(sources: tuple[str, ...], where: str, allowed: tuple[str, ...] = SOURCES) -> None:
@@ -201,6 +215,8 @@ def retrieve(queries: np.ndarray, src: ShortlistSources, k: int, exclude_knn: np
     knn_all = np.zeros((n, width), dtype=np.float32) if "knn" in names else None
     lex_all = np.zeros((n, width), dtype=np.float32) if lexical is not None else None
     cooc_all = np.zeros((n, width), dtype=np.float32) if src.cooccurrence is not None else None
+    counts = src.knn_counts if knn_all is not None else None
+    count_all = np.zeros((n, width), dtype=np.float32) if counts is not None else None
     dev = device or resolve_device("auto")
     Wt = torch.from_numpy(np.ascontiguousarray(src.W, dtype=np.float32)).to(dev) if classifier_scores else None
     Rt = torch.from_numpy(np.ascontiguousarray(src.label_repr, dtype=np.float32)).to(dev)
@@ -239,13 +255,14 @@ def retrieve(queries: np.ndarray, src: ShortlistSources, k: int, exclude_knn: np
         emb_all[rows] = np.where(pad, -np.inf, gathered_scores(qt, Rt, safe).cpu().numpy())
         if knn_all is not None:
             knn_all[rows] = _lookup(ids, knn_ids, knn_sc, len(src.W))
+            count_all[rows] = np.where(pad, 0.0, counts[np.maximum(ids, 0)])
         if lex_all is not None:
             lex_all[rows] = sparse_lookup(lex, ids)
         if cooc_all is not None:
             cooc_all[rows] = sparse_lookup(cooc, ids)
         if progress is not None:
             progress(len(q))
-    return Shortlist(ids_all, clf_all, emb_all, knn_all, lex_all, cooc_all)
+    return Shortlist(ids_all, clf_all, emb_all, knn_all, lex_all, cooc_all, count_all)
 
 
 def _lookup(ids: np.ndarray, keys: np.ndarray, values: np.ndarray, num_labels: int) -> np.ndarray:
@@ -325,19 +342,31 @@ def shortlist(queries: np.ndarray, W: np.ndarray, label_emb: np.ndarray, w_index
 
 
 def fuse(sl: Shortlist, alpha: float, knn_weight: float = 0.0, lexical_weight: float = 0.0,
-         cooccurrence_weight: float = 0.0) -> np.ndarray:
-    """Fused score a * classifier + (1 - a) * embedding (+ c * kNN score when ``knn_weight`` c > 0) (+ d * lexical
-    score when ``lexical_weight`` d > 0) (+ e * co-occurrence votes when ``cooccurrence_weight`` e > 0); -inf on
-    padding."""
+         cooccurrence_weight: float = 0.0, knn_discount: float = 0.0) -> np.ndarray:
+    """Fused score a * classifier + (1 - a) * embedding (+ c * kNN score when ``knn_weight`` c > 0, divided by
+    each label's count ** ``knn_discount``: ``discounted_knn``) (+ d * lexical score when ``lexical_weight`` d > 0)
+    (+ e * co-occurrence votes when ``cooccurrence_weight`` e > 0); -inf on padding."""
     with np.errstate(invalid="ignore"):
         s = alpha * sl.clf + (1.0 - alpha) * sl.emb
         if knn_weight:
-            s = s + knn_weight * sl.knn
+            s = s + knn_weight * discounted_knn(sl, knn_discount)
         if lexical_weight:
             s = s + lexical_weight * sl.lex
         if cooccurrence_weight:
             s = s + cooccurrence_weight * sl.cooc
     return np.where(sl.ids < 0, -np.inf, s).astype(np.float32)
+
+
+def discounted_knn(sl: Shortlist, discount: float) -> np.ndarray:
+    """The kNN scores, each divided by max(n_l, 1) ** ``discount``, n_l the kNN index's points carrying the label:
+    a label on many points collects votes from any query near its crowd, so its summed votes overstate it against
+    a tail label's (docs/decisions.md#fusion-knn-discount); 0 = the scores as they are."""
+    if not discount:
+        return sl.knn
+    if sl.knn_count is None:
+        raise XCConfigError("the fusion discounts kNN scores by their labels' counts, but the shortlist has no "
+                            "knn_count (shortlists from retrieve with a knn source have)")
+    return sl.knn * np.maximum(sl.knn_count, np.float32(1.0)) ** np.float32(-discount)
 
 
 def topk_from_scores(ids: np.ndarray, scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -8,8 +8,9 @@ similarity of the ``index.knn_neighbours`` nearest training points carrying the 
 (``fusion.knn_grid``; c = 0 is the two-score blend, so the grid can only match or beat it on validation); when it
 has lexical scores (``index.sources`` with ``lexical``: TF-IDF cosine to the label text plus a sparse kNN vote,
 ``xc_dagster.retrieval.lexical``), d * lexical (``fusion.lexical_grid``, d = 0 always tried); and
-b * log(1 / p_l) (``fusion.propensity_grid``, docs/decisions.md#fusion-propensity-term); a, c, d and b are
-searched jointly (docs/decisions.md#fusion-joint-grid): one weight at a time, then two, or on the whole grid
+b * log(1 / p_l) (``fusion.propensity_grid``, docs/decisions.md#fusion-propensity-term); the kNN scores may be
+divided by their labels' counts ** f (``fusion.knn_discount_grid``, docs/decisions.md#fusion-knn-discount); a, c, d,
+f and b are searched jointly (docs/decisions.md#fusion-joint-grid): one weight at a time, then two, or on the whole grid
 (``fusion.search``, docs/decisions.md#fusion-coordinate-search). ``fusion.smoothing`` > 1 averages the grid's
 objective over neighbouring weights before its argmax, so that sampling noise on the validation points does not
 pick a lone spike (off by default: docs/decisions.md#fusion-smoothing-off). The grid blends in place (:class:`Blend`)
@@ -33,7 +34,7 @@ from xc_dagster.config.choices import FUSION_SEARCHES
 from xc_dagster.device import on_threads
 from xc_dagster.errors import XCConfigError
 from xc_dagster.retrieval.fusion.objective import ObjectiveOnShortlist
-from xc_dagster.retrieval.shortlist import Shortlist, fuse
+from xc_dagster.retrieval.shortlist import Shortlist, discounted_knn, fuse
 
 
 def propensity_boost(ids: np.ndarray, inv_prop: np.ndarray | None) -> np.ndarray:
@@ -60,6 +61,8 @@ class AlphaFusion:
     lexical_grid: list[tuple[float, float]] = field(default_factory=list)  # (d, best objective over alpha) tried
     cooccurrence_weight: float = 0.0  # e: weight of the co-occurrence votes (0: no co-occurrence term)
     cooccurrence_grid: list[tuple[float, float]] = field(default_factory=list)  # (e, best over alpha) tried
+    knn_discount: float = 0.0  # f: the kNN scores divided by their labels' counts ** f (0: as they are)
+    knn_discount_grid: list[tuple[float, float]] = field(default_factory=list)  # (f, best over alpha) tried
     method: str = field(default="alpha", init=False)
 
     @classmethod
@@ -77,18 +80,20 @@ class AlphaFusion:
                    [tuple(x) for x in d.get("propensity_grid", [])], d.get("objective_value"),
                    d.get("objective_smoothed"), float(d.get("lexical_weight", 0.0)),
                    [tuple(x) for x in d.get("lexical_grid", [])], float(d.get("cooccurrence_weight", 0.0)),
-                   [tuple(x) for x in d.get("cooccurrence_grid", [])])
+                   [tuple(x) for x in d.get("cooccurrence_grid", [])], float(d.get("knn_discount", 0.0)),
+                   [tuple(x) for x in d.get("knn_discount_grid", [])])
 
     def score(self, sl: Shortlist, inv_prop: np.ndarray | None = None) -> np.ndarray:
-        """a * classifier + (1 - a) * embedding (+ c * kNN) (+ d * lexical) (+ e * co-occurrence) (+ b * log(1 /
-        p_l): ``inv_prop`` needed when b > 0)."""
+        """a * classifier + (1 - a) * embedding (+ c * kNN / n_l ** f) (+ d * lexical) (+ e * co-occurrence) (+ b *
+        log(1 / p_l): ``inv_prop`` needed when b > 0)."""
         for weight, scores, name, source in ((self.knn_weight, sl.knn, "kNN", "knn"),
                                              (self.lexical_weight, sl.lex, "lexical", "lexical"),
                                              (self.cooccurrence_weight, sl.cooc, "co-occurrence", "cooccurrence")):
             if weight and scores is None:
                 raise XCConfigError(f"the fusion weighs {name} scores ({weight}) but the shortlist has none: its "
                                     f"sources lack {source} (index.sources)")
-        s = fuse(sl, self.alpha, self.knn_weight, self.lexical_weight, self.cooccurrence_weight)
+        s = fuse(sl, self.alpha, self.knn_weight, self.lexical_weight, self.cooccurrence_weight,
+                 self.knn_discount if self.knn_weight else 0.0)
         if self.propensity_weight:
             s = s + np.float32(self.propensity_weight) * propensity_boost(sl.ids, inv_prop)
         return s
@@ -97,6 +102,7 @@ class AlphaFusion:
         return {"method": "alpha", "alpha": self.alpha, "grid": self.grid, "knn_weight": self.knn_weight,
                 "knn_grid": self.knn_grid, "lexical_weight": self.lexical_weight, "lexical_grid": self.lexical_grid,
                 "cooccurrence_weight": self.cooccurrence_weight, "cooccurrence_grid": self.cooccurrence_grid,
+                "knn_discount": self.knn_discount, "knn_discount_grid": self.knn_discount_grid,
                 "propensity_weight": self.propensity_weight, "propensity_grid": self.propensity_grid,
                 "objective_value": self.objective_value, "objective_smoothed": self.objective_smoothed}
 
@@ -105,14 +111,15 @@ class AlphaFusion:
             (o for _, o in self.grid), default=None)  # fits saved before the smoothed grid recorded their value
         return {"method": "alpha", "alpha": self.alpha, "knn_weight": self.knn_weight,
                 "lexical_weight": self.lexical_weight, "cooccurrence_weight": self.cooccurrence_weight,
-                "propensity_weight": self.propensity_weight, "objective_value": value,
+                "knn_discount": self.knn_discount, "propensity_weight": self.propensity_weight,
+                "objective_value": value,
                 "objective_smoothed": self.objective_smoothed}
 
 
 class Blend:
-    """``fuse(sl, a, c, d, e)`` to the bit, cheaper across a grid: c * kNN, d * lexical and e * co-occurrence are
-    kept while their weight repeats (alpha is the grid's inner axis) and the sums are made in place (float32
-    shortlists)."""
+    """``fuse(sl, a, c, d, e, f)`` to the bit, cheaper across a grid: c * kNN (discounted by f), d * lexical and e *
+    co-occurrence are kept while their weights repeat (alpha is the grid's inner axis) and the sums are made in
+    place (float32 shortlists)."""
 
     def __init__(self, sl: Shortlist) -> None:
         self.sl = sl
@@ -120,27 +127,29 @@ class Blend:
         self.float32 = all(isinstance(x, np.ndarray) and x.dtype == np.float32 and x.shape == sl.ids.shape
                            for x in scores)
         self.pad = sl.ids < 0 if self.float32 and (sl.ids < 0).any() else None
-        self.terms: dict[str, tuple[float, np.ndarray]] = {}  # "knn" / "lex" / "cooc" -> (weight, weight * scores)
+        # "knn" / "lex" / "cooc" -> ((weight, kNN discount), weight * scores)
+        self.terms: dict[str, tuple[tuple[float, float], np.ndarray]] = {}
 
-    def term(self, name: str, weight: float) -> np.ndarray:
-        """``weight * scores`` of the kNN, lexical or co-occurrence scores (float32, as ``fuse`` computes it)."""
-        if name not in self.terms or self.terms[name][0] != weight:
+    def term(self, name: str, weight: float, discount: float = 0.0) -> np.ndarray:
+        """``weight * scores`` of the kNN (discounted), lexical or co-occurrence scores (float32, as ``fuse``)."""
+        if name not in self.terms or self.terms[name][0] != (weight, discount):
+            scores = discounted_knn(self.sl, discount) if name == "knn" else getattr(self.sl, name)
             with np.errstate(invalid="ignore"):
-                self.terms[name] = (weight, weight * getattr(self.sl, name))
+                self.terms[name] = ((weight, discount), weight * scores)
         return self.terms[name][1]
 
     def __call__(self, alpha: float, knn_weight: float = 0.0, lexical_weight: float = 0.0,
-                 cooccurrence_weight: float = 0.0) -> np.ndarray:
+                 cooccurrence_weight: float = 0.0, knn_discount: float = 0.0) -> np.ndarray:
         """The fused scores (float32, -inf on padding): the same operations as ``fuse``, in the same order."""
         sl = self.sl
-        weights = (alpha, knn_weight, lexical_weight, cooccurrence_weight)
+        weights = (alpha, knn_weight, lexical_weight, cooccurrence_weight, knn_discount)
         if not self.float32 or not all(type(w) is float for w in weights):
             return fuse(sl, *weights)
         with np.errstate(invalid="ignore"):
             s = alpha * sl.clf
             s += (1.0 - alpha) * sl.emb
             if knn_weight:
-                s += self.term("knn", knn_weight)
+                s += self.term("knn", knn_weight, knn_discount)
             if lexical_weight:
                 s += self.term("lex", lexical_weight)
             if cooccurrence_weight:
@@ -179,38 +188,39 @@ def smooth_grid(values: np.ndarray, width: int) -> np.ndarray:
     return out
 
 
-Weights = tuple[float, float, float, float]  # (c, d, e, b): the kNN, lexical, co-occurrence and propensity weights
-WEIGHT_AXES = 4
+Weights = tuple[float, float, float, float, float]  # (c, d, e, f, b): the kNN, lexical, co-occurrence weights, the
+# kNN discount and the propensity weight
+WEIGHT_AXES = 5
 COORDINATE_ROUNDS = 8  # sweeps of every weight at most (each round moves one weight or stops)
 
 
 class Cells:
-    """The validation objective at weights (c, d, e, b), for every alpha of the grid, each computed once: a
-    (c, d, e, alpha)'s fused scores are shared by the b values asked with it, and the cells run on the process's
+    """The validation objective at weights (c, d, e, f, b), for every alpha of the grid, each computed once: a
+    (c, d, e, f, alpha)'s fused scores are shared by the b values asked with it, and the cells run on the process's
     threads (numpy's array operations release the GIL; the objective only reads shared state)."""
 
     def __init__(self, sl: Shortlist, objective: ObjectiveOnShortlist, boost: np.ndarray | None,
                  alphas: np.ndarray) -> None:
         self.sl, self.objective, self.boost, self.alphas = sl, objective, boost, alphas
-        self.values: dict[Weights, np.ndarray] = {}  # (c, d, e, b) -> the objective at each alpha
+        self.values: dict[Weights, np.ndarray] = {}  # (c, d, e, f, b) -> the objective at each alpha
         self.local = threading.local()  # a Blend per thread: it keeps the c, d and e terms of the cell it last scored
 
     def __call__(self, points: list[Weights]) -> list[np.ndarray]:
         """The objective over alpha at each of ``points``, the ones not seen before computed."""
-        groups: dict[tuple[float, float, float], list[float]] = {}
+        groups: dict[tuple[float, float, float, float], list[float]] = {}
         for w in dict.fromkeys(points):
             if w not in self.values:
-                groups.setdefault(w[:3], []).append(w[3])
+                groups.setdefault(w[:4], []).append(w[4])
         todo = list(groups.items())
-        out = {(*cde, b): np.empty(len(self.alphas)) for cde, bs in todo for b in bs}
+        out = {(*cdef, b): np.empty(len(self.alphas)) for cdef, bs in todo for b in bs}
 
         def cell(t: tuple[int, int]) -> None:
             if not hasattr(self.local, "blend"):
                 self.local.blend = Blend(self.sl)
-            (c, d, e), bs = todo[t[0]]
-            s = self.local.blend(float(self.alphas[t[1]]), c, d, e)
+            (c, d, e, f), bs = todo[t[0]]
+            s = self.local.blend(float(self.alphas[t[1]]), c, d, e, f)
             for b in bs:
-                out[(c, d, e, b)][t[1]] = self.objective.value(s + np.float32(b) * self.boost if b else s)
+                out[(c, d, e, f, b)][t[1]] = self.objective.value(s + np.float32(b) * self.boost if b else s)
 
         on_threads(cell, [(g, j) for g in range(len(todo)) for j in range(len(self.alphas))])  # alpha innermost
         self.values.update(out)
@@ -219,12 +229,14 @@ class Cells:
 
 def _axes(sl: Shortlist, params: FusionParams, inv_prop: np.ndarray | None
           ) -> tuple[list[list[float]], list[int], np.ndarray | None]:
-    """The weight grids (c, d, e, b) this shortlist can use, their ``*_extend`` budgets and the propensity
-    feature (None without the propensity term)."""
+    """The weight grids (c, d, e, f, b) this shortlist can use, their ``*_extend`` budgets (none for the discount
+    f) and the propensity feature (None without the propensity term)."""
     cs = [0.0] if sl.knn is None else sorted(set(_check_weights("knn_grid", params.knn_grid)))
     ds = [0.0] if sl.lex is None else sorted(set(_check_weights("lexical_grid", params.lexical_grid)) | {0.0})
     es = [0.0] if sl.cooc is None else sorted(set(_check_weights("cooccurrence_grid", params.cooccurrence_grid))
                                               | {0.0})
+    fs = [0.0] if sl.knn is None or sl.knn_count is None else sorted(
+        set(_check_weights("knn_discount_grid", params.knn_discount_grid)) | {0.0})
     prop_grid = _check_weights("propensity_grid", params.propensity_grid)
     for name in ("knn_grid_extend", "lexical_grid_extend", "cooccurrence_grid_extend", "propensity_grid_extend"):
         if getattr(params, name) < 0:
@@ -233,16 +245,17 @@ def _axes(sl: Shortlist, params: FusionParams, inv_prop: np.ndarray | None
     bs = [0.0] if boost is None else sorted(set(prop_grid) | {0.0})
     extends = [params.knn_grid_extend if sl.knn is not None else 0,
                params.lexical_grid_extend if sl.lex is not None else 0,
-               params.cooccurrence_grid_extend if sl.cooc is not None else 0,
+               params.cooccurrence_grid_extend if sl.cooc is not None else 0, 0,
                params.propensity_grid_extend if boost is not None else 0]
-    return [cs, ds, es, bs], extends, boost
+    return [cs, ds, es, fs, bs], extends, boost
 
 
 def fit_alpha(sl: Shortlist, Y_valid: sp.csr_matrix, params: FusionParams, inv_prop: np.ndarray | None,
               filter_pairs: np.ndarray | None, top_k: int = 10) -> AlphaFusion:
     """Search ``alpha`` in [0, 1] with the kNN weight c (``fusion.knn_grid``, shortlists with kNN scores), the
     lexical weight d (``fusion.lexical_grid``, shortlists with lexical scores), the co-occurrence weight e
-    (``fusion.cooccurrence_grid``, shortlists with co-occurrence votes) and the propensity weight b
+    (``fusion.cooccurrence_grid``, shortlists with co-occurrence votes), the kNN discount f
+    (``fusion.knn_discount_grid``: the kNN scores divided by their labels' counts ** f) and the propensity weight b
     (``fusion.propensity_grid``) maximising ``params.objective`` on the validation shortlists.
 
     ``fusion.search`` "grid" tries every combination, the objective smoothed over neighbouring grid points
@@ -251,7 +264,7 @@ def fit_alpha(sl: Shortlist, Y_valid: sp.csr_matrix, params: FusionParams, inv_p
     no weight moves, then tries steps along two weights at once: the grid's choice on our five datasets with 4-12x
     fewer evaluations (docs/decisions.md#fusion-coordinate-search); smoothing then averages each sweep's
     (weight, alpha) plane.
-    Ties prefer the smaller c, then d, then e, then b, then more classifier weight; b = 0, d = 0 and e = 0 are
+    Ties prefer the smaller c, then d, e, f, b, then more classifier weight; b = 0, d = 0, e = 0 and f = 0 are
     always tried (and c = 0 where ``knn_grid`` has it, as by default), so each added term can only match or beat
     validation without it. When the chosen c (or d, e, b) is its grid's largest, the grid was too small: it keeps
     doubling, ``*_extend`` times at most, while the doubled weight is chosen. As the kNN, lexical and
@@ -270,7 +283,7 @@ def fit_alpha(sl: Shortlist, Y_valid: sp.csr_matrix, params: FusionParams, inv_p
 
 def _grid_search(cells: Cells, axes: list[list[float]], extends: list[int], smoothing: int
                  ) -> tuple[list[int], int, float]:
-    """Every (c, d, e, b) of the grids with every alpha; returns the chosen weights' indexes in ``axes``, alpha's
+    """Every (c, d, e, f, b) of the grids with every alpha; returns the chosen weights' indexes in ``axes``, alpha's
     index and the chosen point's smoothed objective."""
     while True:
         points = list(itertools.product(*axes))
@@ -354,11 +367,12 @@ def _fitted(cells: Cells, axes: list[list[float]], at: list[int], j: int, smooth
         points = [tuple(v if i == a else chosen[i] for i in range(WEIGHT_AXES)) for v in axes[a]]
         return [(float(v), float(r.max())) for v, r in zip(axes[a], cells(points))]
 
-    c, d, e, b = chosen
-    (values,) = cells([(c, d, e, b)])
+    c, d, e, f, b = chosen
+    (values,) = cells([(c, d, e, f, b)])
     return AlphaFusion(
         float(cells.alphas[j]), [(float(x), float(v)) for x, v in zip(cells.alphas, values)], c,
-        record(0) if sl.knn is not None else [], b, record(3) if len(axes[3]) > 1 else [],
+        record(0) if sl.knn is not None else [], b, record(4) if len(axes[4]) > 1 else [],
         objective_value=float(values[j]), objective_smoothed=smoothed, lexical_weight=d,
         lexical_grid=record(1) if sl.lex is not None else [], cooccurrence_weight=e,
-        cooccurrence_grid=record(2) if sl.cooc is not None else [])
+        cooccurrence_grid=record(2) if sl.cooc is not None else [], knn_discount=f,
+        knn_discount_grid=record(3) if len(axes[3]) > 1 else [])
