@@ -212,3 +212,24 @@ def test_fixed_shortlist_metrics_reject_what_the_evaluation_rejects():
         FixedShortlistMetrics(["psndcg"], ids, Y, (1, 3, 5))
     with pytest.raises(ValueError, match="Y_true has only"):
         FixedShortlistMetrics(["precision"], np.where(ids < 0, ids, Y.shape[1]), Y, (1, 3, 5))
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero")
+def test_the_knn_discount_never_fits_below_the_fit_without_it():
+    """The coordinate search sweeps the kNN discount from where the search without it ends, so on validation the
+    fit with ``fusion.knn_discount_grid`` is at least the fit without, on every seeded problem (seeds 16 and 40
+    ended lower, 0.280 and 0.368 against 0.371 and 0.388, when the discount was a fifth axis from the start); a
+    discount chosen is one of the grid's and raised the objective."""
+    chosen = 0
+    for seed in (0, 1, 2, 16, 40):
+        sl, Y, inv_prop, fp = _shortlist(seed, n=80, C=30)
+        p = FusionParams(grid_step=0.1, knn_grid=(0.0, 0.25, 0.5, 1.0), lexical_grid=(0.0, 0.25, 0.5),
+                         propensity_grid=(0.0, 0.02, 0.04))
+        off = fit_alpha(sl, Y, p, inv_prop, fp)
+        on = fit_alpha(sl, Y, replace(p, knn_discount_grid=(0.0, 0.25, 0.5, 1.0)), inv_prop, fp)
+        assert on.objective_value >= off.objective_value
+        assert on.knn_discount in (0.0, 0.25, 0.5, 1.0)
+        if on.knn_discount:
+            chosen += 1
+            assert on.objective_value > off.objective_value
+    assert chosen  # the random counts pay somewhere, so the search is exercised

@@ -276,8 +276,17 @@ def fit_alpha(sl: Shortlist, Y_valid: sp.csr_matrix, params: FusionParams, inv_p
     axes, extends, boost = _axes(sl, params, inv_prop)
     cells = Cells(sl, ObjectiveOnShortlist(sl.ids, Y_valid, params.objective, inv_prop, filter_pairs, top_k), boost,
                   alphas)
-    search = _grid_search if params.search == "grid" else _coordinate_search
-    at, j, smoothed = search(cells, axes, extends, params.smoothing)
+    if params.search == "grid":
+        at, j, smoothed = _grid_search(cells, axes, extends, params.smoothing)
+    else:
+        # the discount's sweeps start where the search without it ends: the fit then never lands below the one
+        # without the discount on validation (a fifth axis from the start took Bibtex along another path, to a
+        # lower objective)
+        discounts, axes[3] = axes[3], [0.0]
+        at, j, smoothed = _coordinate_search(cells, axes, extends, params.smoothing)
+        if len(discounts) > 1:
+            axes[3] = discounts
+            at, j, smoothed = _coordinate_search(cells, axes, extends, params.smoothing, at)
     return _fitted(cells, axes, at, j, smoothed, sl)
 
 
@@ -297,13 +306,14 @@ def _grid_search(cells: Cells, axes: list[list[float]], extends: list[int], smoo
         axes[edge[0]].append(2.0 * axes[edge[0]][-1])
 
 
-def _coordinate_search(cells: Cells, axes: list[list[float]], extends: list[int], smoothing: int
-                       ) -> tuple[list[int], int, float]:
-    """Sweeps of one weight at a time (:func:`_sweeps`) from every weight at its smallest; where they stop, a step
+def _coordinate_search(cells: Cells, axes: list[list[float]], extends: list[int], smoothing: int,
+                       start: list[int] | None = None) -> tuple[list[int], int, float]:
+    """Sweeps of one weight at a time (:func:`_sweeps`) from ``start`` (default: every weight at its smallest),
+    each sweep keeping the best of its values, the held one among them; where they stop, a step
     along two weights at once (:func:`_pair_step`) that beats the point restarts them, as the weights trade
     against each other along ridges a single weight cannot climb (Delicious' lexical and kNN weights:
     docs/decisions.md#fusion-coordinate-search). Returns as :func:`_grid_search`."""
-    at, j, smoothed = _sweeps(cells, axes, extends, smoothing, [0] * WEIGHT_AXES)
+    at, j, smoothed = _sweeps(cells, axes, extends, smoothing, [0] * WEIGHT_AXES if start is None else start)
     for _ in range(COORDINATE_ROUNDS - 1):
         step = _pair_step(cells, axes, at, j)
         if step is None:
