@@ -108,15 +108,15 @@ def test_work_counts_of_a_hand_computed_shape(monkeypatch):
     fusion = stages["fusion"]  # ngame: the index's own votes, the weights searched one at a time
     assert fusion.parts["label search (exact, 10 x 300)"] == pytest.approx(10 * 300 * 1e-9)
     width = 100 * 5  # W, label, knn, lexical, cooccurrence
-    # 21 alphas x (5 kNN + 5 lexical + 4 co-occurrence + 5 propensity weights) x 2 rounds
-    assert fusion.parts["alpha fit, 798 evaluations x 10 points"] == pytest.approx(798 * 10 * width * 1e-9)
+    # 21 alphas x (5 kNN + 5 lexical + 4 co-occurrence weights + 5 kNN discounts + 5 propensity weights) x 2 rounds
+    assert fusion.parts["alpha fit, 1,008 evaluations x 10 points"] == pytest.approx(1008 * 10 * width * 1e-9)
     grid = {p.name: p for p in plan_stages(Costs(FixedUnits(), cfg, s), _ngame(**{"fusion.search": "grid"}), s,
                                            None)}["fusion"]  # every combination
-    assert grid.parts["alpha fit, 10,500 grid points x 10 points"] == pytest.approx(10500 * 10 * width * 1e-9)
+    assert grid.parts["alpha fit, 52,500 grid points x 10 points"] == pytest.approx(52500 * 10 * width * 1e-9)
     two = {p.name: p for p in plan_stages(Costs(FixedUnits(), cfg, s), _ngame(**{"fusion.vote_grid": "10:2,50:4"}),
                                           s, None)}["fusion"]  # the shortlists and the fit for each candidate
-    assert two.parts["alpha fit, 798 evaluations x 10 points, x 2 vote candidates"] == pytest.approx(
-        2 * 798 * 10 * width * 1e-9)
+    assert two.parts["alpha fit, 1,008 evaluations x 10 points, x 2 vote candidates"] == pytest.approx(
+        2 * 1008 * 10 * width * 1e-9)
     assert two.seconds == pytest.approx(2 * fusion.seconds)
     # the user's own votes without a grid: the index's votes only, as the fusion stage counts them
     mine = {p.name: p for p in plan_stages(Costs(FixedUnits(), cfg, s), _ngame(**{"index.knn_neighbours": 5}), s,

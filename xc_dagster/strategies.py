@@ -69,12 +69,15 @@ STRATEGIES: dict[str, Strategy] = {
         "Inference: ANNS over W and over the label embeddings, plus SiameseXML's kNN index over the training "
         "points and the lexical channel (TF-IDF similarity to the label text and a sparse kNN over the training "
         "points; index.sources=W,label for the paper's dual MIPS alone); the embedding score adds the label "
-        "centroid (index.label_repr=text for E(z_l) alone); scores fused by a blend fitted on validation "
+        "centroid (index.label_repr=text for E(z_l) alone); scores fused by a blend fitted on validation, "
+        "the kNN votes divided by a power of their labels' counts where validation prefers it "
         "(fusion.method=tree for the paper's depth-7 tree).",
         {"pretrain.sampler": "ngame", "fusion.method": "alpha",
          "index.label_repr": "text+centroid",  # docs/decisions.md#ngame-label-centroid-score
          # Gandalf's label points in the Siamese pretraining: docs/decisions.md#gandalf-label-points
          "pretrain.label_points": True, "pretrain.label_point_cooccurrence": 0.5,
+         # the kNN votes divided by their labels' counts ** f: docs/decisions.md#fusion-knn-discount
+         "fusion.knn_discount_grid": (0.0, 0.125, 0.25, 0.5, 1.0),
          **LEXICAL_INFERENCE, **PROPENSITY_SCORED},
     ),
     "siamesexml": Strategy(
