@@ -300,23 +300,19 @@ class FusionParams:
     # alpha only, when the shortlist has kNN scores (index.sources with knn): weights c tried jointly with alpha
     # for a * classifier + (1 - a) * embedding + c * kNN; 0 = the two-score blend
     knn_grid: tuple[float, ...] = (0.0, 0.125, 0.25, 0.5, 1.0)
-    # when the best kNN weight is the grid's largest, double it up to this many times while validation improves
-    knn_grid_extend: int = 6
-    # alpha only, when the shortlist has lexical scores (index.sources with lexical): weights d tried jointly for
-    # + d * lexical score; d = 0 is always tried; (0,) = no lexical term
+    knn_grid_extend: int = 6  # a best c on the grid's edge doubles up to this many times while validation improves
+    # alpha only, with lexical scores (index.sources with lexical): weights d of + d * lexical; 0 always tried
     lexical_grid: tuple[float, ...] = (0.0, 0.125, 0.25, 0.5, 1.0)
     lexical_grid_extend: int = 6  # as knn_grid_extend, for the lexical weight
     # alpha only, when the shortlist has co-occurrence votes (index.sources with cooccurrence): weights e tried
     # jointly for + e * votes; e = 0 is always tried; (0,) = no co-occurrence term
     cooccurrence_grid: tuple[float, ...] = (0.0, 0.25, 0.5, 1.0)
     cooccurrence_grid_extend: int = 6  # as knn_grid_extend, for the co-occurrence weight
-    # alpha only, with kNN scores: exponents f tried jointly for c * kNN / n_l ** f, n_l the kNN index's points
-    # carrying label l (a head label's votes come from its crowd, not the query); f = 0 is always tried; (0,) = off
-    # (docs/decisions.md#fusion-knn-discount)
+    # alpha only, with kNN scores: exponents f tried for c * kNN / n_l ** f, n_l the kNN index's points carrying
+    # label l; f = 0 always tried; (0,) = off (docs/decisions.md#fusion-knn-discount)
     knn_discount_grid: tuple[float, ...] = (0.0,)
-    # alpha only: weights b tried jointly with alpha and c for + b * log(1 / p_l), the labels' inverse propensity:
-    # ranking by P(y_l) / p_l maximises PSP. b = 0 is always tried; (0,) = no propensity term
-    # (docs/decisions.md#fusion-propensity-term)
+    # alpha only: weights b tried jointly for + b * log(1 / p_l), the labels' inverse propensity: ranking by
+    # P(y_l) / p_l maximises PSP; b = 0 always tried; (0,) = no term (docs/decisions.md#fusion-propensity-term)
     propensity_grid: tuple[float, ...] = (0.0, 0.01, 0.02, 0.04, 0.08)
     propensity_grid_extend: int = 6  # as knn_grid_extend, for the propensity weight
     # candidates "K:p" for the kNN votes of the knn and lexical sources (K nearest training points, each voting its

@@ -215,8 +215,6 @@ def retrieve(queries: np.ndarray, src: ShortlistSources, k: int, exclude_knn: np
     knn_all = np.zeros((n, width), dtype=np.float32) if "knn" in names else None
     lex_all = np.zeros((n, width), dtype=np.float32) if lexical is not None else None
     cooc_all = np.zeros((n, width), dtype=np.float32) if src.cooccurrence is not None else None
-    counts = src.knn_counts if knn_all is not None else None
-    count_all = np.zeros((n, width), dtype=np.float32) if counts is not None else None
     dev = device or resolve_device("auto")
     Wt = torch.from_numpy(np.ascontiguousarray(src.W, dtype=np.float32)).to(dev) if classifier_scores else None
     Rt = torch.from_numpy(np.ascontiguousarray(src.label_repr, dtype=np.float32)).to(dev)
@@ -255,13 +253,13 @@ def retrieve(queries: np.ndarray, src: ShortlistSources, k: int, exclude_knn: np
         emb_all[rows] = np.where(pad, -np.inf, gathered_scores(qt, Rt, safe).cpu().numpy())
         if knn_all is not None:
             knn_all[rows] = _lookup(ids, knn_ids, knn_sc, len(src.W))
-            count_all[rows] = np.where(pad, 0.0, counts[np.maximum(ids, 0)])
         if lex_all is not None:
             lex_all[rows] = sparse_lookup(lex, ids)
         if cooc_all is not None:
             cooc_all[rows] = sparse_lookup(cooc, ids)
         if progress is not None:
             progress(len(q))
+    count_all = None if knn_all is None else np.where(ids_all < 0, 0.0, src.knn_counts[np.maximum(ids_all, 0)])
     return Shortlist(ids_all, clf_all, emb_all, knn_all, lex_all, cooc_all, count_all)
 
 
