@@ -151,6 +151,7 @@ def test_retrieve_is_the_union_of_each_source_with_exact_scores(monkeypatch):
     assert len(calls) == 3  # one per block (7, 7, 6 queries): the embedding scores only
     assert np.array_equal(bare.ids, sl.ids) and np.array_equal(bare.emb, sl.emb) and np.array_equal(bare.knn, sl.knn)
     assert np.isneginf(bare.clf).all()
+    assert bare.knn_count is None and sl.knn_count is not None  # nor the kNN counts, which only the fusion reads
 
 
 def test_retrieve_counts_each_candidates_knn_points_without_the_excluded_rows():

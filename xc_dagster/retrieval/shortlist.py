@@ -194,7 +194,7 @@ def retrieve(queries: np.ndarray, src: ShortlistSources, k: int, exclude_knn: np
     ``progress(rows)`` follows each block of queries (``xc_dagster.progress.Progress.update``). ``device``: where
     the union's classifier and embedding scores are computed (default: where exact search runs, a GPU when there
     is one: the host's cores are busy with the lexical source). ``classifier_scores=False``: the classifier scores
-    are left -inf, not computed (mining, whose ``W`` is the label embeddings and which ranks by the others).
+    are left -inf and the kNN counts None (mining, whose ``W`` is the label embeddings and which ranks by the others).
     """
     n = len(queries)
     names = list(src.indexes)
@@ -259,7 +259,8 @@ def retrieve(queries: np.ndarray, src: ShortlistSources, k: int, exclude_knn: np
             cooc_all[rows] = sparse_lookup(cooc, ids)
         if progress is not None:
             progress(len(q))
-    count_all = None if knn_all is None else np.where(ids_all < 0, 0.0, src.knn_counts[np.maximum(ids_all, 0)])
+    fused = knn_all is not None and Wt is not None  # the counts are the fusion's (mining never fuses)
+    count_all = np.where(ids_all < 0, 0.0, src.knn_counts[np.maximum(ids_all, 0)]) if fused else None
     return Shortlist(ids_all, clf_all, emb_all, knn_all, lex_all, cooc_all, count_all)
 
 

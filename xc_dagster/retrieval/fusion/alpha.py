@@ -92,8 +92,7 @@ class AlphaFusion:
             if weight and scores is None:
                 raise XCConfigError(f"the fusion weighs {name} scores ({weight}) but the shortlist has none: its "
                                     f"sources lack {source} (index.sources)")
-        s = fuse(sl, self.alpha, self.knn_weight, self.lexical_weight, self.cooccurrence_weight,
-                 self.knn_discount if self.knn_weight else 0.0)
+        s = fuse(sl, self.alpha, self.knn_weight, self.lexical_weight, self.cooccurrence_weight, self.knn_discount)
         if self.propensity_weight:
             s = s + np.float32(self.propensity_weight) * propensity_boost(sl.ids, inv_prop)
         return s
