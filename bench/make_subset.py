@@ -1,10 +1,14 @@
 """Cut a small LF raw-text dataset out of a bigger one (default: the embedded LF-WordNetNouns).
 
-  python bench/make_subset.py [--source DIR] [--n-train 9200] [--seed 0] \
+  python bench/make_subset.py [--source DIR] [--n-train 9200] [--n-labels N] [--seed 0] \
       [--out /work/data/LF-WordNetNounsTitles-9K] [--force]
 
 - A seeded random sample (numpy ``default_rng(seed)``) of ``--n-train`` training points and the same fraction
   of the test points (rounded), each kept in its source order.
+- With ``--n-labels N``, first a seeded sample of N labels drawn without replacement with probability
+  proportional to their training points (so a cut with few labels keeps the head and the torso, as a small
+  dataset of its own would have them); the points are sampled among those carrying at least one of them, and
+  their other labels dropped.
 - Only the labels that occur in the sampled training points are kept, renumbered 0..L'-1 in their source
   order (their ``uid``, ``title`` and ``content`` are kept); points left without a label are dropped (only test
   points can be: every label of a sampled training point is kept).
@@ -81,16 +85,42 @@ def remap_pairs(pairs: np.ndarray, row_map: dict[int, int], label_map: dict[int,
     return [(row_map[r], label_map[c]) for r, c in pairs.tolist() if r in row_map and c in label_map]
 
 
-def cut(source: Path, n_train: int, seed: int) -> tuple[dict[str, list], dict[str, list], list, dict[str, Any]]:
+def label_sample(rng: np.random.Generator, train: list[dict[str, Any]], num_labels: int, n: int) -> np.ndarray:
+    """(num_labels,) bool: n labels drawn without replacement, each with probability proportional to its
+    training points (labels without any are never drawn)."""
+    ind = [r.get("target_ind") or [] for r in train]
+    freq = np.bincount(np.fromiter((lab for t in ind for lab in t), dtype=np.int64), minlength=num_labels)
+    keep = np.zeros(num_labels, dtype=bool)
+    keep[rng.choice(num_labels, size=min(n, int((freq > 0).sum())), replace=False, p=freq / freq.sum())] = True
+    return keep
+
+
+def carrying(records: list[dict[str, Any]], keep: np.ndarray) -> np.ndarray:
+    """Rows of ``records`` with at least one label in ``keep``."""
+    return np.array([i for i, r in enumerate(records) if any(keep[lab] for lab in r.get("target_ind") or [])],
+                    dtype=np.int64)
+
+
+def cut(source: Path, n_train: int, seed: int, n_labels: int | None = None
+        ) -> tuple[dict[str, list], dict[str, list], list, dict[str, Any]]:
     """Point records per split, filter pairs per split, label records and the counts of the subset."""
     points = {s: read_jsonl(source / name) for s, name in POINT_FILES.items()}
     labels = read_jsonl(source / "lbl.json.gz")
     filters = dict(zip(FILTER_FILES, read_filters(source, len(points["train"]), len(points["test"]), len(labels))))
     rng = np.random.default_rng(seed)
-    frac = min(n_train, len(points["train"])) / len(points["train"])
-    rows = {"train": sample_rows(rng, len(points["train"]), n_train)}
-    rows["test"] = sample_rows(rng, len(points["test"]), round(frac * len(points["test"])))
-    kept_ids = sorted({lab for r in rows["train"].tolist() for lab in points["train"][r].get("target_ind") or []})
+    if n_labels is None:
+        frac = min(n_train, len(points["train"])) / len(points["train"])
+        rows = {"train": sample_rows(rng, len(points["train"]), n_train)}
+        rows["test"] = sample_rows(rng, len(points["test"]), round(frac * len(points["test"])))
+        keep = None
+    else:
+        keep = label_sample(rng, points["train"], len(labels), n_labels)
+        pool = {s: carrying(points[s], keep) for s in POINT_FILES}
+        frac = min(n_train, len(pool["train"])) / max(len(pool["train"]), 1)
+        rows = {"train": pool["train"][sample_rows(rng, len(pool["train"]), n_train)]}
+        rows["test"] = pool["test"][sample_rows(rng, len(pool["test"]), round(frac * len(pool["test"])))]
+    kept_ids = sorted({lab for r in rows["train"].tolist() for lab in points["train"][r].get("target_ind") or []
+                       if keep is None or keep[lab]})
     label_map = {old: new for new, old in enumerate(kept_ids)}
     out_points, out_pairs, counts = {}, {}, {"fraction": frac}
     for s in POINT_FILES:
@@ -105,12 +135,13 @@ def cut(source: Path, n_train: int, seed: int) -> tuple[dict[str, list], dict[st
     return out_points, out_pairs, [labels[i] for i in kept_ids], counts
 
 
-def write_subset(source: Path, out: Path, n_train: int, seed: int, force: bool = False) -> dict[str, Any]:
+def write_subset(source: Path, out: Path, n_train: int, seed: int, force: bool = False,
+                 n_labels: int | None = None) -> dict[str, Any]:
     """Cut ``source`` and install the result at ``out`` atomically; returns the provenance record."""
     out = Path(out)
     if out.exists() and not force:
         raise FileExistsError(f"{out} exists (use --force to replace it)")
-    points, pairs, labels, counts = cut(source, n_train, seed)
+    points, pairs, labels, counts = cut(source, n_train, seed, n_labels)
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
@@ -121,7 +152,10 @@ def write_subset(source: Path, out: Path, n_train: int, seed: int, force: bool =
         write_jsonl(work / "lbl.json.gz", labels)
         files = [*POINT_FILES.values(), "lbl.json.gz", *FILTER_FILES.values()]
         prov = {"made_by": "bench/make_subset.py", "source": str(source), "seed": seed, "n_train_requested": n_train,
-                "sampling": "numpy default_rng(seed).choice without replacement: train rows, then test rows",
+                "n_labels_requested": n_labels,
+                "sampling": ("numpy default_rng(seed).choice without replacement: " + (
+                    "" if n_labels is None else "labels (probability proportional to their training points), ")
+                    + "train rows, then test rows" + ("" if n_labels is None else " (of those carrying a label)")),
                 "source_sha256": {n: file_sha256(source / n) for n in files if (source / n).is_file()},
                 "counts": counts, "sha256": {n: file_sha256(work / n) for n in files}}
         (work / "subset.json").write_text(json.dumps(prov, indent=2) + "\n")
@@ -148,16 +182,20 @@ def main() -> None:
     ap.add_argument("--source", type=Path, default=None, help="LF raw-text folder (default: the embedded "
                     "LF-WordNetNouns)")
     ap.add_argument("--n-train", type=int, default=9200, help="training points to sample")
+    ap.add_argument("--n-labels", type=int, default=None, help="labels to sample first, each in proportion to "
+                    "its training points (default: every label of the sampled points)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--force", action="store_true", help="replace an existing --out")
     args = ap.parse_args()
     if args.n_train < 1:
         ap.error("--n-train must be >= 1")
+    if args.n_labels is not None and args.n_labels < 1:
+        ap.error("--n-labels must be >= 1")
     if args.out.exists() and not args.force:
         ap.error(f"{args.out} exists (use --force to replace it)")
     source = args.source or builtin_path("LF-WordNetNouns")
-    prov = write_subset(source, args.out, args.n_train, args.seed, args.force)
+    prov = write_subset(source, args.out, args.n_train, args.seed, args.force, args.n_labels)
     c = prov["counts"]
     print(f"wrote {args.out}: {c['train']['kept']} train / {c['test']['kept']} test / {c['labels']['kept']} labels; "
           f"labels per point {c['train']['labels_per_point']} train, {c['test']['labels_per_point']} test; "

@@ -89,3 +89,29 @@ def test_cut_of_the_embedded_dataset(tmp_path):
     assert [sr, sc] in s_filters[0].tolist()
     assert (o_trn[r]["title"], o_lbl[c]["title"]) == (s_trn[sr]["title"], s_lbl[sc]["title"])
     assert ds.train_texts[r] == s_trn[sr]["title"] and ds.label_texts[c] == s_lbl[sc]["title"]
+
+
+def test_label_sample_follows_the_training_frequencies():
+    """Labels are drawn in proportion to their training points: over seeded draws of one label, label 0 (6 of 9
+    positives) comes about twice as often as label 1 (3 of 9); label 2 (no training point) never."""
+    train = [{"target_ind": [0]}] * 6 + [{"target_ind": [1]}] * 3
+    draws = np.array([ms.label_sample(np.random.default_rng(s), train, 3, 1) for s in range(3000)])
+    assert draws.sum(1).tolist() == [1] * 3000 and not draws[:, 2].any()
+    assert abs(draws[:, 0].mean() - 2 / 3) < 0.03
+    assert ms.label_sample(np.random.default_rng(0), train, 3, 5).tolist() == [True, True, False]  # at most 2
+
+
+def test_cut_with_a_label_sample(tmp_path):
+    """``n_labels``: every kept label was sampled, every point sampled carries one, and the cut keeps only those."""
+    src = builtin_path("LF-WordNetNouns")
+    prov = ms.write_subset(src, tmp_path / "cut", n_train=400, seed=3, n_labels=300)
+    s_trn, s_lbl = _records(src / "trn.json.gz"), _records(src / "lbl.json.gz")
+    keep = ms.label_sample(np.random.default_rng(3), s_trn, len(s_lbl), 300)
+    uid_label = {r["uid"]: i for i, r in enumerate(s_lbl)}
+    o_lbl = [uid_label[r["uid"]] for r in _records(tmp_path / "cut" / "lbl.json.gz")]
+    assert 0 < len(o_lbl) <= 300 and keep[o_lbl].all() and o_lbl == sorted(o_lbl)
+    by_uid = {r["uid"]: r["target_ind"] for r in s_trn}
+    o_trn = _records(tmp_path / "cut" / "trn.json.gz")
+    assert len(o_trn) == 400 and prov["n_labels_requested"] == 300
+    for r in o_trn:  # a point keeps exactly its source labels that were sampled, renumbered
+        assert [o_lbl[j] for j in r["target_ind"]] == [lab for lab in by_uid[r["uid"]] if keep[lab]]
