@@ -174,10 +174,13 @@ def test_descriptions_show_each_strategys_value():
     assert desc["pretrain"]["epochs"].endswith("default quick preset: ngame: 1.0, siamesexml: 3.0, astra: 0.0, "
                                                "mips: 0.0; paper preset: ngame: 300.0, siamesexml: 3.0, astra: 0.0, "
                                                "mips: 0.0")
+    assert desc["classifier"]["epochs"].endswith("default quick preset: ngame: 10.0, siamesexml: 5, astra: 0.75, "
+                                                 "mips: 1.0; paper preset: ngame: 100.0, siamesexml: 100.0, "
+                                                 "astra: 0.75, mips: 1.0")
     assert "the dataset's options set it" in desc["tokenize"]["max_len"]
     assert "the dataset's options set it" not in desc["tokenize"]["encoder"]
     # every field's description is the library's, and each strategy's value under the quick preset is in it
-    quick = {name: resolve_config("quick", name, ("s", s.overrides)) for name, s in STRATEGIES.items()}
+    quick = {name: resolve_config("quick", name, ("s", s.settings("quick"))) for name, s in STRATEGIES.items()}
     for stage, params in STAGES.items():
         for f in dataclasses.fields(params):
             assert describe_default(stage, f.name) in desc[stage][f.name], (stage, f.name)
@@ -186,3 +189,16 @@ def test_descriptions_show_each_strategys_value():
                 value = getattr(cfg.stage(stage), f.name)
                 shown = repr(",".join(map(str, value))) if isinstance(value, tuple) else repr(value)
                 assert shown in text, (stage, f.name, name)
+
+
+def test_a_strategys_quick_settings_apply_under_the_quick_preset_only(tmp_path):
+    """ngame's ten classifier epochs are the quick preset's (a default, so a budget may plan them); the paper
+    preset keeps the paper's 100, and siamesexml keeps the dataclass's 5."""
+    cfgs = {(p, s): DatasetSpec(name="D", source="x", strategy=s, preset=p).config()
+            for p in ("quick", "paper") for s in ("ngame", "siamesexml")}
+    assert {k: c.classifier.epochs for k, c in cfgs.items()} == {
+        ("quick", "ngame"): 10, ("paper", "ngame"): 100, ("quick", "siamesexml"): 5, ("paper", "siamesexml"): 100}
+    assert "classifier.epochs" not in cfgs["quick", "ngame"].explicit
+    assert DatasetSpec(name="D", source="x", strategy="ngame", overrides={"classifier.epochs": 3}
+                       ).config().classifier.epochs == 3
+    assert STRATEGIES["ngame"].settings("paper") == STRATEGIES["ngame"].overrides

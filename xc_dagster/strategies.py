@@ -17,12 +17,18 @@ from typing import Any
 @dataclass(frozen=True)
 class Strategy:
     """``summary``: one line; ``description``: the user's help (components, and the options that change them);
-    ``overrides``: the ``stage.field`` values it sets on top of the preset."""
+    ``overrides``: the ``stage.field`` values it sets on top of the preset; ``quick``: values it sets on top of
+    those under the quick preset only (the CPU budget's: the paper preset keeps the papers' values)."""
 
     name: str
     summary: str
     description: str
     overrides: dict[str, Any] = field(default_factory=dict)
+    quick: dict[str, Any] = field(default_factory=dict)
+
+    def settings(self, preset: str) -> dict[str, Any]:
+        """Every ``stage.field`` value this strategy sets on top of ``preset``."""
+        return {**self.overrides, **(self.quick if preset == "quick" else {})}
 
 
 # ASTRA / MIPS-s in a CPU budget: end to end from the starting encoder in about one pass, BCE with k_p = 7
@@ -65,7 +71,8 @@ STRATEGIES: dict[str, Strategy] = {
         "and pretrain.epochs >= 2 adds cluster batches. M2/M4: one-vs-all classifiers initialised from the label "
         "embeddings and trained with the multi-positive triplet loss on the hardest mined negatives "
         "(classifier.negatives=in-batch|both with classifier.cluster_size for M2's cluster-batched in-batch "
-        "negatives); positives weigh (1/p_l) (classifier.propensity_weight=0 for the paper's unweighted loss). "
+        "negatives); positives weigh (1/p_l) (classifier.propensity_weight=0 for the paper's unweighted loss), "
+        "for ten epochs under the quick preset (the paper preset's 100 under it). "
         "Inference: ANNS over W and over the label embeddings, plus SiameseXML's kNN index over the training "
         "points and the lexical channel (TF-IDF similarity to the label text and a sparse kNN over the training "
         "points; index.sources=W,label for the paper's dual MIPS alone); the embedding score adds the label "
@@ -79,6 +86,8 @@ STRATEGIES: dict[str, Strategy] = {
          # the kNN votes divided by their labels' counts ** f: docs/decisions.md#fusion-knn-discount
          "fusion.knn_discount_grid": (0.0, 0.125, 0.25, 0.5, 1.0),
          **LEXICAL_INFERENCE, **PROPENSITY_SCORED},
+        # ten classifier epochs, not five, under the quick preset: docs/decisions.md#classifier-epochs-ten
+        quick={"classifier.epochs": 10},
     ),
     "siamesexml": Strategy(
         "siamesexml",
@@ -155,6 +164,10 @@ def strategy_help(name: str | None = None) -> str:
         return "\n".join(f"{n:<{width}}  {s.summary}" for n, s in STRATEGIES.items())
     s = STRATEGIES[name]
     text = textwrap.fill(s.description, width=110)
-    settings = "\n".join(f"  {k} = {','.join(map(str, v)) if isinstance(v, tuple) else v}"
-                         for k, v in sorted(s.overrides.items()))
-    return f"{s.name}: {s.summary}\n\n{text}\n\nSettings on top of the preset:\n{settings}"
+
+    def lines(d: dict[str, Any]) -> str:
+        return "\n".join(f"  {k} = {','.join(map(str, v)) if isinstance(v, tuple) else v}"
+                         for k, v in sorted(d.items()))
+
+    quick = f"\n\nOn top of those, under the quick preset only:\n{lines(s.quick)}" if s.quick else ""
+    return f"{s.name}: {s.summary}\n\n{text}\n\nSettings on top of the preset:\n{lines(s.overrides)}{quick}"

@@ -13,7 +13,7 @@ from xc_dagster.strategies import STRATEGIES
 
 
 def _configs() -> dict[tuple[str, str], PipelineConfig]:
-    return {(p, s): resolve_config(p, s, (f"strategy {s!r}", STRATEGIES[s].overrides))
+    return {(p, s): resolve_config(p, s, (f"strategy {s!r}", STRATEGIES[s].settings(p)))
             for p in PRESETS for s in STRATEGIES}
 
 
