@@ -72,7 +72,7 @@ STRATEGIES: dict[str, Strategy] = {
         "embeddings and trained with the multi-positive triplet loss on the hardest mined negatives "
         "(classifier.negatives=in-batch|both with classifier.cluster_size for M2's cluster-batched in-batch "
         "negatives); positives weigh (1/p_l) (classifier.propensity_weight=0 for the paper's unweighted loss), "
-        "for ten epochs under the quick preset (the paper preset's 100 under it). "
+        "for ten epochs under the quick preset (the paper preset keeps its 100). "
         "Inference: ANNS over W and over the label embeddings, plus SiameseXML's kNN index over the training "
         "points and the lexical channel (TF-IDF similarity to the label text and a sparse kNN over the training "
         "points; index.sources=W,label for the paper's dual MIPS alone); the embedding score adds the label "
