@@ -108,17 +108,12 @@ def cut(source: Path, n_train: int, seed: int, n_labels: int | None = None
     labels = read_jsonl(source / "lbl.json.gz")
     filters = dict(zip(FILTER_FILES, read_filters(source, len(points["train"]), len(points["test"]), len(labels))))
     rng = np.random.default_rng(seed)
-    if n_labels is None:
-        frac = min(n_train, len(points["train"])) / len(points["train"])
-        rows = {"train": sample_rows(rng, len(points["train"]), n_train)}
-        rows["test"] = sample_rows(rng, len(points["test"]), round(frac * len(points["test"])))
-        keep = None
-    else:
-        keep = label_sample(rng, points["train"], len(labels), n_labels)
-        pool = {s: carrying(points[s], keep) for s in POINT_FILES}
-        frac = min(n_train, len(pool["train"])) / max(len(pool["train"]), 1)
-        rows = {"train": pool["train"][sample_rows(rng, len(pool["train"]), n_train)]}
-        rows["test"] = pool["test"][sample_rows(rng, len(pool["test"]), round(frac * len(pool["test"])))]
+    # the rows sampled from: every point, or those carrying a drawn label
+    keep = None if n_labels is None else label_sample(rng, points["train"], len(labels), n_labels)
+    pool = {s: np.arange(len(points[s])) if keep is None else carrying(points[s], keep) for s in POINT_FILES}
+    frac = min(n_train, len(pool["train"])) / max(len(pool["train"]), 1)
+    rows = {"train": pool["train"][sample_rows(rng, len(pool["train"]), n_train)]}
+    rows["test"] = pool["test"][sample_rows(rng, len(pool["test"]), round(frac * len(pool["test"])))]
     kept_ids = sorted({lab for r in rows["train"].tolist() for lab in points["train"][r].get("target_ind") or []
                        if keep is None or keep[lab]})
     label_map = {old: new for new, old in enumerate(kept_ids)}

@@ -259,7 +259,7 @@ def retrieve(queries: np.ndarray, src: ShortlistSources, k: int, exclude_knn: np
             cooc_all[rows] = sparse_lookup(cooc, ids)
         if progress is not None:
             progress(len(q))
-    fused = knn_all is not None and Wt is not None  # the counts are the fusion's (mining never fuses)
+    fused = knn_all is not None and classifier_scores  # the counts are the fusion's (mining never fuses)
     count_all = np.where(ids_all < 0, 0.0, src.knn_counts[np.maximum(ids_all, 0)]) if fused else None
     return Shortlist(ids_all, clf_all, emb_all, knn_all, lex_all, cooc_all, count_all)
 
