@@ -45,7 +45,6 @@ from xc_dagster.device import adamw, amp_dtype
 from xc_dagster.encoders.loading import load_encoder
 from xc_dagster.encoders.transformer import SiameseEncoder
 from xc_dagster.errors import XCConfigError
-from xc_dagster.strategies import STRATEGIES
 from xc_dagster.training.end_to_end import EndToEndTrainer
 from xc_dagster.training.memory import available_memory
 from xc_dagster.training.siamese import SiameseTrainer
@@ -150,7 +149,7 @@ def strategy_trainer(c: dict[str, Any]) -> tuple[Any, list[Any]]:
     """The strategy's trainer (paper preset + strategy settings, ``batch_size`` and ``grad_cache`` set) on
     synthetic long texts, and the batches of its first steps."""
     name, T = c["strategy"], c["max_len"]
-    cfg = resolve_config("paper", name, ("strategy", STRATEGIES[name].overrides), defaults=1)
+    cfg = resolve_config("paper", name)
     n_points, n_labels = c["points"], c["labels"]
     pt = synthetic_tokens(n_points, T, T, T, 1)
     lt = synthetic_tokens(n_labels, T, 8, 24, 2)

@@ -100,8 +100,8 @@ def test_allowed_values_pass_and_resolve_to_plain_strings():
     cfg = resolve_config("quick", "ngame", ("--set", sets))
     assert cfg.classifier.negatives == "in-batch" and type(cfg.classifier.negatives) is str
     assert cfg.index.sources == ("W", "knn") and cfg.fusion.fit_on == "cross_fit"
-    for name, strategy in STRATEGIES.items():  # every strategy's own values are allowed ones
-        resolve_config("paper", name, ("strategy", strategy.overrides))
+    for name in STRATEGIES:  # every strategy's own values are allowed ones
+        resolve_config("paper", name)
 
 
 def test_datasets_add_with_a_bad_value_fails_before_writing_the_catalog(tmp_path, monkeypatch, capsys):
@@ -180,7 +180,7 @@ def test_descriptions_show_each_strategys_value():
     assert "the dataset's options set it" in desc["tokenize"]["max_len"]
     assert "the dataset's options set it" not in desc["tokenize"]["encoder"]
     # every field's description is the library's, and each strategy's value under the quick preset is in it
-    quick = {name: resolve_config("quick", name, ("s", s.settings("quick"))) for name, s in STRATEGIES.items()}
+    quick = {name: resolve_config("quick", name) for name in STRATEGIES}
     for stage, params in STAGES.items():
         for f in dataclasses.fields(params):
             assert describe_default(stage, f.name) in desc[stage][f.name], (stage, f.name)
@@ -202,3 +202,17 @@ def test_a_strategys_quick_settings_apply_under_the_quick_preset_only(tmp_path):
     assert DatasetSpec(name="D", source="x", strategy="ngame", overrides={"classifier.epochs": 3}
                        ).config().classifier.epochs == 3
     assert STRATEGIES["ngame"].settings("paper") == STRATEGIES["ngame"].overrides
+
+
+def test_resolve_config_layers_the_named_strategy_itself():
+    """A config resolved from a strategy's name alone is the one a catalog entry of that strategy gets (the strategy's
+    values are defaults, not the user's); an unknown strategy fails naming the known ones."""
+    for preset in ("quick", "paper"):
+        for name in STRATEGIES:
+            spec = DatasetSpec(name="D", source="x", strategy=name, preset=preset)
+            assert resolve_config(preset, name, ("options", spec.option_overrides())) == spec.config(), (preset, name)
+            assert not resolve_config(preset, name).explicit
+    assert resolve_config("quick", "ngame").classifier.epochs == 10
+    assert resolve_config("quick", "ngame", ("test", {"classifier.epochs": 4})).explicit == {"classifier.epochs"}
+    with pytest.raises(XCConfigError, match="unknown strategy 'ngam'.*ngame, siamesexml, astra, mips"):
+        resolve_config("quick", "ngam")

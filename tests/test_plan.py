@@ -19,7 +19,6 @@ from xc_dagster.home import Home
 from xc_dagster.planning import calibration, dataset_shape, plan_run, plan_stages
 from xc_dagster.planning.model import Costs, Shape
 from xc_dagster.retrieval.exact_settings import resolve_kind
-from xc_dagster.strategies import STRATEGIES
 
 STAGES = ["ingest", "tokenize", "pretrain", "mining", "classifier", "index", "fusion", "evaluate"]
 TINY = ["--points", "300", "--test-points", "100", "--labels", "50", "--labels-per-point", "2", "--tokens", "6"]
@@ -49,8 +48,7 @@ class FixedUnits:
 
 def _ngame(**overrides) -> object:
     """The ngame strategy's config (as a catalog entry resolves it) with ``overrides``."""
-    return resolve_config("quick", "ngame", ("strategy", STRATEGIES["ngame"].overrides), ("test", overrides),
-                          defaults=1)
+    return resolve_config("quick", "ngame", ("test", overrides))
 
 
 def _tiny_shape(n_valid: int = 10) -> Shape:

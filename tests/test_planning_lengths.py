@@ -99,5 +99,7 @@ def test_encoder_calibration_trains_in_train_mode_on_the_real_lengths(monkeypatc
     costs = Costs(units, cfg, shape)
     assert costs.encoder["pretrain_step_s"] == 1.0
     assert seen["training"] and all(seen["training"])
-    assert len(seen["lens"]) == 1024 and np.mean(seen["lens"] == 128) == pytest.approx(0.04, abs=0.02)
+    lens = np.asarray(seen["lens"])  # ngame trains on the label points too: 1,024 points, then their labels' texts
+    assert len(lens) == 2048 and np.mean(lens[:1024] == 128) == pytest.approx(0.04, abs=0.02)
+    assert set(lens[1024:]) == {5}
     assert units.keys[0][1]["lengths"] == [list(p), [5] * 101]

@@ -161,7 +161,7 @@ def test_siamesexml_loss_only_hardest_kappa_and_finite_above_one():
 # ------------------------------------------------------------------------------- config, strategy
 
 def test_siamesexml_strategy_resolves_the_sampler_and_loss():
-    cfg = resolve_config("quick", "siamesexml", ("strategy", STRATEGIES["siamesexml"].overrides))
+    cfg = resolve_config("quick", "siamesexml")
     p = cfg.pretrain
     assert p.sampler == "siamesexml" and p.loss == "triplet" and p.num_negatives == 30 and p.epochs == 3
     assert (p.contrastive_c, p.contrastive_d, p.label_power) == (0.9, 1.5, 0.45)

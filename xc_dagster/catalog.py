@@ -152,10 +152,9 @@ class DatasetSpec:
     def config(self, run_overrides: dict[str, Any] | None = None) -> PipelineConfig:
         """Effective config: preset < strategy < dataset options < catalog overrides < run overrides."""
         return resolve_config(self.preset, self.strategy,
-                              (f"strategy {self.strategy!r}", STRATEGIES[self.strategy].settings(self.preset)),
                               (f"dataset {self.name!r} options", self.option_overrides()),
                               (f"catalog overrides of {self.name!r}", self.overrides),
-                              ("run config", run_overrides or {}), defaults=1)
+                              ("run config", run_overrides or {}))
 
     def champion_tolerance(self, run_config: float | None = None) -> tuple[float, str]:
         """The champion gate's tolerance in percentage points and where it comes from: the run config's value

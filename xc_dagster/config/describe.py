@@ -13,8 +13,7 @@ from xc_dagster.strategies import STRATEGIES
 
 
 def _configs() -> dict[tuple[str, str], PipelineConfig]:
-    return {(p, s): resolve_config(p, s, (f"strategy {s!r}", STRATEGIES[s].settings(p)))
-            for p in PRESETS for s in STRATEGIES}
+    return {(p, s): resolve_config(p, s) for p in PRESETS for s in STRATEGIES}
 
 
 def field_defaults(stage: str, name: str,

@@ -23,6 +23,7 @@ from xc_dagster.config.params import (
     TrainParams,
 )
 from xc_dagster.errors import XCConfigError
+from xc_dagster.strategies import STRATEGIES
 
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "quick": {},
@@ -166,15 +167,19 @@ def apply_overrides(cfg: PipelineConfig, overrides: Mapping[str, Any], source: s
 
 
 def resolve_config(preset: str = "quick", strategy: str = "ngame",
-                   *layers: tuple[str, Mapping[str, Any]], defaults: int = 0) -> PipelineConfig:
-    """Layer the preset and then each ``(source_name, overrides)`` in order onto the dataclass defaults; the
-    first ``defaults`` layers (the strategy's) are defaults, the others the user's explicit settings."""
+                   *layers: tuple[str, Mapping[str, Any]]) -> PipelineConfig:
+    """Layer the preset, the strategy's settings for that preset (``Strategy.settings``) and then each
+    ``(source_name, overrides)`` in order onto the dataclass defaults; the preset's and the strategy's values are
+    defaults, the layers' the user's explicit settings (``PipelineConfig.explicit``)."""
     if preset not in PRESETS:
         raise XCConfigError(f"unknown preset {preset!r}; presets are {', '.join(PRESETS)}")
+    if strategy not in STRATEGIES:
+        raise XCConfigError(f"unknown strategy {strategy!r}; strategies are {', '.join(STRATEGIES)}")
     cfg = PipelineConfig(preset=preset, strategy=strategy)
     cfg = apply_overrides(cfg, PRESETS[preset], f"preset {preset!r}")
-    for i, (source, overrides) in enumerate(layers):
-        cfg = apply_overrides(cfg, overrides, source, explicit=i >= defaults)
+    cfg = apply_overrides(cfg, STRATEGIES[strategy].settings(preset), f"strategy {strategy!r}")
+    for source, overrides in layers:
+        cfg = apply_overrides(cfg, overrides, source, explicit=True)
     return cfg
 
 
