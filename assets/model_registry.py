@@ -5,8 +5,10 @@ with scores out (``params={"k": ...}``). Registered as ``xc-<dataset>``: the fir
 P@1 and PSP@1 with the champion's on the same test split and promotes it (moves ``champion``) when neither
 is worse by more than ``tolerance`` percentage points (the run config's; without one, as in the runs of the
 click-log sensor and the retrain schedule, the dataset's catalog ``gate_tolerance``, else 0); refused, the
-check fails with severity ERROR, which blocks assets downstream of this one. Serve the champion with
-``mlflow models serve -m models:/xc-<dataset>@champion --env-manager local``."""
+check fails with severity ERROR, which blocks assets downstream of this one. A model that cannot serve text (its
+points had none: BoW features without their vocabulary) is not registered: the asset says why, and the check fails
+with severity WARN. Serve the champion with ``mlflow models serve -m models:/xc-<dataset>@champion --env-manager
+local``."""
 
 
 import json
@@ -23,6 +25,7 @@ from resources.tracking import MLflowResource
 from xc_dagster.artifacts import REGISTERED_MODEL
 from xc_dagster.pipeline import STAGE_ORDER, StageContext
 from xc_dagster.pipeline.provenance import with_upstream_params
+from xc_dagster.serving.bundle import unservable
 from xc_dagster.serving.registry import champion_gate, register_model
 
 ASSET = REGISTERED_MODEL.asset
@@ -109,6 +112,14 @@ def build(partitions: dg.PartitionsDefinition) -> dg.AssetsDefinition:
         device = compute.torch_device()
         ctx = StageContext(store=store, spec=spec, cfg=cfg, cache_dir=h.cache, device=device,
                            info=context.log.info, stage=REGISTERED_MODEL.stage)
+        why = unservable(ctx)
+        if why:  # the model was evaluated; what it reads is not what a text request carries
+            context.log.warning(f"registered_model {dataset}: not registered: {why}")
+            return dg.MaterializeResult(
+                metadata={"registered": dg.MetadataValue.bool(False), "why": dg.MetadataValue.text(why)},
+                check_results=[dg.AssetCheckResult(check_name=CHECK, asset_key=ASSET, passed=False,
+                                                   severity=dg.AssetCheckSeverity.WARN,
+                                                   description=f"not registered: {why}")])
         tracker = mlflow.tracker(h)
         reg = register_model(ctx, tracker, {"dagster_run_id": context.run_id, "strategy": cfg.strategy,
                                             "preset": cfg.preset},

@@ -92,11 +92,42 @@ def test_ingest_keeps_the_feature_words(tmp_path):
     assert load_feature_words(tmp_path / "bare") is None and load_dataset(tmp_path / "bare").feature_words is None
 
 
-def test_a_bow_dataset_without_vocabulary_still_refuses_the_bundle(tmp_path, monkeypatch):
-    """Without X_vocab.txt the lexical index reads the feature values (no words) and write_bundle says why it
-    cannot serve it."""
+def test_a_bow_dataset_without_vocabulary_trains_no_encoder_and_is_not_registered(tmp_path, monkeypatch):
+    """Without X_vocab.txt no point has text: ingest counts none, pretraining trains nothing (its epochs set or not:
+    every point would be the same empty input), the lexical index reads the feature values (no words), write_bundle
+    says why the model cannot serve text, and the registered_model asset materializes unregistered, its gate check
+    failing with severity WARN (the run succeeds)."""
+    import dagster as dg
+    import mlflow
+
+    from assets import build_lifecycle_assets
+    from resources.home import dataset_partitions
+    from tests.tinydata import dagster_instance
+    from xc_dagster.definitions import pipeline_resources
+    from xc_dagster.home import Home
+
     ctx = bow_context(tmp_path, monkeypatch, vocab=False)
+    assert ctx.cfg.pretrain.epochs == 1 and "pretrain.epochs" in ctx.cfg.explicit
     out = run_all(ctx)
+    assert out["ingest"]["train_texts"] == 0 and out["pretrain"]["steps"] == 0
+    assert out["pretrain"]["budget"]["planned_epochs"] == 0
     assert out["index"]["lexical"]["input"] == "features" and out["index"]["lexical"]["feature_words"] is False
-    with pytest.raises(XCConfigError, match="index.sources.*feature words"):
+    with pytest.raises(XCConfigError, match="feature words.*no text for the encoder.*add X_vocab.txt"):
         serving_bundle.write_bundle(ctx, tmp_path / "bundle")
+    home = Home.from_env()
+    res = dg.materialize(build_lifecycle_assets(dataset_partitions()), partition_key="TinyBow",
+                         resources=pipeline_resources(home), instance=dagster_instance("TinyBow"),
+                         raise_on_error=False)
+    assert res.success
+    (mat,) = res.get_asset_materialization_events()
+    meta = {k: v.value for k, v in mat.materialization.metadata.items()}
+    assert meta["registered"] is False and "add X_vocab.txt" in meta["why"]
+    (check,) = res.get_asset_check_evaluations()
+    assert not check.passed and check.severity == dg.AssetCheckSeverity.WARN
+    assert mlflow.MlflowClient(home.mlflow_uri).search_registered_models() == []
+
+
+def test_a_bow_dataset_with_its_vocabulary_has_text_to_train_on(tmp_path, monkeypatch):
+    """The same files with X_vocab.txt: every point's text is rebuilt, and pretraining takes its steps."""
+    out = run_all(bow_context(tmp_path, monkeypatch), stages=("ingest", "tokenize", "pretrain"))
+    assert out["ingest"]["train_texts"] == out["ingest"]["n_train"] == 120 and out["pretrain"]["steps"] > 0

@@ -57,6 +57,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     freq = label_frequencies(ds.Y_train, ds.num_labels)
     checks = compute_checks(ds, known, freq)
     valid = validation_split(ds.num_train, p.valid_fraction, p.valid_max, p.seed, p.valid_min)
+    train_texts = sum(1 for t in ds.train_texts if t and t.strip())  # 0: the encoder would read nothing
     with ctx.writing() as out:
         save_dataset(ds, out / DATASET)
         np.save(out / VALID_ROWS, valid)
@@ -67,9 +68,14 @@ def run(ctx: StageContext) -> dict[str, Any]:
                       "registry": known.name if known else None, "source_fingerprint": source_digest,
                       "counts_verified": bool(known is not None and p.verify_counts),
                       "label_names": has_label_names(ds.label_texts),
+                      "train_texts": train_texts,
                       "checks_failed": checks["failed"], "check_counts": check_counts(checks),
                       "label_frequency": checks["label_frequency"],
                       "seconds": time.perf_counter() - t0})
         save_json(out / SUMMARY, stats)
     ctx.info(f"ingest {ctx.name}: {stats['n_train']} train / {stats['n_test']} test / {stats['n_labels']} labels")
+    if not train_texts and ds.layout != "tokenized":
+        ctx.info(f"ingest {ctx.name}: no training point has text ({ds.layout} layout without a feature vocabulary: "
+                 f"X_vocab.txt, one word per feature column, rebuilds the texts); the encoder is not trained and "
+                 f"the model is the lexical source over the shipped features")
     return stats

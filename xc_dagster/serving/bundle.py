@@ -138,6 +138,22 @@ def _graph_copy(src: Path, dst: Path, graph_above: int, ctx: "StageContext") -> 
     return True
 
 
+def unservable(ctx: "StageContext") -> str:
+    """Why ``ctx``'s model cannot serve raw query text ("" when it can): its lexical source was fitted on the shipped
+    BoW features without the dataset's feature words, so a query's text cannot be mapped to them."""
+    if "lexical" not in ctx.read.summary("index").get("sources", []):
+        return ""
+    lexical = read_config(ctx.read.dir("index") / LEXICAL_DIR)
+    if lexical["input"] == "text" or lexical.get("feature_words"):
+        return ""
+    where = f"the lexical source of {ctx.name} was fitted on the shipped BoW features without the dataset's " \
+            "feature words (X_vocab.txt / vocab.txt), so raw query text cannot be mapped to them"
+    if (ctx.read.summary("ingest", missing_ok=True) or {}).get("train_texts", 1) == 0:
+        return (f"{where}, and its points have no text for the encoder either: add X_vocab.txt (one word per "
+                "feature column) to the source to serve text")
+    return f"index.sources: {where}; serve a model indexed without lexical"
+
+
 def write_bundle(ctx: "StageContext", out: Path, default_k: int = 10, shortlist_size: int = 0,
                  ef_search: int = 0, graph_above: int = 0) -> dict[str, Any]:
     """Assemble the serving bundle of ``ctx``'s dataset from the stages' artifacts into ``out``.
@@ -169,12 +185,10 @@ def write_bundle(ctx: "StageContext", out: Path, default_k: int = 10, shortlist_
     for name in [INDEX_FILES[n] for n in sources if n in INDEX_FILES] + parts:
         if (idx / name).exists() and name not in graphs:
             _link_or_copy(idx / name, out / name)
+    why = unservable(ctx)
+    if why:
+        raise XCConfigError(why)
     if "lexical" in sources:
-        lexical = read_config(idx / LEXICAL_DIR)
-        if lexical["input"] != "text" and not lexical.get("feature_words"):
-            raise XCConfigError(f"index.sources: the lexical source of {ctx.name} was fitted on the shipped BoW "
-                                "features without the dataset's feature words (X_vocab.txt / vocab.txt), so raw "
-                                "query text cannot be mapped to them; serve a model indexed without lexical")
         _link_tree(idx / LEXICAL_DIR, out / LEXICAL_DIR)
     _link_or_copy(read.path("fusion", FUSION), out / "fusion.json")
     _link_or_copy(read.dataset_dir() / LABEL_TEXTS_FILE, out / "labels.parquet")
