@@ -112,7 +112,7 @@ def test_a_bow_dataset_without_vocabulary_trains_no_encoder_and_is_not_registere
     assert out["ingest"]["train_texts"] == 0 and out["pretrain"]["steps"] == 0
     assert out["pretrain"]["budget"]["planned_epochs"] == 0
     assert out["index"]["lexical"]["input"] == "features" and out["index"]["lexical"]["feature_words"] is False
-    with pytest.raises(XCConfigError, match="feature words.*no text for the encoder.*add X_vocab.txt"):
+    with pytest.raises(XCConfigError, match="feature words.*no text for the encoder.*X_vocab.txt.*rebuilds"):
         serving_bundle.write_bundle(ctx, tmp_path / "bundle")
     home = Home.from_env()
     res = dg.materialize(build_lifecycle_assets(dataset_partitions()), partition_key="TinyBow",
@@ -121,7 +121,7 @@ def test_a_bow_dataset_without_vocabulary_trains_no_encoder_and_is_not_registere
     assert res.success
     (mat,) = res.get_asset_materialization_events()
     meta = {k: v.value for k, v in mat.materialization.metadata.items()}
-    assert meta["registered"] is False and "add X_vocab.txt" in meta["why"]
+    assert meta["registered"] is False and "X_vocab.txt" in meta["why"]
     (check,) = res.get_asset_check_evaluations()
     assert not check.passed and check.severity == dg.AssetCheckSeverity.WARN
     assert mlflow.MlflowClient(home.mlflow_uri).search_registered_models() == []

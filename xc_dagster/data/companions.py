@@ -76,6 +76,13 @@ def generic_labels(n: int) -> list[str]:
     return [f"label {i}" for i in range(n)]
 
 
+def text_hint(layout: str) -> str:
+    """What gives the points of a ``layout`` their texts, for a dataset that has none."""
+    if layout == "split-sparse":
+        return "trn_X.txt and tst_X.txt (one text per line) give the points their texts"
+    return "X_vocab.txt (or vocab.txt: one word per feature column) rebuilds the points' texts from their features"
+
+
 def has_label_names(label_texts: list[str]) -> bool:
     """Whether the labels have names of their own: not the placeholders ``generic_labels`` gives a layout without
     ``Y.txt`` ("label 17" says nothing of a label)."""

@@ -12,7 +12,7 @@ from xc_dagster.artifacts import CHECKS, DATASET, LABEL_FREQ, LABEL_FREQ_PLOT, S
 from xc_dagster.catalog import BUILTIN_PREFIX, builtin_path
 from xc_dagster.data import read_dataset, resolve_source, save_dataset
 from xc_dagster.data.checks import check_counts, compute_checks, label_frequencies, label_frequency_plot
-from xc_dagster.data.companions import has_label_names
+from xc_dagster.data.companions import has_label_names, text_hint
 from xc_dagster.data.registry import verify_counts
 from xc_dagster.data.splits import validation_split
 from xc_dagster.errors import XCError
@@ -75,7 +75,6 @@ def run(ctx: StageContext) -> dict[str, Any]:
         save_json(out / SUMMARY, stats)
     ctx.info(f"ingest {ctx.name}: {stats['n_train']} train / {stats['n_test']} test / {stats['n_labels']} labels")
     if not train_texts and ds.layout != "tokenized":
-        ctx.info(f"ingest {ctx.name}: no training point has text ({ds.layout} layout without a feature vocabulary: "
-                 f"X_vocab.txt, one word per feature column, rebuilds the texts); the encoder is not trained and "
-                 f"the model is the lexical source over the shipped features")
+        ctx.info(f"ingest {ctx.name}: no training point has text ({text_hint(ds.layout)}); the encoder is not "
+                 f"trained and the model is the lexical source over the shipped features")
     return stats

@@ -46,6 +46,7 @@ from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 
 from xc_dagster.artifacts import ENCODER, FUSION, LABEL_EMB, W
 from xc_dagster.data.canonical import LABEL_TEXTS_FILE
+from xc_dagster.data.companions import text_hint
 from xc_dagster.device import amp_dtype, resolve_device
 from xc_dagster.encoders.encode import encode_tokens
 from xc_dagster.encoders.loading import load_encoder
@@ -148,9 +149,9 @@ def unservable(ctx: "StageContext") -> str:
         return ""
     where = f"the lexical source of {ctx.name} was fitted on the shipped BoW features without the dataset's " \
             "feature words (X_vocab.txt / vocab.txt), so raw query text cannot be mapped to them"
-    if (ctx.read.summary("ingest", missing_ok=True) or {}).get("train_texts", 1) == 0:
-        return (f"{where}, and its points have no text for the encoder either: add X_vocab.txt (one word per "
-                "feature column) to the source to serve text")
+    ingest = ctx.read.summary("ingest", missing_ok=True) or {}
+    if ingest.get("train_texts", 1) == 0:
+        return f"{where}, and its points have no text for the encoder either: {text_hint(ingest.get('layout', ''))}"
     return f"index.sources: {where}; serve a model indexed without lexical"
 
 
