@@ -231,6 +231,32 @@ def test_lexical_is_an_inference_source_only():
                       "text", "exact", 8, 40, 40)
 
 
+def test_shipped_features_counts_get_tfidf_and_real_values_are_only_normalised(tmp_path):
+    """Count rows (every stored value a positive integer) get sklearn's sublinear TF-IDF; real-valued rows (already
+    weighted, or dense descriptors under 1, with explicit zeros and negatives) are L2-normalised as they are, never
+    1 + log(v) (negative below 1, -inf at an explicit 0), at fit, at query time and after a save and load."""
+    from sklearn.feature_extraction.text import TfidfTransformer
+
+    Y = sp.csr_matrix(np.eye(4, 3, dtype=np.float32))
+    counts = sp.csr_matrix(np.array([[1, 0, 3], [2, 1, 0], [0, 0, 1], [1, 1, 1]], dtype=np.float32))
+    lex = LexicalIndex.fit(counts, None, Y, neighbours=2)
+    want = TfidfTransformer(sublinear_tf=True).fit(counts).transform(counts).toarray()
+    np.testing.assert_allclose(lex.points.toarray(), want, rtol=1e-6)
+    values = sp.csr_matrix((np.array([0.5, 0.0, 0.25, -0.2, 0.01, 0.9, 0.3], dtype=np.float32),
+                            np.array([0, 1, 2, 0, 1, 2, 1]), np.array([0, 3, 5, 6, 7])), shape=(4, 3))
+    assert values.nnz == 7  # the explicit 0 is stored, as a file's "1:0" would be
+    lex = LexicalIndex.fit(values, None, Y, neighbours=2)
+    dense = values.toarray()
+    unit = dense / np.linalg.norm(dense, axis=1, keepdims=True)
+    np.testing.assert_allclose(lex.points.toarray(), unit, rtol=1e-6)
+    assert lex.points.nnz == 6 and np.isfinite(lex.points.data).all()
+    np.testing.assert_allclose(lex.transform(values).toarray(), unit, rtol=1e-6)  # queries: the same rows
+    lex.save(tmp_path / "values")
+    assert not (tmp_path / "values" / "idf.npy").exists()
+    back = LexicalIndex.load(tmp_path / "values")
+    np.testing.assert_allclose(back.transform(values).toarray(), unit, rtol=1e-6)
+
+
 def _fusion_problem(seed: int, informative: bool):
     rng = np.random.default_rng(seed)
     n, C, L = 500, 20, 400

@@ -12,9 +12,10 @@ A query is its L2-normalised TF-IDF row q. Its lexical score for label l is the 
   the TF-IDF rows (``xc_dagster.retrieval.lexical_classifier``) re-ranking the other two parts' labels: the
   one-vs-all linear model the linear peers win with on BoW data.
 
-The TF-IDF model is scikit-learn's: ``TfidfVectorizer`` (sublinear tf, word 1-2 grams, ``index.lexical_min_df``,
-1 when that leaves no term) on the points' and labels' texts, or ``TfidfTransformer`` (sublinear tf) on the shipped
-BoW features; validation points are indexed (excluded from the fusion's kNN, as the dense kNN excludes them) but
+The TF-IDF model is scikit-learn's (``xc_dagster.retrieval.tfidf``): ``TfidfVectorizer`` (sublinear tf, word 1-2
+grams, ``index.lexical_min_df``, 1 when that leaves no term) on the points' and labels' texts, or
+``TfidfTransformer`` on the shipped BoW features (sublinear tf and idf for counts; real values, already weighted,
+only L2-normalised); validation points are indexed (excluded from the fusion's kNN, as the dense kNN excludes them) but
 left out of the fit. Both parts are sparse products in row blocks holding at most ``PRODUCT_BUDGET`` entries each
 (:attr:`LexicalIndex.block_rows` queries, split further by their terms' postings).
 
@@ -60,6 +61,7 @@ from xc_dagster.retrieval.sparse_rows import (
     vote_weights,
     work_blocks,
 )
+from xc_dagster.retrieval.tfidf import VECTORIZER, are_counts, fit_texts, nonzero, transformer, vectorizer
 from xc_dagster.storage import load_json, save_json
 
 CONFIG_FILE = "lexical.json"
@@ -71,41 +73,12 @@ POINT_LABELS_FILE = "point_labels.npz"
 LABELS_FILE = "labels.npz"
 FORMAT = 1
 INPUTS = ("text", "features")  # what the TF-IDF model reads: raw texts, or the shipped BoW feature rows
-# TfidfVectorizer settings besides min_df (recorded in lexical.json, so a load rebuilds the same analyzer)
-VECTORIZER = {"sublinear_tf": True, "ngram_range": [1, 2], "lowercase": True, "token_pattern": r"(?u)\b\w\w+\b"}
 DENSE_TOPK_SHARE = 0.02  # a product block filling more than this share of its packed rows is partitioned, not sorted
 PRODUCT_BUDGET = 1 << 24  # at most this many (query, training point) products held at once (~200 MB)
 # the kNN votes (K, p) of the other parts when they pick the classifiers' hard negatives and training pass: fixed,
 # so that the classifiers do not depend on the votes an index is built or fitted with (fusion.vote_grid)
 CLASSIFIER_VOTES = (10, 1.0)
 CAPPED_TERMS = 64  # block_rows of a capped index: a query's products taken as at most this many terms x P
-
-
-def _vectorizer(**kw: Any) -> Any:
-    # imported here: sklearn takes about a second to import, and only fitting or loading a lexical index needs it
-    from sklearn.feature_extraction.text import TfidfVectorizer
-
-    settings = {**VECTORIZER, **kw}
-    settings["ngram_range"] = tuple(settings["ngram_range"])
-    return TfidfVectorizer(dtype=np.float32, **settings)
-
-
-def _transformer() -> Any:
-    from sklearn.feature_extraction.text import TfidfTransformer
-
-    return TfidfTransformer(sublinear_tf=True)
-
-
-def _fit_texts(texts: list[str], min_df: int) -> Any:
-    """The vectorizer fitted on ``texts``; min_df 1 when ``min_df`` leaves no term (tiny corpora). A corpus
-    without any term is a config error."""
-    for df in dict.fromkeys((min_df, 1)):
-        try:
-            return _vectorizer(min_df=df).fit(texts)
-        except ValueError:  # "no terms remain" / "empty vocabulary" / fewer documents than min_df
-            continue
-    raise XCConfigError("index.sources: the lexical source found no term (words of 2+ characters) in the "
-                        "training points' and labels' texts")
 
 
 class LexicalIndex:
@@ -202,12 +175,12 @@ class LexicalIndex:
                 raise ValueError(f"{len(words.words)} feature words for feature rows of {points.shape[1]} columns")
             points, labels = words.of_features(points), None if labels is None else words.of_features(labels)
         if sp.issparse(points):
-            points = sp.csr_matrix(points)
-            model = _transformer().fit(sp.vstack([points[fit_rows]] + ([labels] if labels is not None else []),
-                                                 format="csr"))
+            points = nonzero(points)
+            fitted = sp.vstack([points[fit_rows]] + ([nonzero(labels)] if labels is not None else []), format="csr")
+            model = transformer(values=not are_counts(fitted)).fit(fitted)
         else:
             points = list(points)
-            model = _fit_texts([points[i] for i in fit_rows] + (list(labels) if labels is not None else []), min_df)
+            model = fit_texts([points[i] for i in fit_rows] + (list(labels) if labels is not None else []), min_df)
         P, T = model.transform(points), None if labels is None else model.transform(labels)
         if sp.csr_matrix(P).nnz == 0:
             raise XCConfigError("index.sources: the lexical source needs the training points' texts or BoW "
@@ -281,7 +254,7 @@ class LexicalIndex:
         elif inputs.shape[1] != self.num_features:
             raise XCError(f"feature rows of {inputs.shape[1]} columns, the lexical index reads {self.num_features}")
         else:
-            rows = sp.csr_matrix(inputs) if self.words is None else self.words.of_features(inputs)
+            rows = nonzero(inputs) if self.words is None else self.words.of_features(inputs)
         if rows.shape[0] == 0:
             return sp.csr_matrix((0, self.points.shape[1]), dtype=np.float32)
         return sp.csr_matrix(self.model.transform(rows), dtype=np.float32)
@@ -359,7 +332,10 @@ class LexicalIndex:
             config["vectorizer"] = {**VECTORIZER, "min_df": int(self.model.min_df)}  # as fitted (after a fallback)
         if self.words is not None:
             save_json(folder / FEATURE_WORDS_FILE, self.words.words)
-        np.save(folder / IDF_FILE, np.asarray(self.model.idf_, dtype=np.float64), allow_pickle=False)
+        if self.model.use_idf:
+            np.save(folder / IDF_FILE, np.asarray(self.model.idf_, dtype=np.float64), allow_pickle=False)
+        else:
+            config["values"] = True  # real-valued features: L2-normalised only (``tfidf.transformer``)
         sp.save_npz(folder / POINTS_FILE, self.points)
         sp.save_npz(folder / POINT_LABELS_FILE, self.point_labels)
         if self.labels is not None:
@@ -373,12 +349,14 @@ class LexicalIndex:
         """The index :meth:`save` wrote (JSON, .npy, .npz; no pickle)."""
         folder = Path(folder)
         config = read_config(folder)
-        idf = np.load(folder / IDF_FILE, allow_pickle=False)
         if config["input"] == "text":
-            model = _vectorizer(**config.get("vectorizer", VECTORIZER), vocabulary=load_json(folder / VOCABULARY_FILE))
+            model = vectorizer(**config.get("vectorizer", VECTORIZER), vocabulary=load_json(folder / VOCABULARY_FILE))
         else:
-            model = _transformer()
-        model.idf_ = idf
+            model = transformer(values=bool(config.get("values")))
+        if model.use_idf:
+            model.idf_ = np.load(folder / IDF_FILE, allow_pickle=False)
+        else:
+            model.n_features_in_ = int(config["num_features"])  # nothing else is fitted: marks it so for sklearn
         labels = sp.load_npz(folder / LABELS_FILE) if config.get("label_text") else None
         words = load_json(folder / FEATURE_WORDS_FILE) if config.get("feature_words") else None
         classifier = LexicalClassifier.load(folder, config["classifier"]) if config.get("classifier") else None
