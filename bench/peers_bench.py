@@ -6,9 +6,10 @@
 Datasets: ``wordnet-titles`` (LF-WordNetNouns, point text = title), ``wordnet-full`` (title + content), both
 from the embedded ``builtin:LF-WordNetNouns`` folder with label text = label title (the pipeline's default
 ``ingest.label_text``); ``lf-titles``: any LF raw-text folder given by ``--lf-dir PATH`` (point and label text
-= title), e.g. a cut made by ``bench/make_subset.py``; the Mulan BoW sets ``bibtex`` and ``delicious``, read
-from ``--bibtex-dir`` / ``--delicious-dir`` (default ``../shared/data/<Name>/xc_format`` next to the
-repository). ``all`` runs wordnet-titles, wordnet-full, bibtex and delicious. Propensity A/B = 0.55/1.5 for all.
+= title), e.g. a cut made by ``bench/make_subset.py``; ``features``: any BoW folder (``bow`` or ``bow-single``
+layout, with or without its vocabulary) given by ``--features-dir PATH``; the Mulan BoW sets ``bibtex`` and
+``delicious``, read from ``--bibtex-dir`` / ``--delicious-dir`` (default ``../shared/data/<Name>/xc_format`` next
+to the repository). ``all`` runs wordnet-titles, wordnet-full, bibtex and delicious. Propensity A/B = 0.55/1.5 for all.
 
 Each method trains on the whole train split and is evaluated on the test split, as the pipeline's evaluate
 stage is (the pipeline additionally holds out up to 5% of train to fit its score fusion; the peers have no
@@ -50,6 +51,7 @@ import scipy.sparse as sp
 from xc_dagster.catalog import builtin_path
 from xc_dagster.data import XCDataset, read_dataset
 from xc_dagster.evaluation.metrics import evaluate, inverse_propensity, remove_filtered
+from xc_dagster.retrieval.tfidf import are_counts, nonzero, transformer
 
 KS = (1, 3, 5)
 TOPK = 100  # predictions kept per test point (--topk); metrics need max(KS) + filter pairs per row
@@ -65,13 +67,15 @@ class Bench:
     text_fields: tuple[str, ...]
     max_len: int
     propensity: tuple[float, float] = (0.55, 1.5)
-    source: str = "builtin"  # "builtin" (embedded LF-WordNetNouns), "bow" (--<key>-dir), "lf-dir" (--lf-dir)
+    # "builtin" (embedded LF-WordNetNouns), "bow" (--<key>-dir), "lf-dir" (--lf-dir), "features-dir" (--features-dir)
+    source: str = "builtin"
 
 
 BENCHES = {
     "wordnet-titles": Bench("wordnet-titles", "LF-WordNetNounsTitles", ("title",), 32),
     "wordnet-full": Bench("wordnet-full", "LF-WordNetNouns", ("title", "content"), 128),
     "lf-titles": Bench("lf-titles", "", ("title",), 32, source="lf-dir"),  # named after the --lf-dir folder
+    "features": Bench("features", "", ("title",), 128, source="features-dir"),  # named after --features-dir
     "bibtex": Bench("bibtex", "Bibtex", ("title",), 128, source="bow"),
     "delicious": Bench("delicious", "Delicious", ("title",), 128, source="bow"),
 }
@@ -84,6 +88,8 @@ def load(bench: Bench, args: argparse.Namespace) -> tuple[XCDataset, str, Path]:
     if bench.source == "bow":
         folder = getattr(args, f"{bench.key}_dir")
         return read_dataset(folder), bench.name, folder
+    if bench.source == "features-dir":
+        return read_dataset(args.features_dir), args.features_dir.name, args.features_dir
     folder, name = (args.lf_dir, args.lf_dir.name) if bench.source == "lf-dir" else \
         (builtin_path("LF-WordNetNouns"), bench.name)
     return read_dataset(folder, text_fields=bench.text_fields, label_text_fields=("title",)), name, folder
@@ -93,13 +99,16 @@ def load(bench: Bench, args: argparse.Namespace) -> tuple[XCDataset, str, Path]:
 
 def tfidf_features(ds: XCDataset, min_df: int) -> tuple[sp.csr_matrix, sp.csr_matrix, dict[str, Any]]:
     """TF-IDF train/test features fitted on train: word 1-2 grams of the texts, or the BoW features."""
-    from sklearn.feature_extraction.text import TfidfTransformer, TfidfVectorizer
+    from sklearn.feature_extraction.text import TfidfVectorizer
 
-    if ds.X_train is not None:
-        tf = TfidfTransformer(sublinear_tf=True, norm="l2")
-        Xtr = tf.fit_transform(ds.X_train)
-        Xte = tf.transform(ds.X_test)
-        info = {"features": "shipped BoW features, TfidfTransformer(sublinear_tf, l2)"}
+    if ds.X_train is not None:  # weighted as the pipeline's lexical source weighs them (counts or real values)
+        Xtr, Xte = nonzero(ds.X_train), nonzero(ds.X_test)
+        values = not are_counts(Xtr)
+        tf = transformer(values)
+        Xtr = tf.fit_transform(Xtr)
+        Xte = tf.transform(Xte)
+        info = {"features": "shipped BoW features, " + ("real values, l2" if values
+                                                        else "TfidfTransformer(sublinear_tf, l2)")}
     else:
         vec = TfidfVectorizer(ngram_range=(1, 2), sublinear_tf=True, min_df=min_df, norm="l2", dtype=np.float32)
         Xtr = vec.fit_transform(ds.train_texts)
@@ -354,6 +363,7 @@ def main() -> None:
             ap.add_argument(f"--{b.key}-dir", type=Path, default=SHARED_DATA / b.name / "xc_format",
                             help=f"the {b.name} BoW folder (default: %(default)s)")
     ap.add_argument("--lf-dir", type=Path, help="LF raw-text folder of --dataset lf-titles")
+    ap.add_argument("--features-dir", type=Path, help="BoW folder of --dataset features")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -362,6 +372,8 @@ def main() -> None:
         ap.error(f"unknown methods {bad}; choose from {METHODS}")
     if args.dataset == "lf-titles" and args.lf_dir is None:
         ap.error("--dataset lf-titles needs --lf-dir PATH")
+    if args.dataset == "features" and args.features_dir is None:
+        ap.error("--dataset features needs --features-dir PATH")
     import torch
 
     torch.set_num_threads(args.threads)
@@ -370,7 +382,7 @@ def main() -> None:
     t0 = time.perf_counter()
     results = []
     for key in keys:
-        ms = [m for m in methods if not (BENCHES[key].source == "bow" and m == "zeroshot")]
+        ms = [m for m in methods if not (BENCHES[key].source in ("bow", "features-dir") and m == "zeroshot")]
         if len(ms) < len(methods):
             print(f"zeroshot skipped on {key}: its text is rebuilt from a vocabulary, labels are tags")
         results.append(run_bench(BENCHES[key], ms, args))
