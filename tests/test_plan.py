@@ -80,6 +80,11 @@ def test_work_counts_of_a_hand_computed_shape(monkeypatch):
     told = _ngame(**{"pretrain.epochs": 2, "train.budget_minutes": 0, "pretrain.label_points": True})
     assert f"{steps:,} training steps (2.0 epochs x batch 256)" in plan_stages(
         Costs(FixedUnits(), told, unnamed), told, unnamed, None)[2].parts
+    # no training point has text (a BoW source without its vocabulary): nothing to pretrain, as the stage does
+    textless = dataclasses.replace(s, point_texts=False)
+    bare = plan_stages(Costs(FixedUnits(), cfg, textless), cfg, textless, None)[2]
+    assert not any("training steps" in k for k in bare.parts) and "training step" not in bare.memory
+    assert bare.notes == ["no training point has text: the encoder is not trained"]
     cls = stages["classifier"]
     assert cls.parts[f"{3 * math.ceil(990 / 1024)} training steps (3.0 epochs x batch 1024)"] == pytest.approx(0.75)
     assert cls.memory["W and its start"] == 2 * 300 * 8 * 4

@@ -125,7 +125,8 @@ def dataset_shape(artifacts: Path, name: str, cfg: PipelineConfig,
     if lengths[0]:
         source["token lengths"] = "tokenize lengths (percentiles)"
     return Shape(n_train, int(values["n_test"]), int(values["n_labels"]), float(values["labels_per_point"]),
-                 tokens, min(label_tokens, label_max), n_valid, *lengths, bool(ingest.get("label_names", True))), source
+                 tokens, min(label_tokens, label_max), n_valid, *lengths, bool(ingest.get("label_names", True)),
+                 ingest.get("layout") == "tokenized" or ingest.get("train_texts", 1) > 0), source
 
 
 def _percentiles(artifacts: Path, name: str, split: str, max_len: int) -> tuple[int, ...]:

@@ -55,6 +55,7 @@ class Shape:
     token_percentiles: tuple[int, ...] = ()  # 0th..100th percentiles of the point texts' token lengths; () unknown
     label_token_percentiles: tuple[int, ...] = ()  # the same of the label texts' (both: the tokenize stage's)
     label_names: bool = True  # the labels have names (Y.txt): the ingest summary's; placeholders train no label points
+    point_texts: bool = True  # some training point has text (the ingest summary's train_texts): else no pretraining
 
     @property
     def rows(self) -> int:
@@ -207,6 +208,8 @@ def pretrain_steps(cfg: PipelineConfig, s: Shape, step_s: float, encode_s: float
     examples = s.n_labels if p.sampler == "siamesexml" else s.rows + (s.n_labels if label_points else 0)
     spe = math.ceil(examples / p.batch_size)
     epochs, note = p.epochs, ""
+    if not s.point_texts:  # as the pretrain stage does (points_have_text)
+        return 0.0, 0, "no training point has text: the encoder is not trained"
     if b.budget_minutes > 0 and "pretrain.epochs" not in cfg.explicit and p.epochs > 0 and step_s > 0:
         budget = 60.0 * b.budget_minutes
         left = budget - encode_s - reserve_seconds(b.reserve, budget, encode_s)
