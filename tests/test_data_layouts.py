@@ -252,6 +252,23 @@ def test_streaming_chunk_sizes_agree(tmp_path, odd):
         [sorted({int(t) for t in l.split(",")}) if l else [] for l in labs]
 
 
+@pytest.mark.parametrize("chunk_lines", [1, 1000])
+def test_values_past_float32_are_refused_naming_the_line(tmp_path, chunk_lines):
+    """Values are kept as float32: 1e39 would become inf (and then NaN in any normalisation), so the reader refuses
+    it naming the file and line, on the chunked fast path and line by line; two entries of one column that sum past
+    the range are refused naming the row."""
+    p = tmp_path / "x_train.txt"
+    p.write_text("3 4 2\n0 0:1 1:0.5\n1 2:-1e39 3:1\n0 0:3.4e38\n")
+    with pytest.raises(XCFormatError, match=r"x_train.txt:3: .*float32's range.*got '2:-1e39'"):
+        streaming.read_bow_file(p, chunk_lines=chunk_lines)
+    p.write_text("2 4 2\n0 0:1\n1 3:3e38 3:3e38\n")
+    with pytest.raises(XCFormatError, match=r"x_train.txt: .*sum per \(row, column\) fits float32.*data row 2"):
+        streaming.read_bow_file(p, chunk_lines=chunk_lines)
+    p.write_text("2 4 2\n0 0:1\n1 3:3.4e38\n")  # within the range: read as it is
+    X, _ = streaming.read_bow_file(p, chunk_lines=chunk_lines)
+    assert np.isfinite(X.data).all() and X[1, 3] == np.float32(3.4e38)
+
+
 def test_read_dataset_chunk_lines(tmp_path):
     f = make_single(tmp_path / "s")
     a, b = read_dataset(f), read_dataset(f, chunk_lines=1)

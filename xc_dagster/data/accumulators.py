@@ -16,6 +16,8 @@ import scipy.sparse as sp
 from xc_dagster.data.limits import MAX_DIM
 from xc_dagster.errors import XCFormatError
 
+F32_MAX = float(np.finfo(np.float32).max)  # values are kept as float32: a larger one would become inf
+
 
 class Growing:
     """Rows appended chunk by chunk as int32 indices (int64 past 2**31 - 1 columns, so that ids never wrap) /
@@ -42,7 +44,8 @@ class Growing:
         """The error of a malformed ``idx:val`` token."""
         return XCFormatError(self.path, lineno,
                              f"{self.what} entries 'index:value' with an integer index in [0, {self.n_cols}) "
-                             "and a finite number value", got=got)
+                             f"and a finite number value within float32's range (|value| <= {F32_MAX:.4g})",
+                             got=got)
 
     def to_csr(self) -> sp.csr_matrix:
         """The rows as a canonical (sorted, duplicates summed) float32 CSR matrix."""
@@ -60,6 +63,10 @@ class Growing:
         m = sp.csr_matrix((val, idx, indptr if wide else indptr.astype(np.int32)),
                           shape=(self.n_rows, self.n_cols))
         m.sum_duplicates()
+        if not np.isfinite(m.data).all():  # repeated entries of one column summed past float32's range
+            r = int(np.searchsorted(m.indptr, int(np.flatnonzero(~np.isfinite(m.data))[0]), side="right"))
+            raise XCFormatError(self.path, None, f"{self.what} values whose sum per (row, column) fits float32 "
+                                f"(|sum| <= {F32_MAX:.4g})", got=f"an overflow in data row {r} (1-based)")
         return m
 
 

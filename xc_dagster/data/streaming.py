@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.csv as pcsv
 import scipy.sparse as sp
 
-from xc_dagster.data.accumulators import Growing
+from xc_dagster.data.accumulators import F32_MAX, Growing
 from xc_dagster.data.limits import check_header_rows
 from xc_dagster.data.textio import (
     DEFAULT_CHUNK_LINES,
@@ -73,7 +73,7 @@ def _arrow_pairs(buf: bytes, n_cols: int) -> tuple[np.ndarray, np.ndarray]:
     v = t.column("v").to_numpy()
     if len(i) and (i.min() < 0 or i.max() >= n_cols):
         raise FastPathFailed
-    if not np.isfinite(v).all():
+    if not np.isfinite(v).all() or (np.abs(v) > F32_MAX).any():  # the reference rules name the line
         raise FastPathFailed
     return i, v
 
@@ -106,7 +106,7 @@ def _slow_pairs_line(acc: Growing, s: str, lineno: int, idx: list[int], val: lis
             ii, vv = int(a), float(b)
         except ValueError:
             raise acc.bad(lineno, tok) from None
-        if not sep or not 0 <= ii < n or not math.isfinite(vv):
+        if not sep or not 0 <= ii < n or not math.isfinite(vv) or abs(vv) > F32_MAX:
             raise acc.bad(lineno, tok)
         idx.append(ii)
         val.append(vv)
