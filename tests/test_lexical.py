@@ -355,8 +355,9 @@ def _write_bow(folder, n_train: int = 120, n_test: int = 40, L: int = 20, seed: 
     return folder
 
 
-def bow_context(tmp_path, monkeypatch, vocab: bool = True) -> StageContext:
-    """A tiny BoW dataset (with or without its X_vocab.txt) in the catalog, indexed with the lexical source."""
+def bow_context(tmp_path, monkeypatch, vocab: bool = True, sources: str | None = "W,label,lexical") -> StageContext:
+    """A tiny BoW dataset (with or without its X_vocab.txt) in the catalog, indexed with the lexical source
+    (``sources`` None: the strategy's sources)."""
     monkeypatch.setenv("XC_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     home = Home.from_env().ensure()
@@ -364,7 +365,7 @@ def bow_context(tmp_path, monkeypatch, vocab: bool = True) -> StageContext:
     source = _write_bow(tmp_path / "src" / "TinyBow", vocab=vocab)
     Catalog(home.catalog).add(DatasetSpec("TinyBow", str(source), overrides={
         **TINY, "tokenize.encoder": str(enc), "pretrain.epochs": 1, "classifier.epochs": 1,
-        "index.sources": "W,label,lexical"}))
+        **({"index.sources": sources} if sources else {})}))
     spec = Catalog(home.catalog).get("TinyBow")
     return StageContext(ArtifactStore(home.artifacts), spec, spec.config(), home.cache)
 

@@ -127,6 +127,19 @@ def test_a_bow_dataset_without_vocabulary_trains_no_encoder_and_is_not_registere
     assert mlflow.MlflowClient(home.mlflow_uri).search_registered_models() == []
 
 
+@pytest.mark.parametrize("vocab", [False, True])
+def test_without_text_the_sources_that_read_point_embeddings_are_left_out(tmp_path, monkeypatch, vocab):
+    """The strategy's kNN source (and centroids) over the training points' embeddings: without any point text every
+    embedding is the same, so the index leaves them out (the lexical source keeps its own sparse kNN); with text they
+    stay."""
+    ctx = bow_context(tmp_path, monkeypatch, vocab=vocab, sources=None)
+    assert "knn" in ctx.cfg.index.sources and "index.sources" not in ctx.cfg.explicit
+    out = run_all(ctx)
+    assert ("knn" in out["index"]["sources"]) is vocab and "lexical" in out["index"]["sources"]
+    assert (out["index"]["knn_points"] > 0) is vocab
+    assert ("knn" in ctx.read.shortlist_sources(ctx.cfg.index.hnsw_ef_search).indexes) is vocab
+
+
 def test_a_bow_dataset_with_its_vocabulary_has_text_to_train_on(tmp_path, monkeypatch):
     """The same files with X_vocab.txt: every point's text is rebuilt, and pretraining takes its steps."""
     out = run_all(bow_context(tmp_path, monkeypatch), stages=("ingest", "tokenize", "pretrain"))

@@ -97,3 +97,9 @@ class StageContext:
     def inv_prop(self, Y_train) -> np.ndarray:
         """The labels' inverse propensities with the configured A / B (``evaluate.propensity_a/b``)."""
         return inverse_propensity(Y_train, self.cfg.evaluate.propensity_a, self.cfg.evaluate.propensity_b)
+
+    def points_have_text(self) -> bool:
+        """Whether the encoder has anything to read on the training points: a pre-tokenized layout, or some point
+        with text (the ingest summary's ``train_texts``; a BoW layout without its vocabulary has none)."""
+        s = self.read.summary("ingest", missing_ok=True) or {}
+        return s.get("layout") == "tokenized" or s.get("train_texts", 1) > 0

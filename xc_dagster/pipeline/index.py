@@ -217,12 +217,23 @@ def _summary(p: Any, kinds: dict[str, str], shape: tuple[int, ...], knn_points: 
     return {**summary, **{k: v for k, v in parts.items() if v}}
 
 
+def _sources_with_text(ctx: StageContext, p: Any) -> Any:
+    """``p`` without the strategy's sources that read the points' embeddings (``knn``, ``centroid``) when no point
+    has text: every point is then the same embedding, and their neighbours and centroids are ties broken by row
+    order. ``index.sources`` set by the user is kept."""
+    gone = [s for s in ("knn", "centroid") if s in p.sources]
+    if not gone or "index.sources" in ctx.cfg.explicit or ctx.points_have_text():
+        return p
+    ctx.info(f"index {ctx.name}: no training point has text: the {' and '.join(gone)} source(s) left out")
+    return dataclasses.replace(p, sources=tuple(s for s in p.sources if s not in gone))
+
+
 def run(ctx: StageContext) -> dict[str, Any]:
     """Build and save the indexes, one at a time; with ``index.include_validation`` the deployed kNN index and
     centroids hold every training point, and ``heldout/`` what the fusion is fitted with: the centroids without
     the validation points and the kNN rows to exclude (the deployed kNN index searched without them: no second
     build)."""
-    p = ctx.cfg.index
+    p = _sources_with_text(ctx, ctx.cfg.index)
     _check(p)
     t0 = time.perf_counter()
     W = ctx.read.W(mmap=True)

@@ -79,13 +79,6 @@ def label_points_named(ctx: StageContext, p: PretrainParams) -> PretrainParams:
     return dataclasses.replace(p, label_points=False, label_point_cooccurrence=0.0)
 
 
-def points_have_text(ctx: StageContext) -> bool:
-    """Whether the encoder has anything to read on the training points: a pre-tokenized layout, or some point with
-    text (the ingest summary's ``train_texts``; a BoW layout without its vocabulary has none)."""
-    s = ctx.read.summary("ingest", missing_ok=True) or {}
-    return s.get("layout") == "tokenized" or s.get("train_texts", 1) > 0
-
-
 def labels_named(ctx: StageContext) -> bool:
     """Whether the dataset's labels have names (``Y.txt``): the ingest summary's ``label_names``, or, for an ingest
     from before it recorded that, the label texts compared with the placeholders."""
@@ -118,7 +111,7 @@ def run(ctx: StageContext, env: DistEnv | None = None) -> dict[str, Any]:
     env = DistEnv() if env is None else env
     check_data_parallel(ctx, env)
     p = label_points_named(ctx, ctx.cfg.pretrain)
-    if p.epochs > 0 and not points_have_text(ctx):  # every point the same empty input: nothing to learn
+    if p.epochs > 0 and not ctx.points_have_text():  # every point the same empty input: nothing to learn
         ctx.info(f"pretrain {ctx.name}: no training point has text; the encoder is kept as loaded, not trained")
         p = dataclasses.replace(p, epochs=0.0)
     seed_everything(p.seed)

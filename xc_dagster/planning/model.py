@@ -208,7 +208,7 @@ def pretrain_steps(cfg: PipelineConfig, s: Shape, step_s: float, encode_s: float
     examples = s.n_labels if p.sampler == "siamesexml" else s.rows + (s.n_labels if label_points else 0)
     spe = math.ceil(examples / p.batch_size)
     epochs, note = p.epochs, ""
-    if not s.point_texts:  # as the pretrain stage does (points_have_text)
+    if not s.point_texts:  # as the pretrain stage does (StageContext.points_have_text)
         return 0.0, 0, "no training point has text: the encoder is not trained"
     if b.budget_minutes > 0 and "pretrain.epochs" not in cfg.explicit and p.epochs > 0 and step_s > 0:
         budget = 60.0 * b.budget_minutes

@@ -149,9 +149,9 @@ def unservable(ctx: "StageContext") -> str:
         return ""
     where = f"the lexical source of {ctx.name} was fitted on the shipped BoW features without the dataset's " \
             "feature words (X_vocab.txt / vocab.txt), so raw query text cannot be mapped to them"
-    ingest = ctx.read.summary("ingest", missing_ok=True) or {}
-    if ingest.get("train_texts", 1) == 0:
-        return f"{where}, and its points have no text for the encoder either: {text_hint(ingest.get('layout', ''))}"
+    if not ctx.points_have_text():
+        layout = (ctx.read.summary("ingest", missing_ok=True) or {}).get("layout", "")
+        return f"{where}, and its points have no text for the encoder either: {text_hint(layout)}"
     return f"index.sources: {where}; serve a model indexed without lexical"
 
 
