@@ -11,8 +11,9 @@
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import scipy.sparse as sp
@@ -74,6 +75,13 @@ def check_bow_columns(folder: Path, path: Path, Ys: Sequence[sp.csr_matrix], Xs:
 def generic_labels(n: int) -> list[str]:
     """Placeholder label names ``label 0`` ... when a layout has no ``Y.txt``."""
     return [f"label {i}" for i in range(n)]
+
+
+def points_have_text(ingest: Mapping[str, Any]) -> bool:
+    """Whether an ingest summary's training points give the encoder anything to read: a pre-tokenized layout, or
+    some point with text (``train_texts``; a BoW layout without its vocabulary has none). Summaries from before
+    the count say yes."""
+    return ingest.get("layout") == "tokenized" or ingest.get("train_texts", 1) > 0
 
 
 def text_hint(layout: str) -> str:

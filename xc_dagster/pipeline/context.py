@@ -15,6 +15,7 @@ import torch
 from xc_dagster.artifacts import CONTRACT, REGISTERED_MODEL, ArtifactReader, check_writes
 from xc_dagster.catalog import DatasetSpec
 from xc_dagster.config import PipelineConfig
+from xc_dagster.data.companions import points_have_text
 from xc_dagster.device import resolve_device
 from xc_dagster.errors import XCError
 from xc_dagster.evaluation.metrics import inverse_propensity
@@ -101,5 +102,4 @@ class StageContext:
     def points_have_text(self) -> bool:
         """Whether the encoder has anything to read on the training points: a pre-tokenized layout, or some point
         with text (the ingest summary's ``train_texts``; a BoW layout without its vocabulary has none)."""
-        s = self.read.summary("ingest", missing_ok=True) or {}
-        return s.get("layout") == "tokenized" or s.get("train_texts", 1) > 0
+        return points_have_text(self.read.summary("ingest", missing_ok=True) or {})

@@ -12,7 +12,7 @@ from xc_dagster.artifacts import CHECKS, DATASET, LABEL_FREQ, LABEL_FREQ_PLOT, S
 from xc_dagster.catalog import BUILTIN_PREFIX, builtin_path
 from xc_dagster.data import read_dataset, resolve_source, save_dataset
 from xc_dagster.data.checks import check_counts, compute_checks, label_frequencies, label_frequency_plot
-from xc_dagster.data.companions import has_label_names, text_hint
+from xc_dagster.data.companions import has_label_names, points_have_text, text_hint
 from xc_dagster.data.registry import verify_counts
 from xc_dagster.data.splits import validation_split
 from xc_dagster.errors import XCError
@@ -57,7 +57,6 @@ def run(ctx: StageContext) -> dict[str, Any]:
     freq = label_frequencies(ds.Y_train, ds.num_labels)
     checks = compute_checks(ds, known, freq)
     valid = validation_split(ds.num_train, p.valid_fraction, p.valid_max, p.seed, p.valid_min)
-    train_texts = sum(1 for t in ds.train_texts if t and t.strip())  # 0: the encoder would read nothing
     with ctx.writing() as out:
         save_dataset(ds, out / DATASET)
         np.save(out / VALID_ROWS, valid)
@@ -68,13 +67,15 @@ def run(ctx: StageContext) -> dict[str, Any]:
                       "registry": known.name if known else None, "source_fingerprint": source_digest,
                       "counts_verified": bool(known is not None and p.verify_counts),
                       "label_names": has_label_names(ds.label_texts),
-                      "train_texts": train_texts,
+                      # points with text (the checks counted the empty ones); 0: the encoder would read nothing
+                      "train_texts": ds.num_train - checks["checks"]["duplicate_point_texts"]["metadata"][
+                          "empty_train_texts"],
                       "checks_failed": checks["failed"], "check_counts": check_counts(checks),
                       "label_frequency": checks["label_frequency"],
                       "seconds": time.perf_counter() - t0})
         save_json(out / SUMMARY, stats)
     ctx.info(f"ingest {ctx.name}: {stats['n_train']} train / {stats['n_test']} test / {stats['n_labels']} labels")
-    if not train_texts and ds.layout != "tokenized":
+    if not points_have_text(stats):
         ctx.info(f"ingest {ctx.name}: no training point has text ({text_hint(ds.layout)}); the encoder is not "
                  f"trained and the model is the lexical source over the shipped features")
     return stats

@@ -18,6 +18,7 @@ import numpy as np
 
 from xc_dagster.artifacts import SUMMARY, token_files
 from xc_dagster.config import PipelineConfig
+from xc_dagster.data.companions import points_have_text
 from xc_dagster.device import resolve_device
 from xc_dagster.errors import XCConfigError
 from xc_dagster.planning.calibration import CACHE_FILE, UnitCosts, length_percentiles
@@ -126,7 +127,7 @@ def dataset_shape(artifacts: Path, name: str, cfg: PipelineConfig,
         source["token lengths"] = "tokenize lengths (percentiles)"
     return Shape(n_train, int(values["n_test"]), int(values["n_labels"]), float(values["labels_per_point"]),
                  tokens, min(label_tokens, label_max), n_valid, *lengths, bool(ingest.get("label_names", True)),
-                 ingest.get("layout") == "tokenized" or ingest.get("train_texts", 1) > 0), source
+                 points_have_text(ingest)), source
 
 
 def _percentiles(artifacts: Path, name: str, split: str, max_len: int) -> tuple[int, ...]:

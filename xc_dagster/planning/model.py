@@ -203,13 +203,13 @@ def pretrain_steps(cfg: PipelineConfig, s: Shape, step_s: float, encode_s: float
     """(epochs, steps, note): the configured epochs, or those ``train.budget_minutes`` plans from the step time
     (``xc_dagster.training.budget.plan_epochs``); an epoch is the sampler's batches."""
     p, b = cfg.pretrain, cfg.train
+    if not s.point_texts:  # as the pretrain stage does (StageContext.points_have_text)
+        return 0.0, 0, "no training point has text: the encoder is not trained"
     # the pretrain stage's label points: ngame's default leaves placeholder label names out (label_points_named)
     label_points = p.label_points and (s.label_names or "pretrain.label_points" in cfg.explicit)
     examples = s.n_labels if p.sampler == "siamesexml" else s.rows + (s.n_labels if label_points else 0)
     spe = math.ceil(examples / p.batch_size)
     epochs, note = p.epochs, ""
-    if not s.point_texts:  # as the pretrain stage does (StageContext.points_have_text)
-        return 0.0, 0, "no training point has text: the encoder is not trained"
     if b.budget_minutes > 0 and "pretrain.epochs" not in cfg.explicit and p.epochs > 0 and step_s > 0:
         budget = 60.0 * b.budget_minutes
         left = budget - encode_s - reserve_seconds(b.reserve, budget, encode_s)

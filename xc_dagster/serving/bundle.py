@@ -171,6 +171,9 @@ def write_bundle(ctx: "StageContext", out: Path, default_k: int = 10, shortlist_
     if shortlist_size < 0 or ef_search < 0 or graph_above < 0:
         raise XCConfigError(f"serving shortlist_size / ef_search / graph_above: expected >= 0 (0 = as evaluated), "
                             f"got {shortlist_size} / {ef_search} / {graph_above}")
+    why = unservable(ctx)  # before anything is written
+    if why:
+        raise XCConfigError(why)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     read = ctx.read
@@ -186,9 +189,6 @@ def write_bundle(ctx: "StageContext", out: Path, default_k: int = 10, shortlist_
     for name in [INDEX_FILES[n] for n in sources if n in INDEX_FILES] + parts:
         if (idx / name).exists() and name not in graphs:
             _link_or_copy(idx / name, out / name)
-    why = unservable(ctx)
-    if why:
-        raise XCConfigError(why)
     if "lexical" in sources:
         _link_tree(idx / LEXICAL_DIR, out / LEXICAL_DIR)
     _link_or_copy(read.path("fusion", FUSION), out / "fusion.json")
