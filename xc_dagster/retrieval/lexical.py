@@ -17,7 +17,8 @@ grams, ``index.lexical_min_df``, 1 when that leaves no term) on the points' and 
 ``TfidfTransformer`` on the shipped BoW features (sublinear tf and idf for counts; real values, already weighted,
 only L2-normalised); validation points are indexed (excluded from the fusion's kNN, as the dense kNN excludes them) but
 left out of the fit. Both parts are sparse products in row blocks holding at most ``PRODUCT_BUDGET`` entries each
-(:attr:`LexicalIndex.block_rows` queries, split further by their terms' postings).
+(:attr:`LexicalIndex.block_rows` queries, split further by their terms' postings); the kNN part of dense feature rows
+(most terms in most points: ``sparse_rows.dense_postings``) is one dense product per block instead.
 
 At scale the products are bounded by static index pruning (Carmel et al., SIGIR 2001): with ``max_postings`` P > 0
 (``index.lexical_max_postings``) each term keeps only the P points, and the P labels, where its TF-IDF weight is
@@ -56,6 +57,8 @@ from xc_dagster.retrieval.lexical_classifier import ClassifierSettings, LexicalC
 from xc_dagster.retrieval.sparse_rows import (
     cap_postings,
     check_power,
+    dense_postings,
+    dense_topk,
     sparse_lookup,
     sparse_topk,
     vote_weights,
@@ -113,7 +116,9 @@ class LexicalIndex:
         # postings capped at max_postings
         self._points_t = cap_postings(self.points.T.tocsr(), self.max_postings)
         self._labels_t = None if self.labels is None else cap_postings(self.labels.T.tocsr(), self.max_postings)
-        self._work = np.diff(self._points_t.indptr) + (0 if self._labels_t is None else np.diff(self._labels_t.indptr))
+        self._points_dense = dense_postings(self._points_t)  # dense feature rows: one BLAS product per block
+        self._work = np.diff(self._points_t.indptr) * (self._points_dense is None)  # dense: num_points per query
+        self._work += 0 if self._labels_t is None else np.diff(self._labels_t.indptr)
         self.classifier, self.classifier_skipped = classifier, False  # skipped: fit() left them out (not saved)
         if classifier is not None and (classifier.num_labels, classifier.num_terms) != (self.num_labels,
                                                                                        self.points.shape[1]):
@@ -262,7 +267,17 @@ class LexicalIndex:
     def nearest(self, queries: sp.csr_matrix, drop: np.ndarray | None = None,
                 own: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """The K nearest indexed points of each query by TF-IDF cosine: (rows, similarities), -1 / 0 padded.
-        ``drop``: (points,) bool, points never returned; ``own[i]``: a point never returned for query i (-1: none)."""
+        ``drop``: (points,) bool, points never returned; ``own[i]``: a point never returned for query i (-1: none).
+        Dense postings: the positive cosines of one dense product, ranked as the sparse product's."""
+        if self._points_dense is not None:
+            # torch's GEMM, not numpy's: OpenBLAS's threads spin after a product, stalling the torch work around it
+            D = (torch.from_numpy(sp.csr_matrix(queries, dtype=np.float32).toarray())
+                 @ torch.from_numpy(self._points_dense)).numpy()
+            if drop is not None:
+                D[:, drop] = 0.0
+            if own is not None and (mine := np.flatnonzero(np.asarray(own) >= 0)).size:
+                D[mine, np.asarray(own)[mine]] = 0.0
+            return dense_topk(D, self.neighbours)
         S = sp.csr_matrix(queries @ self._points_t)
         if drop is not None or own is not None:
             bad = np.zeros(S.nnz, dtype=bool) if drop is None else drop[S.indices]
@@ -277,7 +292,7 @@ class LexicalIndex:
         """Per query (a row of :meth:`transform`), its products with the points and the labels: the sum of its
         terms' postings, what bounds the memory of a block of :meth:`scores`."""
         c = np.concatenate([[0], np.cumsum(self._work[queries.indices], dtype=np.int64)])
-        return c[queries.indptr[1:]] - c[queries.indptr[:-1]]
+        return c[queries.indptr[1:]] - c[queries.indptr[:-1]] + (0 if self._points_dense is None else self.num_points)
 
     def query_blocks(self, queries: sp.csr_matrix, step: int) -> list[tuple[int, int]]:
         """Row ranges of at most ``step`` queries whose products (and so score entries) total at most

@@ -17,7 +17,10 @@ The weights are one flat vector over the (label, term) keys l * V + t, sorted, s
 logit is a ``searchsorted`` lookup of the point's terms (torch, vectorised over a batch of pairs); the model is
 trained by Adagrad, with sparse gradients from SPARSE_FROM weights (a step then costs what its batch reads, not the
 model's size), on mini-batches of pairs with an L2 penalty on the weights a batch reads, ``epochs`` passes over
-at most ``max_pairs`` pairs in all (fewer epochs, or a seeded sample of the points, beyond it).
+at most ``max_pairs`` pairs in all (fewer epochs, or a seeded sample of the points, beyond it). A model of at most
+DENSE_UP_TO (label, term) cells (a small vocabulary: the BoW sets) trains and scores as a dense (labels, terms)
+table zero off the keys instead, the same function and steps: a batch's logits are one sparse x dense product, where
+lookups cost searchsorted steps per (pair, term) (Mediamill's 120 dense features: ~55 s a pass by lookups).
 
 :class:`LexicalClassifier` owns its files (``classifier_*.npy`` and the settings in the lexical index's JSON).
 """
@@ -45,6 +48,7 @@ LOOKUP_BUDGET = 1 << 22  # (pair, term) lookups held at once when scoring: 4M x 
 # models of more weights train with sparse gradients (a step costs what its batch reads); smaller ones with dense
 # ones, cheaper there (Delicious' 273K weights: 61 s dense against 97 s sparse for 10 passes, AMD EPYC)
 SPARSE_FROM = 1 << 21
+DENSE_UP_TO = 1 << 24  # (label, term) cells up to which the weights are a dense table (64 MB; module docstring)
 
 
 @dataclass(frozen=True)
@@ -150,8 +154,10 @@ class LexicalClassifier:
         Q = sp.csr_matrix(Q, dtype=np.float32)
         if Q.shape[1] != self.num_terms:
             raise XCError(f"TF-IDF rows of {Q.shape[1]} terms, the lexical classifiers read {self.num_terms}")
-        X = _csr_tensors(Q)
         rows, labels = np.asarray(rows, dtype=np.int64), np.asarray(labels, dtype=np.int64)
+        if self.num_labels * self.num_terms <= DENSE_UP_TO:
+            return self._dense_pair_scores(Q, rows, labels)
+        X = _csr_tensors(Q)
         work = np.cumsum(np.diff(Q.indptr)[rows] + 1)
         ends = np.unique(np.append(np.searchsorted(work, np.arange(LOOKUP_BUDGET, work[-1], LOOKUP_BUDGET),
                                                    side="right"), len(rows))) if len(rows) else []
@@ -161,6 +167,22 @@ class LexicalClassifier:
                 r, lab = torch.from_numpy(rows[s:e]), torch.from_numpy(labels[s:e])
                 out[s:e] = torch.sigmoid(self._logits(self._lookup(X, r, lab), lab, self.weights[:, None],
                                                        self.bias[:, None])[0]).numpy()
+        return out
+
+    def _dense_pair_scores(self, Q: sp.csr_matrix, rows: np.ndarray, labels: np.ndarray) -> np.ndarray:
+        """:meth:`pair_scores` through the dense table: the queries' logits for every label, by blocks of at most
+        LOOKUP_BUDGET (query, label) cells, each pair's read off its block."""
+        W = _DenseTable.of(self).numpy()
+        queries, at = np.unique(rows, return_inverse=True)
+        order = np.argsort(at, kind="stable")
+        step = max(1, LOOKUP_BUDGET // max(self.num_labels, 1))
+        bounds = np.searchsorted(at[order], np.arange(0, len(queries) + step, step))
+        out, bias = np.empty(len(rows), dtype=np.float32), self.bias.numpy()
+        for b, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+            pick = order[s:e]
+            Z = np.asarray(Q[queries[b * step:(b + 1) * step]] @ W.T)
+            logits = Z[at[pick] - b * step, labels[pick]] + bias[labels[pick]]
+            out[pick] = 1.0 / (1.0 + np.exp(-logits))
         return out
 
     def on_pattern(self, Q: sp.csr_matrix, S: sp.csr_matrix) -> sp.csr_matrix:
@@ -268,6 +290,64 @@ def _batch_pairs(points: np.ndarray, Y: sp.csr_matrix, hard: sp.csr_matrix, rand
     return rows, labels, targets
 
 
+class _KeyTable:
+    """The weights as the keys' flat vector: a batch's logits by :meth:`LexicalClassifier._lookup`."""
+
+    def __init__(self, model: LexicalClassifier, X: sp.csr_matrix):
+        self.model, self.X = model, _csr_tensors(X)
+        self.weights = model.weights[:, None].clone().requires_grad_(True)  # (keys, 1): an embedding table
+        self.sparse = len(model.keys) >= SPARSE_FROM
+
+    def logits(self, points: np.ndarray, rows: np.ndarray, labels: np.ndarray,
+               bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w_l . x_r + b_l of each pair, the L2 sum of the weights the pairs read, once per reading)."""
+        lab = torch.from_numpy(labels)
+        logits, read = self.model._logits(self.model._lookup(self.X, torch.from_numpy(rows), lab), lab,
+                                          self.weights, bias, self.sparse)
+        return logits, (read ** 2).sum()
+
+    def values(self) -> torch.Tensor:
+        return self.weights.detach()[:, 0].clone()
+
+
+class _DenseTable:
+    """The weights as a dense (labels, terms) table, zero off the keys (the mask holds the gradient there at 0):
+    a batch's logits by one sparse x dense product, the same function as :class:`_KeyTable`'s."""
+
+    def __init__(self, model: LexicalClassifier, X: sp.csr_matrix):
+        if not X.has_canonical_format:  # sorted, no duplicates: its rows' COO is coalesced as it is
+            X = X.copy()
+            X.sum_duplicates()
+        self.keys, self.X = model.keys, X
+        self.mask = torch.zeros(model.num_labels * model.num_terms)
+        self.mask[model.keys] = 1.0
+        self.mask = self.mask.view(model.num_labels, model.num_terms)
+        self.weights = self.of(model).requires_grad_(True)
+        self.sparse, self.local = False, np.zeros(X.shape[0], dtype=np.int64)
+
+    @staticmethod
+    def of(model: LexicalClassifier) -> torch.Tensor:
+        """The model's weights as a (labels, terms) table, zero off its keys."""
+        table = torch.zeros(model.num_labels * model.num_terms)
+        table[model.keys] = model.weights
+        return table.view(model.num_labels, model.num_terms)
+
+    def logits(self, points: np.ndarray, rows: np.ndarray, labels: np.ndarray,
+               bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.local[points] = np.arange(len(points))
+        XB = self.X[points].tocoo()
+        at = torch.from_numpy(np.vstack([XB.row, XB.col]).astype(np.int64))
+        x, ones = (torch.sparse_coo_tensor(at, v, XB.shape, is_coalesced=True, check_invariants=False)
+                   for v in (torch.from_numpy(XB.data), torch.ones(XB.nnz)))
+        W = self.weights * self.mask
+        pair, lab = torch.from_numpy(self.local[rows]), torch.from_numpy(labels)
+        logits = torch.sparse.mm(x, W.T)[pair, lab] + bias[lab, 0]
+        return logits, torch.sparse.mm(ones, (W * W).T)[pair, lab].sum()  # a weight's square once per reading
+
+    def values(self) -> torch.Tensor:
+        return self.weights.detach().reshape(-1)[self.keys].clone()
+
+
 def _train(model: LexicalClassifier, X: sp.csr_matrix, Y: sp.csr_matrix, hard: sp.csr_matrix,
            rng: np.random.Generator, judge: Callable[[LexicalClassifier], float] | None,
            deadline: float | None = None, hard_stop: float | None = None) -> None:
@@ -281,11 +361,10 @@ def _train(model: LexicalClassifier, X: sp.csr_matrix, Y: sp.csr_matrix, hard: s
     per_point = (Y.nnz + hard.nnz) / max(n, 1) + s.random_negatives
     total = min(s.epochs * n, s.max_pairs / max(per_point, 1e-9))  # point visits
     points_per_batch = max(1, int(s.batch_pairs / max(per_point, 1e-9)))
-    Xt = _csr_tensors(X)
-    weights = model.weights[:, None].clone().requires_grad_(True)  # (keys, 1), (labels, 1): embedding tables
-    bias = model.bias[:, None].clone().requires_grad_(True)
-    opt = torch.optim.Adagrad([weights, bias], lr=s.lr)  # takes sparse gradients too
-    sparse = len(model.keys) >= SPARSE_FROM
+    dense = model.num_labels * model.num_terms <= DENSE_UP_TO
+    table = _DenseTable(model, X) if dense else _KeyTable(model, X)
+    bias = model.bias[:, None].clone().requires_grad_(True)  # (labels, 1): an embedding table
+    opt = torch.optim.Adagrad([table.weights, bias], lr=s.lr)  # takes sparse gradients too
     seen, best = 0, (-math.inf, model.weights, model.bias)
     while seen < total and n:
         order = rng.permutation(n)[:int(min(n, math.ceil(total - seen)))]
@@ -295,14 +374,13 @@ def _train(model: LexicalClassifier, X: sp.csr_matrix, Y: sp.csr_matrix, hard: s
             if limits and time.perf_counter() > min(limits):
                 model.stopped_at_deadline = True
                 break
-            rows, labels, targets = _batch_pairs(order[start:start + points_per_batch], Y, hard,
-                                                 s.random_negatives, model.num_labels, rng)
-            r, lab = torch.from_numpy(rows), torch.from_numpy(labels)
-            logits, read = model._logits(model._lookup(Xt, r, lab), lab, weights, bias, sparse)
+            points = order[start:start + points_per_batch]
+            rows, labels, targets = _batch_pairs(points, Y, hard, s.random_negatives, model.num_labels, rng)
+            logits, squares = table.logits(points, rows, labels, bias)
             loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, torch.from_numpy(targets),
                                                                         reduction="sum")
             # L2 on the weights the batch reads, once per reading
-            loss = (loss + 0.5 * s.l2 * (read ** 2).sum()) / max(len(rows), 1)
+            loss = (loss + 0.5 * s.l2 * squares) / max(len(rows), 1)
             opt.zero_grad()
             loss.backward()
             with torch.sparse.check_sparse_tensor_invariants(enable=False):  # torch's own coalesced gradients
@@ -311,7 +389,7 @@ def _train(model: LexicalClassifier, X: sp.csr_matrix, Y: sp.csr_matrix, hard: s
         if not trained:  # stopped before this pass's first batch: nothing new to judge
             break
         seen += len(order)
-        model.weights, model.bias = weights.detach()[:, 0].clone(), bias.detach()[:, 0].clone()
+        model.weights, model.bias = table.values(), bias.detach()[:, 0].clone()
         value = judge(model) if judge is not None else 0.0
         model.history.append(round(float(value), 6))
         if judge is None or value > best[0]:

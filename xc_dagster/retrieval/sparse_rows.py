@@ -87,6 +87,34 @@ def _ranked_topk(n: int, k: int, rows: np.ndarray, cols: np.ndarray,
     return ids, vals
 
 
+def dense_topk(D: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`sparse_topk` of the positive entries of a dense block ``D`` (the others taken as not stored), without
+    building the sparse block: one partition finds each row's k-th value, the top k and the ties at it are ranked."""
+    n, width = D.shape
+    if n == 0 or width == 0 or k < 1:
+        return np.full((n, max(k, 0)), -1, dtype=np.int64), np.zeros((n, max(k, 0)), dtype=np.float32)
+    kk = min(k, width)
+    thr = -np.partition(-D, kk - 1, axis=1)[:, kk - 1:kk]
+    r, c = np.nonzero((D >= thr) & (D > 0))
+    return _ranked_topk(n, k, r, c, D[r, c])
+
+
+DENSE_GAIN = 16  # a dense product's cell costs ~1/16 of a sparse product's stored entry (BLAS against scipy's
+# per-entry loop: 512 Mediamill-shaped queries x 31K points, 0.28 s against 4.75 s, Xeon, one thread)
+DENSE_MAX_CELLS = 1 << 25  # a dense copy of the postings holds at most this many cells (128 MB)
+
+
+def dense_postings(Mt: sp.csr_matrix) -> np.ndarray | None:
+    """The postings ``Mt`` (terms, points) as a dense float32 array where a query's products cost less so: the
+    points' mean products as queries (sum over terms of df ** 2 / points) above terms x points / DENSE_GAIN (dense
+    feature rows: Mediamill's 120 features, each in nearly every point), at most DENSE_MAX_CELLS cells; else None."""
+    terms, n = Mt.shape
+    df = np.diff(Mt.indptr).astype(np.float64)
+    if n == 0 or terms * n > DENSE_MAX_CELLS or DENSE_GAIN * float((df ** 2).sum()) / n < terms * n:
+        return None
+    return np.asarray(Mt.toarray(), dtype=np.float32)
+
+
 def sparse_lookup(P: sp.csr_matrix, ids: np.ndarray) -> np.ndarray:
     """Row-wise ``P[i, ids[i, j]]`` (0 where not stored or ``ids`` is -1): (n, C) float32. ``P``: CSR with
     sorted indices and no duplicates, so that the keys row * L + column are sorted for one search."""
