@@ -1,6 +1,6 @@
 """The lexical source of a BoW dataset with its feature words: ingest keeps the vocabulary, a point's rebuilt text
 and its feature row have the same TF-IDF row (whatever the feature values and however odd the vocabulary), the
-words are saved without pickle, and without them a serving bundle still refuses the source."""
+words are saved without pickle, and without them the model serves feature vectors instead of text."""
 
 from __future__ import annotations
 
@@ -92,19 +92,23 @@ def test_ingest_keeps_the_feature_words(tmp_path):
     assert load_feature_words(tmp_path / "bare") is None and load_dataset(tmp_path / "bare").feature_words is None
 
 
-def test_a_bow_dataset_without_vocabulary_trains_no_encoder_and_is_not_registered(tmp_path, monkeypatch):
+def test_a_bow_dataset_without_vocabulary_trains_no_encoder_and_serves_feature_vectors(tmp_path, monkeypatch):
     """Without X_vocab.txt no point has text: ingest counts none, pretraining trains nothing (its epochs set or not:
-    every point would be the same empty input), the lexical index reads the feature values (no words), write_bundle
-    says why the model cannot serve text, and the registered_model asset materializes unregistered, its gate check
-    failing with severity WARN (the run succeeds)."""
+    every point would be the same empty input), the lexical index reads the feature values (no words), and the
+    model serves feature vectors: the bundle (``input: features``) gives the test rows the evaluation's predictions,
+    refuses text, and the registered_model asset registers it, its pyfunc reading a ``features`` column."""
     import dagster as dg
     import mlflow
+    import pandas as pd
 
     from assets import build_lifecycle_assets
     from resources.home import dataset_partitions
     from tests.tinydata import dagster_instance
     from xc_dagster.definitions import pipeline_resources
+    from xc_dagster.evaluation.metrics import remove_filtered
     from xc_dagster.home import Home
+    from xc_dagster.serving.requests import feature_lines
+    from xc_dagster.tracking import use_tracking_uri
 
     ctx = bow_context(tmp_path, monkeypatch, vocab=False)
     assert ctx.cfg.pretrain.epochs == 1 and "pretrain.epochs" in ctx.cfg.explicit
@@ -112,8 +116,24 @@ def test_a_bow_dataset_without_vocabulary_trains_no_encoder_and_is_not_registere
     assert out["ingest"]["train_texts"] == 0 and out["pretrain"]["steps"] == 0
     assert out["pretrain"]["budget"]["planned_epochs"] == 0
     assert out["index"]["lexical"]["input"] == "features" and out["index"]["lexical"]["feature_words"] is False
-    with pytest.raises(XCConfigError, match="feature words.*no text for the encoder.*X_vocab.txt.*rebuilds"):
-        serving_bundle.write_bundle(ctx, tmp_path / "bundle")
+    info = serving_bundle.write_bundle(ctx, tmp_path / "bundle")
+    assert info["input"] == "features" and info["num_features"] == 30
+    bundle = serving_bundle.load_bundle(tmp_path / "bundle", "cpu")
+    X_test = ctx.read.features("test")
+    ids, scores = serving_bundle.predict_features(X_test, bundle, 10)
+    filtered, _ = remove_filtered(ids, scores, ctx.read.dataset(features=False).filter_test)
+    np.testing.assert_array_equal(filtered, np.load(ctx.dir("evaluate") / "predictions.npz")["ids"])
+    with pytest.raises(XCError, match="feature vectors.*'features'.*30 features"):
+        serving_bundle.predict_topk(["word1 word2"], bundle, 10)
+    empty, _ = serving_bundle.predict_features(sp.csr_matrix((2, 30), dtype=np.float32), bundle, 10)
+    assert (empty == -1).all()  # no feature, no labels
+    # mixed: an encoder that reads text beside a lexical source that reads wordless features cannot be served
+    monkeypatch.setattr(type(ctx), "points_have_text", lambda self: True)
+    with pytest.raises(XCConfigError, match="feature words.*encoder reads the points' texts"):
+        serving_bundle.write_bundle(ctx, tmp_path / "mixed")
+    monkeypatch.undo()
+    monkeypatch.setenv("XC_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     home = Home.from_env()
     res = dg.materialize(build_lifecycle_assets(dataset_partitions()), partition_key="TinyBow",
                          resources=pipeline_resources(home), instance=dagster_instance("TinyBow"),
@@ -121,10 +141,14 @@ def test_a_bow_dataset_without_vocabulary_trains_no_encoder_and_is_not_registere
     assert res.success
     (mat,) = res.get_asset_materialization_events()
     meta = {k: v.value for k, v in mat.materialization.metadata.items()}
-    assert meta["registered"] is False and "X_vocab.txt" in meta["why"]
+    assert meta["model_name"] == "xc-TinyBow" and meta["alias"] == "champion"
     (check,) = res.get_asset_check_evaluations()
-    assert not check.passed and check.severity == dg.AssetCheckSeverity.WARN
-    assert mlflow.MlflowClient(home.mlflow_uri).search_registered_models() == []
+    assert check.passed
+    with use_tracking_uri(home.mlflow_uri):
+        model = mlflow.pyfunc.load_model("models:/xc-TinyBow@champion")
+    assert model.metadata.get_input_schema().input_names() == ["features"]
+    got = model.predict(pd.DataFrame({"features": feature_lines(X_test[:5])}), params={"k": 10})
+    assert [row[:3] for row in got["label_ids"]] == [[int(i) for i in r[r >= 0][:3]] for r in ids[:5]]
 
 
 @pytest.mark.parametrize("vocab", [False, True])

@@ -18,7 +18,9 @@ A *bundle* is a folder that loads from plain files only (no pickle); the registe
 ``fusion.json``        the fitted fusion (alpha or tree), as the fusion stage wrote it
 ``inv_prop.npy``       inverse propensities of the labels (the tree fusion's third feature)
 ``labels.parquet``     label texts (column ``text``, row = label id)
-``serving.json``       how to use them: max_len, pooling, index kind and efSearch, shortlist size, amp, k
+``serving.json``       how to use them: max_len, pooling, index kind and efSearch, shortlist size, amp, k, and
+                       ``input``: ``text``, or ``features`` for a model of feature rows without their words (its
+                       points had no text): requests are then feature vectors (``predict_features``)
 =====================  ==================================================================================
 
 ``predict_topk(texts, bundle, k)`` is the whole inference path (tokenize with the training max_len, encode,
@@ -35,18 +37,18 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import mlflow
 import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
+import scipy.sparse as sp
 import torch
 from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 
 from xc_dagster.artifacts import ENCODER, FUSION, LABEL_EMB, W
 from xc_dagster.data.canonical import LABEL_TEXTS_FILE
-from xc_dagster.data.companions import text_hint
 from xc_dagster.device import amp_dtype, resolve_device
 from xc_dagster.encoders.encode import encode_tokens
 from xc_dagster.encoders.loading import load_encoder
@@ -64,7 +66,8 @@ from xc_dagster.retrieval.shortlist import (
 )
 from xc_dagster.retrieval.source_files import load_sources
 from xc_dagster.retrieval.votes import fitted_votes, votes_record, with_fitted_votes
-from xc_dagster.serving.limits import RequestLimits, as_text, cut_texts, has_content
+from xc_dagster.serving.limits import RequestLimits, cut_texts, has_content
+from xc_dagster.serving.requests import FEATURES_COLUMN, input_features, input_texts, param_k
 from xc_dagster.storage import load_json, save_json
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -105,6 +108,15 @@ class ServingBundle:
         return int(len(self.W))
 
     @property
+    def input(self) -> str:
+        """What a request holds: ``text``, or ``features`` (a model of feature rows without their words)."""
+        return str(self.info.get("input", "text"))
+
+    @property
+    def num_features(self) -> int:
+        return int(self.info.get("num_features", 0))
+
+    @property
     def max_k(self) -> int:
         """The most labels a row can get: the shortlist's width (``shortlist_size`` per source), at most L."""
         return max(1, min(self.shortlist_size * len(self.sources.names), self.num_labels))
@@ -139,20 +151,29 @@ def _graph_copy(src: Path, dst: Path, graph_above: int, ctx: "StageContext") -> 
     return True
 
 
-def unservable(ctx: "StageContext") -> str:
-    """Why ``ctx``'s model cannot serve raw query text ("" when it can): its lexical source was fitted on the shipped
-    BoW features without the dataset's feature words, so a query's text cannot be mapped to them."""
+def _lexical_reads_features(ctx: "StageContext") -> dict[str, Any] | None:
+    """The lexical source's ``lexical.json`` when it reads shipped BoW features without their words (so no raw
+    text maps to its rows), else None."""
     if "lexical" not in ctx.read.summary("index").get("sources", []):
-        return ""
+        return None
     lexical = read_config(ctx.read.dir("index") / LEXICAL_DIR)
-    if lexical["input"] == "text" or lexical.get("feature_words"):
+    return None if lexical["input"] == "text" or lexical.get("feature_words") else lexical
+
+
+def serving_input(ctx: "StageContext") -> str:
+    """What a request to ``ctx``'s model holds: ``features`` when its lexical source reads feature rows without
+    their words and its points had no text (the encoder read one empty text), else ``text``."""
+    return "features" if _lexical_reads_features(ctx) is not None and not ctx.points_have_text() else "text"
+
+
+def unservable(ctx: "StageContext") -> str:
+    """Why ``ctx``'s model cannot be served ("" when it can): its lexical source reads the shipped BoW features
+    without the dataset's feature words while its encoder reads the points' texts, so a request would need both."""
+    if _lexical_reads_features(ctx) is None or not ctx.points_have_text():
         return ""
-    where = f"the lexical source of {ctx.name} was fitted on the shipped BoW features without the dataset's " \
-            "feature words (X_vocab.txt / vocab.txt), so raw query text cannot be mapped to them"
-    if not ctx.points_have_text():
-        layout = (ctx.read.summary("ingest", missing_ok=True) or {}).get("layout", "")
-        return f"{where}, and its points have no text for the encoder either: {text_hint(layout)}"
-    return f"index.sources: {where}; serve a model indexed without lexical"
+    return (f"index.sources: the lexical source of {ctx.name} was fitted on the shipped BoW features without the "
+            "dataset's feature words (X_vocab.txt / vocab.txt), so raw query text cannot be mapped to them, while its "
+            "encoder reads the points' texts; serve a model indexed without lexical")
 
 
 def write_bundle(ctx: "StageContext", out: Path, default_k: int = 10, shortlist_size: int = 0,
@@ -217,7 +238,10 @@ def write_bundle(ctx: "StageContext", out: Path, default_k: int = 10, shortlist_
                         and (not ef_search or ef_search == ctx.cfg.index.hnsw_ef_search) and not graphs,
         "num_labels": int(idx_summary["labels"]), "dim": int(idx_summary["dim"]), "default_k": int(default_k),
         "propensity_a": ctx.cfg.evaluate.propensity_a, "propensity_b": ctx.cfg.evaluate.propensity_b,
+        "input": serving_input(ctx),
     }
+    if info["input"] == "features":  # requests: feature vectors of the dataset's columns (serving.requests)
+        info["num_features"] = int(read_config(out / LEXICAL_DIR)["num_features"])
     save_json(out / SERVING_FILE, info)
     return info
 
@@ -294,6 +318,9 @@ def predict_topk(texts: Sequence[str], bundle: ServingBundle, k: int) -> tuple[n
     """Top-k (label ids int64, scores float32) per text, ids -1 (score -inf) past the shortlist's end; width
     ``min(k, bundle.max_k)``. Texts are cut to ``max_len * 32`` characters; a text without a visible character
     (empty, whitespace) gets no labels (a row of -1), and is not encoded."""
+    if bundle.input == "features":
+        raise XCError(f"this model reads feature vectors (column {FEATURES_COLUMN!r}, {bundle.num_features} "
+                      "features: serving.requests), not text: its points had no text")
     texts = cut_texts(texts, bundle.max_len)
     keep = np.flatnonzero([has_content(t) for t in texts])
     if len(keep) == len(texts):
@@ -306,6 +333,24 @@ def predict_topk(texts: Sequence[str], bundle: ServingBundle, k: int) -> tuple[n
     return out_ids, out_scores
 
 
+def predict_features(X: Any, bundle: ServingBundle, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`predict_topk` of a model of feature rows (``bundle.input`` ``features``): the encoder reads the empty
+    text its training points had, the lexical source each row (n, ``num_features``); a row without a nonzero value
+    gets no labels (a row of -1)."""
+    if bundle.input != "features":
+        raise XCError("this model reads text (column 'text'), not feature vectors")
+    X = sp.csr_matrix(X, dtype=np.float32)
+    X.eliminate_zeros()
+    keep = np.flatnonzero(np.diff(X.indptr))
+    width = min(max(int(k), 1), bundle.max_k)
+    ids = np.full((X.shape[0], width), -1, dtype=np.int64)
+    scores = np.full((X.shape[0], width), -np.inf, dtype=np.float32)
+    if len(keep):
+        empty = np.repeat(encode_texts([""], bundle), len(keep), axis=0)
+        ids[keep], scores[keep] = rank(empty, bundle, k, bundle.sources.lexical.transform(X[keep]))
+    return ids, scores
+
+
 def predictions_frame(ids: np.ndarray, scores: np.ndarray, bundle: ServingBundle) -> pd.DataFrame:
     """One row per input: ``label_ids`` (list[int]), ``labels`` (list[str]), ``scores`` (list[float])."""
     out_ids, out_labels, out_scores = [], [], []
@@ -316,47 +361,6 @@ def predictions_frame(ids: np.ndarray, scores: np.ndarray, bundle: ServingBundle
         out_labels.append([str(t) for t in bundle.label_texts[r]])
         out_scores.append([float(s) for s in row_s[keep]])
     return pd.DataFrame({"label_ids": out_ids, "labels": out_labels, "scores": out_scores})
-
-
-def _input_values(model_input: Any) -> Sequence[Any]:
-    """The input's text values, not yet checked: a DataFrame's ``text`` (or only) column, a sequence, one text,
-    or a mapping's ``text``."""
-    if isinstance(model_input, pd.DataFrame):
-        if "text" in model_input.columns:
-            return model_input["text"]
-        if model_input.shape[1] == 1:
-            return model_input.iloc[:, 0]
-        raise XCError(f"model input: expected a column 'text', got columns {list(model_input.columns)}")
-    if isinstance(model_input, Mapping) and "text" in model_input:
-        model_input = model_input["text"]
-    if isinstance(model_input, (str, bytes, bytearray)):
-        return [model_input]
-    if isinstance(model_input, (list, tuple, pd.Series, np.ndarray)):
-        return model_input
-    raise XCError(f"model input: expected a DataFrame with a 'text' column, got {type(model_input).__name__}")
-
-
-def input_texts(model_input: Any, limits: RequestLimits | None = None) -> list[str]:
-    """The texts of a pyfunc input (``bytes`` decoded as UTF-8, None / NaN as ""), within ``limits``: the number
-    of values is checked before any is read, the characters once they are decoded."""
-    values = _input_values(model_input)
-    if limits is not None:
-        limits.check_count(len(values))
-    texts = [as_text(v, i) for i, v in enumerate(values)]
-    if limits is not None:
-        limits.check_chars(texts)
-    return texts
-
-
-def _param_k(params: Mapping[str, Any] | None, default: int) -> int:
-    k = (params or {}).get("k", default)
-    try:
-        k = int(k)
-    except (TypeError, ValueError):
-        raise XCConfigError(f"param k: expected an integer, got {k!r}") from None
-    if k < 1:
-        raise XCConfigError(f"param k: expected >= 1, got {k}")
-    return k
 
 
 class XCModel(mlflow.pyfunc.PythonModel):
@@ -382,9 +386,12 @@ class XCModel(mlflow.pyfunc.PythonModel):
         if self.bundle is None:  # pragma: no cover - MLflow always calls load_context first
             self.load_context(context)
         try:  # the caller's mistakes: a client error (HTTP 400), with our message, not a server error
-            k = _param_k(params, self.bundle.default_k)
-            texts = input_texts(model_input, self.limits)
+            k = param_k(params, self.bundle.default_k)
+            if self.bundle.input == "features":
+                ids, scores = predict_features(input_features(model_input, self.bundle.num_features, self.limits),
+                                               self.bundle, k)
+            else:
+                ids, scores = predict_topk(input_texts(model_input, self.limits), self.bundle, k)
         except XCError as e:
             raise mlflow.exceptions.MlflowException(str(e), error_code=INVALID_PARAMETER_VALUE) from e
-        ids, scores = predict_topk(texts, self.bundle, k)
         return predictions_frame(ids, scores, self.bundle)

@@ -30,8 +30,17 @@ from mlflow.models import infer_signature
 from xc_dagster.catalog import parse_tolerance
 from xc_dagster.errors import XCError
 from xc_dagster.evaluation.metrics import evaluate, remove_filtered
-from xc_dagster.serving.bundle import ServingBundle, load_bundle, predict_topk, predictions_frame, write_bundle
+from xc_dagster.serving.bundle import (
+    ServingBundle,
+    load_bundle,
+    predict_features,
+    predict_topk,
+    predictions_frame,
+    serving_input,
+    write_bundle,
+)
 from xc_dagster.serving.limits import has_content
+from xc_dagster.serving.requests import FEATURES_COLUMN, feature_lines, input_features
 from xc_dagster.tracking import fluent_run, mlflow_dataset, model_name, use_tracking_uri
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -97,10 +106,16 @@ def log_pyfunc(bundle_dir: Path, example_texts: Sequence[str], default_k: int = 
     ``code_paths`` (then the model serves with the code it was logged with).
     """
     # a text without a visible character gets no labels: no output types to infer the signature from
-    example = [t if has_content(t) else "example" for t in list(example_texts)[:2]] or ["example"]
     bundle = load_bundle(bundle_dir, device)
-    out = predictions_frame(*predict_topk(example, bundle, default_k), bundle)
-    inp = pd.DataFrame({"text": example})
+    if bundle.input == "features":  # example_texts: request lines (serving.requests.feature_lines)
+        example = [t for t in list(example_texts)[:2] if t.strip()] or ["0:1"]
+        out = predictions_frame(*predict_features(input_features(example, bundle.num_features), bundle, default_k),
+                                bundle)
+        inp = pd.DataFrame({FEATURES_COLUMN: example})
+    else:
+        example = [t if has_content(t) else "example" for t in list(example_texts)[:2]] or ["example"]
+        out = predictions_frame(*predict_topk(example, bundle, default_k), bundle)
+        inp = pd.DataFrame({"text": example})
     signature = infer_signature(inp, out, params={"k": int(default_k)})
     with tempfile.TemporaryDirectory(prefix="xc-model-code-") as tmp:
         code_file = Path(tmp) / "xc_model.py"
@@ -166,6 +181,8 @@ def register_model(ctx: "StageContext", tracker: "Tracker", tags: Mapping[str, s
     fp = split_fingerprint(ctx)
     ds = ctx.read.dataset(features=False)
     example = [t for t in ds.test_texts[:2] if t] or [t for t in ds.label_texts[:2] if t] or ["example"]
+    if serving_input(ctx) == "features":
+        example = feature_lines(ctx.read.features("test")[:2])
     params = {**ctx.cfg.flat(), "serving.default_k": default_k, "serving.bundle_code": bundle_code,
               "serving.shortlist_size": shortlist_size, "serving.ef_search": ef_search,
               "serving.graph_above": graph_above}
@@ -192,7 +209,8 @@ def register_model(ctx: "StageContext", tracker: "Tracker", tags: Mapping[str, s
         client.set_registered_model_alias(name, alias, version)
         if alias == CHAMPION:
             client.update_registered_model(
-                name, description=f"xc-dagster model of dataset {ctx.name}: text -> top-k labels with scores")
+                name, description=f"xc-dagster model of dataset {ctx.name}: {info['input']} -> top-k labels with "
+                                   "scores")
         version_tags = {"dataset": ctx.name, "test_split": fp, "registered_as": alias, "run_id": run.run_id,
                         "metrics_source": metrics_source,
                         "strategy": ctx.cfg.strategy, "preset": ctx.cfg.preset, "fusion": str(info["fusion"]),
@@ -213,11 +231,14 @@ def evaluate_bundle(bundle: ServingBundle, ctx: "StageContext") -> dict[str, flo
     """The evaluation stage's test metrics of a bundle on ``ctx``'s current test split (texts through
     ``predict_topk``, filter pairs removed, same top_k and propensities)."""
     ds = ctx.read.dataset(features=False)
-    if ds.num_test and not any(ds.test_texts):
+    if ds.num_test and not any(ds.test_texts) and bundle.input != "features":
         raise XCError(f"dataset {ctx.name!r} has no test texts (pre-tokenized layout): cannot re-evaluate a model")
     if bundle.num_labels > ds.num_labels:
         raise XCError(f"model has {bundle.num_labels} labels, dataset {ctx.name!r} {ds.num_labels}")
-    ids, scores = predict_topk(ds.test_texts, bundle, ctx.cfg.evaluate.top_k)
+    if bundle.input == "features":
+        ids, scores = predict_features(ctx.read.features("test"), bundle, ctx.cfg.evaluate.top_k)
+    else:
+        ids, scores = predict_topk(ds.test_texts, bundle, ctx.cfg.evaluate.top_k)
     ids, scores = remove_filtered(ids, scores, ds.filter_test)
     inv = ctx.inv_prop(ds.Y_train)
     return evaluate(ids, ds.Y_test, ks=(1, 3, 5), inv_prop=inv, filter_pairs=ds.filter_test)
