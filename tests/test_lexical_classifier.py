@@ -10,6 +10,7 @@ import pytest
 import scipy.sparse as sp
 
 import xc_dagster.retrieval.lexical_classifier as lc
+import xc_dagster.retrieval.lexical_tables as tables
 from xc_dagster.errors import XCConfigError
 from xc_dagster.retrieval.lexical import LexicalIndex
 from xc_dagster.retrieval.lexical_classifier import (
@@ -44,7 +45,7 @@ def test_hard_negatives_are_the_top_scored_non_positives_ties_to_the_smaller_lab
 @pytest.mark.parametrize("budget", [7, 1 << 22])
 def test_pair_scores_equal_the_dense_logistic_model_in_any_chunking(monkeypatch, budget, dense_up_to):
     monkeypatch.setattr(lc, "LOOKUP_BUDGET", budget)
-    monkeypatch.setattr(lc, "DENSE_UP_TO", dense_up_to)
+    monkeypatch.setattr(tables, "DENSE_UP_TO", dense_up_to)
     rng = np.random.default_rng(0)
     V, L = 12, 5
     keys = np.sort(rng.choice(L * V, 30, replace=False)).astype(np.int64)
@@ -109,15 +110,15 @@ def test_classifiers_train_on_the_fit_points_only_and_are_seeded(monkeypatch):
     assert a.classifier.history == b.classifier.history and len(a.classifier.history) == 2
     # the dense table (this size's), the keys looked up with dense gradients, and with sparse ones: the same
     # model up to the sums' order
-    monkeypatch.setattr(lc, "DENSE_UP_TO", 0)
+    monkeypatch.setattr(tables, "DENSE_UP_TO", 0)
     for sparse_from in (1 << 21, 1):
-        monkeypatch.setattr(lc, "SPARSE_FROM", sparse_from)
+        monkeypatch.setattr(tables, "SPARSE_FROM", sparse_from)
         c = LexicalIndex.fit(texts, None, Y, 5, min_df=1, fit_on=fit_on, classifier=ClassifierSettings(epochs=2))
         np.testing.assert_allclose(c.classifier.weights.numpy(), a.classifier.weights.numpy(), rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(c.classifier.bias.numpy(), a.classifier.bias.numpy(), rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(c.classifier.history, a.classifier.history, atol=1e-6)
     assert np.abs(a.classifier.weights.numpy()).max() > 0.1  # trained, not left at 0
-    monkeypatch.setattr(lc, "DENSE_UP_TO", 1 << 24)
+    monkeypatch.setattr(tables, "DENSE_UP_TO", 1 << 24)
     # the held-out points' labels are not in the support: a label only they carry has no weights, its bias only
     # ever met random negatives
     Y2 = Y.tolil()

@@ -3,11 +3,13 @@ sparse products rank, and the classifiers' dense (labels, terms) table."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import scipy.sparse as sp
 
-import xc_dagster.retrieval.lexical_classifier as lc
+import xc_dagster.retrieval.lexical_tables as tables
 from xc_dagster.retrieval import sparse_rows
 from xc_dagster.retrieval.lexical import LexicalIndex
 from xc_dagster.retrieval.lexical_classifier import ClassifierSettings
@@ -78,9 +80,24 @@ def test_the_dense_classifier_table_trains_the_keyed_model(monkeypatch):
     settings = ClassifierSettings(epochs=3, hard_negatives=2, random_negatives=3)
     valid = (index.transform(X[300:]), Y[300:])
     a = index.fit_classifier(np.arange(300), settings, valid)
-    monkeypatch.setattr(lc, "DENSE_UP_TO", 0)
+    monkeypatch.setattr(tables, "DENSE_UP_TO", 0)
     b = index.fit_classifier(np.arange(300), settings, valid)
     np.testing.assert_allclose(a.weights.numpy(), b.weights.numpy(), rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(a.bias.numpy(), b.bias.numpy(), rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(a.history, b.history, atol=1e-6)
     assert np.abs(a.weights.numpy()).max() > 0.1
+
+
+def test_the_dense_table_is_taken_where_it_is_cheaper_than_the_lookups():
+    """A step of the dense table moves every cell; a keyed one costs its batch's (pair, term) lookups: the table is
+    taken up to DENSE_READS times those (Mediamill's shape: 12K cells against 4,096 pairs x 120 terms), not where the
+    labels outnumber what a batch reads (Delicious': 491K cells against 4,096 x 18)."""
+    def shape(labels: int, terms: int, per_row: int) -> tuple[SimpleNamespace, sp.csr_matrix]:
+        X = sp.csr_matrix((np.ones(10 * per_row), np.tile(np.arange(per_row), 10), np.arange(11) * per_row),
+                          shape=(10, terms))
+        return SimpleNamespace(num_labels=labels, num_terms=terms), X
+
+    assert tables.trains_dense(*shape(101, 120, 120), 4096) and tables.scores_dense(shape(101, 120, 120)[0])
+    assert not tables.trains_dense(*shape(983, 500, 18), 4096)
+    assert tables.trains_dense(*shape(159, 1836, 69), 4096)  # Bibtex: 292K cells, 283K reads
+    assert not tables.scores_dense(SimpleNamespace(num_labels=5000, num_terms=100))  # too many labels per query

@@ -17,10 +17,11 @@ The weights are one flat vector over the (label, term) keys l * V + t, sorted, s
 logit is a ``searchsorted`` lookup of the point's terms (torch, vectorised over a batch of pairs); the model is
 trained by Adagrad, with sparse gradients from SPARSE_FROM weights (a step then costs what its batch reads, not the
 model's size), on mini-batches of pairs with an L2 penalty on the weights a batch reads, ``epochs`` passes over
-at most ``max_pairs`` pairs in all (fewer epochs, or a seeded sample of the points, beyond it). A model of at most
-DENSE_UP_TO (label, term) cells (a small vocabulary: the BoW sets) trains and scores as a dense (labels, terms)
-table zero off the keys instead, the same function and steps: a batch's logits are one sparse x dense product, where
-lookups cost searchsorted steps per (pair, term) (Mediamill's 120 dense features: ~55 s a pass by lookups).
+at most ``max_pairs`` pairs in all (fewer epochs, or a seeded sample of the points, beyond it). A model of few
+(label, term) cells (a small vocabulary: the BoW sets; DENSE_UP_TO, DENSE_READS, DENSE_SCORING_LABELS) trains and
+scores as a dense (labels, terms) table zero off the keys instead, the same function and steps: a batch's logits are
+one sparse x dense product, where lookups cost searchsorted steps per (pair, term) (Mediamill's 120 dense features:
+~55 s a pass by lookups).
 
 :class:`LexicalClassifier` owns its files (``classifier_*.npy`` and the settings in the lexical index's JSON).
 """
@@ -39,16 +40,19 @@ import scipy.sparse as sp
 import torch
 
 from xc_dagster.errors import XCConfigError, XCError
+from xc_dagster.retrieval.lexical_tables import (
+    DenseTable,
+    KeyTable,
+    csr_tensors,
+    scores_dense,
+    trains_dense,
+)
 from xc_dagster.retrieval.sparse_rows import sparse_topk
 
 KEYS_FILE = "classifier_keys.npy"
 WEIGHTS_FILE = "classifier_weights.npy"
 BIAS_FILE = "classifier_bias.npy"
 LOOKUP_BUDGET = 1 << 22  # (pair, term) lookups held at once when scoring: 4M x ~24 bytes
-# models of more weights train with sparse gradients (a step costs what its batch reads); smaller ones with dense
-# ones, cheaper there (Delicious' 273K weights: 61 s dense against 97 s sparse for 10 passes, AMD EPYC)
-SPARSE_FROM = 1 << 21
-DENSE_UP_TO = 1 << 24  # (label, term) cells up to which the weights are a dense table (64 MB; module docstring)
 
 
 @dataclass(frozen=True)
@@ -79,12 +83,6 @@ class ClassifierSettings:
                 raise XCConfigError(f"index.lexical_classifier_{name}: expected a number "
                                     f"{'>= 0' if name == 'l2' else '> 0'}, got {v!r}")
         return self
-
-
-def _csr_tensors(X: sp.csr_matrix) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    X = sp.csr_matrix(X, dtype=np.float32)
-    return (torch.from_numpy(X.indptr.astype(np.int64)), torch.from_numpy(X.indices.astype(np.int64)),
-            torch.from_numpy(X.data))
 
 
 def pruned_support(X: sp.csr_matrix, Y: sp.csr_matrix, max_terms: int) -> np.ndarray:
@@ -155,9 +153,9 @@ class LexicalClassifier:
         if Q.shape[1] != self.num_terms:
             raise XCError(f"TF-IDF rows of {Q.shape[1]} terms, the lexical classifiers read {self.num_terms}")
         rows, labels = np.asarray(rows, dtype=np.int64), np.asarray(labels, dtype=np.int64)
-        if self.num_labels * self.num_terms <= DENSE_UP_TO:
+        if scores_dense(self):
             return self._dense_pair_scores(Q, rows, labels)
-        X = _csr_tensors(Q)
+        X = csr_tensors(Q)
         work = np.cumsum(np.diff(Q.indptr)[rows] + 1)
         ends = np.unique(np.append(np.searchsorted(work, np.arange(LOOKUP_BUDGET, work[-1], LOOKUP_BUDGET),
                                                    side="right"), len(rows))) if len(rows) else []
@@ -172,7 +170,7 @@ class LexicalClassifier:
     def _dense_pair_scores(self, Q: sp.csr_matrix, rows: np.ndarray, labels: np.ndarray) -> np.ndarray:
         """:meth:`pair_scores` through the dense table: the queries' logits for every label, by blocks of at most
         LOOKUP_BUDGET (query, label) cells, each pair's read off its block."""
-        W = _DenseTable.of(self).numpy()
+        W = DenseTable.of(self).numpy()
         queries, at = np.unique(rows, return_inverse=True)
         order = np.argsort(at, kind="stable")
         step = max(1, LOOKUP_BUDGET // max(self.num_labels, 1))
@@ -290,64 +288,6 @@ def _batch_pairs(points: np.ndarray, Y: sp.csr_matrix, hard: sp.csr_matrix, rand
     return rows, labels, targets
 
 
-class _KeyTable:
-    """The weights as the keys' flat vector: a batch's logits by :meth:`LexicalClassifier._lookup`."""
-
-    def __init__(self, model: LexicalClassifier, X: sp.csr_matrix):
-        self.model, self.X = model, _csr_tensors(X)
-        self.weights = model.weights[:, None].clone().requires_grad_(True)  # (keys, 1): an embedding table
-        self.sparse = len(model.keys) >= SPARSE_FROM
-
-    def logits(self, points: np.ndarray, rows: np.ndarray, labels: np.ndarray,
-               bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w_l . x_r + b_l of each pair, the L2 sum of the weights the pairs read, once per reading)."""
-        lab = torch.from_numpy(labels)
-        logits, read = self.model._logits(self.model._lookup(self.X, torch.from_numpy(rows), lab), lab,
-                                          self.weights, bias, self.sparse)
-        return logits, (read ** 2).sum()
-
-    def values(self) -> torch.Tensor:
-        return self.weights.detach()[:, 0].clone()
-
-
-class _DenseTable:
-    """The weights as a dense (labels, terms) table, zero off the keys (the mask holds the gradient there at 0):
-    a batch's logits by one sparse x dense product, the same function as :class:`_KeyTable`'s."""
-
-    def __init__(self, model: LexicalClassifier, X: sp.csr_matrix):
-        if not X.has_canonical_format:  # sorted, no duplicates: its rows' COO is coalesced as it is
-            X = X.copy()
-            X.sum_duplicates()
-        self.keys, self.X = model.keys, X
-        self.mask = torch.zeros(model.num_labels * model.num_terms)
-        self.mask[model.keys] = 1.0
-        self.mask = self.mask.view(model.num_labels, model.num_terms)
-        self.weights = self.of(model).requires_grad_(True)
-        self.sparse, self.local = False, np.zeros(X.shape[0], dtype=np.int64)
-
-    @staticmethod
-    def of(model: LexicalClassifier) -> torch.Tensor:
-        """The model's weights as a (labels, terms) table, zero off its keys."""
-        table = torch.zeros(model.num_labels * model.num_terms)
-        table[model.keys] = model.weights
-        return table.view(model.num_labels, model.num_terms)
-
-    def logits(self, points: np.ndarray, rows: np.ndarray, labels: np.ndarray,
-               bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.local[points] = np.arange(len(points))
-        XB = self.X[points].tocoo()
-        at = torch.from_numpy(np.vstack([XB.row, XB.col]).astype(np.int64))
-        x, ones = (torch.sparse_coo_tensor(at, v, XB.shape, is_coalesced=True, check_invariants=False)
-                   for v in (torch.from_numpy(XB.data), torch.ones(XB.nnz)))
-        W = self.weights * self.mask
-        pair, lab = torch.from_numpy(self.local[rows]), torch.from_numpy(labels)
-        logits = torch.sparse.mm(x, W.T)[pair, lab] + bias[lab, 0]
-        return logits, torch.sparse.mm(ones, (W * W).T)[pair, lab].sum()  # a weight's square once per reading
-
-    def values(self) -> torch.Tensor:
-        return self.weights.detach().reshape(-1)[self.keys].clone()
-
-
 def _train(model: LexicalClassifier, X: sp.csr_matrix, Y: sp.csr_matrix, hard: sp.csr_matrix,
            rng: np.random.Generator, judge: Callable[[LexicalClassifier], float] | None,
            deadline: float | None = None, hard_stop: float | None = None) -> None:
@@ -361,8 +301,7 @@ def _train(model: LexicalClassifier, X: sp.csr_matrix, Y: sp.csr_matrix, hard: s
     per_point = (Y.nnz + hard.nnz) / max(n, 1) + s.random_negatives
     total = min(s.epochs * n, s.max_pairs / max(per_point, 1e-9))  # point visits
     points_per_batch = max(1, int(s.batch_pairs / max(per_point, 1e-9)))
-    dense = model.num_labels * model.num_terms <= DENSE_UP_TO
-    table = _DenseTable(model, X) if dense else _KeyTable(model, X)
+    table = DenseTable(model, X) if trains_dense(model, X, s.batch_pairs) else KeyTable(model, X)
     bias = model.bias[:, None].clone().requires_grad_(True)  # (labels, 1): an embedding table
     opt = torch.optim.Adagrad([table.weights, bias], lr=s.lr)  # takes sparse gradients too
     seen, best = 0, (-math.inf, model.weights, model.bias)
