@@ -18,6 +18,7 @@ from xc_dagster.encoders.loading import load_encoder
 from xc_dagster.errors import XCConfigError
 from xc_dagster.pipeline import StageContext, run_all
 from xc_dagster.pipeline import index as index_stage
+from xc_dagster.retrieval.lexical_exact import SCALES, SCALES_EXTEND
 from xc_dagster.storage import ArtifactStore
 from xc_dagster.training import budget as budget_module
 from xc_dagster.training import siamese
@@ -139,8 +140,10 @@ def test_budgeted_run_plans_pretraining_and_records_the_plan(tiny_home, monkeypa
     assert captured["skip_after"] == pytest.approx(captured["deadline"] + 0.05 * 30.0)
     index_stage.lexical_index(mine, rows, ds.Y_train, rows)
     assert captured["deadline"] is None and captured["skip_after"] is None
-    assert out["index"]["lexical"]["classifier_stopped_at_deadline"] is (len(
-        out["index"]["lexical"]["classifier_history"]) < ctx.cfg.index.lexical_classifier_epochs)
+    lexical = out["index"]["lexical"]
+    # the tiny set's 30-odd fit points x labels are solved exactly: one solve, judged at each margin scale
+    assert lexical["classifier_solver"] == "liblinear"
+    assert len(SCALES) <= len(lexical["classifier_history"]) <= len(SCALES) + SCALES_EXTEND
 
 
 def test_a_later_stage_stops_at_the_budget_less_what_it_keeps():

@@ -22,6 +22,7 @@ from xc_dagster.pipeline.cross_fit import FIT_ON
 from xc_dagster.retrieval.exact_settings import KINDS
 from xc_dagster.retrieval.fusion import FUSIONS
 from xc_dagster.retrieval.fusion.alpha import FUSION_SEARCHES
+from xc_dagster.retrieval.lexical_exact import SOLVERS
 from xc_dagster.retrieval.shortlist import ANN_SOURCES, LABEL_REPRS, SOURCES
 from xc_dagster.sampling.batches import BATCH_SAMPLERS
 from xc_dagster.sampling.hard_negatives import HARD_NEGATIVE_POOLS
@@ -54,6 +55,7 @@ REGISTRY_FIELDS = {
     "index.kind": KINDS,
     "index.sources": SOURCES,
     "index.label_repr": LABEL_REPRS,
+    "index.lexical_classifier_solver": SOLVERS,
     "ingest.text": ("auto", "title", "title+content"),
     "ingest.label_text": ("title", "title+content", "same"),
 }

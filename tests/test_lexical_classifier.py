@@ -21,6 +21,11 @@ from xc_dagster.retrieval.lexical_classifier import (
 )
 
 
+def sgd(**settings) -> ClassifierSettings:
+    """The stochastic trainer's settings: these small sets would otherwise be solved exactly (test_lexical_exact)."""
+    return ClassifierSettings(solver="sgd", **settings)
+
+
 def test_support_is_each_labels_positive_terms_pruned_to_the_largest():
     X = sp.csr_matrix(np.array([[0.5, 0.0, 0.3, 0.0],
                                 [0.0, 0.2, 0.4, 0.0],
@@ -63,7 +68,7 @@ def test_pair_scores_equal_the_dense_logistic_model_in_any_chunking(monkeypatch,
     r, c = S.nonzero()
     np.testing.assert_allclose(np.asarray(got[r, c]).ravel(), model.pair_scores(Q, r, c), rtol=1e-6)
     assert model.pair_scores(Q, np.zeros(0, int), np.zeros(0, int)).shape == (0,)
-    capped = LexicalClassifier(keys, w, b, V, ClassifierSettings(candidates=2)).on_pattern(Q, S.multiply(
+    capped = LexicalClassifier(keys, w, b, V, sgd(candidates=2)).on_pattern(Q, S.multiply(
         sp.csr_matrix(np.arange(1, L + 1, dtype=np.float32)[None, :])))  # the two largest labels of each row
     for i in range(9):
         top = sorted(np.flatnonzero(S[i].toarray()[0]))[-2:]
@@ -89,7 +94,7 @@ def test_classifiers_learn_what_the_knn_vote_misses():
     texts, Y = _topic_texts(1200, 30, 0)
     test_texts, Y_test = _topic_texts(300, 30, 1)
     plain = LexicalIndex.fit(texts, None, Y, 10, min_df=1)
-    index = LexicalIndex.fit(texts, None, Y, 10, min_df=1, classifier=ClassifierSettings(epochs=5, seed=0))
+    index = LexicalIndex.fit(texts, None, Y, 10, min_df=1, classifier=sgd(epochs=5, seed=0))
     Q = plain.transform(test_texts)
     S0, S = plain.scores(Q), index.scores(Q)
     assert _p_at_1(S, Y_test) >= _p_at_1(S0, Y_test) + 0.2  # 0.34 -> 0.61
@@ -104,8 +109,8 @@ def test_classifiers_learn_what_the_knn_vote_misses():
 def test_classifiers_train_on_the_fit_points_only_and_are_seeded(monkeypatch):
     texts, Y = _topic_texts(400, 10, 2)
     fit_on = np.arange(300)
-    a = LexicalIndex.fit(texts, None, Y, 5, min_df=1, fit_on=fit_on, classifier=ClassifierSettings(epochs=2))
-    b = LexicalIndex.fit(texts, None, Y, 5, min_df=1, fit_on=fit_on, classifier=ClassifierSettings(epochs=2))
+    a = LexicalIndex.fit(texts, None, Y, 5, min_df=1, fit_on=fit_on, classifier=sgd(epochs=2))
+    b = LexicalIndex.fit(texts, None, Y, 5, min_df=1, fit_on=fit_on, classifier=sgd(epochs=2))
     np.testing.assert_array_equal(a.classifier.weights.numpy(), b.classifier.weights.numpy())
     assert a.classifier.history == b.classifier.history and len(a.classifier.history) == 2
     # the dense table (this size's), the keys looked up with dense gradients, and with sparse ones: the same
@@ -113,7 +118,7 @@ def test_classifiers_train_on_the_fit_points_only_and_are_seeded(monkeypatch):
     monkeypatch.setattr(tables, "DENSE_UP_TO", 0)
     for sparse_from in (1 << 21, 1):
         monkeypatch.setattr(tables, "SPARSE_FROM", sparse_from)
-        c = LexicalIndex.fit(texts, None, Y, 5, min_df=1, fit_on=fit_on, classifier=ClassifierSettings(epochs=2))
+        c = LexicalIndex.fit(texts, None, Y, 5, min_df=1, fit_on=fit_on, classifier=sgd(epochs=2))
         np.testing.assert_allclose(c.classifier.weights.numpy(), a.classifier.weights.numpy(), rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(c.classifier.bias.numpy(), a.classifier.bias.numpy(), rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(c.classifier.history, a.classifier.history, atol=1e-6)
@@ -125,7 +130,7 @@ def test_classifiers_train_on_the_fit_points_only_and_are_seeded(monkeypatch):
     Y2[300:, :] = 0
     Y2[300:, 9] = 1
     Y2[:300, 9] = 0
-    c = LexicalIndex.fit(texts, None, Y2.tocsr(), 5, min_df=1, fit_on=fit_on, classifier=ClassifierSettings(epochs=2))
+    c = LexicalIndex.fit(texts, None, Y2.tocsr(), 5, min_df=1, fit_on=fit_on, classifier=sgd(epochs=2))
     keys = c.classifier.keys.numpy()
     assert not ((keys // c.classifier.num_terms) == 9).any()
     assert c.classifier.bias[9] < 0
@@ -133,8 +138,8 @@ def test_classifiers_train_on_the_fit_points_only_and_are_seeded(monkeypatch):
 
 def test_max_pairs_caps_the_training():
     texts, Y = _topic_texts(400, 10, 3)
-    full = LexicalIndex.fit(texts, None, Y, 5, min_df=1, classifier=ClassifierSettings(epochs=3))
-    capped = LexicalIndex.fit(texts, None, Y, 5, min_df=1, classifier=ClassifierSettings(epochs=3, max_pairs=500))
+    full = LexicalIndex.fit(texts, None, Y, 5, min_df=1, classifier=sgd(epochs=3))
+    capped = LexicalIndex.fit(texts, None, Y, 5, min_df=1, classifier=sgd(epochs=3, max_pairs=500))
     # 500 pairs of ~105 per point: a sample of 5 points trained, so the weights barely moved
     assert np.abs(capped.classifier.weights.numpy()).sum() < 0.05 * np.abs(full.classifier.weights.numpy()).sum()
 
@@ -144,20 +149,20 @@ def test_a_deadline_stops_training_after_the_first_pass(monkeypatch):
     and no deadline train every pass, and a deadline that never comes changes nothing."""
     texts, Y = _topic_texts(600, 10, 5)
     fit_on = np.arange(500)  # the other 100 judge each pass
-    full = LexicalIndex.fit(texts, None, Y, 5, min_df=1, fit_on=fit_on, classifier=ClassifierSettings(epochs=4))
+    full = LexicalIndex.fit(texts, None, Y, 5, min_df=1, fit_on=fit_on, classifier=sgd(epochs=4))
     assert len(full.classifier.history) == 4 and not full.classifier.stopped_at_deadline
-    past = LexicalIndex.fit(texts, None, Y, 5, min_df=1, fit_on=fit_on, classifier=ClassifierSettings(epochs=4),
+    past = LexicalIndex.fit(texts, None, Y, 5, min_df=1, fit_on=fit_on, classifier=sgd(epochs=4),
                             deadline=0.0)
     assert len(past.classifier.history) == 1 and past.classifier.stopped_at_deadline
     assert past.classifier.history[0] == full.classifier.history[0]  # the same first pass, seeded
-    late = LexicalIndex.fit(texts, None, Y, 5, min_df=1, fit_on=fit_on, classifier=ClassifierSettings(epochs=4),
+    late = LexicalIndex.fit(texts, None, Y, 5, min_df=1, fit_on=fit_on, classifier=sgd(epochs=4),
                             deadline=float("inf"))
     np.testing.assert_array_equal(late.classifier.weights.numpy(), full.classifier.weights.numpy())
     # a deadline passed in the middle of the second pass: that pass is cut there, judged, and training ends
     # (a clock read once per batch after the first pass: 0, 1, 2, ...; 2 batches of ~19 run)
     clock = iter(range(10**6))
     monkeypatch.setattr(lc, "time", SimpleNamespace(perf_counter=lambda: float(next(clock))))
-    cut = LexicalIndex.fit(texts, None, Y, 5, min_df=1, fit_on=fit_on, classifier=ClassifierSettings(epochs=4),
+    cut = LexicalIndex.fit(texts, None, Y, 5, min_df=1, fit_on=fit_on, classifier=sgd(epochs=4),
                            deadline=1.5)
     assert len(cut.classifier.history) == 2 and cut.classifier.stopped_at_deadline
     assert next(clock) == 3  # the second pass read the clock three times: two batches, then the stop
@@ -165,7 +170,7 @@ def test_a_deadline_stops_training_after_the_first_pass(monkeypatch):
     # a hard stop cuts the first pass too, after a batch: the clock read before the 2nd, 3rd and 4th batches
     # (one block of hard negatives: no projection reads the clock)
     clock = iter(range(10**6))
-    hard = LexicalIndex.fit(texts, None, Y, 5, min_df=1, fit_on=fit_on, classifier=ClassifierSettings(epochs=4),
+    hard = LexicalIndex.fit(texts, None, Y, 5, min_df=1, fit_on=fit_on, classifier=sgd(epochs=4),
                             skip_after=1.5)
     assert len(hard.classifier.history) == 1 and hard.classifier.stopped_at_deadline and next(clock) == 3
     assert hard.classifier.history[0] != full.classifier.history[0]  # three batches of the first pass
@@ -187,7 +192,7 @@ def test_hard_negatives_that_would_outlast_the_deadline_leave_the_classifiers_ou
     fit_on = np.arange(500)
     blocks = LexicalIndex.query_blocks
     monkeypatch.setattr(LexicalIndex, "query_blocks", lambda self, Q, step: blocks(self, Q, 100))  # 5 blocks
-    settings = ClassifierSettings(epochs=2)
+    settings = sgd(epochs=2)
     full = LexicalIndex.fit(texts, None, Y, 5, min_df=1, fit_on=fit_on, classifier=settings)
     assert full.classifier is not None and not full.classifier_skipped
     past = LexicalIndex.fit(texts, None, Y, 5, min_df=1, fit_on=fit_on, classifier=settings, deadline=0.0,
@@ -207,7 +212,7 @@ def test_hard_negatives_that_would_outlast_the_deadline_leave_the_classifiers_ou
 
 def test_classifier_round_trips_with_the_index(tmp_path):
     texts, Y = _topic_texts(200, 8, 4)
-    index = LexicalIndex.fit(texts, None, Y, 5, min_df=1, classifier=ClassifierSettings(epochs=1))
+    index = LexicalIndex.fit(texts, None, Y, 5, min_df=1, classifier=sgd(epochs=1))
     index.save(tmp_path / "lex")
     loaded = LexicalIndex.load(tmp_path / "lex")
     Q = index.transform(texts[:20])

@@ -77,7 +77,7 @@ def test_the_dense_classifier_table_trains_the_keyed_model(monkeypatch):
     looked up, on dense feature rows (where lookups were slow)."""
     X, Y = _dense_rows(400, 12, 6, 4)
     index = LexicalIndex.fit(X[:300], None, Y[:300], 5, 1, None)
-    settings = ClassifierSettings(epochs=3, hard_negatives=2, random_negatives=3)
+    settings = ClassifierSettings(epochs=3, hard_negatives=2, random_negatives=3, solver="sgd")
     valid = (index.transform(X[300:]), Y[300:])
     a = index.fit_classifier(np.arange(300), settings, valid)
     monkeypatch.setattr(tables, "DENSE_UP_TO", 0)

@@ -49,6 +49,8 @@ FUSION_METHODS = ("alpha", "tree")
 FIT_ON = ("auto", "validation", "cross_fit")
 # fusion.search: xc_dagster.retrieval.fusion.alpha.fit_alpha
 FUSION_SEARCHES = ("coordinate", "grid")
+# index.lexical_classifier_solver: xc_dagster.retrieval.lexical_exact.SOLVERS
+LEXICAL_SOLVERS = ("auto", "sgd", "liblinear")
 # ingest.text: xc_dagster.catalog.TEXT_CHOICES or "auto" (by the dataset); ingest.label_text: the same fields
 # or "same" (as the points)
 INGEST_TEXTS = ("auto", "title", "title+content")
@@ -73,6 +75,7 @@ FitOn = Literal[FIT_ON]  # type: ignore[valid-type]
 FusionSearch = Literal[FUSION_SEARCHES]  # type: ignore[valid-type]
 IngestText = Literal[INGEST_TEXTS]  # type: ignore[valid-type]
 LabelText = Literal[LABEL_TEXTS]  # type: ignore[valid-type]
+LexicalSolver = Literal[LEXICAL_SOLVERS]  # type: ignore[valid-type]
 
 
 def literal_choices(typ: Any) -> tuple[str, ...] | None:

@@ -21,6 +21,7 @@ from xc_dagster.config.choices import (
     IngestText,
     LabelRepr,
     LabelText,
+    LexicalSolver,
     Negatives,
     PairLoss,
     Pooling,
@@ -304,8 +305,7 @@ class FusionParams:
     # alpha only, with lexical scores (index.sources with lexical): weights d of + d * lexical; 0 always tried
     lexical_grid: tuple[float, ...] = (0.0, 0.125, 0.25, 0.5, 1.0)
     lexical_grid_extend: int = 6  # as knn_grid_extend, for the lexical weight
-    # alpha only, when the shortlist has co-occurrence votes (index.sources with cooccurrence): weights e tried
-    # jointly for + e * votes; e = 0 is always tried; (0,) = no co-occurrence term
+    # alpha only, with co-occurrence votes: weights e tried jointly for + e * votes (0 always tried; (0,) = none)
     cooccurrence_grid: tuple[float, ...] = (0.0, 0.25, 0.5, 1.0)
     cooccurrence_grid_extend: int = 6  # as knn_grid_extend, for the co-occurrence weight
     # alpha only, with kNN scores: exponents f tried for c * kNN / n_l ** f, n_l the kNN index's points carrying
@@ -338,8 +338,7 @@ class IndexParams:
     hnsw_ef_construction: int = 200
     hnsw_ef_search: int = 200
     shortlist_size: int = 100  # neighbours retrieved from each index per query
-    # knn source: its score (a fusion input) is the mean over the K nearest training points of their
-    # similarity where they carry the label; candidates still come from all shortlist_size neighbours
+    # knn source: the mean over the K nearest training points of their similarity where they carry the label
     knn_neighbours: int = 10
     knn_power: float = 1.0  # a neighbour's vote is max(similarity, 0) ** knn_power (docs/decisions.md#knn-vote-power)
     # the deployed kNN index and label centroids hold every training point, the validation ones too (the
@@ -356,10 +355,8 @@ class IndexParams:
     # (static index pruning; docs/decisions.md#lexical-postings-cap); 0 = every posting (exact cosines) at any N
     lexical_max_postings: int = 4096
     lexical_exact_points: int = 65_536
-    # the lexical source's third part: a sparse logistic regression per label over the TF-IDF rows, each label's
-    # weights on its positives' terms (at most lexical_classifier_max_terms), trained on the fit points against
-    # their hard lexical negatives and uniform random ones, lexical_classifier_epochs passes over at most
-    # lexical_classifier_max_pairs (point, label) pairs (xc_dagster.retrieval.lexical_classifier;
+    # the lexical source's third part: a sparse linear model per label over the TF-IDF rows on its positives'
+    # terms, trained against hard lexical and random negatives (xc_dagster.retrieval.lexical_classifier;
     # docs/decisions.md#lexical-classifier); not trained when the fusion is cross-fitted
     lexical_classifier: bool = True
     lexical_classifier_epochs: float = 10.0
@@ -368,6 +365,9 @@ class IndexParams:
     lexical_classifier_max_terms: int = 1024
     lexical_classifier_max_pairs: int = 50_000_000
     lexical_classifier_candidates: int = 200  # per query: the classifiers score the other parts' top this many labels
+    # "auto": liblinear's exact SVMs (cost lexical_classifier_c) where fit points x labels <= 2^25, else "sgd"
+    lexical_classifier_solver: LexicalSolver = "auto"
+    lexical_classifier_c: float = 0.25
     # cooccurrence source (xc_dagster.retrieval.cooccurrence, Gandalf's label points): the K nearest labels of the
     # label source's search vote max(similarity, 0) ** power each for the labels co-occurring with them in
     # training, P(l | h), each label keeping its max_entries most frequent co-occurring labels; not built when the

@@ -67,7 +67,8 @@ def classifier_settings(p: Any, seed: int) -> ClassifierSettings:
     return ClassifierSettings(epochs=p.lexical_classifier_epochs, hard_negatives=p.lexical_classifier_hard_negatives,
                               random_negatives=p.lexical_classifier_random_negatives,
                               max_terms=p.lexical_classifier_max_terms, max_pairs=p.lexical_classifier_max_pairs,
-                              candidates=p.lexical_classifier_candidates, seed=seed).check()
+                              candidates=p.lexical_classifier_candidates, solver=p.lexical_classifier_solver,
+                              c=p.lexical_classifier_c, seed=seed).check()
 
 
 def cooccurrence_settings(p: Any) -> CooccurrenceSettings:
@@ -263,6 +264,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
                             "feature_words": lexical.words is not None,
                             "classifier_weights": 0 if lexical.classifier is None else len(lexical.classifier.keys),
                             "classifier_history": [] if lexical.classifier is None else lexical.classifier.history,
+                            "classifier_solver": None if lexical.classifier is None else lexical.classifier.solver,
                             "classifier_stopped_at_deadline": lexical.classifier is not None
                             and lexical.classifier.stopped_at_deadline,
                             "classifier_skipped_at_deadline": lexical.classifier_skipped}

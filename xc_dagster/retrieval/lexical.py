@@ -8,7 +8,7 @@ A query is its L2-normalised TF-IDF row q. Its lexical score for label l is the 
 * sparse kNN: (1 / K) * sum over the query's K nearest training points j (TF-IDF cosine, ties by smaller row;
   fewer when fewer share a term) of cos(q, x_j) ** p * [j carries l] (p: ``index.lexical_power``), as the dense
   kNN score (``index.knn_neighbours``) in the encoder's space;
-* classifier (``index.lexical_classifier``): sigmoid(w_l . q + b_l), a sparse logistic regression per label over
+* classifier (``index.lexical_classifier``): sigmoid(w_l . q + b_l), a sparse linear model per label over
   the TF-IDF rows (``xc_dagster.retrieval.lexical_classifier``) re-ranking the other two parts' labels: the
   one-vs-all linear model the linear peers win with on BoW data.
 
@@ -54,6 +54,7 @@ from xc_dagster.errors import XCConfigError, XCError
 from xc_dagster.retrieval.feature_words import FeatureWords
 from xc_dagster.retrieval.files import LEXICAL_DIR as LEXICAL_DIR  # the folder's name, re-exported with the index
 from xc_dagster.retrieval.lexical_classifier import ClassifierSettings, LexicalClassifier, ends_past, hard_negatives
+from xc_dagster.retrieval.lexical_exact import solves_exactly
 from xc_dagster.retrieval.sparse_rows import (
     cap_postings,
     check_power,
@@ -224,7 +225,9 @@ class LexicalIndex:
             return sp.vstack(out, format="csr") if out else sp.csr_matrix((0, self.num_labels), dtype=np.float32)
 
         Y, Q = self.point_labels[rows], self.points[rows]
-        if (hard := parts(Q, rows, Y, skip_after)) is None:  # would outlast the budget: no classifier part
+        if solves_exactly(settings, len(rows), self.num_labels):  # every point against every label: none sampled
+            hard = sp.csr_matrix(Y.shape, dtype=np.float32)
+        elif (hard := parts(Q, rows, Y, skip_after)) is None:  # would outlast the budget: no classifier part
             return None
         Qv, Yv = valid if valid is not None else (self.points[held], self.point_labels[held])
         judge = None
