@@ -26,6 +26,7 @@ from xc_dagster.pipeline import StageContext, run_all
 from xc_dagster.retrieval import lexical as lexical_module
 from xc_dagster.retrieval.fusion import AlphaFusion, fit_alpha, fit_tree, load_fusion
 from xc_dagster.retrieval.lexical import LexicalIndex
+from xc_dagster.retrieval.lexical_exact import SCALES, SCALES_EXTEND
 from xc_dagster.retrieval.shortlist import (
     ANN_SOURCES,
     Shortlist,
@@ -378,8 +379,10 @@ def test_lexical_source_on_shipped_bow_features(tmp_path, monkeypatch):
     ctx = bow_context(tmp_path, monkeypatch)
     out = run_all(ctx)
     summary = dict(out["index"]["lexical"])
-    assert summary.pop("classifier_weights") > 0 and len(summary.pop("classifier_history")) == 10  # a value per pass
-    assert summary.pop("classifier_stopped_at_deadline") is False  # the budget leaves the tiny run every pass
+    # 120 fit points x a few labels: solved exactly (lexical_exact), a history value per margin scale tried
+    assert summary.pop("classifier_weights") > 0 and summary.pop("classifier_solver") == "liblinear"
+    assert len(SCALES) <= len(summary.pop("classifier_history")) <= len(SCALES) + SCALES_EXTEND
+    assert summary.pop("classifier_stopped_at_deadline") is False  # the budget leaves the tiny run every label
     assert summary.pop("classifier_skipped_at_deadline") is False
     assert summary == {"input": "features", "points": 120, "terms": 30, "neighbours": 10, "label_text": False,
                        "feature_words": True, "max_postings": 0}
