@@ -7,7 +7,6 @@ from __future__ import annotations
 import gzip
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,7 +18,15 @@ import pytest
 
 from resources.clicklogs import ClickLogFeedResource
 from resources.home import XCHomeResource
-from tests.tinydata import free_port, graphql, stop_process_group, wait_for, write_lf_dataset
+from tests.tinydata import (
+    free_port,
+    graphql,
+    ready_home,
+    start_server,
+    stop_process_group,
+    wait_for,
+    write_lf_dataset,
+)
 from xc_dagster.catalog import Catalog, DatasetSpec
 from xc_dagster.cli import main as cli_main
 from xc_dagster.errors import XCError
@@ -37,7 +44,7 @@ def home(tmp_path, monkeypatch):
     monkeypatch.setenv("XC_HOME", str(tmp_path / "home"))
     for var in ("MLFLOW_TRACKING_URI", retraining.ENV_ROOT, "XC_RETRAIN_CRON", "XC_RETRAIN_TIMEZONE"):
         monkeypatch.delenv(var, raising=False)
-    return Home.from_env().ensure()
+    return ready_home(tmp_path / "home")
 
 
 def write_drop(path: Path, day: int, n: int = 12, offset: int = 0) -> Path:
@@ -316,9 +323,8 @@ def test_ui_launches_a_partitioned_materialization(home, tmp_path):
     env.pop("MLFLOW_TRACKING_URI", None)
     exe = Path(sys.executable).parent / "dagster"
     log_path = tmp_path / "dagster-dev.log"
-    log = open(log_path, "wb")
-    proc = subprocess.Popen([str(exe), "dev", "-m", "xc_dagster.definitions", "-h", "127.0.0.1", "-p", str(port)],
-                            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = start_server([str(exe), "dev", "-m", "xc_dagster.definitions", "-h", "127.0.0.1", "-p", str(port)],
+                        log_path, cwd=REPO, env=env)
     try:
         # meanwhile create the MLflow store's tables (seconds of migrations the run would otherwise spend)
         mlflow.MlflowClient(home.mlflow_uri).search_experiments()
@@ -352,6 +358,5 @@ def test_ui_launches_a_partitioned_materialization(home, tmp_path):
         assert {"key": "dagster/partition", "value": "TinyUI"} in run["tags"]
     finally:
         stop_process_group(proc, 30)  # dagster dev and its webserver, daemon and code server
-        log.close()
     summary = json.loads((home.artifacts / "TinyUI" / "ingest" / "summary.json").read_text())
     assert summary["n_train"] == 30 and summary["n_test"] == 10

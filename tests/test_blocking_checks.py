@@ -12,7 +12,7 @@ import pytest
 from assets import build_assets
 from assets import ingest as ingest_module
 from resources.home import dataset_partitions
-from tests.tinydata import dagster_instance, write_lf_dataset
+from tests.tinydata import dagster_instance, ready_home, write_lf_dataset
 from xc_dagster.artifacts import CHECKS as CHECKS_FILE
 from xc_dagster.catalog import Catalog, DatasetSpec
 from xc_dagster.data.checks import CHECKS, ERROR
@@ -31,7 +31,7 @@ BLOCKING = {"label_ids_in_range", "counts_match", "filter_pairs_in_range"}
 def home(tmp_path, monkeypatch):
     monkeypatch.setenv("XC_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    home = Home.from_env().ensure()
+    home = ready_home(tmp_path / "home")
     cat = Catalog(home.catalog)
     cat.add(DatasetSpec(MISCOUNTED, str(write_lf_dataset(tmp_path / "src" / MISCOUNTED)), text="title",
                         overrides={"ingest.verify_counts": False}))

@@ -19,7 +19,7 @@ import pytest
 from assets import build_assets, build_lifecycle_assets
 from resources.home import dataset_partitions
 from tests.test_pipeline import TINY
-from tests.tinydata import label_prior_metrics, write_lf_dataset, write_tiny_encoder
+from tests.tinydata import label_prior_metrics, ready_home, write_lf_dataset, write_tiny_encoder
 from xc_dagster.artifacts import CONTRACT, PARAMS, STAGE_ORDER, SUMMARY
 from xc_dagster.cli import main as cli_main
 from xc_dagster.data import load_dataset
@@ -67,6 +67,8 @@ def add_two_datasets(tmp_path, stores: dict[str, str] | None = None, names: tupl
             mp.delenv(var)
         for var, value in env.items():
             mp.setenv(var, value)
+        if not stores:  # the SQLite stores from a copy of a home made once: seconds of migrations saved
+            ready_home(tmp_path / "home", instance=True)
         for name in names:
             n_train, n_test, seed = SIZES[name]
             src = write_lf_dataset(tmp_path / "src" / name, n_train=n_train, n_test=n_test, seed=seed)

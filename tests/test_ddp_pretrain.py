@@ -275,7 +275,7 @@ def _no_dropout_bert(folder: Path) -> Path:
 def test_the_launched_pretrain_stage_trains_with_two_ranks_and_rank_0_writes(tmp_path, monkeypatch):
     """``torchrun -m xc_dagster.training.launch`` with 2 ranks: the stage's artifacts equal one process's,
     written once (by rank 0), recorded, its checkpoint cleared; another stage is refused with WORLD_SIZE 2."""
-    from tinydata import tiny_lf_home  # noqa: PLC0415  (keeps dagster out of the torchrun ranks' imports)
+    from tests.tinydata import tiny_lf_home  # noqa: PLC0415  (keeps dagster out of the torchrun ranks' imports)
 
     overrides = {"pretrain.epochs": 2, "pretrain.batch_size": 16, "pretrain.chunk_size": 8, "pretrain.lr": 1e-3,
                  "pretrain.warmup_steps": 2, "pretrain.amp": "off", "pretrain.grad_cache": "on"}
@@ -311,7 +311,7 @@ def test_the_launched_astra_classifier_stage_trains_the_encoder_with_two_ranks(t
     """``torchrun -m xc_dagster.training.launch`` with 2 ranks for the ``astra`` strategy's classifier stage (W's
     label ranges over the ranks, the encoder trained end to end, data parallel): its W and re-encoded embeddings
     equal one process's (no dropout, no AMP, the hard-negative table built at its own step in both)."""
-    from tinydata import tiny_lf_home  # noqa: PLC0415  (keeps dagster out of the torchrun ranks' imports)
+    from tests.tinydata import tiny_lf_home  # noqa: PLC0415  (keeps dagster out of the torchrun ranks' imports)
 
     overrides = {"classifier.epochs": 1, "classifier.batch_size": 16, "classifier.num_hard": 3,
                  "classifier.num_random": 5, "classifier.sampler_index": "exact", "classifier.hard_start": 0.0,

@@ -12,7 +12,16 @@ import pytest
 from dagster import DagsterRunStatus
 from dagster_graphql import DagsterGraphQLClient
 
-from tests.tinydata import free_port, graphql, stop_process_group, wait_for, write_lf_dataset
+from tests.tinydata import (
+    free_port,
+    graphql,
+    ready_home,
+    release_together,
+    start_server,
+    stop_process_group,
+    wait_for,
+    write_lf_dataset,
+)
 from xc_dagster.catalog import Catalog, DatasetSpec
 from xc_dagster.cli import main as cli_main
 from xc_dagster.commands.partitions import PARTITIONS_CMD
@@ -26,7 +35,7 @@ def home(tmp_path, monkeypatch) -> Home:
     monkeypatch.setenv("XC_HOME", str(tmp_path / "home"))
     for var in ("MLFLOW_TRACKING_URI", "DAGSTER_HOME"):
         monkeypatch.delenv(var, raising=False)
-    h = Home.from_env().ensure(instance=True)
+    h = ready_home(tmp_path / "home", instance=True)
     monkeypatch.setenv("DAGSTER_HOME", str(h.dagster_home))
     return h
 
@@ -60,14 +69,13 @@ def test_a_static_partition_home_keeps_its_datasets_and_their_history(home, tmp_
     assert _partitions() == ["Old"]
 
 
-def test_concurrent_registrations_lose_nothing_and_add_nothing_twice(home):
-    """Four processes released together, each adding its own name and a shared one, against one SQLite instance."""
-    code = "import time, sys; time.sleep(float(sys.argv[1])); " + PARTITIONS_CMD.replace("sys.argv[1:]",
-                                                                                       "sys.argv[2:]")
-    procs = [subprocess.Popen([sys.executable, "-c", code, "1.5", "add", f"d{i}", "shared"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(4)]
-    outs = [p.communicate(timeout=120) for p in procs]
-    assert [p.returncode for p in procs] == [0] * 4, [e[-600:] for _, e in outs]
+def test_concurrent_registrations_lose_nothing_and_add_nothing_twice(home, tmp_path):
+    """Four processes released together once each has imported Dagster, each adding its own name and a shared one,
+    against one SQLite instance."""
+    imports = "from xc_dagster.project import project_import\nproject_import('resources.partitions')\n"
+    procs = release_together(imports, PARTITIONS_CMD.replace("sys.argv[1:]", "sys.argv[4:]"), 4, tmp_path,
+                             dict(os.environ), args=lambda i: ["add", f"d{i}", "shared"])
+    assert [p.returncode for p in procs] == [0] * 4, [p.stderr[-600:] for p in procs]
     with dg.DagsterInstance.get() as instance:
         keys = list(instance.get_dynamic_partitions("datasets"))
     assert sorted(keys) == sorted([f"d{i}" for i in range(4)] + ["shared"])  # each once
@@ -146,9 +154,8 @@ def test_a_dataset_added_while_dagster_dev_runs_is_launchable_without_a_reload(h
     port = free_port()
     env = {**os.environ, "DAGSTER_HOME": str(home.dagster_home)}
     log_path = tmp_path / "dagster-dev.log"
-    with open(log_path, "wb") as log:
-        dev = subprocess.Popen([venv_executable("dagster"), "dev", "-m", "xc_dagster.definitions", "-p", str(port)],
-                               cwd=home.root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    dev = start_server([venv_executable("dagster"), "dev", "-m", "xc_dagster.definitions", "-p", str(port)], log_path,
+                       cwd=home.root, env=env)
 
     def dataset_node():
         nodes = graphql(port, '{ assetNodes(assetKeys: [{path: ["dataset"]}]) { partitionKeys } }')["assetNodes"]

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import mlflow
 
+from tests.tinydata import ready_home
 from xc_dagster import tracking
 from xc_dagster.home import Home
 
@@ -47,7 +48,7 @@ def _start_stage(home: Home, started: Path) -> tuple[subprocess.Popen, str]:
 
 
 def test_the_run_of_a_killed_step_ends_as_killed_and_a_live_one_is_left_alone(tmp_path):
-    home = Home(tmp_path / "home").ensure()
+    home = ready_home(tmp_path / "home")
     killed, killed_run = _start_stage(home, tmp_path / "killed")
     live, live_run = _start_stage(home, tmp_path / "live")
     try:

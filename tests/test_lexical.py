@@ -14,14 +14,13 @@ import scipy.sparse as sp
 import torch
 
 from tests.test_pipeline import TINY
-from tests.tinydata import tiny_lf_home, write_tiny_encoder
+from tests.tinydata import ready_home, tiny_lf_home, write_tiny_encoder
 from xc_dagster import device as device_module
 from xc_dagster.catalog import Catalog, DatasetSpec
 from xc_dagster.config import FusionParams
 from xc_dagster.data import load_dataset
 from xc_dagster.errors import XCConfigError
 from xc_dagster.evaluation.metrics import remove_filtered
-from xc_dagster.home import Home
 from xc_dagster.pipeline import StageContext, run_all
 from xc_dagster.retrieval import lexical as lexical_module
 from xc_dagster.retrieval.fusion import AlphaFusion, fit_alpha, fit_tree, load_fusion
@@ -361,7 +360,7 @@ def bow_context(tmp_path, monkeypatch, vocab: bool = True, sources: str | None =
     (``sources`` None: the strategy's sources)."""
     monkeypatch.setenv("XC_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    home = Home.from_env().ensure()
+    home = ready_home(tmp_path / "home")
     enc = write_tiny_encoder(tmp_path / "enc")
     source = _write_bow(tmp_path / "src" / "TinyBow", vocab=vocab)
     Catalog(home.catalog).add(DatasetSpec("TinyBow", str(source), overrides={

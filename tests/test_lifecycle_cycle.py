@@ -23,7 +23,7 @@ import pytest
 from resources.clicklogs import ClickLogFeedResource
 from resources.home import XCHomeResource
 from tests.test_pipeline import TINY
-from tests.tinydata import write_tiny_encoder
+from tests.tinydata import ready_home, write_tiny_encoder
 from xc_dagster.catalog import Catalog, DatasetSpec
 from xc_dagster.home import Home
 from xc_dagster.serving import retraining
@@ -59,7 +59,7 @@ def home(tmp_path, monkeypatch):
     monkeypatch.setenv("XC_HOME", str(tmp_path / "home"))
     for var in ("MLFLOW_TRACKING_URI", retraining.ENV_ROOT, "XC_CLICKLOG_INTERVAL"):
         monkeypatch.delenv(var, raising=False)
-    return Home.from_env().ensure()
+    return ready_home(tmp_path / "home")
 
 
 class Daemon:

@@ -10,7 +10,7 @@ import dagster as dg
 import numpy as np
 import pytest
 
-from tests.tinydata import dagster_instance, tiny_lf_home, write_lf_dataset
+from tests.tinydata import dagster_instance, ready_home, tiny_lf_home, write_lf_dataset
 from xc_dagster.artifacts import (
     CONTRACT,
     REGISTERED_MODEL,
@@ -20,7 +20,6 @@ from xc_dagster.artifacts import (
     UndeclaredWrite,
 )
 from xc_dagster.catalog import Catalog, DatasetSpec
-from xc_dagster.home import Home
 from xc_dagster.pipeline import STAGES, StageContext
 from xc_dagster.pipeline.provenance import record_params
 from xc_dagster.storage import ArtifactStore, stage_leftovers
@@ -72,7 +71,7 @@ sys.addaudithook(_hook)
 def _run(tmp: Path, encoder: Path, strategy: str, overrides: dict) -> tuple[dict, dict]:
     """Every stage of one tiny run; returns the stages each one read through its reader and by opening files."""
     global _RECORDER
-    home = Home(tmp / "home").ensure()
+    home = ready_home(tmp / "home")
     src = write_lf_dataset(tmp / "src" / "TinyTitles")
     spec = DatasetSpec("TinyTitles", str(src), strategy=strategy,
                        overrides={**TINY, "tokenize.encoder": str(encoder), **overrides}).validate()
@@ -141,7 +140,7 @@ def test_the_asset_graph_is_the_declared_data_flow(tmp_path, monkeypatch):
     from xc_dagster.definitions import build_definitions
 
     monkeypatch.setenv("XC_HOME", str(tmp_path / "home"))
-    home = Home.from_env().ensure()
+    home = ready_home(tmp_path / "home")
     Catalog(home.catalog).add(DatasetSpec("TinyTitles", str(tmp_path / "src")))
     defs = build_definitions(home)
     for entry in (*CONTRACT.values(), REGISTERED_MODEL):

@@ -13,13 +13,13 @@ import pytest
 from tests.tinydata import (
     dagster_instance,
     label_prior_metrics,
+    ready_home,
     tiny_lf_home,
     write_lf_dataset,
 )
 from xc_dagster.catalog import Catalog, DatasetSpec
 from xc_dagster.cli import main as cli_main
 from xc_dagster.errors import XCConfigError
-from xc_dagster.home import Home
 from xc_dagster.pipeline import STAGE_ORDER, StageContext, run_all
 from xc_dagster.storage import ArtifactStore
 from xc_dagster.tracking import experiment_name, use_tracking_uri
@@ -205,15 +205,15 @@ def test_upstream_run_config_is_what_downstream_runs_log(tiny_home):
     assert "fusion.method=tree" in table and "fusion.method=alpha" in table
 
 
-def test_partitions_follow_the_catalog(tiny_home, tmp_path, monkeypatch):
+def test_partitions_follow_the_catalog(tmp_path, monkeypatch, tiny_encoder):
     """Datasets are dynamic partitions: loading the definitions registers the catalog's datasets with the
     instance; `datasets add` / `remove` change the partitions of the definitions already loaded (no reload)."""
     import dagster as dg
 
     from xc_dagster.definitions import build_definitions
 
+    tiny_home = tiny_lf_home(tmp_path, monkeypatch, TINY, encoder=tiny_encoder, instance=True)
     monkeypatch.setenv("DAGSTER_HOME", str(tiny_home.dagster_home))
-    tiny_home.ensure(instance=True)
     job = build_definitions(tiny_home).resolve_job_def("xc_pipeline")
 
     def keys():
@@ -296,7 +296,7 @@ def test_pretokenized_layout_uses_the_shipped_token_ids(tmp_path, monkeypatch, t
         rows = [" ".join(f"{j}:1" for j in Y[i].indices) for i in range(Y.shape[0])]
         (folder / name).write_text(f"{Y.shape[0]} {Y.shape[1]}\n" + "\n".join(rows) + "\n")
     monkeypatch.setenv("XC_HOME", str(tmp_path / "home"))
-    home = Home.from_env().ensure()
+    home = ready_home(tmp_path / "home")
     spec = DatasetSpec("Tok", str(folder), text="title", overrides={**TINY, "tokenize.encoder": str(tiny_encoder)})
     ctx = StageContext(ArtifactStore(home.artifacts), spec, spec.config(), home.cache)
     out = run_all(ctx)

@@ -26,7 +26,7 @@ from resources.compute import ComputeResource, exit_message
 from resources.home import dataset_partitions
 from tests.test_ddp_pretrain import _no_dropout_bert
 from tests.test_pipeline import TINY
-from tests.tinydata import dagster_instance, write_lf_dataset
+from tests.tinydata import dagster_instance, ready_home, write_lf_dataset
 from xc_dagster.artifacts import LABEL_EMB, PARAMS, SUMMARY, TRAIN_EMB, W
 from xc_dagster.catalog import Catalog, DatasetSpec
 from xc_dagster.definitions import pipeline_resources
@@ -62,7 +62,7 @@ KILL_HOOK = textwrap.dedent(f"""
 def home(tmp_path, monkeypatch, tiny_encoder):
     monkeypatch.setenv("XC_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    h = Home.from_env().ensure()
+    h = ready_home(tmp_path / "home")
     src = write_lf_dataset(tmp_path / "src" / DATASET, n_train=60, n_test=20)
     overrides = {**SETTINGS, "tokenize.encoder": str(tiny_encoder)}
     Catalog(h.catalog).add(DatasetSpec(DATASET, str(src), overrides=overrides))
@@ -320,7 +320,7 @@ def test_the_torchrun_launcher_trains_pretraining_with_two_processes(tmp_path, m
     ranks each holding half of W's labels (the same W), and the pipeline's later stages read the result as usual."""
     monkeypatch.setenv("XC_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    h = Home.from_env().ensure()
+    h = ready_home(tmp_path / "home")
     src = write_lf_dataset(tmp_path / "src" / DATASET, n_train=60, n_test=20)
     encoder = _no_dropout_bert(tmp_path / "bert")  # dropout masks differ per rank: equal only in distribution
     Catalog(h.catalog).add(DatasetSpec(DATASET, str(src), overrides={**SETTINGS, "tokenize.encoder": str(encoder),
@@ -370,7 +370,7 @@ def test_a_killed_rank_fails_the_step_clearly_and_the_re_run_resumes(tmp_path, m
     pretrain stage is not half-written, and the re-run resumes from the first epoch's checkpoint."""
     monkeypatch.setenv("XC_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    h = Home.from_env().ensure()
+    h = ready_home(tmp_path / "home")
     src = write_lf_dataset(tmp_path / "src" / DATASET, n_train=60, n_test=20)
     Catalog(h.catalog).add(DatasetSpec(DATASET, str(src), overrides={
         **SETTINGS, "tokenize.encoder": str(_no_dropout_bert(tmp_path / "bert")), "pretrain.epochs": 2}))

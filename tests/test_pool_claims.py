@@ -18,14 +18,15 @@ import pytest
 from dagster._core.storage.event_log.sql_event_log import SqlEventLogStorage
 
 from resources.pools import repair_lost_assignments
-from xc_dagster.home import TRAINING_POOL, Home
+from tests.tinydata import ready_home
+from xc_dagster.home import TRAINING_POOL
 
 
 @pytest.fixture
 def instance(tmp_path, monkeypatch):
     monkeypatch.delenv("XC_TRAINING_CONCURRENCY", raising=False)
     monkeypatch.delenv("XC_DAGSTER_POSTGRES_URL", raising=False)
-    home = Home(tmp_path / "home").ensure()
+    home = ready_home(tmp_path / "home")
     with dg.DagsterInstance.from_config(str(home.dagster_home)) as inst:
         inst.event_log_storage.initialize_concurrency_limit_to_default(TRAINING_POOL)  # the yaml's limit: 1
         yield inst
@@ -111,7 +112,7 @@ if __name__ == "__main__":
 def _cpu_while_blocked(tmp_path, mode: str) -> float:
     """CPU seconds a real run worker (multiprocess executor) spends in 3 s while its one step waits for the pool's
     only slot, which another run holds; the slot is then freed and the run must finish."""
-    home = Home(tmp_path / mode).ensure()
+    home = ready_home(tmp_path / mode)
     script = tmp_path / f"waits_{mode}.py"
     script.write_text(WAITING_RUN.replace("{pool}", TRAINING_POOL))
     env = {**os.environ, "DAGSTER_HOME": str(home.dagster_home), "PYTHONPATH": str(Path(__file__).parents[1])}

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from tests.tinydata import free_port, release_together, write_lf_dataset
+from tests.tinydata import free_port, ready_home, release_together, write_lf_dataset
 from xc_dagster.errors import XCConfigError
 from xc_dagster.home import OLD_YAML_HEADERS, YAML_HEADER, Home, render_dagster_yaml
 
@@ -54,8 +54,12 @@ def pg_server():
         shutil.rmtree(base, ignore_errors=True)
         pytest.skip(f"the PostgreSQL server could not start: {out.stderr.strip()[-1500:]}")
     assert out.returncode == 0, out.stderr
+    server = {"folder": folder, "stdout": out.stdout, **_exports(out.stdout)}
     try:
-        yield {"folder": folder, "stdout": out.stdout, **_exports(out.stdout)}
+        # a throwaway server: no disk flushes at commits, CREATE DATABASE and the shutdown checkpoint (seconds each)
+        _admin(server, "ALTER SYSTEM SET fsync = off")
+        _admin(server, "SELECT pg_reload_conf()")
+        yield server
     finally:
         _script("stop", str(folder))
         shutil.rmtree(base, ignore_errors=True)
@@ -226,7 +230,7 @@ def test_dagster_yaml_for_sqlite_and_postgres(tmp_path, monkeypatch):
 
     # Dagster reads what the home writes: SQLite storages under the home, the pools' default limit
     monkeypatch.setenv("XC_TRAINING_CONCURRENCY", "2")
-    home = Home(tmp_path / "home").ensure()
+    home = ready_home(tmp_path / "home")  # a copy of a home made once, its yaml rewritten for this environment
     assert home.dagster_yaml.read_text() == SQLITE_YAML.replace("default_limit: 1", "default_limit: 2")
     with dg.DagsterInstance.from_config(str(home.dagster_home)) as instance:
         assert type(instance.run_storage).__name__ == "SqliteRunStorage"
@@ -236,7 +240,7 @@ def test_dagster_yaml_for_sqlite_and_postgres(tmp_path, monkeypatch):
 def test_an_older_yaml_is_migrated_and_a_users_own_is_kept(tmp_path, monkeypatch):
     monkeypatch.delenv(PG_URL, raising=False)
     monkeypatch.delenv("XC_TRAINING_CONCURRENCY", raising=False)
-    home = Home(tmp_path / "home").ensure()
+    home = ready_home(tmp_path / "home")
     old = OLD_YAML_HEADERS[0] + "\ntelemetry:\n  enabled: false\n"  # what releases before this one wrote
     home.dagster_yaml.write_text(old)
     assert not home.is_prepared()
@@ -279,6 +283,7 @@ def test_the_training_pool_row_is_made_at_load_and_follows_the_default(pg_server
         with dg.DagsterInstance.from_config(str(home.dagster_home)) as instance:
             return ensure_pool(instance)
 
+    ready_home(tmp_path / "home")  # the MLflow store (SQLite here, not under test) from a copy
     home = Home.from_env().ensure(instance=True)
     assert limits() == [] and ensure() and limits() == [("xc_training", 1, True)]
     assert not ensure()  # made once

@@ -16,7 +16,7 @@ import scipy.sparse as sp
 from assets import ingest as ingest_module
 from resources.home import dataset_partitions
 from tests.test_data import DATA
-from tests.tinydata import dagster_instance
+from tests.tinydata import dagster_instance, ready_home
 from xc_dagster.catalog import Catalog, DatasetSpec
 from xc_dagster.cli import main as cli_main
 from xc_dagster.data import read_dataset
@@ -54,7 +54,7 @@ def _write_planted(folder: Path) -> Path:
 def home(tmp_path, monkeypatch) -> Home:
     monkeypatch.setenv("XC_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    return Home.from_env().ensure()
+    return ready_home(tmp_path / "home")
 
 
 def _ingest(home: Home, spec: DatasetSpec, **overrides) -> dict:

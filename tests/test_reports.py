@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
+from tests.tinydata import ready_home
 from xc_dagster.cli import main as cli_main
 from xc_dagster.evaluation.comparison import comparison_table, evaluation_runs, rank_runs, reference_rows
 from xc_dagster.evaluation.metrics import evaluate
@@ -18,7 +19,6 @@ from xc_dagster.evaluation.reports import (
     recall_by_frequency,
     recall_plot,
 )
-from xc_dagster.home import Home
 from xc_dagster.tracking import Tracker
 
 
@@ -109,7 +109,7 @@ def _log_eval(tracker: Tracker, dataset: str, strategy: str, p1: float, psp1: fl
 def test_compare_ranks_runs_and_adds_reference_rows(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("XC_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    home = Home.from_env().ensure()
+    home = ready_home(tmp_path / "home")
     tracker = Tracker(home.mlflow_uri, home.mlflow_artifacts)
     name = "LF-WordNetNounsTitles"
     a = _log_eval(tracker, name, "ngame", 0.34, 0.23, 600)

@@ -14,13 +14,12 @@ import torch
 import xc_dagster.pipeline.index as index_stage
 import xc_dagster.retrieval.shortlist as shortlist_module
 from tests.test_pipeline import TINY
-from tests.tinydata import label_prior_metrics, write_lf_dataset, write_tiny_encoder
+from tests.tinydata import label_prior_metrics, ready_home, write_lf_dataset, write_tiny_encoder
 from xc_dagster.catalog import Catalog, DatasetSpec
 from xc_dagster.config import IndexParams
 from xc_dagster.data import load_dataset
 from xc_dagster.errors import XCConfigError
 from xc_dagster.evaluation.metrics import recall_at, remove_filtered
-from xc_dagster.home import Home
 from xc_dagster.pipeline import StageContext, run_all
 from xc_dagster.retrieval.ann import LabelIndex, exact_topk
 from xc_dagster.retrieval.shortlist import (
@@ -257,7 +256,7 @@ def test_siamesexml_classifier_loss_gradients_pull_positives_push_negatives():
 
 def test_siamesexml_strategy_three_index_shortlist_through_the_pipeline_and_bundle(tmp_path, monkeypatch):
     monkeypatch.setenv("XC_HOME", str(tmp_path / "home"))
-    home = Home.from_env().ensure()
+    home = ready_home(tmp_path / "home")
     enc = write_tiny_encoder(tmp_path / "enc")
     src = write_lf_dataset(tmp_path / "src" / "TinyTitles")
     Catalog(home.catalog).add(DatasetSpec("TinyTitles", str(src), strategy="siamesexml",

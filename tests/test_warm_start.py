@@ -12,10 +12,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.test_pipeline import TINY
-from tests.tinydata import write_lf_dataset, write_tiny_encoder
+from tests.tinydata import ready_home, write_lf_dataset, write_tiny_encoder
 from xc_dagster.catalog import Catalog, DatasetSpec
 from xc_dagster.errors import XCConfigError
-from xc_dagster.home import Home
 from xc_dagster.pipeline import StageContext, run_all
 from xc_dagster.serving import bundle as serving_bundle
 from xc_dagster.serving.warm_start import classifier_init, resolve_warm_start
@@ -56,7 +55,7 @@ def test_resolve_warm_start_values_and_errors(tmp_path, monkeypatch):
 
 def test_pretrain_and_classifiers_start_from_a_bundle(tmp_path, monkeypatch):
     monkeypatch.setenv("XC_HOME", str(tmp_path / "home"))
-    home = Home.from_env().ensure()
+    home = ready_home(tmp_path / "home")
     enc = write_tiny_encoder(tmp_path / "enc")
     src = write_lf_dataset(tmp_path / "src" / "TinyTitles")
     cat = Catalog(home.catalog)
@@ -89,7 +88,7 @@ def test_pretrain_and_classifiers_start_from_a_bundle(tmp_path, monkeypatch):
 
 def test_warm_start_rejects_an_encoder_with_another_vocabulary(tmp_path, monkeypatch):
     monkeypatch.setenv("XC_HOME", str(tmp_path / "home"))
-    home = Home.from_env().ensure()
+    home = ready_home(tmp_path / "home")
     enc = write_tiny_encoder(tmp_path / "enc")
     src = write_lf_dataset(tmp_path / "src" / "TinyTitles")
     b = _fake_bundle(tmp_path / "b", np.eye(2), ["a", "b"])

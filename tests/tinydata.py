@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gzip
 import http.server
 import json
 import os
+import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from unittest import mock
 
 import dagster as dg
 import numpy as np
@@ -104,19 +109,85 @@ def write_tiny_encoder(folder: Path, seed: int = 0) -> Path:
 
 
 def tiny_lf_home(tmp_path: Path, monkeypatch, overrides: dict, encoder: Path | None = None,
-                 name: str = "TinyTitles"):
-    """A fresh XC home under ``tmp_path`` (MLflow local) whose catalog holds ``name``: the tiny LF dataset with
-    ``overrides`` and the tiny random encoder (or ``encoder``). Returns the home."""
+                 name: str = "TinyTitles", instance: bool = False):
+    """A fresh XC home under ``tmp_path`` (MLflow local; with ``instance`` its Dagster instance too) whose catalog
+    holds ``name``: the tiny LF dataset with ``overrides`` and the tiny random encoder (or ``encoder``)."""
     from xc_dagster.catalog import Catalog, DatasetSpec
-    from xc_dagster.home import Home
 
     monkeypatch.setenv("XC_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    home = Home.from_env().ensure()
+    home = ready_home(tmp_path / "home", instance)
     encoder = encoder or write_tiny_encoder(tmp_path / "tiny-bert")
     src = write_lf_dataset(tmp_path / "src" / name)
     Catalog(home.catalog).add(DatasetSpec(name, str(src), overrides={**overrides, "tokenize.encoder": str(encoder)}))
     return home
+
+
+# each test process's homes made once, without and with the Dagster instance, copied for every fresh home
+_TEMPLATE_HOMES: dict[bool, Path] = {}
+# variables that change what a home's first use makes: unset while a template home is made
+_HOME_VARIABLES = ("XC_HOME", "DAGSTER_HOME", "MLFLOW_TRACKING_URI", "XC_DAGSTER_POSTGRES_URL",
+                   "XC_TRAINING_CONCURRENCY")
+
+
+def _template_home(instance: bool) -> Path:
+    """A home whose first use (``Home.ensure``) ran once in this process, in a temporary folder removed at exit."""
+    from xc_dagster.home import Home
+
+    if instance not in _TEMPLATE_HOMES:
+        base = Path(tempfile.mkdtemp(prefix="xc-template-home-")).resolve()
+        atexit.register(shutil.rmtree, base, True)
+        root = base / "home"
+        if instance:  # the Dagster instance migrated in a copy of the home without it: one MLflow store made
+            shutil.copytree(_template_home(False), root)
+            _repoint(_template_home(False), root)
+        with mock.patch.dict(os.environ):
+            for var in _HOME_VARIABLES:
+                os.environ.pop(var, None)
+            Home(root).ensure(instance=instance)
+        _TEMPLATE_HOMES[instance] = root
+    return _TEMPLATE_HOMES[instance]
+
+
+def _repoint(template: Path, root: Path) -> None:
+    """The absolute paths of a copied home made to name the copy: the first-use marker's MLflow store and the
+    MLflow experiments' artifact locations."""
+    from xc_dagster.home import READY
+
+    marker = root / READY
+    marker.write_text(marker.read_text().replace(str(template), str(root)))
+    with contextlib.closing(sqlite3.connect(root / "mlflow.db")) as db, db:
+        db.execute("UPDATE experiments SET artifact_location = replace(artifact_location, ?, ?)",
+                   (str(template), str(root)))
+
+
+def ready_home(root: Path, instance: bool = False):
+    """``Home(root).ensure(instance)`` for a fresh ``root`` from a copy of a home made once per test process: the
+    first use's MLflow schema migrations and ``dagster instance migrate`` take seconds in child processes.
+    ``ensure`` still runs on the copy, so what this process's environment wants beyond the template is made."""
+    from xc_dagster.home import READY, Home
+
+    root = Path(root).resolve()
+    if not (root / READY).exists():
+        template = _template_home(instance)
+        shutil.copytree(template, root, dirs_exist_ok=True)
+        _repoint(template, root)
+    return Home(root).ensure(instance=instance)
+
+
+def _default_stop_signals() -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+
+
+def start_server(cmd: list[str], log: Path, **kw) -> subprocess.Popen:
+    """``cmd`` in a process group of its own (for :func:`stop_process_group`), its output in ``log``, with SIGINT's
+    and SIGTERM's default actions: pytest started by a non-interactive shell (CI) ignores SIGINT, Dagster maps
+    SIGTERM to SIGINT's handler (in its own processes, and in this one when a test runs Dagster in process), and a
+    child inherits ignored signals, so the server would ignore the stop signal until SIGKILL."""
+    with open(log, "wb") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=_default_stop_signals, **kw)
 
 
 def stop_process_group(proc, timeout: float = 30.0) -> None:
