@@ -114,12 +114,64 @@ def test_auto_solves_exactly_up_to_exact_pairs(monkeypatch):
     assert exact.solves_exactly(auto, 1 << 15, 1 << 10) and not exact.solves_exactly(auto, 1 << 15, 1 << 10 | 1)
     assert not exact.solves_exactly(sgd, 10, 10) and exact.solves_exactly(forced, 1 << 20, 1 << 20)
     X, Y = _problem(seed=3)
+    # above EXACT_PAIRS: liblinear on the sampled pairs up to SAMPLED_LABELS labels, the stochastic trainer beyond
+    assert exact.solver_for(auto, 1 << 15, 1 << 11) == "liblinear_sampled"
+    assert exact.solver_for(auto, 1 << 15, exact.SAMPLED_LABELS + 1) == "sgd"
     monkeypatch.setattr(exact, "EXACT_PAIRS", X.shape[0] * Y.shape[1] - 1)
-    model = LexicalClassifier.fit(X, Y, sp.csr_matrix(Y.shape, dtype=np.float32), ClassifierSettings(epochs=1))
-    assert model.solver == "sgd"
+    hard = sp.csr_matrix(Y.shape, dtype=np.float32)
+    assert LexicalClassifier.fit(X, Y, hard, ClassifierSettings(epochs=1)).solver == "liblinear_sampled"
+    monkeypatch.setattr(exact, "SAMPLED_LABELS", Y.shape[1] - 1)
+    assert LexicalClassifier.fit(X, Y, hard, ClassifierSettings(epochs=1)).solver == "sgd"
 
 
 @pytest.mark.parametrize("field,value", [("solver", "newton"), ("c", 0.0), ("c", float("inf"))])
 def test_bad_exact_settings_name_their_field(field, value):
     with pytest.raises(XCConfigError, match=f"index.lexical_classifier_{field}"):
         ClassifierSettings(**{field: value}).check()
+
+
+def test_sampled_rows_are_the_hard_negatives_and_a_weighted_draw():
+    hard = sp.csc_matrix(([1.0, 1.0, 1.0], ([2, 3, 5], [0, 0, 1])), shape=(20, 2))
+    rows, w = exact._label_rows(0, np.array([0, 1]), hard, 20, 5, np.random.default_rng(0))
+    assert rows[:2].tolist() == [2, 3] and len(rows) == 7 and len(set(rows.tolist())) == 7
+    assert not set(rows[2:].tolist()) & {0, 1, 2, 3}
+    np.testing.assert_allclose(w, [1, 1] + [16 / 5] * 5)  # 16 negatives not taken, 5 drawn for them
+
+
+def test_sampled_with_every_negative_hard_is_the_exact_solution():
+    X, Y = _problem(seed=4)
+    every = sp.csr_matrix(1.0 - Y.toarray())
+    exact_model = LexicalClassifier.fit(X, Y, every, ClassifierSettings(solver="liblinear"))
+    sampled = LexicalClassifier.fit(X, Y, every, ClassifierSettings(solver="liblinear_sampled", random_negatives=0))
+    assert sampled.solver == "liblinear_sampled"
+    np.testing.assert_allclose(sampled.weights.numpy(), exact_model.weights.numpy(), atol=2e-3)
+    np.testing.assert_allclose(sampled.bias.numpy(), exact_model.bias.numpy(), atol=2e-3)
+
+
+def test_labels_are_solved_most_frequent_first(monkeypatch):
+    X, Y = _problem(seed=5)
+    clock = iter(range(100))
+    monkeypatch.setattr(exact, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: next(clock))}))
+    model = LexicalClassifier.fit(X, Y, sp.csr_matrix(Y.shape, dtype=np.float32),
+                                  ClassifierSettings(solver="liblinear"), hard_stop=1.5)  # two labels solved
+    counts = np.asarray(Y.sum(axis=0)).ravel()
+    assert model.stopped_at_deadline and counts[4] > counts[:3].max()
+    first = int(np.argmax(counts[:3]))
+    assert model.bias[4].item() == -exact.ABSENT_BIAS and model.bias[first].item() != exact.ABSENT_BIAS
+    assert all(model.bias[i].item() == exact.ABSENT_BIAS for i in range(3) if i != first)
+
+
+def test_sampled_classifiers_rank_what_the_knn_vote_misses():
+    """liblinear_sampled on the topic texts: from the hard negatives the index searches and a weighted draw, the
+    true label first among the other parts' candidates for nearly every point."""
+    texts, Y = _topic_texts(1200, 30, 0)
+    test_texts, Y_test = _topic_texts(300, 30, 1)
+    plain = LexicalIndex.fit(texts, None, Y, 10, min_df=1, fit_on=np.arange(1100))
+    index = LexicalIndex.fit(texts, None, Y, 10, min_df=1, fit_on=np.arange(1100),
+                             classifier=ClassifierSettings(solver="liblinear_sampled", random_negatives=5))
+    assert index.classifier.solver == "liblinear_sampled"
+    Q = plain.transform(test_texts)
+    S0, S = plain.scores(Q), index.scores(Q)
+    found = np.asarray(S0.multiply(Y_test).sum(axis=1)).ravel() > 0
+    assert _p_at_1(S, Y_test) >= _p_at_1(S0, Y_test) + 0.2
+    assert _p_at_1((S - S0)[found], Y_test[found]) >= 0.95

@@ -90,10 +90,14 @@ def test_work_counts_of_a_hand_computed_shape(monkeypatch):
     assert cls.memory["W and its start"] == 2 * 300 * 8 * 4
     index = stages["index"]
     assert index.kinds == {"W": "exact", "label": "exact", "knn": "exact"}  # lexical: no ANNS index
-    # the lexical classifiers' hard negatives: the 990 fit points scored as queries (1 ms each: the index's 1,000
+    # 990 fit points x 300 labels: solved exactly (every pair), no hard negatives searched
+    assert not any("hard negatives" in k for k in index.parts)
+    # the stochastic trainer's hard negatives: the 990 fit points scored as queries (1 ms each: the index's 1,000
     # points, as calibrated), their passes not planned; none when cross-fitting (the classifiers then never train)
-    assert index.parts["lexical classifiers' hard negatives, 990 points"] == pytest.approx(0.99)
-    crossed = _ngame(**{"fusion.fit_on": "cross_fit"})
+    sgd = _ngame(**{"index.lexical_classifier_solver": "sgd"})
+    sgd_index = {p.name: p for p in plan_stages(Costs(FixedUnits(), sgd, s), sgd, s, None)}["index"]
+    assert sgd_index.parts["lexical classifiers' hard negatives, 990 points"] == pytest.approx(0.99)
+    crossed = _ngame(**{"fusion.fit_on": "cross_fit", "index.lexical_classifier_solver": "sgd"})
     crossed_index = {p.name: p for p in plan_stages(Costs(FixedUnits(), crossed, s), crossed, s, None)}["index"]
     assert "lexical TF-IDF fit, 1,300 texts" in crossed_index.parts
     assert not any("hard negatives" in k for k in crossed_index.parts)

@@ -46,9 +46,9 @@ def test_bad_features_are_refused_naming_the_row_and_token(value, match):
 
 
 def test_a_request_past_its_limits_is_refused_before_it_is_parsed():
-    with pytest.raises(XCRequestError, match="request of 3 texts: at most 2"):
+    with pytest.raises(XCRequestError, match="request of 3 feature rows: at most 2"):
         input_features(["0:1", "bad", "bad"], 5, RequestLimits(max_texts=2))
-    with pytest.raises(XCRequestError, match="characters: at most 10"):
+    with pytest.raises(XCRequestError, match="characters: at most 10 per request .* send shorter feature rows"):
         input_features(["0:1 1:1 2:1", "3:1 4:1"], 5, RequestLimits(max_chars=10))
     with pytest.raises(Exception, match="expected a column 'features'"):
         input_features(pd.DataFrame({"text": ["a"], "other": ["b"]}), 5)

@@ -50,7 +50,7 @@ FIT_ON = ("auto", "validation", "cross_fit")
 # fusion.search: xc_dagster.retrieval.fusion.alpha.fit_alpha
 FUSION_SEARCHES = ("coordinate", "grid")
 # index.lexical_classifier_solver: xc_dagster.retrieval.lexical_exact.SOLVERS
-LEXICAL_SOLVERS = ("auto", "sgd", "liblinear")
+LEXICAL_SOLVERS = ("auto", "sgd", "liblinear", "liblinear_sampled")
 # ingest.text: xc_dagster.catalog.TEXT_CHOICES or "auto" (by the dataset); ingest.label_text: the same fields
 # or "same" (as the points)
 INGEST_TEXTS = ("auto", "title", "title+content")

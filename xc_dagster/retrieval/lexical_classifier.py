@@ -23,8 +23,9 @@ scores as a dense (labels, terms) table zero off the keys instead, the same func
 one sparse x dense product, where lookups cost searchsorted steps per (pair, term) (Mediamill's 120 dense features:
 ~55 s a pass by lookups).
 
-Where every (fit point, label) pair is cheap to visit, the classifiers are instead solved exactly
-(``index.lexical_classifier_solver``: ``xc_dagster.retrieval.lexical_exact``, liblinear's squared-hinge SVMs).
+By default (``index.lexical_classifier_solver`` auto) the classifiers are instead liblinear's squared-hinge SVMs
+(``xc_dagster.retrieval.lexical_exact``): solved on every pair where every (fit point, label) pair is cheap to
+visit, else on the same sampled pairs as here (up to SAMPLED_LABELS labels); this trainer serves beyond.
 
 :class:`LexicalClassifier` owns its files (``classifier_*.npy`` and the settings in the lexical index's JSON).
 """
@@ -43,7 +44,7 @@ import scipy.sparse as sp
 import torch
 
 from xc_dagster.errors import XCConfigError, XCError
-from xc_dagster.retrieval.lexical_exact import SOLVERS, fit_exact, solves_exactly
+from xc_dagster.retrieval.lexical_exact import SOLVERS, fit_exact, solver_for
 from xc_dagster.retrieval.lexical_tables import (
     DenseTable,
     KeyTable,
@@ -73,7 +74,7 @@ class ClassifierSettings:
     l2: float = 1e-3
     batch_pairs: int = 4096
     seed: int = 0
-    solver: str = "auto"  # lexical_exact.SOLVERS: the exact solver where it is cheap, else the stochastic one
+    solver: str = "auto"  # lexical_exact.SOLVERS: liblinear (every pair where cheap, else sampled pairs), else sgd
     c: float = 0.25  # the exact solver's SVM cost
 
     def check(self) -> ClassifierSettings:
@@ -123,7 +124,7 @@ class LexicalClassifier:
         self.num_terms, self.settings = int(num_terms), settings or ClassifierSettings()
         self.history: list[float] = []  # the held-out value after each training pass (fit's ``judge``)
         self.stopped_at_deadline = False  # fit's ``deadline`` cut the training short
-        self.solver = "sgd"  # how fit trained it: "liblinear" (lexical_exact) or "sgd"
+        self.solver = "sgd"  # how fit trained it: "liblinear" / "liblinear_sampled" (lexical_exact) or "sgd"
         if self.keys.shape != self.weights.shape or self.keys.ndim != 1:
             raise ValueError(f"{tuple(self.keys.shape)} keys for {tuple(self.weights.shape)} weights")
         if len(self.keys) and (int(self.keys[-1]) >= self.num_labels * self.num_terms or int(self.keys[0]) < 0):
@@ -226,8 +227,10 @@ class LexicalClassifier:
         Y.eliminate_zeros()
         keys = pruned_support(X, Y, settings.max_terms)
         model = cls(keys, np.zeros(len(keys), np.float32), np.zeros(num_labels, np.float32), X.shape[1], settings)
-        if solves_exactly(settings, n, num_labels):
-            fit_exact(model, X, Y, judge, hard_stop if hard_stop is not None else deadline)
+        solver = solver_for(settings, n, num_labels)
+        if solver != "sgd":
+            fit_exact(model, X, Y, judge, hard_stop if hard_stop is not None else deadline,
+                      None if solver == "liblinear" else sp.csr_matrix(hard))
             return model
         _train(model, X, Y, sp.csr_matrix(hard), np.random.default_rng(settings.seed), judge, deadline, hard_stop)
         return model

@@ -86,15 +86,16 @@ class RequestLimits:
         return cls(env_positive(MAX_TEXTS_ENV, DEFAULT_MAX_TEXTS),
                    env_positive(MAX_CHARS_ENV, DEFAULT_MAX_REQUEST_CHARS))
 
-    def check_count(self, n: int) -> None:
-        """Raise :class:`XCRequestError` when a request holds more than ``max_texts`` texts."""
+    def check_count(self, n: int, unit: str = "texts") -> None:
+        """Raise :class:`XCRequestError` when a request holds more than ``max_texts`` texts (or feature rows:
+        ``unit`` names them)."""
         if n > self.max_texts:
-            raise XCRequestError(f"request of {n} texts: at most {self.max_texts} per request "
+            raise XCRequestError(f"request of {n} {unit}: at most {self.max_texts} per request "
                                  f"(${MAX_TEXTS_ENV}); split it")
 
-    def check_chars(self, texts: Sequence[str]) -> None:
+    def check_chars(self, texts: Sequence[str], unit: str = "texts") -> None:
         """Raise :class:`XCRequestError` when ``texts`` hold more than ``max_chars`` characters together."""
         chars = sum(len(t) for t in texts)
         if chars > self.max_chars:
             raise XCRequestError(f"request of {chars} characters: at most {self.max_chars} per request "
-                                 f"(${MAX_CHARS_ENV}); split it or send shorter texts")
+                                 f"(${MAX_CHARS_ENV}); split it or send shorter {unit}")

@@ -88,10 +88,10 @@ def input_features(model_input: Any, num_features: int, limits: RequestLimits | 
     any is parsed."""
     values = input_values(model_input, FEATURES_COLUMN)
     if limits is not None:
-        limits.check_count(len(values))
+        limits.check_count(len(values), "feature rows")
     rows = [_pairs(v, r) for r, v in enumerate(values)]
     if limits is not None:
-        limits.check_chars([" ".join(f"{i}:{v}" for i, v in pairs) for pairs in rows])
+        limits.check_chars([" ".join(f"{i}:{v}" for i, v in pairs) for pairs in rows], "feature rows")
     ids, vals, lengths = [], [], []
     for r, pairs in enumerate(rows):
         for i, v in pairs:
