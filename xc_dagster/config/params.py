@@ -365,7 +365,7 @@ class IndexParams:
     lexical_classifier_max_terms: int = 1024
     lexical_classifier_max_pairs: int = 50_000_000
     lexical_classifier_candidates: int = 200  # per query: the classifiers score the other parts' top this many labels
-    # "auto": liblinear's exact SVMs (cost lexical_classifier_c) where fit points x labels <= 2^25, else "sgd"
+    # "auto": liblinear's SVMs (cost lexical_classifier_c) on every pair up to 2^25, else on sampled pairs
     lexical_classifier_solver: LexicalSolver = "auto"
     lexical_classifier_c: float = 0.25
     # cooccurrence source (xc_dagster.retrieval.cooccurrence, Gandalf's label points): the K nearest labels of the

@@ -19,7 +19,7 @@ from xc_dagster.planning.model import (
 )
 from xc_dagster.retrieval.cooccurrence import BLOCK_ENTRIES as COOCCURRENCE_BLOCK
 from xc_dagster.retrieval.lexical_classifier import ClassifierSettings
-from xc_dagster.retrieval.lexical_exact import solves_exactly
+from xc_dagster.retrieval.lexical_exact import solver_for
 from xc_dagster.retrieval.votes import vote_candidates
 from xc_dagster.training.budget import SKIP_SLACK
 
@@ -65,12 +65,13 @@ def stage_index(c: Costs, cfg: PipelineConfig, s: Shape) -> StagePlan:
         n = keys["knn"] + s.n_labels
         plan.parts[f"lexical TF-IDF fit, {n:,} texts"] = n * c.text()["lexical_fit_s_per_text"]
         if p.lexical_classifier and not cross_fits(cfg, s):
-            exact = solves_exactly(ClassifierSettings(solver=p.lexical_classifier_solver), s.rows, s.n_labels)
-            if not exact:  # their hard negatives: every fit point scored
+            solver = solver_for(ClassifierSettings(solver=p.lexical_classifier_solver), s.rows, s.n_labels)
+            if solver != "liblinear":  # their hard negatives: every fit point scored
                 plan.parts[f"lexical classifiers' hard negatives, {s.rows:,} points"] = \
                     s.rows * lexical_query_s(c, cfg, s)
-            plan.notes.append(f"the lexical classifiers' {'solves' if exact else 'passes'} are not planned (under "
-                              f"train.budget_minutes they stop at its deadline, {SKIP_SLACK:.0%} of it past at most)")
+            work = "passes" if solver == "sgd" else "solves"
+            plan.notes.append(f"the lexical classifiers' {work} are not planned (under train.budget_minutes they stop "
+                              f"at its deadline, {SKIP_SLACK:.0%} of it past at most)")
         per_token = 2 * LEXICAL_BYTES_PER_TOKEN + TEXT_BYTES_PER_TOKEN
         parts["lexical index and texts"] = n * (s.tokens * per_token + TEXT_BYTES)
     if "cooccurrence" in p.sources:  # CSR rows capped at max_entries (float64, int32), and one block's products

@@ -11,7 +11,7 @@ weights are scaled by the factor of ``SCALES`` whose sigmoid scores the held-out
 
 ``liblinear_sampled`` solves the same per-label problems on a sample of the pairs (Parabel's and Slice's per-label
 problems): each label's positives, the points that have it among their hard negatives and a seeded uniform draw
-of the others, ``random_negatives`` x n / L of them, weighted up to the negatives they stand for (``SAMPLE_WEIGHTED``),
+of the others, ``random_negatives`` x n / L of them, weighted up to the negatives they stand for (unweighted lost),
 so that the sum estimates the exact objective at O(N (k + r)) pairs instead of O(N L).
 """
 
@@ -37,7 +37,6 @@ EXACT_PAIRS = 1 << 25  # "auto": fit points x labels up to this are solved exact
 SCALES = (1.0, 2.0, 4.0)  # sigmoid(a * (w . x + b)): the margins' scale, picked on held-out points
 SCALES_EXTEND = 3  # while the largest scale tried is the best, twice it is tried, up to 2^3 x SCALES[-1]
 ABSENT_BIAS = -1.0  # a label without positives (or terms) among the fit points: its margin, never positive
-SAMPLE_WEIGHTED = True  # liblinear_sampled: the uniform draw weighted by the negatives it stands for
 SAMPLED_LABELS = 1 << 16  # "auto" above EXACT_PAIRS: liblinear_sampled up to this many labels (~1.4 ms a label
 # on Titles' 21.5K), the stochastic trainer beyond, where a deadline would leave the rarest labels unsolved
 
@@ -68,7 +67,7 @@ def _label_rows(label: int, pos: np.ndarray, hard: sp.csc_matrix, n: int, draws:
     cand = cand[np.sort(first)]
     cand = cand[~np.isin(cand, taken)][:draws]
     rest = n - len(np.unique(taken))
-    weight = rest / len(cand) if SAMPLE_WEIGHTED and len(cand) else 1.0
+    weight = rest / len(cand) if len(cand) else 1.0  # each drawn point stands for rest / drawn negatives
     rows = np.concatenate([neg, cand])
     return rows, np.concatenate([np.ones(len(neg)), np.full(len(cand), weight)])
 
