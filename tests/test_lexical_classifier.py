@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
+import xc_dagster.retrieval.lexical as lexical
 import xc_dagster.retrieval.lexical_classifier as lc
 import xc_dagster.retrieval.lexical_tables as tables
 from xc_dagster.errors import XCConfigError
@@ -90,7 +91,8 @@ def _p_at_1(S: sp.csr_matrix, Y: sp.csr_matrix) -> float:
     return float(np.asarray(Y[np.arange(Y.shape[0]), top]).mean())
 
 
-def test_classifiers_learn_what_the_knn_vote_misses():
+def test_classifiers_learn_what_the_knn_vote_misses(monkeypatch):
+    monkeypatch.setattr(lexical, "PRIOR_LABELS", 0)  # the classifiers on the other parts' labels only (no prior)
     texts, Y = _topic_texts(1200, 30, 0)
     test_texts, Y_test = _topic_texts(300, 30, 1)
     plain = LexicalIndex.fit(texts, None, Y, 10, min_df=1)
@@ -208,6 +210,31 @@ def test_hard_negatives_that_would_outlast_the_deadline_leave_the_classifiers_ou
                            deadline=time.perf_counter() + 3600, skip_after=time.perf_counter() + 3600)
     assert not met.classifier_skipped
     np.testing.assert_array_equal(met.classifier.weights.numpy(), full.classifier.weights.numpy())
+
+
+def test_queries_the_other_parts_give_few_labels_get_the_classifiers_prior(monkeypatch):
+    """Rows with fewer than PRIOR_LABELS labels are topped up with the labels of largest bias, each scored
+    sigmoid(b_l) (here no weights: every classifier score is its bias); fuller rows are left as they were."""
+    monkeypatch.setattr(lexical, "PRIOR_LABELS", 7)  # the kNN part gives these rows 3-9 labels: both kinds
+    texts, Y = _topic_texts(300, 30, 2)
+    index = LexicalIndex.fit(texts, None, Y, 10, min_df=1)
+    plain = index.scores(index.transform(texts[:40] + ["unseenword", ""]))
+    bias = np.linspace(-3.0, 1.0, 30).astype(np.float32)[np.random.default_rng(0).permutation(30)]
+    index.classifier = LexicalClassifier(np.zeros(0, np.int64), np.zeros(0, np.float32), bias, index.points.shape[1])
+    S = index.scores(index.transform(texts[:40] + ["unseenword", ""]))
+    prior = np.argsort(-bias)[:lexical.PRIOR_LABELS]
+    sig = 1.0 / (1.0 + np.exp(-bias.astype(np.float64)))
+    for r in (40, 41):  # no term in common with anything: the prior alone, each label at its sigmoid(b_l)
+        assert plain[r].nnz == 0 and np.array_equal(np.sort(S[r].indices), np.sort(prior))
+        np.testing.assert_allclose(S[r].toarray()[0, prior], sig[prior], rtol=1e-6)
+    counts = np.diff(plain.indptr)[:40]
+    assert (counts < lexical.PRIOR_LABELS).any() and (counts >= lexical.PRIOR_LABELS).any()
+    for r in range(40):
+        want = plain[r].toarray()[0]
+        labels = set(plain[r].indices) | (set(prior) if counts[r] < lexical.PRIOR_LABELS else set())
+        want[sorted(labels)] += sig[sorted(labels)]
+        assert set(S[r].indices) == labels
+        np.testing.assert_allclose(S[r].toarray()[0], want, rtol=1e-5, atol=1e-6)
 
 
 def test_classifier_round_trips_with_the_index(tmp_path):

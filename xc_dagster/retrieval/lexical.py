@@ -1,7 +1,6 @@
 """The lexical shortlist source: TF-IDF over the training points' texts (or shipped BoW features) and the labels'.
 
-A query is its L2-normalised TF-IDF row q. Its lexical score for label l is the sum of up to three parts, each in
-[0, 1] (so the score is in [0, 3]):
+A query is its L2-normalised TF-IDF row q. Its lexical score for label l sums up to three parts in [0, 1] each:
 
 * label text: cos(q, t_l), with t_l the TF-IDF row of the label's text (left out, 0, when the labels have no
   text in the feature space: BoW features without label features);
@@ -10,7 +9,8 @@ A query is its L2-normalised TF-IDF row q. Its lexical score for label l is the 
   kNN score (``index.knn_neighbours``) in the encoder's space;
 * classifier (``index.lexical_classifier``): sigmoid(w_l . q + b_l), a sparse linear model per label over
   the TF-IDF rows (``xc_dagster.retrieval.lexical_classifier``) re-ranking the other two parts' labels: the
-  one-vs-all linear model the linear peers win with on BoW data.
+  one-vs-all linear model the linear peers win with on BoW data. A query they give fewer than ``PRIOR_LABELS``
+  labels (no term shared with a label or point) also gets those of largest b_l: the classifiers' prior.
 
 The TF-IDF model is scikit-learn's (``xc_dagster.retrieval.tfidf``): ``TfidfVectorizer`` (sublinear tf, word 1-2
 grams, ``index.lexical_min_df``, 1 when that leaves no term) on the points' and labels' texts, or
@@ -62,6 +62,7 @@ from xc_dagster.retrieval.sparse_rows import (
     dense_topk,
     sparse_lookup,
     sparse_topk,
+    topped_up,
     vote_weights,
     work_blocks,
 )
@@ -83,6 +84,7 @@ PRODUCT_BUDGET = 1 << 24  # at most this many (query, training point) products h
 # so that the classifiers do not depend on the votes an index is built or fitted with (fusion.vote_grid)
 CLASSIFIER_VOTES = (10, 1.0)
 CAPPED_TERMS = 64  # block_rows of a capped index: a query's products taken as at most this many terms x P
+PRIOR_LABELS = 10  # a query the other parts give fewer labels is topped up with the classifiers' largest biases
 
 
 class LexicalIndex:
@@ -330,7 +332,9 @@ class LexicalIndex:
                                   shape=(q.shape[0], self.num_points))
             part = (votes @ self.point_labels) * np.float32(1.0 / self.neighbours)
             part = part if self._labels_t is None else sp.csr_matrix(part + q @ self._labels_t)
-            return part if self.classifier is None else part + self.classifier.on_pattern(q, part)
+            return part if prior is None else part + self.classifier.on_pattern(q, topped_up(part, prior))
+
+        prior = None if self.classifier is None else self.classifier.prior(PRIOR_LABELS)  # decisions.md#lexical-prior
 
         parts = on_threads(block, blocks, threads)
         out = sp.csr_matrix(sp.vstack(parts, format="csr") if parts else (0, self.num_labels), dtype=np.float32)

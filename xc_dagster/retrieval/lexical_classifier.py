@@ -157,6 +157,10 @@ class LexicalClassifier:
         b = torch.nn.functional.embedding(labels, bias, sparse=sparse)[:, 0]
         return torch.zeros(len(labels), dtype=weights.dtype).index_add(0, pair, w * values) + b, w
 
+    def prior(self, k: int) -> np.ndarray:
+        """The ``k`` labels of largest bias (ties to the smaller id): the top of a query sharing no term with them."""
+        return np.argsort(-self.bias.numpy(), kind="stable")[:k]
+
     def pair_scores(self, Q: sp.csr_matrix, rows: np.ndarray, labels: np.ndarray) -> np.ndarray:
         """sigmoid(w_l . q + b_l) (float32) of each pair (``rows[i]`` of ``Q``, ``labels[i]``), in chunks of at
         most LOOKUP_BUDGET term lookups."""
