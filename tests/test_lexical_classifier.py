@@ -237,6 +237,13 @@ def test_queries_the_other_parts_give_few_labels_get_the_classifiers_prior(monke
         np.testing.assert_allclose(S[r].toarray()[0], want, rtol=1e-5, atol=1e-6)
 
 
+def test_prior_is_the_labels_by_decreasing_bias_ties_to_the_smaller_id():
+    clf = LexicalClassifier(np.zeros(0, np.int64), np.zeros(0, np.float32),
+                            np.array([0.5, 2.0, 0.5, -1.0, 2.0], np.float32), 3)
+    assert clf.prior(3).tolist() == [1, 4, 0] and clf.prior(10).tolist() == [1, 4, 0, 2, 3]
+    assert clf.prior(0).size == 0
+
+
 def test_classifier_round_trips_with_the_index(tmp_path):
     texts, Y = _topic_texts(200, 8, 4)
     index = LexicalIndex.fit(texts, None, Y, 5, min_df=1, classifier=sgd(epochs=1))

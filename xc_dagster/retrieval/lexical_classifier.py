@@ -124,6 +124,7 @@ class LexicalClassifier:
         self.num_terms, self.settings = int(num_terms), settings or ClassifierSettings()
         self.history: list[float] = []  # the held-out value after each training pass (fit's ``judge``)
         self.stopped_at_deadline = False  # fit's ``deadline`` cut the training short
+        self._prior: np.ndarray | None = None  # labels by decreasing bias (:meth:`prior`), once asked for
         self.solver = "sgd"  # how fit trained it: "liblinear" / "liblinear_sampled" (lexical_exact) or "sgd"
         if self.keys.shape != self.weights.shape or self.keys.ndim != 1:
             raise ValueError(f"{tuple(self.keys.shape)} keys for {tuple(self.weights.shape)} weights")
@@ -158,8 +159,11 @@ class LexicalClassifier:
         return torch.zeros(len(labels), dtype=weights.dtype).index_add(0, pair, w * values) + b, w
 
     def prior(self, k: int) -> np.ndarray:
-        """The ``k`` labels of largest bias (ties to the smaller id): the top of a query sharing no term with them."""
-        return np.argsort(-self.bias.numpy(), kind="stable")[:k]
+        """The ``k`` labels of largest bias (ties to the smaller id): the top of a query sharing no term with them.
+        Sorted once (a trained model's biases do not change), not per scored block or served request."""
+        if self._prior is None or len(self._prior) < min(k, self.num_labels):
+            self._prior = np.argsort(-self.bias.numpy(), kind="stable")[:max(k, 64)]
+        return self._prior[:k]
 
     def pair_scores(self, Q: sp.csr_matrix, rows: np.ndarray, labels: np.ndarray) -> np.ndarray:
         """sigmoid(w_l . q + b_l) (float32) of each pair (``rows[i]`` of ``Q``, ``labels[i]``), in chunks of at
