@@ -323,6 +323,8 @@ class LexicalIndex:
         threads = max(1, min(torch.get_num_threads(), Q.shape[0]))
         blocks = work_blocks(work, max(PRODUCT_BUDGET // threads, 1), min(self.block_rows, -(-Q.shape[0] // threads)))
 
+        prior = None if self.classifier is None else self.classifier.prior(PRIOR_LABELS)  # decisions.md#lexical-prior
+
         def block(se: tuple[int, int]) -> sp.csr_matrix:
             q = Q[se[0]:se[1]]
             nbrs, sims = self.nearest(q, drop, None if own is None else np.asarray(own[se[0]:se[1]]))
@@ -333,8 +335,6 @@ class LexicalIndex:
             part = (votes @ self.point_labels) * np.float32(1.0 / self.neighbours)
             part = part if self._labels_t is None else sp.csr_matrix(part + q @ self._labels_t)
             return part if prior is None else part + self.classifier.on_pattern(q, topped_up(part, prior))
-
-        prior = None if self.classifier is None else self.classifier.prior(PRIOR_LABELS)  # decisions.md#lexical-prior
 
         parts = on_threads(block, blocks, threads)
         out = sp.csr_matrix(sp.vstack(parts, format="csr") if parts else (0, self.num_labels), dtype=np.float32)

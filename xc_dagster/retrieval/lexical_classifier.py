@@ -161,8 +161,8 @@ class LexicalClassifier:
     def prior(self, k: int) -> np.ndarray:
         """The ``k`` labels of largest bias (ties to the smaller id): the top of a query sharing no term with them.
         Sorted once (a trained model's biases do not change), not per scored block or served request."""
-        if self._prior is None or len(self._prior) < min(k, self.num_labels):
-            self._prior = np.argsort(-self.bias.numpy(), kind="stable")[:max(k, 64)]
+        if self._prior is None:
+            self._prior = np.argsort(-self.bias.numpy(), kind="stable")
         return self._prior[:k]
 
     def pair_scores(self, Q: sp.csr_matrix, rows: np.ndarray, labels: np.ndarray) -> np.ndarray:

@@ -162,8 +162,8 @@ def topped_up(S: sp.csr_matrix, labels: np.ndarray) -> sp.csr_matrix:
     """``S``'s pattern with ``labels`` added to each row storing fewer than ``len(labels)`` entries (the added
     entries hold float32's smallest normal value: a pattern to score, not a score)."""
     S, k = sp.csr_matrix(S), len(labels)
-    short = np.flatnonzero(np.diff(S.indptr) < k)
-    if not short.size or not k:
+    short = np.flatnonzero(np.diff(S.indptr) < k)  # none when k is 0
+    if not short.size:
         return S
     fill = sp.csr_matrix((np.full(short.size * k, np.finfo(np.float32).tiny, dtype=np.float32),
                           (np.repeat(short, k), np.tile(np.asarray(labels, dtype=np.int64), short.size))),
