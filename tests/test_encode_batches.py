@@ -69,6 +69,33 @@ def test_budget_is_a_cpu_transformer_bound_and_changes_no_embedding():
         np.testing.assert_allclose(got[i], alone[0], atol=2e-6)
 
 
+def test_rows_that_are_all_one_input_take_one_forward_pass_with_the_same_embeddings():
+    """Every row the same sequence (a dataset whose points have no text: each the empty text's tokens): one row
+    encoded, every row given it, progress counting them all, the same as the chunked encoding; rows of equal
+    lengths that differ past the first check block, and padding past each row's length, are told apart."""
+    enc = _encoder()
+    ids = np.zeros((70_000, 6), dtype=np.int32)
+    ids[:, :2] = [2, 3]  # [CLS] [SEP]
+    ids[::7, 4] = 9  # past the length: padding, not read
+    lens = np.full(70_000, 2)
+    calls, counted = [], []
+
+    def forward(t_ids, mask):
+        calls.append(len(t_ids))
+        return enc(t_ids, mask)
+
+    got = encode_tokens(enc, ids, lens, torch.device("cpu"), None, 256, counted.append, forward=forward)
+    assert calls == [1] and sum(counted) == 70_000
+    want = encode_tokens(enc, ids[:300], lens[:300] + np.r_[1, np.zeros(299, int)], torch.device("cpu"), None)
+    np.testing.assert_allclose(got[:300][1:], want[1:], atol=2e-6)  # the chunked encoding of the same rows
+    np.testing.assert_array_equal(got, np.broadcast_to(got[0], got.shape))
+    ids[69_999, 1] = 4  # one row differs, in the second block of rows compared
+    calls.clear()
+    again = encode_tokens(enc, ids, lens, torch.device("cpu"), None, 256, forward=forward)
+    assert len(calls) > 1 and not np.allclose(again[69_999], got[0], atol=1e-4)
+    np.testing.assert_allclose(again[:69_999], got[:69_999], atol=2e-6)
+
+
 def test_cpu_chunks_run_on_the_process_threads_one_torch_thread_each_with_the_same_embeddings():
     """With two torch threads a transformer's CPU chunks run on two threads, each with one intra-op thread; the
     embeddings equal the one-thread encoding, progress counts every row once, and the caller's thread count (and

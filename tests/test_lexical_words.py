@@ -18,6 +18,7 @@ from xc_dagster.errors import XCConfigError, XCError
 from xc_dagster.pipeline import run_all
 from xc_dagster.retrieval.lexical import FEATURE_WORDS_FILE as LEXICAL_WORDS_FILE
 from xc_dagster.retrieval.lexical import LexicalIndex
+from xc_dagster.retrieval.sparse_rows import sparse_topk
 from xc_dagster.serving import bundle as serving_bundle
 
 PLAIN = [f"w{i}" for i in range(12)]
@@ -152,16 +153,42 @@ def test_a_bow_dataset_without_vocabulary_trains_no_encoder_and_serves_feature_v
 
 
 @pytest.mark.parametrize("vocab", [False, True])
-def test_without_text_the_sources_that_read_point_embeddings_are_left_out(tmp_path, monkeypatch, vocab):
-    """The strategy's kNN source (and centroids) over the training points' embeddings: without any point text every
-    embedding is the same, so the index leaves them out (the lexical source keeps its own sparse kNN); with text they
-    stay."""
+def test_without_text_the_model_is_the_lexical_source_alone(tmp_path, monkeypatch, vocab):
+    """The strategy's sources over the points' embeddings: without any point text every embedding is the same, so
+    the kNN source is left out (the lexical source keeps its own sparse kNN), and W and the label embeddings would
+    only give each label a constant: the classifier stage trains nothing, the index serves the lexical source
+    alone, and every candidate's classifier and embedding scores are 0, so the evaluation ranks by the fitted
+    d * lexical + b * log(1 / p_l) exactly. With text, every source stays and W trains."""
     ctx = bow_context(tmp_path, monkeypatch, vocab=vocab, sources=None)
-    assert "knn" in ctx.cfg.index.sources and "index.sources" not in ctx.cfg.explicit
+    assert {"W", "label", "knn", "lexical"} <= set(ctx.cfg.index.sources) and "index.sources" not in ctx.cfg.explicit
     out = run_all(ctx)
-    assert ("knn" in out["index"]["sources"]) is vocab and "lexical" in out["index"]["sources"]
-    assert (out["index"]["knn_points"] > 0) is vocab
-    assert ("knn" in ctx.read.shortlist_sources(ctx.cfg.index.hnsw_ef_search).indexes) is vocab
+    assert ctx.lexical_only() is not vocab
+    sources = out["index"]["sources"]
+    assert {"W", "label", "knn", "lexical"} <= set(sources) if vocab else sources == ["lexical"]
+    assert out["index"].get("dense", True) is vocab and (out["index"]["knn_points"] > 0) is vocab
+    assert (out["classifier"]["steps"] > 0) is vocab and ("untrained" in out["classifier"]) is not vocab
+    src = ctx.read.shortlist_sources(ctx.cfg.index.hnsw_ef_search)
+    assert ("knn" in src.indexes) is vocab and src.dense is vocab
+    mined = ctx.read.shortlist()  # without text one point's shortlist, every point's
+    assert (mined == mined[:1]).all() is not vocab and set(out["mining"]["kinds"].values()) == {"exact"}
+    if vocab:
+        return
+    f = json.loads((ctx.dir("fusion") / "fusion.json").read_text())
+    assert f["lexical_weight"] > 0
+    Q = ctx.read.lexical_queries(src, "test")
+    lex = sparse_topk(sp.csr_matrix(src.lexical.scores(Q)), ctx.cfg.index.shortlist_size)
+    ds = ctx.read.labels()
+    boost = np.log(ctx.inv_prop(ds.Y_train))
+    want = np.where(lex[0] < 0, -np.inf, f["lexical_weight"] * lex[1]
+                    + f["propensity_weight"] * boost[np.maximum(lex[0], 0)])
+    want, lex = np.pad(want, ((0, 0), (0, 10)), constant_values=-np.inf), np.pad(lex[0], ((0, 0), (0, 10)),
+                                                                                  constant_values=-1)
+    top = np.argsort(-want, axis=1, kind="stable")[:, :10]
+    got = np.load(ctx.dir("evaluate") / "predictions.npz")
+    assert ds.filter_test.size == 0  # nothing removed: the predictions are the fused top 10 as ranked
+    np.testing.assert_allclose(got["scores"], np.take_along_axis(want, top, 1).astype(np.float32), rtol=1e-5)
+    ranked = np.where(np.isfinite(np.take_along_axis(want, top, 1)), np.take_along_axis(lex, top, 1), -1)
+    assert (got["ids"] == ranked).mean() > 0.95  # ids agree up to ties of equal score
 
 
 def test_a_bow_dataset_with_its_vocabulary_has_text_to_train_on(tmp_path, monkeypatch):

@@ -85,6 +85,17 @@ def test_work_counts_of_a_hand_computed_shape(monkeypatch):
     bare = plan_stages(Costs(FixedUnits(), cfg, textless), cfg, textless, None)[2]
     assert not any("training steps" in k for k in bare.parts) and "training step" not in bare.memory
     assert bare.notes == ["no training point has text: the encoder is not trained"]
+    assert bare.parts == {"encode 301 texts": pytest.approx(301 / 1000.0)}  # one point input and the 300 labels
+    # ... and with shipped features the model is the lexical source alone: W untrained, mining one exact search, the
+    # lexical source alone indexed (the stages' StageContext.lexical_only); the user's index.sources keep it all
+    bow = dataclasses.replace(textless, point_features=True)
+    alone = {p.name: p for p in plan_stages(Costs(FixedUnits(), cfg, bow), cfg, bow, None)}
+    assert alone["classifier"].parts == {} and "W is not trained" in alone["classifier"].notes[0]
+    assert alone["index"].kinds == {} and any("lexical TF-IDF" in k for k in alone["index"].parts)
+    assert alone["mining"].kinds == {"label": "exact"} and alone["evaluate"].parts["encode 1 test texts"] > 0
+    kept = _ngame(**{"index.sources": "W,label,lexical"})
+    as_set = {p.name: p for p in plan_stages(Costs(FixedUnits(), kept, bow), kept, bow, None)}
+    assert as_set["classifier"].parts and set(as_set["index"].kinds) == {"W", "label"}
     cls = stages["classifier"]
     assert cls.parts[f"{3 * math.ceil(990 / 1024)} training steps (3.0 epochs x batch 1024)"] == pytest.approx(0.75)
     assert cls.memory["W and its start"] == 2 * 300 * 8 * 4

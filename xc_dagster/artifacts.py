@@ -210,7 +210,8 @@ class ArtifactReader:
         points = d / HELDOUT if heldout and (d / HELDOUT).is_dir() else None
         return load_sources(d, tuple(info.get("sources", ("W", "label"))), info.get("label_repr", "text"),
                             info["kind"], ef_search, self.W(mmap=True), self.embeddings("label", mmap=True),
-                            int(info.get("knn_neighbours", 0)), points, float(info.get("knn_power", 1.0)))
+                            int(info.get("knn_neighbours", 0)), points, float(info.get("knn_power", 1.0)),
+                            bool(info.get("dense", True)))
 
     def lexical_queries(self, sources: ShortlistSources, split: str,
                         rows: np.ndarray | None = None) -> sp.csr_matrix | None:

@@ -84,6 +84,14 @@ def points_have_text(ingest: Mapping[str, Any]) -> bool:
     return ingest.get("layout") == "tokenized" or ingest.get("train_texts", 1) > 0
 
 
+def lexical_alone(point_texts: bool, point_features: bool, sources: Sequence[str], sources_set: bool) -> bool:
+    """Whether a model is its lexical source alone (docs/decisions.md#lexical-only-without-text): no training point
+    has text (every point embeds as the one empty input: the dense scores are per-label constants), the layout
+    shipped BoW features for the lexical source to read, and the strategy's ``index.sources`` (not the user's,
+    ``sources_set``) name it."""
+    return not point_texts and point_features and "lexical" in sources and not sources_set
+
+
 def text_hint(layout: str) -> str:
     """What gives the points of a ``layout`` their texts, for a dataset that has none."""
     if layout == "split-sparse":

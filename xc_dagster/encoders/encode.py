@@ -56,6 +56,22 @@ def encoded_as(encoder: torch.nn.Module, lengths: np.ndarray, device: torch.devi
     return lambda rows: encode_plan(encoder, lengths[rows], device, batch_size)[1] == threads
 
 
+SAME_CHECK_ROWS = 65536  # rows compared at a time by one_input: it stops at the first block that differs
+
+
+def one_input(ids: np.ndarray, lengths: np.ndarray) -> bool:
+    """Whether every row is the same token sequence (a dataset without text: every point the empty text). Rows of
+    different lengths answer at once; equal ones are compared a block at a time, stopping at the first that
+    differs, so a memmap is read only as far as needed."""
+    lengths = np.asarray(lengths)
+    if len(lengths) < 2 or lengths.min() != lengths.max():
+        return False
+    width = max(int(lengths[0]), 1)
+    first = np.asarray(ids[0, :width])
+    return all((np.asarray(ids[s:s + SAME_CHECK_ROWS, :width]) == first).all()
+               for s in range(0, len(lengths), SAME_CHECK_ROWS))
+
+
 def encode_tokens(encoder: torch.nn.Module, ids: np.ndarray, lengths: np.ndarray, device: torch.device,
                   dtype: torch.dtype | None, batch_size: int = 256, progress: Callable[[int], None] | None = None,
                   forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> np.ndarray:
@@ -71,6 +87,12 @@ def encode_tokens(encoder: torch.nn.Module, ids: np.ndarray, lengths: np.ndarray
     out = np.zeros((n, encoder.dim), dtype=np.float32)
     encoder.eval()
     fn = encoder if forward is None else forward
+    if one_input(ids, lengths):  # one forward pass for them all (e.g. a BoW set's points without their words)
+        with torch.inference_mode(), autocast(device, dtype):
+            out[:] = fn(*chunk_tensors(ids, lengths, np.zeros(1, dtype=np.int64), device)).float().cpu().numpy()
+        if progress is not None:
+            progress(n)
+        return out
     chunks, threads = encode_plan(encoder, lengths, device, batch_size)
     lock = threading.Lock()
 

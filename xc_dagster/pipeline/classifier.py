@@ -167,6 +167,27 @@ def _check_ranks(ctx: StageContext, env: DistEnv, sampled: bool) -> None:
                             f"got {ctx.cfg.train.budget_minutes}")
 
 
+def _untrained(ctx: StageContext, W0: np.ndarray, env: DistEnv, started: float) -> dict[str, Any]:
+    """The stage when the model is the lexical source alone (``StageContext.lexical_only``): no point has text, so
+    W would learn a constant per label on the one empty input; W is written as it starts, its scores left out
+    downstream (the index's ``dense``), and the budget kept for the lexical classifiers, whose biases are the
+    labels' prior."""
+    b = ctx.cfg.train
+    plan = plan_epochs("classifier.epochs", b.budget_minutes, 0.0, True, 0.0, 0.0, 0, 0.0,
+                       ctx.read.spent_seconds("pretrain", "mining"), b.reserve)
+    summary: dict[str, Any] = {"steps": 0, "train_seconds": 0.0, "budget": plan.summary(), "residual": "off",
+                               "untrained": "no training point has text: the lexical source alone scores labels"}
+    if not env.is_main:
+        return {"steps": 0, "train_seconds": 0.0, "rank": env.rank, "world_size": env.world_size}
+    summary["seconds"] = time.perf_counter() - started
+    with ctx.writing() as out:
+        np.save(out / W, np.asarray(W0, dtype=np.float32))
+        save_json(out / SUMMARY, summary)
+    ctx.info(f"classifier {ctx.name}: no training point has text: W not trained (the lexical source alone scores "
+             f"labels)")
+    return summary
+
+
 def run(ctx: StageContext, env: DistEnv | None = None) -> dict[str, Any]:
     """Train one-vs-all W from label embeddings (validation rows held out): on positives + the hardest mined
     negatives (NGAME, SiameseXML), or with BCE over sampled negatives (ASTRA, MIPS-s), optionally fine-tuning
@@ -181,6 +202,8 @@ def run(ctx: StageContext, env: DistEnv | None = None) -> dict[str, Any]:
     point_emb = ctx.read.pretrained(TRAIN_EMB)
     label_emb = ctx.read.pretrained(LABEL_EMB)
     W0 = _initial_W(ctx, label_emb)
+    if ctx.lexical_only():
+        return _untrained(ctx, W0, env, started)
     sl = ctx.read.shortlist()
     ds = ctx.read.labels()
     rows = ctx.read.train_rows(ds.num_train)

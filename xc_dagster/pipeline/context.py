@@ -15,7 +15,7 @@ import torch
 from xc_dagster.artifacts import CONTRACT, REGISTERED_MODEL, ArtifactReader, check_writes
 from xc_dagster.catalog import DatasetSpec
 from xc_dagster.config import PipelineConfig
-from xc_dagster.data.companions import points_have_text
+from xc_dagster.data.companions import lexical_alone, points_have_text
 from xc_dagster.device import resolve_device
 from xc_dagster.errors import XCError
 from xc_dagster.evaluation.metrics import inverse_propensity
@@ -103,3 +103,13 @@ class StageContext:
         """Whether the encoder has anything to read on the training points: a pre-tokenized layout, or some point
         with text (the ingest summary's ``train_texts``; a BoW layout without its vocabulary has none)."""
         return points_have_text(self.read.summary("ingest", missing_ok=True) or {})
+
+    def lexical_only(self) -> bool:
+        """Whether the model is the strategy's lexical source alone: no training point has text, so every point
+        embeds as the same empty input and the classifier and embedding scores are per-label constants, while the
+        shipped BoW features give the lexical source (and its classifiers' prior) the points' content. The
+        classifier stage then trains no W and the index serves the lexical source only, its dense scores 0
+        (docs/decisions.md#lexical-only-without-text); ``index.sources`` set by the user is kept as set."""
+        ingest = self.read.summary("ingest", missing_ok=True) or {}
+        return lexical_alone(points_have_text(ingest), int(ingest.get("n_features") or 0) > 0, self.cfg.index.sources,
+                             "index.sources" in self.cfg.explicit)

@@ -133,7 +133,7 @@ def _score_fold(ctx: StageContext, m: ShortlistSources, train: Any, rows: np.nda
     """One fold: its classifiers trained (``train``) on the other folds, its scored points (with their lexical
     rows) shortlisted by them, once per vote candidate."""
     keep = np.setdiff1d(rows, fold)
-    W = train(keep)
+    W = train(keep) if m.dense else m.W  # not dense: W's scores are 0, nothing to train
     src = fold_sources(m, W, point_emb, label_emb, ds.Y_train, keep, fold, index_rows, info, ann)
     q = np.asarray(point_emb[scored], dtype=np.float32)
     Y, pairs, unseen = validation_targets(ds.Y_train, scored, keep, filter_rows(ds.filter_train, scored))

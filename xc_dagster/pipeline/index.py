@@ -221,7 +221,14 @@ def _summary(p: Any, kinds: dict[str, str], shape: tuple[int, ...], knn_points: 
 def _sources_with_text(ctx: StageContext, p: Any) -> Any:
     """``p`` without the strategy's sources that read the points' embeddings (``knn``, ``centroid``) when no point
     has text: every point is then the same embedding, and their neighbours and centroids are ties broken by row
-    order. ``index.sources`` set by the user is kept."""
+    order; with the lexical source over shipped features (``StageContext.lexical_only``) that source alone, the W
+    and label embeddings' scores being per-label constants then (and the co-occurrence votes through the label
+    source's neighbours, noise). ``index.sources`` set by the user is kept."""
+    if ctx.lexical_only() and p.sources != ("lexical",):
+        ctx.info(f"index {ctx.name}: no training point has text: the lexical source over the BoW features alone, "
+                 f"its classifiers' prior in place of the constant W and label scores (left out: "
+                 f"{', '.join(s for s in p.sources if s != 'lexical')})")
+        return dataclasses.replace(p, sources=("lexical",))
     gone = [s for s in ("knn", "centroid") if s in p.sources]
     if not gone or "index.sources" in ctx.cfg.explicit or ctx.points_have_text():
         return p
@@ -254,7 +261,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
                 heldout = p.include_validation and len(rows) < ds.num_train
                 deployed = np.arange(ds.num_train) if heldout else rows
                 if "lexical" in p.sources:
-                    lexical, note = _lexical_or_note(ctx, deployed, ds.Y_train, rows)
+                    lexical, note = (lexical_index(ctx, deployed, ds.Y_train, rows), "") if ctx.lexical_only() \
+                        else _lexical_or_note(ctx, deployed, ds.Y_train, rows)  # lexical only: its error stands
                     if lexical is not None:
                         lexical.save(out / LEXICAL_DIR)
                         lexical_summary = {
@@ -302,6 +310,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
                                                                "cooccurrence": cooc_summary})
             if heldout:
                 summary["heldout_knn_points"] = int(len(rows)) if points_knn else 0
+            if ctx.lexical_only():  # the classifier and embedding scores 0 wherever the sources are read
+                summary["dense"] = False
             summary["seconds"] = time.perf_counter() - t0
             save_json(out / SUMMARY, summary)
         kept.clear()

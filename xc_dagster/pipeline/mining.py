@@ -44,6 +44,9 @@ def run(ctx: StageContext) -> dict[str, Any]:
     ds = ctx.read.labels()
     rows = ctx.read.train_rows(ds.num_train)
     centroids = label_centroids(point_emb, ds.Y_train, rows)
+    # the model is the lexical source alone: every point is the empty input's embedding, so one point's shortlist
+    # (an exact search, not a label graph) is every point's, and only the index stage's summary reads it
+    same = ctx.lexical_only()
     with ctx.kept_work({"mining": dataclasses.asdict(p), "rows": STREAM_ROWS}) as kept:
         sizes = {"W": len(label_emb), "label": len(label_emb), "centroid": len(centroids), "knn": len(rows)}
         built = {name: LabelIndex.load(path, resolve_kind(p.index, sizes[name], label_emb.shape[1]), p.hnsw_ef_search)
@@ -57,7 +60,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
             kept.drop(INDEX_FILES[name])  # the graph kept as it was built (KeptWork.graph)
 
         src = build_sources(p.sources, label_emb, label_emb, centroids, point_emb[rows], ds.Y_train[rows],
-                            "text+centroid" if "centroid" in p.sources else "text", p.index, p.hnsw_m,
+                            "text+centroid" if "centroid" in p.sources else "text", "exact" if same else p.index,
+                            p.hnsw_m,
                             p.hnsw_ef_construction, p.hnsw_ef_search, report=ctx.info, built=built, on_built=keep,
                             checkpoints=lambda name: kept.graph(INDEX_FILES[name]))
         k = min(p.shortlist_size, len(label_emb))
@@ -67,10 +71,14 @@ def run(ctx: StageContext) -> dict[str, Any]:
         ids, scores = np.empty((n, k), dtype=np.int32), np.empty((n, k), dtype=np.float32)
 
         def block(s: int, e: int) -> dict[str, np.ndarray]:  # a block's whole shortlists at once, only its top k kept
-            sl = retrieve(np.asarray(point_emb[s:e]), src, k, exclude_knn=own[s:e], progress=prog.update,
+            q = e if not same else s + 1
+            sl = retrieve(np.asarray(point_emb[s:q]), src, k, exclude_knn=own[s:q], progress=prog.update,
                           classifier_scores=False)  # ranked by the embedding (and kNN) scores only
             merged = sl.emb if sl.knn is None else (1.0 - p.knn_weight) * sl.emb + p.knn_weight * sl.knn
             top = topk_from_scores(sl.ids, np.where(sl.ids < 0, -np.inf, merged).astype(np.float32), k)
+            if same:  # the block's other points
+                prog.update(e - q)
+                return {"ids": np.repeat(top[0], e - s, axis=0), "scores": np.repeat(top[1], e - s, axis=0)}
             return {"ids": top[0], "scores": top[1]}
 
         with ctx.progress("retrieve train", n, "points") as prog:

@@ -10,6 +10,7 @@ by unit costs measured on this machine in a short calibration (``xc_dagster.plan
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -127,7 +128,7 @@ def dataset_shape(artifacts: Path, name: str, cfg: PipelineConfig,
         source["token lengths"] = "tokenize lengths (percentiles)"
     return Shape(n_train, int(values["n_test"]), int(values["n_labels"]), float(values["labels_per_point"]),
                  tokens, min(label_tokens, label_max), n_valid, *lengths, bool(ingest.get("label_names", True)),
-                 points_have_text(ingest)), source
+                 points_have_text(ingest), int(ingest.get("n_features") or 0) > 0), source
 
 
 def _percentiles(artifacts: Path, name: str, split: str, max_len: int) -> tuple[int, ...]:
@@ -143,6 +144,8 @@ def plan_stages(c: Costs, cfg: PipelineConfig, s: Shape, available: int | None) 
     """Every stage's plan, in the pipeline's order."""
     out = [stage_ingest(c, s), stage_tokenize(c, s), stage_pretrain(c, cfg, s, available), stage_mining(c, cfg, s)]
     out.append(stage_classifier(c, cfg, s, out[2].seconds + out[3].seconds))
+    if s.lexical_alone(cfg):  # the index stage's sources then (docs/decisions.md#lexical-only-without-text)
+        cfg = dataclasses.replace(cfg, index=dataclasses.replace(cfg.index, sources=("lexical",)))
     out += [stage_index(c, cfg, s), stage_fusion(c, cfg, s, out[4].seconds), stage_evaluate(c, cfg, s)]
     return out
 

@@ -134,7 +134,8 @@ def stage_fusion(c: Costs, cfg: PipelineConfig, s: Shape, classifier_s: float) -
 
 
 def stage_evaluate(c: Costs, cfg: PipelineConfig, s: Shape) -> StagePlan:
-    plan = StagePlan("evaluate", {f"encode {s.n_test:,} test texts": c.encode_s(s.n_test)})
+    texts = s.n_test if s.point_texts else 1  # points without text: the one empty input, encoded once
+    plan = StagePlan("evaluate", {f"encode {texts:,} test texts": c.encode_s(texts)})
     width = inference_work(c, cfg, s, plan, s.n_test)
     rankings = 3 + ("lexical" in cfg.index.sources) + ("cooccurrence" in cfg.index.sources)  # fused + each alone
     fz = c.fusion("knn" in cfg.index.sources, "lexical" in cfg.index.sources)

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from xc_dagster.config import PipelineConfig
+from xc_dagster.data.companions import lexical_alone
 from xc_dagster.device import amp_dtype
 from xc_dagster.errors import XCConfigError
 from xc_dagster.planning.calibration import (
@@ -56,6 +57,12 @@ class Shape:
     label_token_percentiles: tuple[int, ...] = ()  # the same of the label texts' (both: the tokenize stage's)
     label_names: bool = True  # the labels have names (Y.txt): the ingest summary's; placeholders train no label points
     point_texts: bool = True  # some training point has text (the ingest summary's train_texts): else no pretraining
+    point_features: bool = False  # the layout shipped BoW features (the ingest summary's n_features)
+
+    def lexical_alone(self, cfg: PipelineConfig) -> bool:
+        """As the pipeline's StageContext.lexical_only: the model is the lexical source alone, W not trained."""
+        return lexical_alone(self.point_texts, self.point_features, cfg.index.sources,
+                             "index.sources" in cfg.explicit)
 
     @property
     def rows(self) -> int:
@@ -222,12 +229,13 @@ def pretrain_steps(cfg: PipelineConfig, s: Shape, step_s: float, encode_s: float
 
 def stage_pretrain(c: Costs, cfg: PipelineConfig, s: Shape, available: int | None) -> StagePlan:
     p, e = cfg.pretrain, c.encoder
-    encode = c.encode_s(s.n_train + s.n_labels)
+    texts = s.n_train + s.n_labels if s.point_texts else 1 + s.n_labels  # points without text: one input, once
+    encode = c.encode_s(texts)
     epochs, steps, note = pretrain_steps(cfg, s, e["pretrain_step_s"], encode)
     plan = StagePlan("pretrain", notes=[note] if note else [])
     if steps:
         plan.parts[f"{steps:,} training steps ({epochs} epochs x batch {p.batch_size})"] = steps * e["pretrain_step_s"]
-    plan.parts[f"encode {s.n_train + s.n_labels:,} texts"] = encode
+    plan.parts[f"encode {texts:,} texts"] = encode
     shape = EncoderShape(*(int(e[f"shape_{k}"]) for k in ("hidden", "layers", "heads", "intermediate", "trainable")))
     plan.memory["encoder weights"] = shape.trainable * F32
     if steps:
@@ -265,11 +273,13 @@ def stage_mining(c: Costs, cfg: PipelineConfig, s: Shape) -> StagePlan:
     m, plan = cfg.mining, StagePlan("mining")
     k = min(m.shortlist_size, s.n_labels)
     keys = {"label": s.n_labels, "centroid": s.n_labels, "knn": s.rows}
+    alone = s.lexical_alone(cfg)  # one exact search, its shortlist every point's (the mining stage)
+    queries = 1 if alone else s.n_train
     for name in m.sources:
-        index_work(c, plan, name, m.index, keys[name], s.n_train, k + (name == "knn"),
+        index_work(c, plan, name, "exact" if alone else m.index, keys[name], queries, k + (name == "knn"),
                    (m.hnsw_m, m.hnsw_ef_construction, m.hnsw_ef_search))
     width = k * len(m.sources)
-    plan.parts["merge and score the shortlists"] = s.n_train * width * c.retrieve_entry_s(k)
+    plan.parts["merge and score the shortlists"] = queries * width * c.retrieve_entry_s(k)
     shortlist_memory(plan, s.n_train, width, c.dim, 3)
     plan.memory["embeddings (points, labels, centroids)"] = (s.n_train + 2 * s.n_labels) * c.dim * F32
     plan.memory["shortlist (ids, scores)"] = s.n_train * k * 8
@@ -278,6 +288,10 @@ def stage_mining(c: Costs, cfg: PipelineConfig, s: Shape) -> StagePlan:
 
 def stage_classifier(c: Costs, cfg: PipelineConfig, s: Shape, spent: float) -> StagePlan:
     p, b = cfg.classifier, cfg.train
+    if s.lexical_alone(cfg):  # as the classifier stage: nothing to learn on one input
+        return StagePlan("classifier", notes=["no training point has text: W is not trained (the lexical source "
+                                              "alone scores labels)"],
+                         memory={"W": s.n_labels * c.dim * F32})
     sampled = p.negatives in SAMPLERS
     examples = s.rows + (s.n_labels if p.label_points else 0)
     spe = math.ceil(examples / p.batch_size)

@@ -85,6 +85,9 @@ class ShortlistSources:
     knn_excluded: np.ndarray | None = None
     lexical: LexicalIndex | None = None  # the lexical source (its kNN over the same training points)
     cooccurrence: LabelCooccurrence | None = None  # the co-occurrence source (votes of the label index's neighbours)
+    # False: the classifier and embedding scores are 0 on every candidate (no point had text: they would be
+    # per-label constants; StageContext.lexical_only)
+    dense: bool = True
 
     def __post_init__(self) -> None:
         check_sources(self.names, "shortlist sources")
@@ -216,8 +219,9 @@ def retrieve(queries: np.ndarray, src: ShortlistSources, k: int, exclude_knn: np
     lex_all = np.zeros((n, width), dtype=np.float32) if lexical is not None else None
     cooc_all = np.zeros((n, width), dtype=np.float32) if src.cooccurrence is not None else None
     dev = device or resolve_device("auto")
-    Wt = torch.from_numpy(np.ascontiguousarray(src.W, dtype=np.float32)).to(dev) if classifier_scores else None
-    Rt = torch.from_numpy(np.ascontiguousarray(src.label_repr, dtype=np.float32)).to(dev)
+    Wt = torch.from_numpy(np.ascontiguousarray(src.W, dtype=np.float32)).to(dev) if classifier_scores \
+        and src.dense else None
+    Rt = torch.from_numpy(np.ascontiguousarray(src.label_repr, dtype=np.float32)).to(dev) if src.dense else None
     for s, e in blocks:
         q = np.ascontiguousarray(queries[s:e], dtype=np.float32)
         parts, knn_ids, knn_sc = [], None, None
@@ -250,7 +254,9 @@ def retrieve(queries: np.ndarray, src: ShortlistSources, k: int, exclude_knn: np
         ids_all[rows] = ids
         if Wt is not None:
             clf_all[rows] = np.where(pad, -np.inf, gathered_scores(qt, Wt, safe).cpu().numpy())
-        emb_all[rows] = np.where(pad, -np.inf, gathered_scores(qt, Rt, safe).cpu().numpy())
+        elif classifier_scores:  # not dense
+            clf_all[rows] = np.where(pad, -np.inf, 0.0)
+        emb_all[rows] = np.where(pad, -np.inf, 0.0 if Rt is None else gathered_scores(qt, Rt, safe).cpu().numpy())
         if knn_all is not None:
             knn_all[rows] = _lookup(ids, knn_ids, knn_sc, len(src.W))
         if lex_all is not None:

@@ -53,13 +53,13 @@ def save_parts(folder, indexes: dict[str, LabelIndex], knn_labels: sp.csr_matrix
 
 def load_sources(folder, sources: tuple[str, ...], label_repr: str, kind: str, ef_search: int, W: np.ndarray,
                  label_emb: np.ndarray, knn_neighbours: int = 0, point_folder=None,
-                 knn_power: float = 1.0) -> ShortlistSources:
+                 knn_power: float = 1.0, dense: bool = True) -> ShortlistSources:
     """The sources ``save_sources`` wrote into ``folder`` (faiss files, .npy, .npz, JSON; no pickle); with
     ``point_folder``, the parts built from training points (``POINT_SOURCES`` indexes, the kNN label matrix, the
     label centroids, the label co-occurrence) are read from there instead (what ``save_parts`` wrote, e.g. a
     held-out copy). A part the
     copy lacks is the deployed one; its ``KNN_EXCLUDED_FILE`` names the deployed kNN rows (and lexical points)
-    it leaves out."""
+    it leaves out. ``dense``: the index summary's (False: the classifier and embedding scores are 0)."""
     folder = Path(folder)
     points = folder if point_folder is None else Path(point_folder)
     check_sources(tuple(sources), f"{folder}: sources")
@@ -81,7 +81,7 @@ def load_sources(folder, sources: tuple[str, ...], label_repr: str, kind: str, e
     path = points / CENTROID_FILE
     centroids = np.load(path, allow_pickle=False) if path.exists() else None
     return ShortlistSources(W, label_representation(label_emb, centroids, label_repr), indexes, knn, knn_neighbours,
-                            knn_power, excluded, lexical, cooc)
+                            knn_power, excluded, lexical, cooc, dense)
 
 
 def _held_by(index: LabelIndex | None, vectors: np.ndarray) -> np.ndarray:

@@ -227,7 +227,7 @@ def write_bundle(ctx: "StageContext", out: Path, default_k: int = 10, shortlist_
         "max_len": int(tok_summary.get("max_len", ctx.cfg.tokenize.max_len)),
         "amp": ctx.cfg.pretrain.amp, "encode_batch_size": int(ctx.cfg.pretrain.encode_batch_size),
         "index_kind": "auto" if graphs else idx_summary["kind"], "graph_indexes": graphs, "sources": list(sources),
-        "label_repr": idx_summary.get("label_repr", "text"),
+        "label_repr": idx_summary.get("label_repr", "text"), "dense": bool(idx_summary.get("dense", True)),
         "knn_neighbours": int(idx_summary.get("knn_neighbours", 0)) if votes is None or "knn" not in sources
         else votes[0],
         "knn_power": float(idx_summary.get("knn_power", 1.0)) if votes is None or "knn" not in sources else votes[1],
@@ -272,7 +272,8 @@ def load_bundle(folder: str | Path, device: str | torch.device | None = None) ->
     fusion_file = load_json(folder / "fusion.json")
     sources = load_sources(folder, tuple(info.get("sources", ("W", "label"))), info.get("label_repr", "text"), kind,
                            efs, W, np.load(folder / "label_emb.npy", allow_pickle=False, mmap_mode="r"),
-                           int(info.get("knn_neighbours", 0)), knn_power=float(info.get("knn_power", 1.0)))
+                           int(info.get("knn_neighbours", 0)), knn_power=float(info.get("knn_power", 1.0)),
+                           dense=bool(info.get("dense", True)))
     return ServingBundle(
         encoder=encoder, tokenizer=tokenizer, max_len=int(info["max_len"]),
         sources=with_fitted_votes(sources, fusion_file),  # the kNN votes the fusion was fitted with, as evaluated
