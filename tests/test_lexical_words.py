@@ -189,6 +189,14 @@ def test_without_text_the_model_is_the_lexical_source_alone(tmp_path, monkeypatc
     np.testing.assert_allclose(got["scores"], np.take_along_axis(want, top, 1).astype(np.float32), rtol=1e-5)
     ranked = np.where(np.isfinite(np.take_along_axis(want, top, 1)), np.take_along_axis(lex, top, 1), -1)
     assert (got["ids"] == ranked).mean() > 0.95  # ids agree up to ties of equal score
+    info = serving_bundle.write_bundle(ctx, tmp_path / "bundle")  # served as evaluated: feature rows, no dense score
+    assert info["dense"] is False and info["sources"] == ["lexical"]
+    ids, scores = serving_bundle.predict_features(ctx.read.features("test"), serving_bundle.load_bundle(
+        tmp_path / "bundle", "cpu"), 10)
+    w = ids.shape[1]  # served without the evaluation's padding columns
+    assert (got["ids"][:, w:] == -1).all()
+    np.testing.assert_array_equal(ids, got["ids"][:, :w])
+    np.testing.assert_allclose(scores, got["scores"][:, :w], rtol=1e-6)
 
 
 def test_a_bow_dataset_with_its_vocabulary_has_text_to_train_on(tmp_path, monkeypatch):
