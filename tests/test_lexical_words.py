@@ -157,8 +157,8 @@ def test_without_text_the_model_is_the_lexical_source_alone(tmp_path, monkeypatc
     """The strategy's sources over the points' embeddings: without any point text every embedding is the same, so
     the kNN source is left out (the lexical source keeps its own sparse kNN), and W and the label embeddings would
     only give each label a constant: the classifier stage trains nothing, the index serves the lexical source
-    alone, and every candidate's classifier and embedding scores are 0, so the evaluation ranks by the fitted
-    d * lexical + b * log(1 / p_l) exactly. With text, every source stays and W trains."""
+    alone, with 25 kNN votes, and every candidate's classifier and embedding scores are 0, so the evaluation ranks by
+    the fitted d * lexical + b * log(1 / p_l) exactly. With text, every source stays and W trains."""
     ctx = bow_context(tmp_path, monkeypatch, vocab=vocab, sources=None)
     assert {"W", "label", "knn", "lexical"} <= set(ctx.cfg.index.sources) and "index.sources" not in ctx.cfg.explicit
     out = run_all(ctx)
@@ -166,6 +166,8 @@ def test_without_text_the_model_is_the_lexical_source_alone(tmp_path, monkeypatc
     sources = out["index"]["sources"]
     assert {"W", "label", "knn", "lexical"} <= set(sources) if vocab else sources == ["lexical"]
     assert out["index"].get("dense", True) is vocab and (out["index"]["knn_points"] > 0) is vocab
+    # its kNN the one part proposing labels by content: 25 neighbours vote (LEXICAL_ONLY_NEIGHBOURS), else the 10 set
+    assert out["index"]["lexical"]["neighbours"] == (10 if vocab else 25) and ctx.cfg.index.lexical_neighbours == 10
     assert (out["classifier"]["steps"] > 0) is vocab and ("untrained" in out["classifier"]) is not vocab
     src = ctx.read.shortlist_sources(ctx.cfg.index.hnsw_ef_search)
     assert ("knn" in src.indexes) is vocab and src.dense is vocab

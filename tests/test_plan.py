@@ -96,6 +96,9 @@ def test_work_counts_of_a_hand_computed_shape(monkeypatch):
     kept = _ngame(**{"index.sources": "W,label,lexical"})
     as_set = {p.name: p for p in plan_stages(Costs(FixedUnits(), kept, bow), kept, bow, None)}
     assert as_set["classifier"].parts and set(as_set["index"].kinds) == {"W", "label"}
+    alone_set = _ngame(**{"index.sources": "lexical"})  # the lexical source alone, set: the same model
+    assert not {p.name: p for p in plan_stages(Costs(FixedUnits(), alone_set, bow), alone_set, bow, None)}[
+        "classifier"].parts
     cls = stages["classifier"]
     assert cls.parts[f"{3 * math.ceil(990 / 1024)} training steps (3.0 epochs x batch 1024)"] == pytest.approx(0.75)
     assert cls.memory["W and its start"] == 2 * 300 * 8 * 4

@@ -87,9 +87,10 @@ def points_have_text(ingest: Mapping[str, Any]) -> bool:
 def lexical_alone(point_texts: bool, point_features: bool, sources: Sequence[str], sources_set: bool) -> bool:
     """Whether a model is its lexical source alone (docs/decisions.md#lexical-only-without-text): no training point
     has text (every point embeds as the one empty input: the dense scores are per-label constants), the layout
-    shipped BoW features for the lexical source to read, and the strategy's ``index.sources`` (not the user's,
-    ``sources_set``) name it."""
-    return not point_texts and point_features and "lexical" in sources and not sources_set
+    shipped BoW features for the lexical source to read, and the strategy's ``index.sources`` name it (the user's,
+    ``sources_set``, only when it is that source alone: other sources set are kept with their scores)."""
+    return (not point_texts and point_features and "lexical" in sources
+            and (not sources_set or tuple(sources) == ("lexical",)))
 
 
 def text_hint(layout: str) -> str:

@@ -109,7 +109,8 @@ class StageContext:
         embeds as the same empty input and the classifier and embedding scores are per-label constants, while the
         shipped BoW features give the lexical source (and its classifiers' prior) the points' content. The
         classifier stage then trains no W and the index serves the lexical source only, its dense scores 0
-        (docs/decisions.md#lexical-only-without-text); ``index.sources`` set by the user is kept as set."""
+        (docs/decisions.md#lexical-only-without-text); ``index.sources`` set by the user is kept as set (the lexical
+        source alone set: this model)."""
         ingest = self.read.summary("ingest", missing_ok=True) or {}
         return lexical_alone(points_have_text(ingest), int(ingest.get("n_features") or 0) > 0, self.cfg.index.sources,
                              "index.sources" in self.cfg.explicit)

@@ -82,6 +82,7 @@ def cross_fitted(ctx: StageContext, fit_rows: np.ndarray, num_train: int) -> boo
     return fit_on(ctx, num_train - len(fit_rows)) == "cross_fit"
 
 
+LEXICAL_ONLY_NEIGHBOURS = 25  # the lexical kNN's votes where that source is the whole model (lexical_neighbours)
 FUSION_RESERVE = 1 / 6  # of the pretraining's reserve: kept after the lexical classifiers (the fusion's fit)
 
 
@@ -95,6 +96,16 @@ def classifier_deadline(ctx: StageContext) -> float | None:
     spent = ctx.read.spent_seconds("pretrain", "mining", "classifier")
     keep = FUSION_RESERVE * reserved_after_pretraining(ctx.read.summary("pretrain", missing_ok=True), b)
     return stage_deadline(b, spent, time.perf_counter(), keep)
+
+
+def lexical_neighbours(ctx: StageContext) -> int:
+    """``index.lexical_neighbours``, or ``LEXICAL_ONLY_NEIGHBOURS`` where the lexical source is the whole model
+    (``StageContext.lexical_only``) and the user set none: its kNN is then the one part that proposes labels by the
+    query's content, where with text the dense kNN and the W and label searches propose too
+    (docs/decisions.md#lexical-only-without-text)."""
+    if ctx.lexical_only() and "index.lexical_neighbours" not in ctx.cfg.explicit:
+        return LEXICAL_ONLY_NEIGHBOURS
+    return ctx.cfg.index.lexical_neighbours
 
 
 def lexical_index(ctx: StageContext, rows: np.ndarray, Y_train: Any, fit_rows: np.ndarray) -> LexicalIndex:
@@ -120,7 +131,7 @@ def lexical_index(ctx: StageContext, rows: np.ndarray, Y_train: Any, fit_rows: n
         valid = (X[held] if X is not None else [texts[i] for i in held], Y_train[held])
     deadline = classifier_deadline(ctx)
     try:
-        index = LexicalIndex.fit(points, labels, Y_train[rows], p.lexical_neighbours, p.lexical_min_df, fit_on,
+        index = LexicalIndex.fit(points, labels, Y_train[rows], lexical_neighbours(ctx), p.lexical_min_df, fit_on,
                                  max_postings=p.lexical_max_postings if len(rows) > p.lexical_exact_points else 0,
                                  feature_words=words, power=p.lexical_power, classifier=settings, valid=valid,
                                  deadline=deadline, skip_after=None if deadline is None
