@@ -21,14 +21,15 @@ from sklearn.feature_extraction.text import TfidfVectorizer
 def read(path: Path, field: str) -> tuple[list[str], list[list[int]]]:
     with gzip.open(path, "rt", encoding="utf-8") as fh:
         rows = [json.loads(line) for line in fh]
-    return [str(r.get(field, "")) for r in rows], [list(r["target_ind"]) for r in rows]
+    texts = [" ".join(str(r.get(f, "")) for f in field.split("+")) for r in rows]  # "title+content": both, joined
+    return texts, [list(r["target_ind"]) for r in rows]
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--source", type=Path, required=True, help="a folder with trn/tst/lbl.json.gz")
     p.add_argument("--out", type=Path, required=True, help="the folder to write (its name prefixes the files)")
-    p.add_argument("--field", default="title")
+    p.add_argument("--field", default="title", help="title, content, or title+content")
     a = p.parse_args(argv)
     with gzip.open(a.source / "lbl.json.gz", "rt", encoding="utf-8") as fh:
         num_labels = sum(1 for _ in fh)
