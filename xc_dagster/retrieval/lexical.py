@@ -62,7 +62,6 @@ from xc_dagster.retrieval.sparse_rows import (
     dense_topk,
     sparse_lookup,
     sparse_topk,
-    topped_up,
     vote_weights,
     work_blocks,
 )
@@ -334,7 +333,8 @@ class LexicalIndex:
                                   shape=(q.shape[0], self.num_points))
             part = (votes @ self.point_labels) * np.float32(1.0 / self.neighbours)
             part = part if self._labels_t is None else sp.csr_matrix(part + q @ self._labels_t)
-            return part if prior is None else part + self.classifier.on_pattern(q, topped_up(part, prior))
+            return part if prior is None else part + self.classifier.on_pattern(q, self.classifier.candidates(
+                q, part, prior))
 
         parts = on_threads(block, blocks, threads)
         out = sp.csr_matrix(sp.vstack(parts, format="csr") if parts else (0, self.num_labels), dtype=np.float32)

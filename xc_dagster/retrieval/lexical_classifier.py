@@ -52,12 +52,16 @@ from xc_dagster.retrieval.lexical_tables import (
     scores_dense,
     trains_dense,
 )
-from xc_dagster.retrieval.sparse_rows import sparse_topk
+from xc_dagster.retrieval.sparse_rows import sparse_topk, topped_up, work_blocks
 
 KEYS_FILE = "classifier_keys.npy"
 WEIGHTS_FILE = "classifier_weights.npy"
 BIAS_FILE = "classifier_bias.npy"
 LOOKUP_BUDGET = 1 << 22  # (pair, term) lookups held at once when scoring: 4M x ~24 bytes
+# per query, the labels of largest w_l . q + b_l proposed beside the other parts' (:meth:`LexicalClassifier.candidates`;
+# docs/decisions.md#lexical-classifier-candidates)
+OWN_LABELS = 10
+OWN_FIRST = 1e6  # their pattern value: above the other parts' scores (each in [0, 1], summed), so kept first
 
 
 @dataclass(frozen=True)
@@ -125,6 +129,7 @@ class LexicalClassifier:
         self.history: list[float] = []  # the held-out value after each training pass (fit's ``judge``)
         self.stopped_at_deadline = False  # fit's ``deadline`` cut the training short
         self._prior: np.ndarray | None = None  # labels by decreasing bias (:meth:`prior`), once asked for
+        self._by_term: sp.csr_matrix | None = None  # the weights as (terms, labels) (:meth:`top_labels`)
         self.solver = "sgd"  # how fit trained it: "liblinear" / "liblinear_sampled" (lexical_exact) or "sgd"
         if self.keys.shape != self.weights.shape or self.keys.ndim != 1:
             raise ValueError(f"{tuple(self.keys.shape)} keys for {tuple(self.weights.shape)} weights")
@@ -164,6 +169,38 @@ class LexicalClassifier:
         if self._prior is None:
             self._prior = np.argsort(-self.bias.numpy(), kind="stable")
         return self._prior[:k]
+
+    def top_labels(self, Q: sp.csr_matrix, k: int) -> np.ndarray:
+        """(queries, k) int64, -1 padded: each query's ``k`` labels of largest w_l . q + b_l among those whose
+        weights meet one of its terms (a label no term meets scores b_l: :meth:`prior`'s), by a sparse product with
+        the weights held by term, in row blocks of at most LOOKUP_BUDGET products."""
+        Q = sp.csr_matrix(Q, dtype=np.float32)
+        if self._by_term is None:  # (terms, labels): the weights a query's terms meet, built once
+            keys = self.keys.numpy()
+            self._by_term = sp.csr_matrix((self.weights.numpy(), (keys % self.num_terms, keys // self.num_terms)),
+                                          shape=(self.num_terms, self.num_labels))
+        out = np.full((Q.shape[0], k), -1, dtype=np.int64)
+        postings = np.diff(self._by_term.indptr)
+        work = np.add.reduceat(np.append(postings[Q.indices], 0), np.minimum(Q.indptr[:-1], Q.nnz))
+        work[np.diff(Q.indptr) == 0] = 0
+        bias = self.bias.numpy()
+        for s, e in work_blocks(work, LOOKUP_BUDGET, max(Q.shape[0], 1)) if k > 0 else []:
+            S = sp.csr_matrix(Q[s:e] @ self._by_term)
+            S.data += bias[S.indices]
+            out[s:e] = sparse_topk(S, k, unique=True)[0]
+        return out
+
+    def candidates(self, Q: sp.csr_matrix, S: sp.csr_matrix, prior: np.ndarray) -> sp.csr_matrix:
+        """What :meth:`on_pattern` scores for the other parts' scores ``S``: their labels, ``prior``'s where a row
+        stores fewer (docs/decisions.md#lexical-prior), and each query's own OWN_LABELS (:meth:`top_labels`; a
+        label no other part proposes, where the kNN votes miss what the weights read), these kept first where a
+        row stores more than ``candidates`` (their pattern value over any score of the other parts)."""
+        P, n = topped_up(S, prior), Q.shape[0]
+        own = self.top_labels(Q, OWN_LABELS)
+        ok = own >= 0
+        rows = np.repeat(np.arange(n), own.shape[1])[ok.ravel()]
+        first = sp.csr_matrix((np.full(rows.size, OWN_FIRST, dtype=np.float32), (rows, own[ok])), shape=S.shape)
+        return sp.csr_matrix(P + first)
 
     def pair_scores(self, Q: sp.csr_matrix, rows: np.ndarray, labels: np.ndarray) -> np.ndarray:
         """sigmoid(w_l . q + b_l) (float32) of each pair (``rows[i]`` of ``Q``, ``labels[i]``), in chunks of at
