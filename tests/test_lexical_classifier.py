@@ -277,6 +277,10 @@ def test_top_labels_are_the_largest_logits_among_the_labels_a_term_meets(monkeyp
     got = clf.top_labels(Q, 2)
     assert got.tolist() == [[0, 1], [2, -1], [3, -1], [-1, -1], [0, 4]]
     assert clf.top_labels(Q, 0).shape == (5, 0)
+    # each term keeping its largest weight (the lexical index's postings cap at scale): label 4 (only -0.5 on term
+    # 0, where label 0 has 1.0) is never met; row 4 reads label 0 at 0.5 and label 3 at 1.5 - 4
+    capped = clf.top_labels(Q, 2, max_postings=1)
+    assert capped[4].tolist() == [0, 3] and 4 not in capped
 
 
 def test_own_labels_are_scored_first_when_a_row_has_more_candidates_than_are_scored(monkeypatch):

@@ -334,7 +334,7 @@ class LexicalIndex:
             part = (votes @ self.point_labels) * np.float32(1.0 / self.neighbours)
             part = part if self._labels_t is None else sp.csr_matrix(part + q @ self._labels_t)
             return part if prior is None else part + self.classifier.on_pattern(q, self.classifier.candidates(
-                q, part, prior))
+                q, part, prior, self.max_postings))
 
         parts = on_threads(block, blocks, threads)
         out = sp.csr_matrix(sp.vstack(parts, format="csr") if parts else (0, self.num_labels), dtype=np.float32)

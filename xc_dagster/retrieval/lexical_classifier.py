@@ -51,6 +51,7 @@ from xc_dagster.retrieval.lexical_tables import (
     csr_tensors,
     scores_dense,
     trains_dense,
+    weights_by_term,
 )
 from xc_dagster.retrieval.sparse_rows import sparse_topk, topped_up, work_blocks
 
@@ -58,9 +59,7 @@ KEYS_FILE = "classifier_keys.npy"
 WEIGHTS_FILE = "classifier_weights.npy"
 BIAS_FILE = "classifier_bias.npy"
 LOOKUP_BUDGET = 1 << 22  # (pair, term) lookups held at once when scoring: 4M x ~24 bytes
-# per query, the labels of largest w_l . q + b_l proposed beside the other parts' (:meth:`LexicalClassifier.candidates`;
-# docs/decisions.md#lexical-classifier-candidates)
-OWN_LABELS = 10
+OWN_LABELS = 10  # per query: its labels of largest w_l . q + b_l, scored too (lexical-classifier-candidates)
 OWN_FIRST = 1e6  # their pattern value: above the other parts' scores (each in [0, 1], summed), so kept first
 
 
@@ -129,7 +128,7 @@ class LexicalClassifier:
         self.history: list[float] = []  # the held-out value after each training pass (fit's ``judge``)
         self.stopped_at_deadline = False  # fit's ``deadline`` cut the training short
         self._prior: np.ndarray | None = None  # labels by decreasing bias (:meth:`prior`), once asked for
-        self._by_term: sp.csr_matrix | None = None  # the weights as (terms, labels) (:meth:`top_labels`)
+        self._by_term: tuple[int, sp.csr_matrix] | None = None  # (cap, the weights by term): :meth:`top_labels`
         self.solver = "sgd"  # how fit trained it: "liblinear" / "liblinear_sampled" (lexical_exact) or "sgd"
         if self.keys.shape != self.weights.shape or self.keys.ndim != 1:
             raise ValueError(f"{tuple(self.keys.shape)} keys for {tuple(self.weights.shape)} weights")
@@ -170,33 +169,34 @@ class LexicalClassifier:
             self._prior = np.argsort(-self.bias.numpy(), kind="stable")
         return self._prior[:k]
 
-    def top_labels(self, Q: sp.csr_matrix, k: int) -> np.ndarray:
+    def top_labels(self, Q: sp.csr_matrix, k: int, max_postings: int = 0) -> np.ndarray:
         """(queries, k) int64, -1 padded: each query's ``k`` labels of largest w_l . q + b_l among those whose
         weights meet one of its terms (a label no term meets scores b_l: :meth:`prior`'s), by a sparse product with
-        the weights held by term, in row blocks of at most LOOKUP_BUDGET products."""
+        the weights held by term, in row blocks of at most LOOKUP_BUDGET products; ``max_postings`` P > 0 (the
+        lexical index's, at scale): each term keeps its P largest weights, a query costing at most its terms x P."""
         Q = sp.csr_matrix(Q, dtype=np.float32)
-        if self._by_term is None:  # (terms, labels): the weights a query's terms meet, built once
-            keys = self.keys.numpy()
-            self._by_term = sp.csr_matrix((self.weights.numpy(), (keys % self.num_terms, keys // self.num_terms)),
-                                          shape=(self.num_terms, self.num_labels))
+        if self._by_term is None or self._by_term[0] != max_postings:  # built once
+            self._by_term = (max_postings, weights_by_term(self, max_postings))
+        by_term = self._by_term[1]
         out = np.full((Q.shape[0], k), -1, dtype=np.int64)
-        postings = np.diff(self._by_term.indptr)
+        postings = np.diff(by_term.indptr)
         work = np.add.reduceat(np.append(postings[Q.indices], 0), np.minimum(Q.indptr[:-1], Q.nnz))
         work[np.diff(Q.indptr) == 0] = 0
         bias = self.bias.numpy()
         for s, e in work_blocks(work, LOOKUP_BUDGET, max(Q.shape[0], 1)) if k > 0 else []:
-            S = sp.csr_matrix(Q[s:e] @ self._by_term)
+            S = sp.csr_matrix(Q[s:e] @ by_term)
             S.data += bias[S.indices]
             out[s:e] = sparse_topk(S, k, unique=True)[0]
         return out
 
-    def candidates(self, Q: sp.csr_matrix, S: sp.csr_matrix, prior: np.ndarray) -> sp.csr_matrix:
+    def candidates(self, Q: sp.csr_matrix, S: sp.csr_matrix, prior: np.ndarray,
+                   max_postings: int = 0) -> sp.csr_matrix:
         """What :meth:`on_pattern` scores for the other parts' scores ``S``: their labels, ``prior``'s where a row
         stores fewer (docs/decisions.md#lexical-prior), and each query's own OWN_LABELS (:meth:`top_labels`; a
         label no other part proposes, where the kNN votes miss what the weights read), these kept first where a
         row stores more than ``candidates`` (their pattern value over any score of the other parts)."""
         P, n = topped_up(S, prior), Q.shape[0]
-        own = self.top_labels(Q, OWN_LABELS)
+        own = self.top_labels(Q, OWN_LABELS, max_postings)
         ok = own >= 0
         rows = np.repeat(np.arange(n), own.shape[1])[ok.ravel()]
         first = sp.csr_matrix((np.full(rows.size, OWN_FIRST, dtype=np.float32), (rows, own[ok])), shape=S.shape)

@@ -15,6 +15,8 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
+from xc_dagster.retrieval.sparse_rows import cap_postings
+
 if TYPE_CHECKING:  # pragma: no cover
     from xc_dagster.retrieval.lexical_classifier import LexicalClassifier
 
@@ -45,6 +47,14 @@ def trains_dense(model: "LexicalClassifier", X: sp.csr_matrix, batch_pairs: int)
 def scores_dense(model: "LexicalClassifier") -> bool:
     """Whether ``model`` scores pairs through its :meth:`DenseTable.of` (DENSE_UP_TO, DENSE_SCORING_LABELS)."""
     return model.num_labels * model.num_terms <= DENSE_UP_TO and model.num_labels <= DENSE_SCORING_LABELS
+
+
+def weights_by_term(model: "LexicalClassifier", cap: int) -> sp.csr_matrix:
+    """``model``'s weights as a (terms, labels) CSR, each term keeping its ``cap`` largest (0: all): the product
+    that finds a query's own top labels (:meth:`LexicalClassifier.top_labels`)."""
+    keys = model.keys.numpy()
+    return cap_postings(sp.csr_matrix((model.weights.numpy(), (keys % model.num_terms, keys // model.num_terms)),
+                                      shape=(model.num_terms, model.num_labels)), cap)
 
 
 class KeyTable:
