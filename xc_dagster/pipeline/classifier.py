@@ -199,13 +199,11 @@ def run(ctx: StageContext, env: DistEnv | None = None) -> dict[str, Any]:
     env, sampled = DistEnv() if env is None else env, _check_trainer(p)
     _check_ranks(ctx, env, sampled)
     seed_everything(p.seed)
-    point_emb = ctx.read.pretrained(TRAIN_EMB)
-    label_emb = ctx.read.pretrained(LABEL_EMB)
+    point_emb, label_emb = ctx.read.pretrained(TRAIN_EMB), ctx.read.pretrained(LABEL_EMB)
     W0 = _initial_W(ctx, label_emb)
     if ctx.lexical_only():
         return _untrained(ctx, W0, env, started)
-    sl = ctx.read.shortlist()
-    ds = ctx.read.labels()
+    sl, ds = ctx.read.shortlist(), ctx.read.labels()
     rows = ctx.read.train_rows(ds.num_train)
     pooling = ctx.read.summary("pretrain")["pooling"] if (p.train_encoder or p.train_residual) else None
     encoder, tokenizer, residual_note = _residual_encoder(ctx, pooling)

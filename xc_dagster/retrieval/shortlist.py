@@ -219,9 +219,8 @@ def retrieve(queries: np.ndarray, src: ShortlistSources, k: int, exclude_knn: np
     lex_all = np.zeros((n, width), dtype=np.float32) if lexical is not None else None
     cooc_all = np.zeros((n, width), dtype=np.float32) if src.cooccurrence is not None else None
     dev = device or resolve_device("auto")
-    Wt = torch.from_numpy(np.ascontiguousarray(src.W, dtype=np.float32)).to(dev) if classifier_scores \
-        and src.dense else None
-    Rt = torch.from_numpy(np.ascontiguousarray(src.label_repr, dtype=np.float32)).to(dev) if src.dense else None
+    Wt, Rt = (torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(dev) if use else None  # not dense: 0
+              for a, use in ((src.W, classifier_scores and src.dense), (src.label_repr, src.dense)))
     for s, e in blocks:
         q = np.ascontiguousarray(queries[s:e], dtype=np.float32)
         parts, knn_ids, knn_sc = [], None, None
@@ -247,15 +246,11 @@ def retrieve(queries: np.ndarray, src: ShortlistSources, k: int, exclude_knn: np
                                  None if exclude_knn is None else exclude_knn[s:s + len(q)])
             parts.append(sparse_topk(lex, k)[0])
         ids = dedupe_rows(np.concatenate(parts, axis=1))
-        safe = torch.from_numpy(np.maximum(ids, 0)).to(dev)
-        qt = torch.from_numpy(q).to(dev)
-        pad = ids < 0
-        rows = slice(s, s + len(q))
+        safe, qt = torch.from_numpy(np.maximum(ids, 0)).to(dev), torch.from_numpy(q).to(dev)
+        pad, rows = ids < 0, slice(s, s + len(q))
         ids_all[rows] = ids
-        if Wt is not None:
-            clf_all[rows] = np.where(pad, -np.inf, gathered_scores(qt, Wt, safe).cpu().numpy())
-        elif classifier_scores:  # not dense
-            clf_all[rows] = np.where(pad, -np.inf, 0.0)
+        if classifier_scores:
+            clf_all[rows] = np.where(pad, -np.inf, 0.0 if Wt is None else gathered_scores(qt, Wt, safe).cpu().numpy())
         emb_all[rows] = np.where(pad, -np.inf, 0.0 if Rt is None else gathered_scores(qt, Rt, safe).cpu().numpy())
         if knn_all is not None:
             knn_all[rows] = _lookup(ids, knn_ids, knn_sc, len(src.W))
