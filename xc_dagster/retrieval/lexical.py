@@ -60,6 +60,7 @@ from xc_dagster.retrieval.sparse_rows import (
     check_power,
     dense_postings,
     dense_topk,
+    row_postings,
     sparse_lookup,
     sparse_topk,
     vote_weights,
@@ -295,8 +296,7 @@ class LexicalIndex:
     def query_work(self, queries: sp.csr_matrix) -> np.ndarray:
         """Per query (a row of :meth:`transform`), its products with the points and the labels: the sum of its
         terms' postings, what bounds the memory of a block of :meth:`scores`."""
-        c = np.concatenate([[0], np.cumsum(self._work[queries.indices], dtype=np.int64)])
-        return c[queries.indptr[1:]] - c[queries.indptr[:-1]] + (0 if self._points_dense is None else self.num_points)
+        return row_postings(queries, self._work) + (0 if self._points_dense is None else self.num_points)
 
     def query_blocks(self, queries: sp.csr_matrix, step: int) -> list[tuple[int, int]]:
         """Row ranges of at most ``step`` queries whose products (and so score entries) total at most

@@ -33,6 +33,7 @@ visit, else on the same sampled pairs as here (up to SAMPLED_LABELS labels); thi
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -53,7 +54,7 @@ from xc_dagster.retrieval.lexical_tables import (
     trains_dense,
     weights_by_term,
 )
-from xc_dagster.retrieval.sparse_rows import sparse_topk, topped_up, work_blocks
+from xc_dagster.retrieval.sparse_rows import row_postings, sparse_topk, topped_up, work_blocks
 
 KEYS_FILE = "classifier_keys.npy"
 WEIGHTS_FILE = "classifier_weights.npy"
@@ -129,6 +130,7 @@ class LexicalClassifier:
         self.stopped_at_deadline = False  # fit's ``deadline`` cut the training short
         self._prior: np.ndarray | None = None  # labels by decreasing bias (:meth:`prior`), once asked for
         self._by_term: tuple[int, sp.csr_matrix] | None = None  # (cap, the weights by term): :meth:`top_labels`
+        self._by_term_lock = threading.Lock()
         self.solver = "sgd"  # how fit trained it: "liblinear" / "liblinear_sampled" (lexical_exact) or "sgd"
         if self.keys.shape != self.weights.shape or self.keys.ndim != 1:
             raise ValueError(f"{tuple(self.keys.shape)} keys for {tuple(self.weights.shape)} weights")
@@ -175,14 +177,12 @@ class LexicalClassifier:
         the weights held by term, in row blocks of at most LOOKUP_BUDGET products; ``max_postings`` P > 0 (the
         lexical index's, at scale): each term keeps its P largest weights, a query costing at most its terms x P."""
         Q = sp.csr_matrix(Q, dtype=np.float32)
-        if self._by_term is None or self._by_term[0] != max_postings:  # built once
-            self._by_term = (max_postings, weights_by_term(self, max_postings))
+        with self._by_term_lock:  # built once, not by each thread scoring a block at first (LexicalIndex.scores)
+            if self._by_term is None or self._by_term[0] != max_postings:
+                self._by_term = (max_postings, weights_by_term(self, max_postings))
         by_term = self._by_term[1]
-        out = np.full((Q.shape[0], k), -1, dtype=np.int64)
-        postings = np.diff(by_term.indptr)
-        work = np.add.reduceat(np.append(postings[Q.indices], 0), np.minimum(Q.indptr[:-1], Q.nnz))
-        work[np.diff(Q.indptr) == 0] = 0
-        bias = self.bias.numpy()
+        out, bias = np.full((Q.shape[0], k), -1, dtype=np.int64), self.bias.numpy()
+        work = row_postings(Q, np.diff(by_term.indptr))
         for s, e in work_blocks(work, LOOKUP_BUDGET, max(Q.shape[0], 1)) if k > 0 else []:
             S = sp.csr_matrix(Q[s:e] @ by_term)
             S.data += bias[S.indices]

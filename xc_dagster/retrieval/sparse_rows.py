@@ -144,6 +144,13 @@ def cap_postings(Mt: sp.csr_matrix, cap: int) -> sp.csr_matrix:
     return out
 
 
+def row_postings(Q: sp.csr_matrix, postings: np.ndarray) -> np.ndarray:
+    """Per row of ``Q``, the sum of ``postings`` over its stored columns (int64): its products with a matrix whose
+    row t stores ``postings[t]`` entries, the work :func:`work_blocks` bounds."""
+    c = np.concatenate([[0], np.cumsum(np.asarray(postings)[Q.indices], dtype=np.int64)])
+    return c[Q.indptr[1:]] - c[Q.indptr[:-1]]
+
+
 def work_blocks(work: np.ndarray, budget: int, step: int) -> list[tuple[int, int]]:
     """Consecutive (start, end) row ranges of at most ``step`` rows whose ``work`` sums to at most ``budget``
     (a row over the budget alone in its range)."""
