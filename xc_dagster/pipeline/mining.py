@@ -61,9 +61,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
 
         src = build_sources(p.sources, label_emb, label_emb, centroids, point_emb[rows], ds.Y_train[rows],
                             "text+centroid" if "centroid" in p.sources else "text", "exact" if same else p.index,
-                            p.hnsw_m,
-                            p.hnsw_ef_construction, p.hnsw_ef_search, report=ctx.info, built=built, on_built=keep,
-                            checkpoints=lambda name: kept.graph(INDEX_FILES[name]))
+                            p.hnsw_m, p.hnsw_ef_construction, p.hnsw_ef_search, report=ctx.info, built=built,
+                            on_built=keep, checkpoints=lambda name: kept.graph(INDEX_FILES[name]))
         k = min(p.shortlist_size, len(label_emb))
         own = np.full(ds.num_train, -1, dtype=np.int64)
         own[rows] = np.arange(len(rows))  # a training point is not its own neighbour
@@ -71,7 +70,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         ids, scores = np.empty((n, k), dtype=np.int32), np.empty((n, k), dtype=np.float32)
 
         def block(s: int, e: int) -> dict[str, np.ndarray]:  # a block's whole shortlists at once, only its top k kept
-            q = e if not same else s + 1
+            q = s + 1 if same else e  # the rows searched
             sl = retrieve(np.asarray(point_emb[s:q]), src, k, exclude_knn=own[s:q], progress=prog.update,
                           classifier_scores=False)  # ranked by the embedding (and kNN) scores only
             merged = sl.emb if sl.knn is None else (1.0 - p.knn_weight) * sl.emb + p.knn_weight * sl.knn
