@@ -355,9 +355,10 @@ def _write_bow(folder, n_train: int = 120, n_test: int = 40, L: int = 20, seed: 
     return folder
 
 
-def bow_context(tmp_path, monkeypatch, vocab: bool = True, sources: str | None = "W,label,lexical") -> StageContext:
+def bow_context(tmp_path, monkeypatch, vocab: bool = True, sources: str | None = "W,label,lexical",
+                overrides: dict | None = None) -> StageContext:
     """A tiny BoW dataset (with or without its X_vocab.txt) in the catalog, indexed with the lexical source
-    (``sources`` None: the strategy's sources)."""
+    (``sources`` None: the strategy's sources), with the config ``overrides``."""
     monkeypatch.setenv("XC_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     home = ready_home(tmp_path / "home")
@@ -365,7 +366,7 @@ def bow_context(tmp_path, monkeypatch, vocab: bool = True, sources: str | None =
     source = _write_bow(tmp_path / "src" / "TinyBow", vocab=vocab)
     Catalog(home.catalog).add(DatasetSpec("TinyBow", str(source), overrides={
         **TINY, "tokenize.encoder": str(enc), "pretrain.epochs": 1, "classifier.epochs": 1,
-        **({"index.sources": sources} if sources else {})}))
+        **({"index.sources": sources} if sources else {}), **(overrides or {})}))
     spec = Catalog(home.catalog).get("TinyBow")
     return StageContext(ArtifactStore(home.artifacts), spec, spec.config(), home.cache)
 
@@ -375,7 +376,7 @@ def test_lexical_source_on_shipped_bow_features(tmp_path, monkeypatch):
     feature words (no label-text part: the labels have none in that space), used by the fusion and evaluation;
     the serving bundle maps raw text to the same rows, so the test points' rebuilt texts get the evaluation's
     predictions."""
-    ctx = bow_context(tmp_path, monkeypatch)
+    ctx = bow_context(tmp_path, monkeypatch, overrides={"index.lexical_classifier_weights": "1,0.25,0.5,2,4"})
     out = run_all(ctx)
     summary = dict(out["index"]["lexical"])
     # 120 fit points x a few labels: solved exactly (lexical_exact), a history value per margin scale tried
@@ -383,6 +384,10 @@ def test_lexical_source_on_shipped_bow_features(tmp_path, monkeypatch):
     assert len(SCALES) <= len(summary.pop("classifier_history")) <= len(SCALES) + SCALES_EXTEND
     assert summary.pop("classifier_stopped_at_deadline") is False  # the budget leaves the tiny run every label
     assert summary.pop("classifier_skipped_at_deadline") is False
+    # the classifiers' weight of best value on the validation points (test_lexical_weight), kept with the index
+    grid, weight = summary.pop("classifier_weight_grid"), summary.pop("classifier_weight")
+    assert [g for g, _ in grid] == [1.0, 0.25, 0.5, 2.0, 4.0] and weight == max(grid, key=lambda t: t[1])[0]
+    assert ctx.read.shortlist_sources(200).lexical.classifier.settings.weight == weight
     assert summary == {"input": "features", "points": 120, "terms": 30, "neighbours": 10, "label_text": False,
                        "feature_words": True, "max_postings": 0}
     assert out["evaluate"]["metrics"]["lexical_only_precision_at_1"] > 0.5

@@ -171,6 +171,10 @@ def test_without_text_the_model_is_the_lexical_source_alone(tmp_path, monkeypatc
     assert (out["classifier"]["steps"] > 0) is vocab and ("untrained" in out["classifier"]) is not vocab
     src = ctx.read.shortlist_sources(ctx.cfg.index.hnsw_ef_search)
     assert ("knn" in src.indexes) is vocab and src.dense is vocab
+    # one weight of the lexical classifiers by default: it is theirs, nothing is chosen (test_lexical.py sets several)
+    lex = out["index"]["lexical"]
+    assert lex["classifier_weights"] > 0 and lex["classifier_weight_grid"] == []
+    assert lex["classifier_weight"] == src.lexical.classifier.settings.weight == 1.0
     mined = ctx.read.shortlist()  # without text one point's shortlist, every point's
     assert (mined == mined[:1]).all() is not vocab and set(out["mining"]["kinds"].values()) == {"exact"}
     if vocab:

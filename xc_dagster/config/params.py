@@ -355,9 +355,8 @@ class IndexParams:
     # (static index pruning; docs/decisions.md#lexical-postings-cap); 0 = every posting (exact cosines) at any N
     lexical_max_postings: int = 4096
     lexical_exact_points: int = 65_536
-    # the lexical source's third part: a sparse linear model per label over the TF-IDF rows on its positives'
-    # terms, trained against hard lexical and random negatives (xc_dagster.retrieval.lexical_classifier;
-    # docs/decisions.md#lexical-classifier); not trained when the fusion is cross-fitted
+    # the lexical source's third part: a sparse linear model per label over the TF-IDF rows on its positives' terms
+    # (xc_dagster.retrieval.lexical_classifier; decisions.md#lexical-classifier); none when the fusion is cross-fitted
     lexical_classifier: bool = True
     lexical_classifier_epochs: float = 10.0
     lexical_classifier_hard_negatives: int = 50
@@ -365,9 +364,10 @@ class IndexParams:
     lexical_classifier_max_terms: int = 1024
     lexical_classifier_max_pairs: int = 50_000_000
     lexical_classifier_candidates: int = 200  # per query: the classifiers score the other parts' top this many labels
-    # "auto": liblinear's SVMs (cost lexical_classifier_c) on every pair up to 2^25, else on sampled pairs
-    lexical_classifier_solver: LexicalSolver = "auto"
+    lexical_classifier_solver: LexicalSolver = "auto"  # liblinear's SVMs on every pair up to 2^25, else sampled pairs
     lexical_classifier_c: float = 0.25
+    # g of g * classifier in the lexical score; several: chosen on validation (ties: the first; lexical_weight)
+    lexical_classifier_weights: tuple[float, ...] = (1.0,)
     # cooccurrence source (xc_dagster.retrieval.cooccurrence, Gandalf's label points): the K nearest labels of the
     # label source's search vote max(similarity, 0) ** power each for the labels co-occurring with them in
     # training, P(l | h), each label keeping its max_entries most frequent co-occurring labels; not built when the

@@ -14,6 +14,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from xc_dagster.artifacts import HELDOUT, MINING_LABEL_INDEX, SUMMARY
+from xc_dagster.data.splits import filter_rows, validation_targets
 from xc_dagster.errors import XCConfigError
 from xc_dagster.pipeline.context import StageContext
 from xc_dagster.pipeline.cross_fit import fit_on
@@ -22,8 +23,10 @@ from xc_dagster.progress import in_one_call
 from xc_dagster.retrieval.ann import LabelIndex
 from xc_dagster.retrieval.cooccurrence import CooccurrenceSettings, LabelCooccurrence
 from xc_dagster.retrieval.exact_settings import resolve_kind
+from xc_dagster.retrieval.fusion.objective import validation_objective
 from xc_dagster.retrieval.lexical import LEXICAL_DIR, LexicalIndex
 from xc_dagster.retrieval.lexical_classifier import ClassifierSettings
+from xc_dagster.retrieval.lexical_weight import best_weight, check_weights, sample_points, weight_grid
 from xc_dagster.retrieval.shortlist import (
     CENTROID_FILE,
     INDEX_FILES,
@@ -34,7 +37,7 @@ from xc_dagster.retrieval.shortlist import (
     label_centroids,
     label_index_settings,
 )
-from xc_dagster.retrieval.sparse_rows import check_power
+from xc_dagster.retrieval.sparse_rows import check_power, sparse_topk
 from xc_dagster.storage import save_json
 from xc_dagster.training.budget import SKIP_SLACK, reserved_after_pretraining, stage_deadline
 
@@ -49,6 +52,7 @@ def _check(p: Any) -> None:
     if not isinstance(p.lexical_classifier, bool):
         raise XCConfigError(f"index.lexical_classifier: expected true or false, got {p.lexical_classifier!r}")
     classifier_settings(p, 0)
+    check_weights(p.lexical_classifier_weights)
     cooccurrence_settings(p)
     if "cooccurrence" in p.sources and "label" not in p.sources:
         raise XCConfigError(f"index.sources: cooccurrence votes through the label source's neighbours; add label "
@@ -138,10 +142,46 @@ def lexical_index(ctx: StageContext, rows: np.ndarray, Y_train: Any, fit_rows: n
                                  else deadline + SKIP_SLACK * 60.0 * ctx.cfg.train.budget_minutes)
     except XCConfigError as e:
         raise XCConfigError(f"{ctx.name}: {e}") from None
+    if index.classifier is not None:
+        choose_classifier_weight(ctx, index, rows, fit_rows, Y_train, X if X is not None else texts)
     if index.classifier_skipped:
         ctx.info(f"index {ctx.name}: the lexical classifiers left out: their hard negatives alone would end more "
                  f"than {SKIP_SLACK:.0%} of train.budget_minutes={ctx.cfg.train.budget_minutes:g} past their deadline")
     return index
+
+
+WEIGHT_SHORTLIST = 100  # the lexical ranking's top labels the classifiers' weight is judged on (a source's shortlist)
+
+
+def choose_classifier_weight(ctx: StageContext, index: LexicalIndex, rows: np.ndarray, fit_rows: np.ndarray,
+                             Y_train: Any, inputs: Any) -> None:
+    """Set g, the weight of the lexical classifiers' scores in the lexical score, to the one of
+    ``index.lexical_classifier_weights`` whose lexical ranking of the validation points (``inputs``: every training
+    point's feature rows or texts; at most ``lexical_weight.MAX_POINTS`` of them, seeded) scores the best
+    ``fusion.objective``, their own rows excluded from the kNN as in the fusion's fit (``xc_dagster.retrieval.
+    lexical_weight``); the first of the weights without validation points."""
+    weights = check_weights(ctx.cfg.index.lexical_classifier_weights)
+    valid = np.setdiff1d(np.arange(Y_train.shape[0]), fit_rows)
+    grid: list[tuple[float, float]] = []
+    if len(weights) > 1 and len(valid):
+        scored = sample_points(valid, ctx.cfg.classifier.seed)
+        Yv, pairs, _ = validation_targets(Y_train, scored, fit_rows, filter_rows(ctx.read.labels().filter_train,
+                                                                                 scored))
+        inv_prop = ctx.inv_prop(Y_train)
+
+        def value(S: sp.csr_matrix) -> float:
+            ids, vals = sparse_topk(S, WEIGHT_SHORTLIST)
+            return validation_objective(ids, np.where(ids < 0, -np.inf, vals).astype(np.float32), Yv,
+                                        ctx.cfg.fusion.objective, inv_prop, pairs, 10)
+
+        Q = index.transform(inputs[scored] if sp.issparse(inputs) else [inputs[i] for i in scored])
+        grid = weight_grid(index, Q, np.flatnonzero(np.isin(rows, valid)), weights, value)
+    index.classifier.settings = dataclasses.replace(index.classifier.settings,
+                                                    weight=best_weight(grid) if grid else weights[0])
+    index.weight_grid = grid
+    if grid:
+        ctx.info(f"index {ctx.name}: lexical classifiers' weight {index.classifier.settings.weight:g} of "
+                 + ", ".join(f"{g:g}: {v:.4f}" for g, v in grid) + f" ({ctx.cfg.fusion.objective} on validation)")
 
 
 def _lexical_or_note(ctx: StageContext, rows: np.ndarray, Y_train: Any,
@@ -247,6 +287,21 @@ def _sources_with_text(ctx: StageContext, p: Any) -> Any:
     return dataclasses.replace(p, sources=tuple(s for s in p.sources if s not in gone))
 
 
+def _lexical_summary(lexical: LexicalIndex) -> dict[str, Any]:
+    """What the index stage's summary says of its lexical source."""
+    clf = lexical.classifier
+    return {"input": lexical.input, "points": lexical.num_points, "terms": int(lexical.points.shape[1]),
+            "neighbours": lexical.neighbours, "max_postings": lexical.max_postings,
+            "label_text": lexical.labels is not None, "feature_words": lexical.words is not None,
+            "classifier_weights": 0 if clf is None else len(clf.keys),
+            "classifier_history": [] if clf is None else clf.history,
+            "classifier_solver": None if clf is None else clf.solver,
+            "classifier_stopped_at_deadline": clf is not None and clf.stopped_at_deadline,
+            "classifier_skipped_at_deadline": lexical.classifier_skipped,
+            "classifier_weight": None if clf is None else clf.settings.weight,
+            "classifier_weight_grid": [[g, v] for g, v in lexical.weight_grid]}
+
+
 def run(ctx: StageContext) -> dict[str, Any]:
     """Build and save the indexes, one at a time; with ``index.include_validation`` the deployed kNN index and
     centroids hold every training point, and ``heldout/`` what the fusion is fitted with: the centroids without
@@ -276,17 +331,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
                         else _lexical_or_note(ctx, deployed, ds.Y_train, rows)  # lexical only: its error stands
                     if lexical is not None:
                         lexical.save(out / LEXICAL_DIR)
-                        lexical_summary = {
-                            "input": lexical.input, "points": lexical.num_points,
-                            "terms": int(lexical.points.shape[1]), "neighbours": lexical.neighbours,
-                            "max_postings": lexical.max_postings, "label_text": lexical.labels is not None,
-                            "feature_words": lexical.words is not None,
-                            "classifier_weights": 0 if lexical.classifier is None else len(lexical.classifier.keys),
-                            "classifier_history": [] if lexical.classifier is None else lexical.classifier.history,
-                            "classifier_solver": None if lexical.classifier is None else lexical.classifier.solver,
-                            "classifier_stopped_at_deadline": lexical.classifier is not None
-                            and lexical.classifier.stopped_at_deadline,
-                            "classifier_skipped_at_deadline": lexical.classifier_skipped}
+                        lexical_summary = _lexical_summary(lexical)
                     del lexical
                 if need_centroids:
                     centroids = label_centroids(train_emb, ds.Y_train, deployed)

@@ -7,10 +7,11 @@ A query is its L2-normalised TF-IDF row q. Its lexical score for label l sums up
 * sparse kNN: (1 / K) * sum over the query's K nearest training points j (TF-IDF cosine, ties by smaller row;
   fewer when fewer share a term) of cos(q, x_j) ** p * [j carries l] (p: ``index.lexical_power``), as the dense
   kNN score (``index.knn_neighbours``) in the encoder's space;
-* classifier (``index.lexical_classifier``): sigmoid(w_l . q + b_l), a sparse linear model per label over
-  the TF-IDF rows (``xc_dagster.retrieval.lexical_classifier``) re-ranking the other two parts' labels: the
-  one-vs-all linear model the linear peers win with on BoW data. A query they give fewer than ``PRIOR_LABELS``
-  labels (no term shared with a label or point) also gets those of largest b_l: the classifiers' prior.
+* classifier (``index.lexical_classifier``): g * sigmoid(w_l . q + b_l), a sparse linear model per label over
+  the TF-IDF rows (``xc_dagster.retrieval.lexical_classifier``; g chosen on validation,
+  ``xc_dagster.retrieval.lexical_weight``) re-ranking the other two parts' labels: the one-vs-all linear model the
+  linear peers win with on BoW data. A query they give fewer than ``PRIOR_LABELS`` labels (no term shared with a
+  label or point) also gets those of largest b_l: the classifiers' prior.
 
 The TF-IDF model is scikit-learn's (``xc_dagster.retrieval.tfidf``): ``TfidfVectorizer`` (sublinear tf, word 1-2
 grams, ``index.lexical_min_df``, 1 when that leaves no term) on the points' and labels' texts, or
@@ -115,14 +116,13 @@ class LexicalIndex:
         if self.words is not None and (self.input == "text" or len(self.words.terms) != self.points.shape[1]):
             raise ValueError(f"feature words: a features index over their {len(self.words.terms)} terms, got a "
                              f"{self.input} index of {self.points.shape[1]} columns")
-        # transposed once (each block's products are then CSR @ CSR, costing their output entries), each term's
-        # postings capped at max_postings
-        self._points_t = cap_postings(self.points.T.tocsr(), self.max_postings)
+        self._points_t = cap_postings(self.points.T.tocsr(), self.max_postings)  # once: blocks then CSR @ CSR
         self._labels_t = None if self.labels is None else cap_postings(self.labels.T.tocsr(), self.max_postings)
         self._points_dense = dense_postings(self._points_t)  # dense feature rows: one BLAS product per block
         self._work = np.diff(self._points_t.indptr) * (self._points_dense is None)  # dense: num_points per query
         self._work += 0 if self._labels_t is None else np.diff(self._labels_t.indptr)
-        self.classifier, self.classifier_skipped = classifier, False  # skipped: fit() left them out (not saved)
+        # skipped: fit() left them out; weight_grid: the (g, value) the index stage chose the classifiers' g on
+        self.classifier, self.classifier_skipped, self.weight_grid = classifier, False, []  # (neither saved)
         if classifier is not None and (classifier.num_labels, classifier.num_terms) != (self.num_labels,
                                                                                        self.points.shape[1]):
             raise ValueError(f"classifiers of {classifier.num_labels} labels x {classifier.num_terms} terms for an "
@@ -333,8 +333,8 @@ class LexicalIndex:
                                   shape=(q.shape[0], self.num_points))
             part = (votes @ self.point_labels) * np.float32(1.0 / self.neighbours)
             part = part if self._labels_t is None else sp.csr_matrix(part + q @ self._labels_t)
-            return part if prior is None else part + self.classifier.on_pattern(q, self.classifier.candidates(
-                q, part, prior, self.max_postings))
+            return part if prior is None else part + np.float32(self.classifier.settings.weight) * \
+                self.classifier.on_pattern(q, self.classifier.candidates(q, part, prior, self.max_postings))
 
         parts = on_threads(block, blocks, threads)
         out = sp.csr_matrix(sp.vstack(parts, format="csr") if parts else (0, self.num_labels), dtype=np.float32)

@@ -80,6 +80,7 @@ class ClassifierSettings:
     seed: int = 0
     solver: str = "auto"  # lexical_exact.SOLVERS: liblinear (every pair where cheap, else sampled pairs), else sgd
     c: float = 0.25  # the exact solver's SVM cost
+    weight: float = 1.0  # g: the classifiers' scores count g times in the lexical score (lexical_weight chooses it)
 
     def check(self) -> ClassifierSettings:
         for name in ("hard_negatives", "random_negatives", "max_terms", "max_pairs", "candidates", "batch_pairs"):
@@ -90,7 +91,7 @@ class ClassifierSettings:
         if self.solver not in SOLVERS:
             raise XCConfigError(f"index.lexical_classifier_solver: expected one of {list(SOLVERS)}, "
                                 f"got {self.solver!r}")
-        for name in ("epochs", "lr", "l2", "c"):
+        for name in ("epochs", "lr", "l2", "c", "weight"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 \
                     or (v == 0 and name != "l2"):
