@@ -132,7 +132,7 @@ def test_budgeted_run_plans_pretraining_and_records_the_plan(tiny_home, monkeypa
     # the classifiers are left out where their hard negatives project past the deadline plus 5% of the budget
     captured = {}
     monkeypatch.setattr(index_stage, "LexicalIndex", SimpleNamespace(
-        fit=lambda *a, **k: captured.update(k) or SimpleNamespace(classifier_skipped=False)))
+        fit=lambda *a, **k: captured.update(k) or SimpleNamespace(classifier_skipped=False, classifier=None)))
     ds = ctx.read.labels()
     rows = ctx.read.train_rows(ds.num_train)
     index_stage.lexical_index(ctx, rows, ds.Y_train, rows)
