@@ -627,3 +627,30 @@ def test_objective_from_the_named_families_equals_the_full_evaluation(objective)
     m = evaluate(top, Y, ks=(1, 3, 5), inv_prop=inv, filter_pairs=pairs)
     expected = sum(m[name] for name in objective.split("+"))
     assert _objective(ids, scores, Y, objective, inv, pairs, 10) == pytest.approx(expected, abs=1e-12)
+
+
+def test_alpha_halves_the_propensity_weight_where_its_grid_swamps_small_scores():
+    """Lexical scores alone, small (a lexical-only model whose classifiers count little): in 3 rows of 10 a tail
+    label is relevant and trails its row's head label by 0.001 in raw score, in the others the head label leads by
+    0.03; at the lexical weight d = 0.125 a propensity weight b ranks both right for 0.000125 < b < 0.00375, so the
+    grid's 0.01 loses to b = 0 (P@1 0.3 against 0.7), and b = 0 chosen over it halves it until one wins: 0.0025,
+    P@1 1.0. Without the halving budget (propensity_grid_extend = 0) b stays 0. (The whole grid, fusion.search
+    grid, finds d = 0.5 with b = 0.01 instead.)"""
+    n = 200
+    ids = np.stack([np.arange(0, 2 * n, 2), np.arange(1, 2 * n, 2)], axis=1).astype(np.int64)  # tail, head
+    tail = np.arange(n) % 10 < 3  # rows where the tail label is relevant
+    lex = np.where(tail[:, None], [0.019, 0.020], [0.010, 0.040]).astype(np.float32)
+    zeros = np.zeros_like(lex)
+    sl = Shortlist(ids, zeros, zeros.copy(), lex=lex)
+    Y = sp.csr_matrix((np.ones(n), (np.arange(n), ids[np.arange(n), np.where(tail, 0, 1)])), shape=(n, 2 * n))
+    inv = np.exp(np.tile([1.1, 0.1], n))  # log(1 / p): 1.1 for the tail labels (even ids), 0.1 for the head ones
+    p = FusionParams(grid_step=0.5, knn_grid=(0.0,), objective="precision_at_1")
+    fit = fit_alpha(sl, Y, p, inv, None)
+    values = dict(fit.propensity_grid)
+    assert [b for b, _ in fit.propensity_grid] == [0.0, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08]
+    assert values[0.0] == 0.7 and values[0.01] == values[0.005] == 0.3
+    assert fit.lexical_weight == 0.125 and fit.propensity_weight == 0.0025 and fit.objective_value == 1.0
+    kept = fit_alpha(sl, Y, replace(p, propensity_grid_extend=0), inv, None)
+    assert kept.propensity_weight == 0.0 and [b for b, _ in kept.propensity_grid] == [0.0, 0.01, 0.02, 0.04, 0.08]
+    whole = fit_alpha(sl, Y, replace(p, search="grid"), inv, None)
+    assert (whole.lexical_weight, whole.propensity_weight, whole.objective_value) == (0.5, 0.01, 1.0)

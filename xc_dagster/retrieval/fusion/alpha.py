@@ -1,21 +1,18 @@
-"""SiameseXML's alpha fusion: a blend of the classifier and embedding scores, plus kNN, lexical and propensity
-terms.
+"""SiameseXML's alpha fusion: a blend of the classifier and embedding scores, plus kNN, lexical, propensity terms.
 
 s = a * w_l.e + (1 - a) * z_l.e with a chosen by a grid search on a validation metric (``fusion.objective``).
 Adding the embedding score keeps tail labels, whose classifiers saw few positives, in the ranking (PSP). When the
 shortlist has kNN scores (``index.sources`` with ``knn``: SiameseXML's ANNS^x over the training points, the mean
 similarity of the ``index.knn_neighbours`` nearest training points carrying the label), the blend adds c * kNN
-(``fusion.knn_grid``; c = 0 is the two-score blend, so the grid can only match or beat it on validation); when it
-has lexical scores (``index.sources`` with ``lexical``: TF-IDF cosine to the label text plus a sparse kNN vote,
-``xc_dagster.retrieval.lexical``), d * lexical (``fusion.lexical_grid``, d = 0 always tried); and
+(``fusion.knn_grid``; c = 0 is the two-score blend, so the grid can only match or beat it on validation); with
+lexical scores (``xc_dagster.retrieval.lexical``) d * lexical (``fusion.lexical_grid``, d = 0 always tried); and
 b * log(1 / p_l) (``fusion.propensity_grid``, docs/decisions.md#fusion-propensity-term); the kNN scores may be
 divided by their labels' counts ** f (``fusion.knn_discount_grid``, docs/decisions.md#fusion-knn-discount); a, c, d,
 f and b are searched jointly (docs/decisions.md#fusion-joint-grid): one weight at a time, then two, or on the whole grid
 (``fusion.search``, docs/decisions.md#fusion-coordinate-search). ``fusion.smoothing`` > 1 averages the grid's
 objective over neighbouring weights before its argmax, so that sampling noise on the validation points does not
-pick a lone spike (off by default: docs/decisions.md#fusion-smoothing-off). The grid blends in place (:class:`Blend`)
-and ranks with the objective prepared once per fit (``ObjectiveOnShortlist``): the same numbers as ``fuse`` and
-``validation_objective``, several times faster (docs/decisions.md#fusion-fast-objective).
+pick a lone spike (off by default: docs/decisions.md#fusion-smoothing-off). The grid blends in place (:class:`Blend`),
+ranked by the objective prepared once per fit (``ObjectiveOnShortlist``; docs/decisions.md#fusion-fast-objective).
 """
 
 from __future__ import annotations
@@ -190,6 +187,7 @@ def smooth_grid(values: np.ndarray, width: int) -> np.ndarray:
 Weights = tuple[float, float, float, float, float]  # (c, d, e, f, b): the kNN, lexical, co-occurrence weights, the
 # kNN discount and the propensity weight
 WEIGHT_AXES = 5
+PROPENSITY_AXIS = 4  # b multiplies log(1 / p_l), whose scale is fixed, not the fused scores': its grid also halves
 COORDINATE_ROUNDS = 8  # sweeps of every weight at most (each round moves one weight or stops)
 
 
@@ -266,8 +264,9 @@ def fit_alpha(sl: Shortlist, Y_valid: sp.csr_matrix, params: FusionParams, inv_p
     Ties prefer the smaller c, then d, e, f, b, then more classifier weight; b = 0, d = 0, e = 0 and f = 0 are
     always tried (and c = 0 where ``knn_grid`` has it, as by default), so each added term can only match or beat
     validation without it. When the chosen c (or d, e, b) is its grid's largest, the grid was too small: it keeps
-    doubling, ``*_extend`` times at most, while the doubled weight is chosen. As the kNN, lexical and
-    co-occurrence grids need their scores, the propensity grid needs ``inv_prop``: without them c, d, e, b stay 0."""
+    doubling, ``*_extend`` times at most, while the doubled weight is chosen (b = 0 chosen: b's smallest positive
+    value halves, :func:`_extend`). The kNN, lexical and co-occurrence grids need their scores, the propensity grid
+    ``inv_prop``: without them c, d, e, b stay 0."""
     _check_params(params)
     if params.search not in FUSION_SEARCHES:
         raise XCConfigError(f"fusion.search: expected one of {' | '.join(FUSION_SEARCHES)}, got {params.search!r}")
@@ -298,11 +297,27 @@ def _grid_search(cells: Cells, axes: list[list[float]], extends: list[int], smoo
         raw = np.stack(cells(points)).reshape(*(len(a) for a in axes), len(cells.alphas))
         smooth = smooth_grid(raw, smoothing)
         best = max(np.ndindex(*raw.shape), key=lambda t: (smooth[t], *(-x for x in t[:WEIGHT_AXES]), t[-1]))
-        edge = [a for a in range(WEIGHT_AXES) if best[a] == len(axes[a]) - 1 and axes[a][-1] > 0 and extends[a] > 0]
-        if not edge:
+        nxt = (*best[:PROPENSITY_AXIS], 1, *best[PROPENSITY_AXIS + 1:])  # b one step up, as a b = 0 chosen
+        lost = len(axes[PROPENSITY_AXIS]) > 1 and smooth[best] > smooth[nxt].max()
+        if not any(_extend(axes, extends, a, best[a], lost) for a in range(WEIGHT_AXES)):
             return list(best[:WEIGHT_AXES]), best[-1], float(smooth[best])
-        extends[edge[0]] -= 1
-        axes[edge[0]].append(2.0 * axes[edge[0]][-1])
+
+
+def _extend(axes: list[list[float]], extends: list[int], a: int, x: int, lost: bool = False) -> bool:
+    """Extend weight ``a``'s grid where its chosen index ``x`` is on an edge, within its ``extends``: a largest
+    positive value chosen doubles; b = 0 chosen over a smallest positive value that ``lost`` to it halves that value
+    (inserted at index 1), as 0.01 * log(1 / p_l) can swamp fused scores that small weights shrank
+    (docs/decisions.md#fusion-propensity-halving)."""
+    if extends[a] <= 0:
+        return False
+    if x == len(axes[a]) - 1 and axes[a][-1] > 0:
+        axes[a].append(2.0 * axes[a][-1])
+    elif a == PROPENSITY_AXIS and x == 0 and lost and axes[a][0] == 0:
+        axes[a].insert(1, 0.5 * axes[a][1])
+    else:
+        return False
+    extends[a] -= 1
+    return True
 
 
 def _coordinate_search(cells: Cells, axes: list[list[float]], extends: list[int], smoothing: int,
@@ -337,10 +352,8 @@ def _sweeps(cells: Cells, axes: list[list[float]], extends: list[int], smoothing
                 smooth = smooth_grid(raw, smoothing)
                 x, j = max(np.ndindex(*raw.shape), key=lambda t: (smooth[t], -t[0], t[1]))
                 smoothed = float(smooth[x, j])
-                if not (x == len(axes[a]) - 1 and axes[a][-1] > 0 and extends[a] > 0):
+                if not _extend(axes, extends, a, x, len(axes[a]) > 1 and smooth[0].max() > smooth[1].max()):
                     break
-                extends[a] -= 1
-                axes[a].append(2.0 * axes[a][-1])
             moved |= x != at[a]
             at[a] = x
         if not moved:
