@@ -297,8 +297,8 @@ def _grid_search(cells: Cells, axes: list[list[float]], extends: list[int], smoo
         raw = np.stack(cells(points)).reshape(*(len(a) for a in axes), len(cells.alphas))
         smooth = smooth_grid(raw, smoothing)
         best = max(np.ndindex(*raw.shape), key=lambda t: (smooth[t], *(-x for x in t[:WEIGHT_AXES]), t[-1]))
-        nxt = (*best[:PROPENSITY_AXIS], 1, *best[PROPENSITY_AXIS + 1:])  # b one step up, as a b = 0 chosen
-        lost = len(axes[PROPENSITY_AXIS]) > 1 and smooth[best] > smooth[nxt].max()
+        nxt = (*best[:PROPENSITY_AXIS], 1, *best[PROPENSITY_AXIS + 1:WEIGHT_AXES])  # b one step up, any alpha
+        lost = len(axes[PROPENSITY_AXIS]) > 1 and smooth[best] > smooth[nxt].max()  # as _sweeps judges it
         if not any(_extend(axes, extends, a, best[a], lost) for a in range(WEIGHT_AXES)):
             return list(best[:WEIGHT_AXES]), best[-1], float(smooth[best])
 
