@@ -6,7 +6,8 @@
 Reads a materialized partition (its deployed encoder, W, indexes and fitted fusion), shortlists every test point
 as the evaluate stage does, and ranks the shortlist with every weighting of the alpha fusion's grid:
 a * classifier + (1 - a) * embedding + c * kNN + b * log(1 / p_l) for a in 0..1 (``--alpha-step``), c in
-``--knn-weights`` (0 only when the index has no kNN source) and b in ``--propensity-weights``. For each it computes
+``--knn-weights`` (0 only when the index has no kNN source) and b in ``--propensity-weights``, the deployed fusion's
+other terms (lexical and co-occurrence weights, kNN discount) kept as fitted. For each it computes
 test P@1 and PSP@1 (filter pairs removed, propensity A/B from the dataset's config) and prints:
 
 - the best PSP@1 among the weightings whose P@1 is at least each threshold (the P@1 / PSP@1 frontier),
@@ -45,6 +46,8 @@ from xc_dagster.retrieval.shortlist import fuse, retrieve, topk_from_scores
 from xc_dagster.retrieval.votes import fitted_votes
 from xc_dagster.storage import ArtifactStore
 
+KEPT = ("lexical_weight", "cooccurrence_weight", "knn_discount")  # the deployed alpha fusion's terms the sweep keeps
+
 
 def _floats(text: str) -> list[float]:
     try:
@@ -76,13 +79,15 @@ def p1_psp1(ids: np.ndarray, scores: np.ndarray, Y_test, filter_test, inv_prop: 
 
 
 def sweep(sl, Y_test, filter_test, inv_prop: np.ndarray, alphas: np.ndarray, knn_weights: list[float],
-          propensity_weights: list[float]) -> np.ndarray:
-    """(P@1, PSP@1, a, c, b) in percent for every weighting of the grid on the given shortlist."""
+          propensity_weights: list[float], kept: dict[str, float] | None = None) -> np.ndarray:
+    """(P@1, PSP@1, a, c, b) in percent for every weighting of the grid on the given shortlist; ``kept``: the
+    fusion's other weights (``KEPT``: lexical, co-occurrence, kNN discount), 0 when absent."""
     boost = propensity_boost(sl.ids, inv_prop)
+    d, e, f = (float((kept or {}).get(k, 0.0)) for k in KEPT)
     rows = []
     for c in knn_weights:
         for a in alphas:
-            base = fuse(sl, float(a), c)
+            base = fuse(sl, float(a), c, d, e, f)
             for b in propensity_weights:
                 rows.append((*p1_psp1(sl.ids, base + np.float32(b) * boost, Y_test, filter_test, inv_prop), a, c, b))
     return np.asarray(rows, dtype=np.float64)
@@ -128,13 +133,14 @@ def main(argv: list[str] | None = None) -> int:
                   lexical_queries=ctx.read.lexical_queries(model, "test"))
     knn = _floats(args.knn_weights) if sl.knn is not None else [0.0]
     alphas = np.round(np.arange(0.0, 1.0 + 1e-9, args.alpha_step), 6)
-    res = sweep(sl, ds.Y_test, ds.filter_test, inv, alphas, knn, _floats(args.propensity_weights))
-
     deployed = ctx.read.fusion()
+    kept = {k: getattr(deployed, k, 0.0) for k in KEPT}  # a tree fusion has none: the three-term grid
+    res = sweep(sl, ds.Y_test, ds.filter_test, inv, alphas, knn, _floats(args.propensity_weights), kept)
+
     dep_p1, dep_psp1 = p1_psp1(sl.ids, deployed.score(sl, inv), ds.Y_test, ds.filter_test, inv)
     best_psp, best_sum = res[res[:, 1].argmax()], res[(res[:, 0] + res[:, 1]).argmax()]
     out = {"dataset": args.dataset, "strategy": cfg.strategy, "n_test": int(ds.Y_test.shape[0]),
-           "grid_size": int(len(res)), "frontier": frontier(res, _floats(args.thresholds)),
+           "grid_size": int(len(res)), "kept": kept, "frontier": frontier(res, _floats(args.thresholds)),
            "max_psp1": _row(best_psp), "max_p1_plus_psp1": _row(best_sum),
            "deployed": {"fusion": deployed.summary(), "p1": round(dep_p1, 2), "psp1": round(dep_psp1, 2)},
            "machine": f"{platform.processor() or platform.machine()}, {platform.system()}",

@@ -64,3 +64,15 @@ def test_refit_by_smoothing_fits_on_validation_and_scores_on_test():
         assert (r["alpha"], r["propensity_weight"]) == (fit.alpha, fit.propensity_weight)
         want = ff.p1_psp1(sl.ids, fit.score(sl, inv), Y, none, inv)
         assert (r["p1"], r["psp1"]) == (round(want[0], 2), round(want[1], 2))
+
+
+def test_sweep_keeps_the_deployed_fusions_lexical_weight():
+    """With the lexical scores in the shortlist, the sweep ranks by a * clf + (1 - a) * emb + d * lexical at the
+    deployed d: the lexical score below makes point 1's label 1 (wrong) beat label 0 at a = 1 only with d = 1."""
+    sl, Y, inv = _case()
+    lex = np.array([[0.0, 0.0], [0.0, 0.9], [0.0, 0.0]], dtype=np.float32)
+    sl = replace(sl, lex=lex)
+    none = np.zeros((0, 2), dtype=np.int64)
+    args = (sl, Y, none, inv, np.array([1.0]), [0.0], [0.0])
+    assert [round(x, 2) for x in ff.sweep(*args)[0, :2]] == [33.33, 14.29]  # d 0: the classifier alone, point 1
+    assert [round(x, 2) for x in ff.sweep(*args, {"lexical_weight": 1.0})[0, :2]] == [0.0, 0.0]  # 0.1 + 0.9 > 0.9
