@@ -135,10 +135,10 @@ def test_budgeted_run_plans_pretraining_and_records_the_plan(tiny_home, monkeypa
         fit=lambda *a, **k: captured.update(k) or SimpleNamespace(classifier_skipped=False, classifier=None)))
     ds = ctx.read.labels()
     rows = ctx.read.train_rows(ds.num_train)
-    index_stage.lexical_index(ctx, rows, ds.Y_train, rows)
+    index_stage.lexical_index(ctx, rows, ds, rows)
     assert captured["deadline"] == pytest.approx(100.0 + max(0.0, 30.0 - keep - spent))
     assert captured["skip_after"] == pytest.approx(captured["deadline"] + 0.05 * 30.0)
-    index_stage.lexical_index(mine, rows, ds.Y_train, rows)
+    index_stage.lexical_index(mine, rows, ds, rows)
     assert captured["deadline"] is None and captured["skip_after"] is None
     lexical = out["index"]["lexical"]
     # the tiny set's 30-odd fit points x labels are solved exactly: one solve, judged at each margin scale

@@ -14,6 +14,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from xc_dagster.artifacts import HELDOUT, MINING_LABEL_INDEX, SUMMARY
+from xc_dagster.data.canonical import XCDataset
 from xc_dagster.data.splits import filter_rows, validation_targets
 from xc_dagster.errors import XCConfigError
 from xc_dagster.pipeline.context import StageContext
@@ -112,13 +113,13 @@ def lexical_neighbours(ctx: StageContext) -> int:
     return ctx.cfg.index.lexical_neighbours
 
 
-def lexical_index(ctx: StageContext, rows: np.ndarray, Y_train: Any, fit_rows: np.ndarray) -> LexicalIndex:
+def lexical_index(ctx: StageContext, rows: np.ndarray, ds: XCDataset, fit_rows: np.ndarray) -> LexicalIndex:
     """The lexical source over the training points ``rows`` (the kNN index's rows), its TF-IDF fitted on the
     points ``fit_rows`` (the models' training rows) and the labels: of their shipped BoW features when ingest
     stored them (and of the labels' features, when shipped; else no label-text part), read as word sets with the
     dataset's feature words when it has them (so that it serves raw text), else of their texts and the label
-    texts."""
-    p = ctx.cfg.index
+    texts; ``ds`` the dataset's labels and filter pairs (``ctx.read.labels()``)."""
+    p, Y_train = ctx.cfg.index, ds.Y_train
     X = ctx.read.features("train")
     words = None
     if X is not None:
@@ -143,7 +144,7 @@ def lexical_index(ctx: StageContext, rows: np.ndarray, Y_train: Any, fit_rows: n
     except XCConfigError as e:
         raise XCConfigError(f"{ctx.name}: {e}") from None
     if index.classifier is not None:
-        choose_classifier_weight(ctx, index, rows, fit_rows, Y_train, X if X is not None else texts)
+        choose_classifier_weight(ctx, index, rows, fit_rows, ds, X if X is not None else texts)
     if index.classifier_skipped:
         ctx.info(f"index {ctx.name}: the lexical classifiers left out: their hard negatives alone would end more "
                  f"than {SKIP_SLACK:.0%} of train.budget_minutes={ctx.cfg.train.budget_minutes:g} past their deadline")
@@ -154,19 +155,18 @@ WEIGHT_SHORTLIST = 100  # the lexical ranking's top labels the classifiers' weig
 
 
 def choose_classifier_weight(ctx: StageContext, index: LexicalIndex, rows: np.ndarray, fit_rows: np.ndarray,
-                             Y_train: Any, inputs: Any) -> None:
+                             ds: XCDataset, inputs: Any) -> None:
     """Set g, the weight of the lexical classifiers' scores in the lexical score, to the one of
     ``index.lexical_classifier_weights`` whose lexical ranking of the validation points (``inputs``: every training
     point's feature rows or texts; at most ``lexical_weight.MAX_POINTS`` of them, seeded) scores the best
     ``fusion.objective``, their own rows excluded from the kNN as in the fusion's fit (``xc_dagster.retrieval.
     lexical_weight``); the first of the weights without validation points."""
-    weights = check_weights(ctx.cfg.index.lexical_classifier_weights)
+    weights, Y_train = check_weights(ctx.cfg.index.lexical_classifier_weights), ds.Y_train
     valid = np.setdiff1d(np.arange(Y_train.shape[0]), fit_rows)
     grid: list[tuple[float, float]] = []
     if len(weights) > 1 and len(valid):
         scored = sample_points(valid, ctx.cfg.classifier.seed)
-        Yv, pairs, _ = validation_targets(Y_train, scored, fit_rows, filter_rows(ctx.read.labels().filter_train,
-                                                                                 scored))
+        Yv, pairs, _ = validation_targets(Y_train, scored, fit_rows, filter_rows(ds.filter_train, scored))
         inv_prop = ctx.inv_prop(Y_train)
 
         def value(S: sp.csr_matrix) -> float:
@@ -184,12 +184,12 @@ def choose_classifier_weight(ctx: StageContext, index: LexicalIndex, rows: np.nd
                  + ", ".join(f"{g:g}: {v:.4f}" for g, v in grid) + f" ({ctx.cfg.fusion.objective} on validation)")
 
 
-def _lexical_or_note(ctx: StageContext, rows: np.ndarray, Y_train: Any,
+def _lexical_or_note(ctx: StageContext, rows: np.ndarray, ds: XCDataset,
                      fit_rows: np.ndarray) -> tuple[LexicalIndex | None, str]:
     """``lexical_index``, or (None, why) when the data has no text or features for it and the lexical source
     came with the strategy (``index.sources`` set by the user: the error stands)."""
     try:
-        return lexical_index(ctx, rows, Y_train, fit_rows), ""
+        return lexical_index(ctx, rows, ds, fit_rows), ""
     except XCConfigError as e:
         if "index.sources" in ctx.cfg.explicit:
             raise
@@ -327,8 +327,8 @@ def run(ctx: StageContext) -> dict[str, Any]:
                 heldout = p.include_validation and len(rows) < ds.num_train
                 deployed = np.arange(ds.num_train) if heldout else rows
                 if "lexical" in p.sources:
-                    lexical, note = (lexical_index(ctx, deployed, ds.Y_train, rows), "") if ctx.lexical_only() \
-                        else _lexical_or_note(ctx, deployed, ds.Y_train, rows)  # lexical only: its error stands
+                    lexical, note = (lexical_index(ctx, deployed, ds, rows), "") if ctx.lexical_only() \
+                        else _lexical_or_note(ctx, deployed, ds, rows)  # lexical only: its error stands
                     if lexical is not None:
                         lexical.save(out / LEXICAL_DIR)
                         lexical_summary = _lexical_summary(lexical)
