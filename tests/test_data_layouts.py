@@ -113,9 +113,19 @@ def test_bibtex_as_single_file(tmp_path):
     ({"tr": b"1 2\n3 \xff4\n5 1\n"}, "toy_trSplit.txt", 2, ("UTF-8",)),
     ({"data": DATA_TXT.encode().replace(b" 1:1", b" 1:\xfe1")}, "Toy_data.txt", 3, ("UTF-8",)),
     ({"vocab": "w0\n"}, "X_vocab.txt", 2, ("4 lines",)),
+    ({"tr": "1 2\n3 4\n3 1\n"}, "toy_trSplit.txt", 3, ("each row index once", "3 again")),  # a point twice
+    ({"ts": "2 3\n1 5\n"}, "toy_tstSplit.txt", 2, ("not training rows", "1, also")),  # test rows it trained on
+    ({"tr": "1 2\n\n\n3 4\n9 1\n"}, "toy_trSplit.txt", 5, ("[1, 6)", "'9'")),  # the file's line, past blanks
+    ({"tr": "1 2\n3 99999999999999999999999\n5 1\n"}, "toy_trSplit.txt", 2, ("[0, 2147483647]",)),
 ])
 def test_bow_single_bad_input(tmp_path, kw, fname, line, needles):
     assert_error(make_single(tmp_path / "b", **kw), fname, line, *needles)
+
+
+def test_bow_single_split_tables_may_start_with_a_bom(tmp_path):
+    plain = read_dataset(make_single(tmp_path / "a"))
+    bom = read_dataset(make_single(tmp_path / "b", tr="\ufeff" + TR_SPLIT, ts="\ufeff" + TS_SPLIT))
+    assert same(bom.Y_train, plain.Y_train) and same(bom.X_test, plain.X_test)
 
 
 def test_bow_single_split_out_of_range(tmp_path):
@@ -308,6 +318,12 @@ def test_lf_fast_and_line_readers_agree(tmp_path):
     ('{"title": "t", "target_ind": [1.0]}', 3, "list of integers"),
     ('{"title": "t", "target_ind": [9]}', 3, "[0, 4)"),
     ('{"title": "t", "target_ind": [1], "target_rel": [NaN]}', 3, "finite numbers"),
+    ('{"title": "t", "target_ind": [1], "target_rel": [-1]}', 3, "relevances: finite numbers >= 0"),
+    ('{"title": "t", "target_ind": [1], "target_rel": [1e39]}', 3, "within float32's range"),
+    # two objects on a line, or one over two lines: Arrow's parser takes either, the layout is one per line
+    ('{"title": "t", "target_ind": [1]} {"title": "u", "target_ind": [0]}', 3, "a valid JSON object per line"),
+    ('{"title": "t",\n"target_ind": [1]}', 3, "a valid JSON object per line"),
+    ('{"title": "a\\ud800b", "target_ind": [1]}', 3, "UTF-8 encodable"),  # a lone surrogate: no text
     ('{"title": null, "target_ind": [1]}', None, None),  # null title: accepted (empty text)
 ])
 def test_lf_fast_path_errors_name_the_line(tmp_path, bad, line, needle):
@@ -317,6 +333,17 @@ def test_lf_fast_path_errors_name_the_line(tmp_path, bad, line, needle):
         assert read_dataset(f).train_texts[2] == ""
         return
     assert_error(f, "trn.json.gz", line, needle)
+
+
+def test_lf_relevance_zero_is_no_label_on_both_readers(tmp_path):
+    """A target_rel of 0 (a judged non-relevant label) is dropped, never stored as a 0 that a trainer reading the
+    stored entries would take for a positive; both readers agree."""
+    trn = [json.dumps({"title": "t0", "target_ind": [0, 3], "target_rel": [1, 0]}),
+           json.dumps({"title": "t1", "target_ind": [1, 2], "target_rel": [0, 0.0]})]
+    f = _lf(tmp_path / "lf", trn)
+    for fast in (True, False):
+        Y = read_lf_raw(f, ("title",), ("title",), fast=fast).Y_train
+        assert Y.nnz == 1 and Y.toarray().tolist() == [[1, 0, 0, 0], [0, 0, 0, 0]]
 
 
 def test_lf_truncated_gzip_large(tmp_path):

@@ -309,6 +309,7 @@ TEXTS = {"trn_X__txt": "a\nb\n", "tst_X__txt": "c\n"}
     ("2 0\n\n\n", TEXTS, "at least one label (split-sparse layout)"),
     ("2 3\n\n\n", TEXTS, "at least one label of a training point"),
     ("2 3\n0:1\n1:1\n", {"trn_X_Xf__txt": "2 4\n\n\n", **TEXTS}, "at least one non-zero feature"),
+    ("2 3\n0:1\n1:1\n", {"trn_X_Xf__txt": "2 4\n0:0\n3:0\n", **TEXTS}, "at least one non-zero feature"),
     ("2 3\n0:1\n1:1\n", {}, "point texts, features or token arrays"),
 ])
 def test_a_dataset_with_nothing_to_learn_is_refused_at_ingest(tmp_path, trn, extra, expected):
@@ -317,6 +318,20 @@ def test_a_dataset_with_nothing_to_learn_is_refused_at_ingest(tmp_path, trn, ext
     folder = split_sparse(tmp_path / "ds", trn, f"1 {trn.split()[1]}\n\n", **extra)
     with pytest.raises(XCFormatError, match=r"ds: expected " + expected.replace("(", r"\(").replace(")", r"\)")):
         read_dataset(folder)
+
+
+def test_label_values_are_relevances_a_zero_is_none_a_negative_is_refused(tmp_path):
+    """trn_X_Y.txt values: a 0 (given, summed from repeats, or below float32's smallest) is no label -- no trainer
+    then reads a stored 0 as a positive -- and a negative value is refused naming the file and data row."""
+    folder = split_sparse(tmp_path / "z", "2 3\n0:1 2:0\n1:1 1:-1 2:1e-50\n", "1 3\n0:0 1:1\n", **TEXTS)
+    ds = read_dataset(folder)
+    assert ds.Y_train.nnz == 1 and ds.Y_train.toarray().tolist() == [[1, 0, 0], [0, 0, 0]]
+    assert ds.Y_test.toarray().tolist() == [[0, 1, 0]] and ds.Y_test.nnz == 1
+    bad = split_sparse(tmp_path / "n", "2 3\n0:1\n1:1 2:-2\n", **TEXTS)
+    with pytest.raises(XCFormatError, match=r"trn_X_Y.txt: expected label values \(relevances\) >= 0.*data row 2"):
+        read_dataset(bad)
+    with pytest.raises(XCFormatError, match="at least one label of a training point"):  # only zeros: nothing
+        read_dataset(split_sparse(tmp_path / "o", "2 3\n0:0\n1:0\n", **TEXTS))
 
 
 @pytest.mark.parametrize("name", ["clicks.jsonl.gz", "clicks.csv.gz"])

@@ -62,12 +62,7 @@ class Growing:
             idx = idx.astype(np.int64)
         m = sp.csr_matrix((val, idx, indptr if wide else indptr.astype(np.int32)),
                           shape=(self.n_rows, self.n_cols))
-        m.sum_duplicates()
-        if not np.isfinite(m.data).all():  # repeated entries of one column summed past float32's range
-            r = int(np.searchsorted(m.indptr, int(np.flatnonzero(~np.isfinite(m.data))[0]), side="right"))
-            raise XCFormatError(self.path, None, f"{self.what} values whose sum per (row, column) fits float32 "
-                                f"(|sum| <= {F32_MAX:.4g})", got=f"an overflow in data row {r} (1-based)")
-        return m
+        return canonical(m, self.path, self.what)
 
 
 class SparseRows:
@@ -103,5 +98,25 @@ class SparseRows:
              np.frombuffer(self.indices, dtype=np.int64),
              np.frombuffer(self.indptr, dtype=np.int64)),
             shape=(self.n_rows, self.n_cols))
-        m.sum_duplicates()
-        return m
+        return canonical(m, self.path, self.what)
+
+
+def canonical(m: sp.csr_matrix, path: Path, what: str) -> sp.csr_matrix:
+    """``m`` with sorted indices and repeated entries summed, each sum within float32's range; a ``what`` of
+    "label" holds relevances: a negative one is refused, a 0 (given, or summed, or below float32's smallest) is no
+    label and dropped, so that no stage reads a stored 0 as a positive."""
+    m.sum_duplicates()
+    if not np.isfinite(m.data).all():  # values, or repeated entries of one column summed, past float32's range
+        raise XCFormatError(path, None, f"{what} values whose sum per (row, column) fits float32 (|sum| <= "
+                            f"{F32_MAX:.4g})", got=f"an overflow in data row {_row_of(m, ~np.isfinite(m.data))}")
+    if what == "label":
+        if (m.data < 0).any():
+            raise XCFormatError(path, None, "label values (relevances) >= 0, per (row, label) after summing its "
+                                "entries; 0 is no label", got=f"a negative value in data row {_row_of(m, m.data < 0)}")
+        m.eliminate_zeros()
+    return m
+
+
+def _row_of(m: sp.csr_matrix, bad: np.ndarray) -> str:
+    """The 1-based data row of the first stored entry flagged in ``bad``, as the errors name it."""
+    return f"{int(np.searchsorted(m.indptr, int(np.flatnonzero(bad)[0]), side='right'))} (1-based)"

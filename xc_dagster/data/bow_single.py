@@ -38,8 +38,10 @@ def find_files(folder: Path) -> tuple[Path, Path, Path] | None:
     return data, tr, ts
 
 
-def _rows(table: np.ndarray, path: Path, split: int, base: int, n: int) -> np.ndarray:
-    """Column ``split`` of an index table as 0-based rows, every one checked to be in [0, n)."""
+def _rows(table: tuple[np.ndarray, np.ndarray], path: Path, split: int, base: int, n: int) -> np.ndarray:
+    """Column ``split`` of an index table (with its rows' file lines: ``read_int_table``) as 0-based rows, every
+    one checked to be in [0, n) and to appear once."""
+    table, lines = table
     if split >= table.shape[1]:
         raise XCFormatError(path, 1, f"a column for split {split} (splits are 0-based columns)",
                             got=f"{table.shape[1]} columns")
@@ -47,9 +49,25 @@ def _rows(table: np.ndarray, path: Path, split: int, base: int, n: int) -> np.nd
     bad = np.flatnonzero((rows < 0) | (rows >= n))
     if len(bad):
         r = int(bad[0])
-        raise XCFormatError(path, r + 1, f"{base}-based row indices in [{base}, {n + base}) of the data file "
-                                         f"({n} points)", got=str(int(table[r, split])))
+        raise XCFormatError(path, int(lines[r]), f"{base}-based row indices in [{base}, {n + base}) of the data "
+                                                 f"file ({n} points)", got=str(int(table[r, split])))
+    first = np.zeros(len(rows), dtype=bool)
+    first[np.unique(rows, return_index=True)[1]] = True
+    if not first.all():  # a point twice in one split would weigh twice (and be counted twice by the metrics)
+        r = int(np.flatnonzero(~first)[0])
+        raise XCFormatError(path, int(lines[r]), f"each row index once in split column {split}",
+                            got=f"{int(table[r, split])} again")
     return rows
+
+
+def _disjoint(tr: np.ndarray, ts: np.ndarray, ts_table: tuple[np.ndarray, np.ndarray], path: Path,
+              split: int, base: int) -> None:
+    """Refuse test rows that are also training rows: the model would be evaluated on points it trained on."""
+    both = np.flatnonzero(np.isin(ts, tr))
+    if len(both):
+        r = int(both[0])
+        raise XCFormatError(path, int(ts_table[1][r]), f"test rows that are not training rows (split column {split})",
+                            got=f"{int(ts[r]) + base}, also in the training split")
 
 
 def read_bow_single(folder: Path, split: int = 0,
@@ -68,9 +86,10 @@ def read_bow_single(folder: Path, split: int = 0,
     check_bow_columns(folder, data, (Y,), (X,), VOCAB_NAMES)
     tr_tab = read_int_table(trp, chunk_lines)
     ts_tab = read_int_table(tsp, chunk_lines)
-    base = 0 if (tr_tab == 0).any() or (ts_tab == 0).any() else 1
+    base = 0 if (tr_tab[0] == 0).any() or (ts_tab[0] == 0).any() else 1
     n = X.shape[0]
     tr, ts = _rows(tr_tab, trp, int(split), base, n), _rows(ts_tab, tsp, int(split), base, n)
+    _disjoint(tr, ts, ts_tab, tsp, int(split), base)
     X_train, X_test, Y_train, Y_test = X[tr], X[ts], Y[tr], Y[ts]
     L = Y.shape[1]
     label_texts, (train_texts, test_texts), words = bow_texts(folder, X_train, X_test, L, VOCAB_NAMES)

@@ -107,13 +107,14 @@ def require_content(ds: XCDataset, folder: Path) -> None:
     """Refuse a dataset that parses but holds nothing to learn from (no labels, points, label entries or point
     input): later stages would fail on it far from the cause."""
     X = ds.X_train
-    no_input = ds.train_tokens is None and (X is None or X.nnz == 0) and not any(ds.train_texts)
+    no_x = X is None or not X.data.any()  # stored zeros are no feature
+    no_input = ds.train_tokens is None and no_x and not any(ds.train_texts)
     problems = (
         (ds.num_labels == 0, "at least one label", "0 labels"),
         (ds.num_train == 0 or ds.num_test == 0, "at least one training and one test point",
          f"{ds.num_train} training and {ds.num_test} test points"),
         (ds.Y_train.nnz == 0, "at least one label of a training point", "an all-zero training label matrix"),
-        (X is not None and X.nnz == 0, "at least one non-zero feature of a training point (or no feature files)",
+        (X is not None and no_x, "at least one non-zero feature of a training point (or no feature files)",
          "an all-zero training feature matrix"),
         (no_input, "point texts, features or token arrays for the training points", "every training text empty"),
     )

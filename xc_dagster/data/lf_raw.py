@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 import pyarrow.json as pj
 import scipy.sparse as sp
 
-from xc_dagster.data.accumulators import Growing, SparseRows
+from xc_dagster.data.accumulators import F32_MAX, Growing, SparseRows
 from xc_dagster.data.canonical import XCDataset
 from xc_dagster.data.companions import read_filters, require_files
 from xc_dagster.data.limits import Expansion
@@ -31,6 +31,8 @@ from xc_dagster.data.textio import FastPathFailed, iter_lines
 from xc_dagster.errors import XCFormatError
 
 LF_FILES = ("trn.json.gz", "tst.json.gz", "lbl.json.gz")
+_CONTENT = np.ones(256, dtype=bool)  # by byte: not JSON's whitespace (a line of only that is blank)
+_CONTENT[list(b" \t\r\n")] = False
 
 
 # ------------------------------------------------------------------------------- Arrow fast path
@@ -63,7 +65,8 @@ def read_jsonl_fast(path: Path, fields: Sequence[str], n_labels: int | None,
     grown = Expansion(path, path.stat().st_size)
     try:
         with pa.input_stream(str(path), compression="gzip") as stream:
-            reader = pj.open_json(pa.PythonFile(_Counted(stream, grown), mode="r"),
+            counted = _Counted(stream, grown)
+            reader = pj.open_json(pa.PythonFile(counted, mode="r"),
                                   read_options=pj.ReadOptions(block_size=block_size, use_threads=True),
                                   parse_options=opts)
             for batch in reader:
@@ -71,9 +74,13 @@ def read_jsonl_fast(path: Path, fields: Sequence[str], n_labels: int | None,
                     continue
                 if batch.column("title").null_count:
                     raise FastPathFailed
+                for f in fields:  # a JSON escape of a lone surrogate decodes to bytes that are no UTF-8
+                    batch.column(f).validate(full=True)
                 texts.extend(_compose_texts([batch.column(f).to_pylist() for f in fields]))
                 if acc is not None:
                     _targets(batch, acc)
+        if counted.finish() != len(texts):
+            raise FastPathFailed  # not one object per line: the line reader names the line
     except (pa.ArrowException, OSError, EOFError, zlib.error, UnicodeDecodeError, ValueError) as e:
         # the line-by-line reader words the error, also past the expansion cap (it re-reads at most up to the cap):
         # Arrow's threads read ahead by a varying amount, so which of a long line and the cap it meets first here
@@ -83,16 +90,38 @@ def read_jsonl_fast(path: Path, fields: Sequence[str], n_labels: int | None,
 
 
 class _Counted:
-    """A reader of an Arrow stream that counts what it hands out against an expansion cap (Arrow reads from it
-    through ``pa.PythonFile``)."""
+    """A reader of an Arrow stream that counts what it hands out against an expansion cap, and its non-blank lines
+    (Arrow reads from it through ``pa.PythonFile``): Arrow's parser takes two objects on one line, or one over
+    several, as readily as one per line, which the layout is (``lines`` must equal the records read)."""
 
     def __init__(self, stream: pa.NativeFile, grown: Expansion):
         self._stream, self._grown, self.closed = stream, grown, False
+        self.lines, self._open = 0, False  # non-blank lines ended so far; whether the current one has content
 
     def read(self, n: int = -1) -> bytes:
         data = self._stream.read(n)
         self._grown.add(len(data))
+        arr = np.frombuffer(data, np.uint8)
+        for s in range(0, len(arr), 1 << 20):  # 1 MB at a time: the running counts stay small
+            self._count(arr[s:s + (1 << 20)])
         return data
+
+    def _count(self, arr: np.ndarray) -> None:
+        ends = np.flatnonzero(arr == 10)
+        content = np.cumsum(_CONTENT[arr], dtype=np.int32)  # non-whitespace bytes up to each byte
+        if len(ends):
+            upto = content[ends]
+            seen = np.diff(upto, prepend=0) > 0  # each ended line: content since the previous line end
+            seen[0] |= self._open
+            self.lines += int(seen.sum())
+            self._open = bool(content[-1] > upto[-1])
+        else:
+            self._open |= bool(content[-1] > 0)
+
+    def finish(self) -> int:
+        """The non-blank lines read, a last one without a line end included (call at the end of the stream)."""
+        self.lines, self._open = self.lines + self._open, False
+        return self.lines
 
     def readable(self) -> bool:
         return True
@@ -124,7 +153,7 @@ def _targets(batch: pa.RecordBatch, acc: Growing) -> None:
         if rv.null_count:
             raise FastPathFailed
         rv_np = rv.to_numpy(zero_copy_only=False)
-        if not np.isfinite(rv_np).all():
+        if not np.isfinite(rv_np).all() or (rv_np < 0).any() or (rv_np > F32_MAX).any():
             raise FastPathFailed
         if len(rv_np) == len(vals):
             vals = rv_np
@@ -144,6 +173,11 @@ def _compose(rec: dict[str, Any], fields: Sequence[str], path: Path, lineno: int
             continue
         if not isinstance(v, str):
             raise XCFormatError(path, lineno, f"'{f}' to be a string", got=type(v).__name__)
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError as e:  # a JSON escape of a lone surrogate: no text can be written of it
+            raise XCFormatError(path, lineno, f"'{f}' to be text (UTF-8 encodable)",
+                                got=f"a lone surrogate {v[e.start]!r} at character {e.start + 1}") from None
         v = v.strip()
         if v:
             parts.append(v)
@@ -177,10 +211,11 @@ def _line_targets(rec: dict[str, Any], path: Path, lineno: int) -> tuple[list[in
             if not isinstance(rel, list) or any(type(r) not in (int, float) for r in rel):
                 raise ValueError
             rel = [float(r) for r in rel]
-            if not all(math.isfinite(r) for r in rel):
+            if not all(math.isfinite(r) and 0 <= r <= F32_MAX for r in rel):
                 raise ValueError
         except (ValueError, OverflowError):
-            raise XCFormatError(path, lineno, "'target_rel' to be a list of finite numbers",
+            raise XCFormatError(path, lineno, "'target_rel' to be a list of relevances: finite numbers >= 0 "
+                                f"(0: no label) within float32's range (<= {F32_MAX:.4g})",
                                 got=json.dumps(rel)[:200]) from None
         if len(rel) != len(ind):
             raise XCFormatError(path, lineno, f"'target_rel' of the same length as 'target_ind' ({len(ind)})",

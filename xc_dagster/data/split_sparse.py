@@ -46,9 +46,9 @@ def read_split_sparse(folder: Path, chunk_lines: int = DEFAULT_CHUNK_LINES,
     """Split sparse layout: ``{trn,tst}_X_Y.txt`` required, features and raw-text companions optional."""
     require_files(folder, REQUIRED, layout)
     trn_y = folder / "trn_X_Y.txt"
-    Y_train = read_sparse_file(trn_y, chunk_lines)
+    Y_train = read_sparse_file(trn_y, chunk_lines, "label")
     tst_y = folder / "tst_X_Y.txt"
-    Y_test = read_sparse_file(tst_y, chunk_lines)
+    Y_test = read_sparse_file(tst_y, chunk_lines, "label")
     n_tr, n_te, L = Y_train.shape[0], Y_test.shape[0], Y_train.shape[1]
     if Y_test.shape[1] != L:
         raise XCFormatError(tst_y, 1, f"{L} label columns, as in trn_X_Y.txt", got=str(Y_test.shape[1]))

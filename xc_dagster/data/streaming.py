@@ -22,7 +22,7 @@ import pyarrow.csv as pcsv
 import scipy.sparse as sp
 
 from xc_dagster.data.accumulators import F32_MAX, Growing
-from xc_dagster.data.limits import check_header_rows
+from xc_dagster.data.limits import MAX_DIM, check_header_rows
 from xc_dagster.data.textio import (
     DEFAULT_CHUNK_LINES,
     FastPathFailed,
@@ -141,12 +141,13 @@ def _bytes_left(f: IO[bytes]) -> int:
     return os.fstat(f.fileno()).st_size - f.tell()
 
 
-def read_sparse_file(path: Path, chunk_lines: int = DEFAULT_CHUNK_LINES) -> sp.csr_matrix:
-    """A split-sparse file: header ``rows cols`` then exactly ``rows`` lines of ``idx:val`` pairs."""
+def read_sparse_file(path: Path, chunk_lines: int = DEFAULT_CHUNK_LINES, what: str = "") -> sp.csr_matrix:
+    """A split-sparse file: header ``rows cols`` then exactly ``rows`` lines of ``idx:val`` pairs; ``what``: "label"
+    for a label file (its values relevances: ``accumulators.canonical``), default feature (``*Xf*``) or column."""
     with open_binary(path) as f:
         n_rows, n_cols = parse_header(path, read_header(f, path), ("rows", "cols"))
         check_header_rows(path, "rows", n_rows, _bytes_left(f))
-        acc = Growing(path, n_cols, "feature" if "Xf" in path.name else "column")
+        acc = Growing(path, n_cols, what or ("feature" if "Xf" in path.name else "column"))
         expected = f"{n_rows} rows after the header (header 'rows cols')"
         parse_pairs_rows(f, acc, 2, n_rows, chunk_lines, expected)
     if acc.n_rows != n_rows:
@@ -273,16 +274,18 @@ def read_bow_file(path: Path, chunk_lines: int = DEFAULT_CHUNK_LINES) -> tuple[s
 
 # --------------------------------------------------------------------------------- integer tables
 
-def read_int_table(path: Path, chunk_lines: int = DEFAULT_CHUNK_LINES) -> np.ndarray:
-    """A whitespace-separated rectangular table of non-negative integers (no header) as int64 (rows, cols)."""
+def read_int_table(path: Path, chunk_lines: int = DEFAULT_CHUNK_LINES) -> tuple[np.ndarray, np.ndarray]:
+    """A whitespace-separated rectangular table of non-negative integers (no header; blank lines skipped) as int64
+    (rows, cols), with the 1-based file line of each row (for errors about its values)."""
     parts: list[np.ndarray] = []
+    lines: list[int] = []
     ncols = -1
     with open_binary(path) as f:
         for lineno, block, _ in iter_chunks(f, path, chunk_lines, 1):
             rows = []
             for j, raw in enumerate(block.split(b"\n")[:-1]):
                 s = decode_line(raw, path, lineno + j)
-                toks = s.split()
+                toks = (s.lstrip("\ufeff") if lineno + j == 1 else s).split()  # a BOM, as the other files
                 if not toks:
                     continue  # blank lines carry no index
                 try:
@@ -294,11 +297,12 @@ def read_int_table(path: Path, chunk_lines: int = DEFAULT_CHUNK_LINES) -> np.nda
                 if len(vals) != ncols:
                     raise XCFormatError(path, lineno + j, f"{ncols} columns (one per split), as on line 1",
                                         got=f"{len(vals)} columns")
-                if any(v < 0 for v in vals):
-                    raise XCFormatError(path, lineno + j, "non-negative indices", got=s)
+                if any(v < 0 or v > MAX_DIM for v in vals):  # larger: no row of any file, nor an int64
+                    raise XCFormatError(path, lineno + j, f"indices in [0, {MAX_DIM}]", got=s[:200])
                 rows.append(vals)
+                lines.append(lineno + j)
             if rows:
                 parts.append(np.array(rows, dtype=np.int64).reshape(-1, ncols))
     if not parts:
         raise XCFormatError(path, 1, "a table of row indices (one column per split)", got="an empty file")
-    return np.concatenate(parts)
+    return np.concatenate(parts), np.asarray(lines, dtype=np.int64)
