@@ -107,6 +107,18 @@ def test_tfidf_on_texts_is_sublinear_word_bigrams_with_min_df():
         LexicalIndex.fit(points, labels, Y, neighbours=0)
 
 
+def test_a_stored_zero_in_the_point_labels_is_no_label():
+    """A label matrix may store explicit zeros (scipy keeps them through slicing and sums): the index binarises
+    its entries after dropping them, so a 0 never becomes a neighbour's label."""
+    points = ["red apple", "red apple pie", "blue river"]
+    Y = sp.csr_matrix((np.array([1.0, 0.0, 1.0, 1.0], dtype=np.float32), np.array([0, 1, 0, 1]),
+                       np.array([0, 2, 3, 4])), shape=(3, 2))  # point 0: label 0, and a stored 0 for label 1
+    lex = LexicalIndex.fit(points, None, Y, neighbours=2, min_df=1)
+    assert lex.point_labels.toarray().tolist() == [[1, 0], [1, 0], [0, 1]]
+    s = lex.scores(lex.transform(["red apple"])).toarray()[0]
+    assert s[0] > 0 and s[1] == 0  # its neighbours (points 0 and 1) carry label 0 only
+
+
 def _corpus(seed: int, n: int, L: int):
     rng = np.random.default_rng(seed)
 

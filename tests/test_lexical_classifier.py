@@ -322,7 +322,9 @@ def test_classifier_round_trips_with_the_index(tmp_path):
 
 @pytest.mark.parametrize("field,value", [("epochs", 0), ("hard_negatives", -1), ("max_terms", 0), ("lr", float("nan")),
                                          ("l2", -1.0), ("random_negatives", True),
-                                         ("candidates", 0)])
+                                         ("candidates", 0), ("weight", 0.0)])
 def test_bad_settings_name_their_field(field, value):
-    with pytest.raises(XCConfigError, match=f"index.lexical_classifier_{field}"):
+    # g is set as index.lexical_classifier_weights (a list, chosen on validation): the error names that field
+    name = "weights" if field == "weight" else field
+    with pytest.raises(XCConfigError, match=f"index.lexical_classifier_{name}:"):
         ClassifierSettings(**{field: value}).check()

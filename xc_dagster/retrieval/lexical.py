@@ -171,8 +171,8 @@ class LexicalIndex:
         if not (isinstance(min_df, int) and not isinstance(min_df, bool) and min_df >= 1):
             raise XCConfigError(f"index.lexical_min_df: expected an int >= 1, got {min_df!r}")
         Y = sp.csr_matrix(point_labels, dtype=np.float32, copy=True)
+        Y.eliminate_zeros()  # first: a stored 0 is no label, and would be one after the binarising
         Y.data[:] = 1.0
-        Y.eliminate_zeros()
         fit_rows = np.arange(Y.shape[0]) if fit_on is None else np.asarray(fit_on, dtype=np.int64)
         words = None
         if feature_words is not None:

@@ -91,11 +91,11 @@ class ClassifierSettings:
         if self.solver not in SOLVERS:
             raise XCConfigError(f"index.lexical_classifier_solver: expected one of {list(SOLVERS)}, "
                                 f"got {self.solver!r}")
-        for name in ("epochs", "lr", "l2", "c", "weight"):
+        for name, field in (("epochs", "epochs"), ("lr", "lr"), ("l2", "l2"), ("c", "c"), ("weight", "weights")):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 \
                     or (v == 0 and name != "l2"):
-                raise XCConfigError(f"index.lexical_classifier_{name}: expected a number "
+                raise XCConfigError(f"index.lexical_classifier_{field}: expected a number "
                                     f"{'>= 0' if name == 'l2' else '> 0'}, got {v!r}")
         return self
 
@@ -269,8 +269,8 @@ class LexicalClassifier:
         n, num_labels = Y.shape
         if X.shape[0] != n or hard.shape != Y.shape:
             raise ValueError(f"{X.shape[0]} TF-IDF rows, labels {Y.shape}, hard negatives {hard.shape}")
+        Y.eliminate_zeros()  # before the binarising, which would make a stored 0 a positive
         Y.data[:] = 1.0
-        Y.eliminate_zeros()
         keys = pruned_support(X, Y, settings.max_terms)
         model = cls(keys, np.zeros(len(keys), np.float32), np.zeros(num_labels, np.float32), X.shape[1], settings)
         solver = solver_for(settings, n, num_labels)
