@@ -284,6 +284,13 @@ def test_bow_wrong_header(tmp_path):
     assert_format_error(f, "toy_train.txt", 1, "N D L", layout="bow")
 
 
+def test_bow_header_not_utf8_is_named_not_taken_for_an_empty_file(tmp_path):
+    f = make_bow(tmp_path / "u16", train="3 4 3\n0,2 0:1\n 1:1\n1 2:1\n".encode("utf-16"))
+    assert_format_error(f, "toy_train.txt", 1, "UTF-8 text", "UTF-16 byte-order mark")
+    f = make_bow(tmp_path / "latin", train=b"3 4 3\xa0\n0,2 0:1\n 1:1\n1 2:1\n")
+    assert_format_error(f, "toy_train.txt", 1, "UTF-8 text", "column 6")
+
+
 def test_bow_row_count_mismatch(tmp_path):
     f = make_bow(tmp_path, train="4 4 3\n0,2 0:1 3:2\n 1:1\n1 2:1 0:1\n")
     assert_format_error(f, "toy_train.txt", 1, "4 rows", "3 rows")

@@ -72,15 +72,19 @@ def read_header(f: IO[bytes], path: Path) -> str | None:
 
 
 def first_line(path: Path) -> str | None:
-    """The first line of a file, or None when unreadable as UTF-8."""
+    """The first line of a file (BOM and line end stripped), None when empty or unreadable; bytes that are no UTF-8
+    raise naming line 1 (a UTF-16 file by its byte-order mark: the layouts are UTF-8)."""
     try:
         with open(path, "rb") as f:
             raw = f.readline(4096)
-        if not raw:
-            return None
-        return raw.decode("utf-8").lstrip("\ufeff").rstrip("\r\n")
-    except (OSError, UnicodeDecodeError):
+    except OSError:
         return None
+    try:
+        return raw.decode("utf-8").lstrip("\ufeff").rstrip("\r\n") if raw else None
+    except UnicodeDecodeError as e:
+        got = "a UTF-16 byte-order mark" if raw[:2] in (b"\xff\xfe", b"\xfe\xff") else \
+            f"undecodable bytes at column {e.start + 1}"
+        raise XCFormatError(path, 1, "UTF-8 text", got=got) from e
 
 
 def parse_header(path: Path, line: str | None, names: Sequence[str]) -> list[int]:
