@@ -49,6 +49,9 @@ def test_run_config_puts_each_value_under_its_stage_asset_coerced():
     ({"fusion.method": "tree"}, "evaluation",
      "--set fusion.method: the asset of stage 'fusion', 'fusion', is not in --select 'evaluation', so the value "
      "would not be used"),
+    ({"strategy": "astra"}, "*", "--set: 'strategy' is not a stage field, so it cannot be set as an override; "
+     "choose the strategy with --strategy (xc-dagster datasets add NAME --source URI --replace --strategy STRATEGY)"),
+    ({"evaluate.top_k": "inf"}, "*", "--set: config field 'evaluate.top_k': expected int, got 'inf'"),
     ({}, "*tokenize", "--select '*tokenize': no asset 'tokenize' (did you mean 'tokens'?); the assets, in order: "
      "dataset, tokens, siamese_encoder, negative_shortlist, classifiers, ann_index, fusion, evaluation, "
      "registered_model"),
@@ -83,6 +86,20 @@ def test_materialize_passes_the_run_config_to_dagster(tmp_path, monkeypatch, cap
         "got 'hinge'")
     assert len(calls) == 2
     assert Catalog(home.catalog).get("D").overrides == {"fusion.method": "alpha"}  # the catalog is unchanged
+
+
+def test_materialize_checks_top_k_against_the_catalogs_ks_before_dagster_starts(tmp_path, monkeypatch):
+    """evaluate.top_k's least value depends on evaluate.ks, which the catalog may set: the layered config is checked."""
+    monkeypatch.setenv("XC_HOME", str(tmp_path / "home"))
+    home = Home.from_env()
+    home.catalog.parent.mkdir(parents=True)
+    Catalog(home.catalog).add(DatasetSpec("D", "/data/d", overrides={"evaluate.ks": "1,50"}))
+    calls = []
+    monkeypatch.setattr(cli.subprocess, "call", lambda cmd, env: calls.append(cmd) or 0)
+    with pytest.raises(XCConfigError, match="^--set: config field 'evaluate.top_k': expected at least 50, .* got 20$"):
+        cli.materialize(home, "D", "evaluation", parse_set_options(["evaluate.top_k=20"]))
+    assert calls == []
+    assert cli.materialize(home, "D", "evaluation", parse_set_options(["evaluate.top_k=50"])) == 0 and len(calls) == 1
 
 
 def test_materialize_set_reaches_that_run_only(tmp_path):

@@ -15,6 +15,7 @@ from assets.config import CONFIG_CLASSES, make_config_class, run_overrides
 from xc_dagster.catalog import Catalog, DatasetSpec
 from xc_dagster.cli import main as cli_main
 from xc_dagster.config import STAGES, choices, describe_default, literal_choices, parse_set_options, resolve_config
+from xc_dagster.config.bounds import BOUNDS
 from xc_dagster.device import amp_dtype
 from xc_dagster.errors import XCConfigError
 from xc_dagster.home import Home
@@ -104,6 +105,72 @@ def test_allowed_values_pass_and_resolve_to_plain_strings():
     assert cfg.index.sources == ("W", "knn") and cfg.fusion.fit_on == "cross_fit"
     for name in STRATEGIES:  # every strategy's own values are allowed ones
         resolve_config("paper", name)
+
+
+@pytest.mark.parametrize("item, message", [
+    ("pretrain.batch_size=inf", "config field 'pretrain.batch_size': expected int, got 'inf'"),
+    ("pretrain.batch_size=1e400", "config field 'pretrain.batch_size': expected int, got '1e400'"),
+    ("pretrain.batch_size=-inf", "config field 'pretrain.batch_size': expected int, got '-inf'"),
+    ("pretrain.lr=nan", "config field 'pretrain.lr': expected a finite number, got 'nan'"),
+    ("fusion.knn_grid=0,inf", "config field 'fusion.knn_grid': expected a finite number, got 'inf'"),
+    ("tokenize.max_len=1", "config field 'tokenize.max_len': expected a value >= 2"),
+    ("tokenize.label_max_len=-1", "config field 'tokenize.label_max_len': expected 0 or a value >= 2"),
+    ("ingest.valid_fraction=-0.5", "config field 'ingest.valid_fraction': expected 0 <= value <= 1"),
+    ("ingest.valid_fraction=nan", "config field 'ingest.valid_fraction': expected a finite number, got 'nan'"),
+    ("ingest.valid_max=-5", "config field 'ingest.valid_max': expected a value >= 0"),
+    ("ingest.seed=-1", "config field 'ingest.seed': expected a value >= 0, a seed; got -1"),
+    ("evaluate.ks=0,5", "config field 'evaluate.ks': expected items each a value >= 1"),
+    ("evaluate.top_k=0", "config field 'evaluate.top_k': expected a value >= 1"),
+    ("evaluate.propensity_b=-1", "config field 'evaluate.propensity_b': expected a value >= 0"),
+])
+def test_set_refuses_a_number_outside_its_range(item, message):
+    """Infinite, nan and out-of-range numbers fail at --set naming the field, not in a stage with a numpy error."""
+    with pytest.raises(XCConfigError) as err:
+        parse_set_options([item])
+    assert str(err.value).startswith(f"--set: {message}")
+
+
+def test_the_edges_of_the_ranges_pass():
+    sets = parse_set_options(["ingest.valid_fraction=1", "ingest.valid_max=0", "tokenize.max_len=2",
+                              "tokenize.label_max_len=0", "evaluate.top_k=10", "evaluate.propensity_a=0"])
+    cfg = resolve_config("quick", "ngame", ("--set", sets))
+    assert (cfg.ingest.valid_fraction, cfg.tokenize.max_len, cfg.evaluate.top_k) == (1.0, 2, 10)
+    wide = resolve_config("quick", "ngame", ("--set", {"evaluate.ks": "1,20", "evaluate.top_k": 20}))
+    assert wide.evaluate.top_k == 20
+    assert [k for k in BOUNDS if k.partition(".")[2] not in _hints(k.partition(".")[0])] == []  # no stale names
+
+
+def test_top_k_below_the_largest_reported_k_fails_when_the_config_is_resolved(tmp_path):
+    """The evaluation reports evaluate.ks and k = 1..10: a shorter prediction list would read P@k short."""
+    with pytest.raises(XCConfigError) as err:
+        resolve_config("quick", "ngame", ("--set", parse_set_options(["evaluate.top_k=9"])))
+    assert str(err.value) == ("config field 'evaluate.top_k': expected at least 10, the largest k the evaluation "
+                              "reports (evaluate.ks 1,3,5 and k = 1..10 for the curves), got 9")
+    with pytest.raises(XCConfigError, match="'evaluate.top_k': expected at least 200, .* got 100"):
+        resolve_config("quick", "ngame", ("run config", {"evaluate.ks": "1,200"}))
+    # datasets add: the entry's layered config is checked before the catalog is written
+    spec = DatasetSpec("D", "/d", overrides=parse_set_options(["evaluate.top_k=5"]))
+    with pytest.raises(XCConfigError, match="^datasets add: dataset 'D': config field 'evaluate.top_k': expected at "
+                                            "least 10, .* got 5$"):
+        Catalog(tmp_path / "cat.yaml").add(spec)
+    assert not (tmp_path / "cat.yaml").exists()
+
+
+@pytest.mark.parametrize("key", ["strategy", "preset"])
+def test_preset_and_strategy_are_refused_as_overrides_naming_their_option(tmp_path, key):
+    """Overrides are layered after the preset and the strategy are chosen: there they would be ignored."""
+    with pytest.raises(XCConfigError) as err:
+        parse_set_options([f"{key}=astra"])
+    assert str(err.value) == (f"--set: {key!r} is not a stage field, so it cannot be set as an override; choose the "
+                              f"{key} with --{key} (xc-dagster datasets add NAME --source URI --replace --{key} "
+                              f"{key.upper()})")
+    with pytest.raises(XCConfigError, match=f"datasets add: dataset 'D' overrides: '{key}' is not a stage field"):
+        Catalog(tmp_path / "cat.yaml").add(DatasetSpec("D", "/d", overrides={key: "paper"}))
+    assert not (tmp_path / "cat.yaml").exists()
+    path = tmp_path / "catalog.yaml"
+    path.write_text(yaml.safe_dump({"datasets": {"D": {"source": "/d", "overrides": {key: "paper"}}}}))
+    with pytest.raises(XCConfigError, match=f"{path}: dataset 'D' overrides: '{key}' is not a stage field"):
+        Catalog(path).load()
 
 
 def test_datasets_add_with_a_bad_value_fails_before_writing_the_catalog(tmp_path, monkeypatch, capsys):

@@ -95,6 +95,13 @@ def test_catalog_add_list_remove_roundtrip(tmp_path):
     (DatasetSpec("ok", "x", strategy="nope"), "strategy 'nope'"),
     (DatasetSpec("ok", "x", text="body"), "text 'body'"),
     (DatasetSpec("ok", "x", overrides={"pretrain.nope": 1}), "unknown field 'pretrain.nope'"),
+    (DatasetSpec("Foo\n", "x"), r"dataset name 'Foo\\n' must match"),  # `$` alone matches before a final \n
+    (DatasetSpec("ok", " "), "dataset 'ok' has no source"),
+    (DatasetSpec("ok", "x", propensity_a=float("nan")), r"propensity_a \(evaluate.propensity_a\): expected a finite"),
+    (DatasetSpec("ok", "x", propensity_b=-1.0), r"propensity_b \(evaluate.propensity_b\): expected a finite number "
+                                                r">= 0 \(0 = by dataset family\), got -1.0"),
+    (DatasetSpec("ok", "x", overrides={"strategy": "astra"}), "'strategy' is not a stage field.* --strategy"),
+    (DatasetSpec("ok", "x", overrides={"tokenize.max_len": 1}), "'tokenize.max_len': expected a value >= 2"),
 ])
 def test_catalog_rejects_bad_entries(tmp_path, spec, msg):
     with pytest.raises(XCConfigError, match=msg):

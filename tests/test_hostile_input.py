@@ -21,11 +21,12 @@ import numpy as np
 import pytest
 
 from xc_dagster.catalog import Catalog
+from xc_dagster.cli import checked_source
 from xc_dagster.cli import main as cli_main
 from xc_dagster.data import read_dataset, resolve_source
 from xc_dagster.data.accumulators import Growing
 from xc_dagster.data.clicklog_reader import read_click_log
-from xc_dagster.errors import XCFormatError
+from xc_dagster.errors import XCConfigError, XCFormatError
 from xc_dagster.home import Home
 
 REPO = Path(__file__).resolve().parents[1]
@@ -300,6 +301,12 @@ def test_datasets_add_stores_an_absolute_existing_source(tmp_path, monkeypatch, 
         assert cli_main(["datasets", "add", name, "--source", src]) == 0
         assert cat.get(name).source == src
     assert sorted(cat.load()) == ["Bucket", "Emb", "Rel", "Web"]
+
+
+@pytest.mark.parametrize("source", ["", "   "])
+def test_an_empty_source_is_refused_not_taken_for_the_current_directory(source):
+    with pytest.raises(XCConfigError, match=f"^--source {source!r}: expected a dataset source .* got an empty value"):
+        checked_source(source)
 
 
 TEXTS = {"trn_X__txt": "a\nb\n", "tst_X__txt": "c\n"}

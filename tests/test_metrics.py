@@ -10,8 +10,12 @@ import scipy.sparse as sp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from xc_dagster.catalog import DatasetSpec
+from xc_dagster.config import PipelineConfig
 from xc_dagster.evaluation import metrics
 from xc_dagster.evaluation.metrics import evaluate, inverse_propensity, recall_at, remove_filtered, topk_from_csr
+from xc_dagster.pipeline.context import StageContext
+from xc_dagster.storage import ArtifactStore
 
 
 def csr(rows: list[list[int]], L: int) -> sp.csr_matrix:
@@ -85,6 +89,28 @@ def test_inverse_propensity_hand():
     np.testing.assert_allclose(inverse_propensity(Y), expected, rtol=1e-12)
     np.testing.assert_allclose(inverse_propensity(Y.toarray()), expected, rtol=1e-12)
     assert inverse_propensity(Y).dtype == np.float64
+
+
+@pytest.mark.parametrize("name, family", [("LF-AmazonTitles-Mine", (0.6, 2.6)), ("MyClicks", (0.55, 1.5))])
+def test_propensity_zero_means_the_dataset_family_as_unset(tmp_path, name, family):
+    """evaluate.propensity_a/b = 0 is documented as "by dataset family": an explicit 0 (--set, --propensity 0 0,
+    a config built without the dataset options) gives the weights of leaving it unset, not A = 0 (every label
+    weighs the same) or B = 0 (an unseen label weighs inf)."""
+    Y = csr([[0, 1], [0], [0, 2], [0]], 4)  # label 3 has no training point
+    want = inverse_propensity(Y, *family)
+    assert np.isfinite(want).all() and want[3] > want[1] > want[0]
+    for spec in (DatasetSpec(name, "/d"), DatasetSpec(name, "/d", propensity_a=0.0, propensity_b=0.0),
+                 DatasetSpec(name, "/d", overrides={"evaluate.propensity_a": "0", "evaluate.propensity_b": 0})):
+        e = spec.config().evaluate
+        assert (e.propensity_a, e.propensity_b) == family
+        np.testing.assert_array_equal(inverse_propensity(Y, e.propensity_a, e.propensity_b), want)
+        run = spec.config({"evaluate.propensity_b": 0})  # a run config's 0 too
+        assert (run.evaluate.propensity_a, run.evaluate.propensity_b) == family
+        ctx = StageContext(ArtifactStore(tmp_path), spec, PipelineConfig(), tmp_path)  # A = B = 0 as configured
+        assert ctx.propensity() == family  # what the serving bundle records
+        np.testing.assert_array_equal(ctx.inv_prop(Y), want)
+    set_a = DatasetSpec(name, "/d", overrides={"evaluate.propensity_a": 0.5}).config().evaluate
+    assert (set_a.propensity_a, set_a.propensity_b) == (0.5, family[1])  # a value > 0 is kept
 
 
 # PS example: 4 labels, ip = [1, 10, 2, 3].

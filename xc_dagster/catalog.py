@@ -13,6 +13,7 @@ change: the partition exists as soon as the code location (re)loads.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import re
 from dataclasses import asdict, dataclass, field
@@ -93,10 +94,10 @@ class DatasetSpec:
     gate_tolerance: float | None = None
 
     def validate(self, where: str = "catalog") -> "DatasetSpec":
-        if not NAME_RE.match(self.name or ""):
+        if not NAME_RE.fullmatch(self.name or ""):  # fullmatch: `$` alone would let a final newline through
             raise XCConfigError(f"{where}: dataset name {self.name!r} must match {NAME_RE.pattern}")
-        if not self.source:
-            raise XCConfigError(f"{where}: dataset {self.name!r} has no source")
+        if not str(self.source or "").strip():
+            raise XCConfigError(f"{where}: dataset {self.name!r} has no source (expected a folder, file or URI)")
         if self.layout not in LAYOUTS:
             raise XCConfigError(f"{where}: dataset {self.name!r} layout {self.layout!r}; one of {LAYOUTS}")
         if self.text is not None and self.text not in TEXT_CHOICES:
@@ -108,6 +109,8 @@ class DatasetSpec:
             raise XCConfigError(f"{where}: dataset {self.name!r} preset {self.preset!r}; one of {sorted(PRESETS)}")
         if self.max_len is not None and int(self.max_len) < 2:
             raise XCConfigError(f"{where}: dataset {self.name!r} max_len must be >= 2, got {self.max_len}")
+        for key in ("propensity_a", "propensity_b"):
+            self._check_propensity(key, where)
         try:
             self.sha256 = normalize_sha256(self.sha256)
         except XCConfigError as exc:
@@ -116,7 +119,32 @@ class DatasetSpec:
             self.gate_tolerance = parse_tolerance(self.gate_tolerance,
                                                   f"{where}: dataset {self.name!r} gate_tolerance")
         apply_overrides(PipelineConfig(), self.overrides, f"{where}: dataset {self.name!r} overrides")
+        try:
+            self.config()  # the ranges that depend on another field's value in the layered config
+        except XCConfigError as exc:
+            raise XCConfigError(f"{where}: dataset {self.name!r}: {exc}") from None
         return self
+
+    def _check_propensity(self, key: str, where: str) -> None:
+        """Option ``key`` (``--propensity A B``) unset, 0 (by dataset family) or a finite number > 0."""
+        value = getattr(self, key)
+        try:
+            ok = value is None or (not isinstance(value, bool) and math.isfinite(float(value)) and float(value) >= 0)
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise XCConfigError(f"{where}: dataset {self.name!r} {key} (evaluate.{key}): expected a finite number "
+                                f">= 0 (0 = by dataset family), got {value!r}")
+
+    def family_propensity(self) -> tuple[float, float]:
+        """Propensity A / B when none is given: the registry's for a known public dataset, else by family."""
+        known = self.known
+        return (known.propensity_a, known.propensity_b) if known else default_propensity(self.name)
+
+    def propensity(self, a: float, b: float) -> tuple[float, float]:
+        """``a`` / ``b`` with 0 (documented as "by dataset family") replaced by :meth:`family_propensity`'s."""
+        fa, fb = self.family_propensity()
+        return (a or fa, b or fb)
 
     @property
     def known(self) -> KnownDataset | None:
@@ -134,7 +162,7 @@ class DatasetSpec:
         Unset options: the registry entry's values for a known public dataset, else defaults by name.
         """
         known = self.known
-        a, b = (known.propensity_a, known.propensity_b) if known else default_propensity(self.name)
+        a, b = self.propensity(self.propensity_a or 0.0, self.propensity_b or 0.0)  # unset or 0: by family
         text = self.text_fields
         if self.max_len:
             max_len = self.max_len
@@ -145,16 +173,20 @@ class DatasetSpec:
         return {
             "ingest.text": text,
             "tokenize.max_len": max_len,
-            "evaluate.propensity_a": a if self.propensity_a is None else self.propensity_a,
-            "evaluate.propensity_b": b if self.propensity_b is None else self.propensity_b,
+            "evaluate.propensity_a": a,
+            "evaluate.propensity_b": b,
         }
 
     def config(self, run_overrides: dict[str, Any] | None = None) -> PipelineConfig:
-        """Effective config: preset < strategy < dataset options < catalog overrides < run overrides."""
-        return resolve_config(self.preset, self.strategy,
-                              (f"dataset {self.name!r} options", self.option_overrides()),
-                              (f"catalog overrides of {self.name!r}", self.overrides),
-                              ("run config", run_overrides or {}))
+        """Effective config: preset < strategy < dataset options < catalog overrides < run overrides; an
+        ``evaluate.propensity_a/b`` of 0 set by a later layer means the dataset family's value, as unset."""
+        cfg = resolve_config(self.preset, self.strategy,
+                             (f"dataset {self.name!r} options", self.option_overrides()),
+                             (f"catalog overrides of {self.name!r}", self.overrides),
+                             ("run config", run_overrides or {}))
+        a, b = self.propensity(cfg.evaluate.propensity_a, cfg.evaluate.propensity_b)
+        cfg.evaluate = dataclasses.replace(cfg.evaluate, propensity_a=a, propensity_b=b)
+        return cfg
 
     def champion_tolerance(self, run_config: float | None = None) -> tuple[float, str]:
         """The champion gate's tolerance in percentage points and where it comes from: the run config's value

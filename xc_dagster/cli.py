@@ -47,7 +47,7 @@ from xc_dagster.commands.partitions import dagster_partitions
 from xc_dagster.config import PRESETS, parse_set_options
 from xc_dagster.config.run_config import run_config_for
 from xc_dagster.contract import METRICS
-from xc_dagster.errors import XCDatasetNotFound, XCError
+from xc_dagster.errors import XCConfigError, XCDatasetNotFound, XCError
 from xc_dagster.home import Home, venv_executable
 from xc_dagster.strategies import STRATEGIES, strategy_help
 
@@ -67,7 +67,11 @@ COMMAND_MODULES = {"plan": "xc_dagster.commands.plan",  # torch, transformers, f
 
 def checked_source(source: str) -> str:
     """``--source`` as the catalog stores it: a local path made absolute (``~`` expanded) and refused when it
-    does not exist, a ``file://`` URL refused when its path does not exist; other URLs and ``builtin:`` as given."""
+    does not exist, a ``file://`` URL refused when its path does not exist; other URLs and ``builtin:`` as given;
+    an empty one refused (as a path it would be the current directory)."""
+    if not source.strip():
+        raise XCConfigError(f"--source {source!r}: expected a dataset source (a folder, a file or a URI), "
+                            "got an empty value")
     parts = urlsplit(source)
     scheme = parts.scheme.lower()
     plain = scheme == "" or (len(scheme) == 1 and os.name == "nt")  # a path (or a Windows drive letter)
@@ -135,8 +139,12 @@ def cmd_remove(args: argparse.Namespace, home: Home) -> int:
 def materialize(home: Home, name: str, select: str = "*", overrides: Mapping[str, Any] | None = None) -> int:
     """Run ``dagster asset materialize`` for one partition with this home's Dagster instance; ``overrides``
     (``stage.field`` -> value, as ``--set`` gives them) go to that run's config only (``--config-json``)."""
-    Catalog(home.catalog).get(name)  # clear error before Dagster starts
+    spec = Catalog(home.catalog).get(name)  # clear error before Dagster starts
     run_config = run_config_for(overrides or {}, select)
+    try:
+        spec.config(dict(overrides or {}))  # the ranges that depend on another layer's value (evaluate.top_k)
+    except XCConfigError as exc:
+        raise XCConfigError(f"--set: {exc}") from None
     cmd = [venv_executable("dagster"), "asset", "materialize", "-m", "xc_dagster.definitions", "--select", select,
            "--partition", name]
     if run_config:
@@ -206,8 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     add.add_argument("--max-len", type=int,
                      help="token max_len (default: the registry's, else 32 for titles, 128 full text)")
     add.add_argument("--propensity", nargs=2, type=float, metavar=("A", "B"),
-                     help="propensity A B (default: the registry's, else by family: Amazon 0.6 2.6, "
-                          "Wiki 0.5 0.4, else 0.55 1.5)")
+                     help="propensity A B, each >= 0 (default, and 0: the registry's, else by family: Amazon "
+                          "0.6 2.6, Wiki 0.5 0.4, else 0.55 1.5)")
     add.add_argument("--sha256", help="hex SHA-256 of the source file/archive, verified before ingest")
     add.add_argument("--strategy", default="ngame", choices=sorted(STRATEGIES))
     add.add_argument("--preset", default="quick", choices=sorted(PRESETS))

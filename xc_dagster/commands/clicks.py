@@ -15,7 +15,7 @@ from xc_dagster.serving.retraining import register_click_dataset
 def run(args: argparse.Namespace, home: Home) -> int:
     """Click logs over a window -> ``$XC_HOME/clicklogs/NAME/<window-id>/`` (LF raw text); ``--register``
     points catalog entry NAME at it (other options of an existing entry are kept)."""
-    if not NAME_RE.match(args.name):
+    if not NAME_RE.fullmatch(args.name):
         raise XCConfigError(f"clicks build: dataset name {args.name!r} must match {NAME_RE.pattern}")
     start = parse_time(args.start) if args.start else None
     end = parse_time(args.end) if args.end else None

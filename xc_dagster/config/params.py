@@ -382,7 +382,7 @@ class EvaluateParams:
     """Evaluation on the test split with the XC repository's metrics."""
 
     ks: tuple[int, ...] = (1, 3, 5)
-    top_k: int = 100  # predictions kept per test point (>= max(ks) + room for filtered pairs)
+    top_k: int = 100  # predictions kept per test point (>= max(ks) and 10, + room for filtered pairs)
     propensity_a: float = 0.0  # 0 = by dataset family (Amazon 0.6, Wikipedia 0.5, else 0.55)
     propensity_b: float = 0.0  # 0 = by dataset family (Amazon 2.6, Wikipedia 0.4, else 1.5)
 

@@ -1,15 +1,18 @@
 """Presets and how overrides are layered: dataclass default < preset < strategy < dataset options < catalog
-overrides < run config, each ``stage.field`` name checked and each value coerced to the field's type."""
+overrides < run config, each ``stage.field`` name checked, each value coerced to the field's type and checked
+against the field's range (``bounds``)."""
 
 from __future__ import annotations
 
 import dataclasses
 import enum
 import functools
+import math
 import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, Mapping
 
+from xc_dagster.config.bounds import check_bounds, check_resolved
 from xc_dagster.config.params import (
     STAGES,
     ClassifierParams,
@@ -101,13 +104,16 @@ def _coerce(value: Any, typ: Any, where: str) -> Any:
             if isinstance(value, bool):
                 raise ValueError(value)
             f = float(value)
-            if f != int(f):
+            if not math.isfinite(f) or f != int(f):  # inf, 1e400 and nan are no int (int(inf) overflows)
                 raise ValueError(value)
             return int(f)
         if typ is float:
             if isinstance(value, bool):
                 raise ValueError(value)
-            return float(value)
+            f = float(value)
+            if not math.isfinite(f):  # no float field gives nan or inf a meaning
+                raise XCConfigError(f"config field {where!r}: expected a finite number, got {value!r}")
+            return f
         if typ is str:
             return str(value)
         if origin is tuple:
@@ -123,7 +129,7 @@ def _coerce(value: Any, typ: Any, where: str) -> Any:
             return tuple(_coerce(v, inner, where) for v in items)
     except XCConfigError:
         raise  # an item outside a fixed set: its message lists the allowed values
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise XCConfigError(f"config field {where!r}: expected {getattr(typ, '__name__', typ)}, got {value!r}")
     raise XCConfigError(f"config field {where!r}: unsupported type {typ}")
 
@@ -147,8 +153,10 @@ def apply_overrides(cfg: PipelineConfig, overrides: Mapping[str, Any], source: s
     for key, value in flat.items():
         if value is None:
             continue
-        if key in ("preset", "strategy"):
-            continue  # chosen before overrides are layered (see resolve_config)
+        if key in ("preset", "strategy"):  # chosen before overrides are layered: as an override it would be ignored
+            raise XCConfigError(
+                f"{source}: {key!r} is not a stage field, so it cannot be set as an override; choose the {key} with "
+                f"--{key} (xc-dagster datasets add NAME --source URI --replace --{key} {key.upper()})")
         stage, _, fname = key.partition(".")
         if stage not in STAGES:
             raise XCConfigError(f"{source}: unknown stage {stage!r} in {key!r}; stages are {', '.join(STAGES)}")
@@ -158,6 +166,7 @@ def apply_overrides(cfg: PipelineConfig, overrides: Mapping[str, Any], source: s
                 f"{source}: unknown field {key!r}; fields of {stage!r} are {', '.join(types)}")
         try:
             coerced = _coerce(value, types[fname], key)
+            check_bounds(key, coerced)
         except XCConfigError as exc:
             raise XCConfigError(f"{source}: {exc}") from None
         setattr(cfg, stage, dataclasses.replace(cfg.stage(stage), **{fname: coerced}))
@@ -180,13 +189,14 @@ def resolve_config(preset: str = "quick", strategy: str = "ngame",
     cfg = apply_overrides(cfg, STRATEGIES[strategy].settings(preset), f"strategy {strategy!r}")
     for source, overrides in layers:
         cfg = apply_overrides(cfg, overrides, source, explicit=True)
+    check_resolved(cfg)  # the ranges that depend on another field's final value
     return cfg
 
 
 def parse_set_options(items: list[str] | tuple[str, ...]) -> dict[str, str]:
     """Parse CLI ``--set stage.field=value`` items, checking every name and value now (an unknown field, a value
-    of the wrong type or outside a field's allowed set fails naming the field); the values stay the strings
-    given (they are coerced again at resolve time)."""
+    of the wrong type, outside a field's allowed set or range, ``preset`` or ``strategy`` fails naming the field);
+    the values stay the strings given (they are coerced again at resolve time)."""
     out: dict[str, str] = {}
     for item in items:
         key, sep, value = item.partition("=")

@@ -35,7 +35,8 @@ def run_config_for(overrides: Mapping[str, Any], select: str = "*") -> dict[str,
     for none. A field of a stage without an asset (``train``), or of an asset left out by a ``select`` of plain
     names (other selection syntax, ``*``, ``a+``, is Dagster's to resolve), fails naming it."""
     check_selection(select)
-    cfg = apply_overrides(PipelineConfig(), overrides, "--set")  # names, types and allowed values
+    # names, types, allowed values and ranges; `preset` / `strategy` fail there, advising --preset / --strategy
+    cfg = apply_overrides(PipelineConfig(), overrides, "--set")
     parts = {p.strip() for p in select.split(",")}
     selected = parts if all(PLAIN_ASSET.match(p) for p in parts) else None
     ops: dict[str, Any] = {}

@@ -95,9 +95,14 @@ class StageContext:
         ``settings``, the versions of every upstream artifact it reads and ``arrays`` (docs/decisions.md#kept-work)."""
         return KeptWork(self.checkpoint_dir(), fingerprint({**settings, "versions": self.read.versions()}, *arrays))
 
+    def propensity(self) -> tuple[float, float]:
+        """The configured propensity A / B (``evaluate.propensity_a/b``), 0 read as the dataset family's value (as
+        ``DatasetSpec.config`` resolves it; also for a config built another way)."""
+        return self.spec.propensity(self.cfg.evaluate.propensity_a, self.cfg.evaluate.propensity_b)
+
     def inv_prop(self, Y_train) -> np.ndarray:
-        """The labels' inverse propensities with the configured A / B (``evaluate.propensity_a/b``)."""
-        return inverse_propensity(Y_train, self.cfg.evaluate.propensity_a, self.cfg.evaluate.propensity_b)
+        """The labels' inverse propensities with :meth:`propensity`'s A / B."""
+        return inverse_propensity(Y_train, *self.propensity())
 
     def points_have_text(self) -> bool:
         """Whether the encoder has anything to read on the training points: a pre-tokenized layout, or some point

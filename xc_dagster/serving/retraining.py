@@ -137,7 +137,7 @@ def list_feeds(root: str) -> FeedListing:
         for d in sorted(local.iterdir()):
             if not d.is_dir() or d.name.startswith((".", "_")):
                 continue
-            if not NAME_RE.match(d.name):
+            if not NAME_RE.fullmatch(d.name):
                 out.ignored.append(d.name)
                 continue
             files: dict[str, FileSig] = {}
@@ -161,7 +161,7 @@ def list_feeds(root: str) -> FeedListing:
         name, _, inner = rel.partition("/")
         if not name or name.startswith((".", "_")):
             continue
-        if not NAME_RE.match(name):
+        if not NAME_RE.fullmatch(name):
             if name not in out.ignored:
                 out.ignored.append(name)
             continue
