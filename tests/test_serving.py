@@ -148,7 +148,8 @@ def test_bundle_reproduces_the_evaluation(built, tmp_path):
     fast = serving_bundle.write_bundle(built.ctx, tmp_path / "fast", shortlist_size=3, ef_search=16)
     assert fast["shortlist_size"] == 3 and fast["ef_search"] == 16 and fast["as_evaluated"] is False
     assert info["as_evaluated"] is True
-    ids_fast, _ = serving_bundle.predict_topk(built.ds.test_texts, serving_bundle.load_bundle(tmp_path / "fast", "cpu"), 10)
+    fast_bundle = serving_bundle.load_bundle(tmp_path / "fast", "cpu")
+    ids_fast, _ = serving_bundle.predict_topk(built.ds.test_texts, fast_bundle, 10)
     width = 3 * len(fast["sources"])  # at most 3 candidates from each source (ngame: W, label, knn)
     assert ((ids_fast >= 0).sum(1) <= width).all() and ((ids_fast >= 0).sum(1) >= 3).all()
 

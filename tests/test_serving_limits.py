@@ -7,8 +7,10 @@ alpha fusion, shortlist 50 per source): no pipeline run. Memory bounds are check
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -34,11 +36,11 @@ from tests.tinydata import WORDS, write_tiny_encoder
 from xc_dagster.encoders.encode import encode_tokens
 from xc_dagster.encoders.loading import load_encoder
 from xc_dagster.encoders.tokenizer import load_tokenizer, tokenize_texts
-from xc_dagster.errors import XCConfigError
+from xc_dagster.errors import XCConfigError, XCError
 from xc_dagster.retrieval.shortlist import build_sources
 from xc_dagster.retrieval.source_files import save_sources
 from xc_dagster.serving import bundle as serving_bundle
-from xc_dagster.serving.limits import MAX_TEXTS_ENV, RequestLimits, text_char_limit
+from xc_dagster.serving.limits import MAX_TEXTS_ENV, RequestLimits, cut_text, text_char_limit
 from xc_dagster.serving.registry import MODEL_CODE
 from xc_dagster.storage import save_json
 
@@ -150,6 +152,21 @@ def test_tokenizer_and_lexical_input_see_at_most_the_char_bound(bundle, monkeypa
     assert (ids >= 0).all()
 
 
+def test_whitespace_is_collapsed_before_the_cut(bundle):
+    """Whitespace runs of a text over the cut are collapsed first: they never push its words out of it."""
+    limit = text_char_limit(MAX_LEN)
+    padded = ["\n" * 1100 + "apple river", "apple" + " " * 1100 + "river", " \t" * 600 + "apple \n river  " * 2]
+    ids, scores = serving_bundle.predict_topk(padded, bundle, 10)
+    ref, ref_scores = serving_bundle.predict_topk(["apple river", "apple river", "apple river apple river"], bundle, 10)
+    np.testing.assert_array_equal(ids, ref)
+    np.testing.assert_allclose(scores, ref_scores, rtol=1e-5)
+    assert cut_text("apple  river", limit) == "apple  river"  # within the cut: read as it is, as evaluated
+    assert cut_text(" " * 10_000_000 + "apple", limit) == "apple"  # slices of the cut's size, not a copy
+    words = "stone  cloud\t" * 1000
+    assert cut_text(words, limit) == " ".join(words.split())[:limit] and len(cut_text(words, limit)) == limit
+    assert cut_text("ab" + " " * limit + "cd", 3) == "ab " and cut_text("a" * 5 + " b", 3) == "aaa"
+
+
 def test_texts_without_a_visible_character_get_no_labels(bundle):
     texts = ["", "   ", "\t\n\r", "\u200b\u00a0\u3000", "apple river", "x"]
     ids, scores = serving_bundle.predict_topk(texts, bundle, 10)
@@ -193,6 +210,48 @@ def test_request_caps(bundle, monkeypatch):
         monkeypatch.setenv(MAX_TEXTS_ENV, bad)
         with pytest.raises(XCConfigError, match=MAX_TEXTS_ENV):
             RequestLimits.from_env()
+
+
+def _set_info(**changes):
+    def change(folder: Path) -> None:
+        info = json.loads((folder / serving_bundle.SERVING_FILE).read_text())
+        info.update(changes)
+        (folder / serving_bundle.SERVING_FILE).write_text(json.dumps({k: v for k, v in info.items() if v is not None}))
+    return change
+
+
+def _npy(array: np.ndarray) -> bytes:
+    """``array`` as a .npy file's bytes (np.save would add .npy to a name such as W.index)."""
+    buf = io.BytesIO()
+    np.save(buf, array)
+    return buf.getvalue()
+
+
+def _truncate(name: str):
+    def change(folder: Path) -> None:
+        with open(folder / name, "r+b") as fh:
+            fh.truncate(1000)
+    return change
+
+
+@pytest.mark.parametrize("damage, match", [
+    (lambda d: np.save(d / "inv_prop.npy", np.ones(5)), r"inv_prop.npy: shape \(5,\), expected \(2000,\)"),
+    (lambda d: np.save(d / "label_emb.npy", np.load(d / "label_emb.npy")[:100]),
+     r"label_emb.npy: shape \(100, 32\), expected \(2000, 32\)"),
+    (lambda d: np.save(d / "W.npy", np.ones((L, 7), np.float32)), r"W.npy: shape \(2000, 7\), expected \(2000, 32\)"),
+    (lambda d: (d / "W.index").write_bytes(_npy(np.ones((L, 7), np.float32))),
+     r"W.index: shape \(2000, 7\), expected \(2000, 32\)"),
+    (_set_info(shortlist_size=0), "serving.json: 'shortlist_size': expected int >= 1, got 0"),
+    (_set_info(pooling=None), "serving.json: 'pooling': expected str, got None \\(missing\\)"),
+    (_truncate("label_emb.npy"), "label_emb.npy: cannot be read"),
+    (lambda d: (d / "fusion.json").unlink(), "fusion.json: missing"),
+    (lambda d: (d / "labels.parquet").write_text("not parquet"), "labels.parquet: cannot be read"),
+])
+def test_a_damaged_bundle_fails_at_load_naming_the_file_or_field(bundle_dir, tmp_path, damage, match):
+    bad = Path(shutil.copytree(bundle_dir, tmp_path / "bundle"))
+    damage(bad)
+    with pytest.raises(XCError, match=match):
+        serving_bundle.load_bundle(bad, "cpu")
 
 
 # ------------------------------------------------------------- MLflow's scoring server, over real HTTP

@@ -59,15 +59,12 @@ from xc_dagster.retrieval.ann import LabelIndex, saved_kind
 from xc_dagster.retrieval.files import CENTROID_FILE, COOCCURRENCE_FILE, INDEX_FILES, KNN_LABELS_FILE
 from xc_dagster.retrieval.fusion import load_fusion
 from xc_dagster.retrieval.lexical import LEXICAL_DIR, read_config
-from xc_dagster.retrieval.shortlist import (
-    ShortlistSources,
-    retrieve,
-    topk_from_scores,
-)
+from xc_dagster.retrieval.shortlist import ShortlistSources, retrieve, topk_from_scores
 from xc_dagster.retrieval.source_files import load_sources
 from xc_dagster.retrieval.votes import fitted_votes, votes_record, with_fitted_votes
+from xc_dagster.serving.bundle_checks import check_parts, read_array, read_info, read_part
 from xc_dagster.serving.limits import RequestLimits, cut_texts, has_content
-from xc_dagster.serving.requests import FEATURES_COLUMN, input_features, input_texts, param_k
+from xc_dagster.serving.requests import FEATURES_COLUMN, check_counts, input_features, input_texts, param_k
 from xc_dagster.storage import load_json, save_json
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -115,6 +112,11 @@ class ServingBundle:
     @property
     def num_features(self) -> int:
         return int(self.info.get("num_features", 0))
+
+    @property
+    def counts(self) -> bool:
+        """Whether its lexical TF-IDF was fitted on counts (sublinear tf): a feature row's values must be counts."""
+        return bool(getattr(getattr(self.sources.lexical, "model", None), "sublinear_tf", False))
 
     @property
     def max_k(self) -> int:
@@ -237,7 +239,7 @@ def write_bundle(ctx: "StageContext", out: Path, default_k: int = 10, shortlist_
         "as_evaluated": (not shortlist_size or shortlist_size == ctx.cfg.index.shortlist_size)
                         and (not ef_search or ef_search == ctx.cfg.index.hnsw_ef_search) and not graphs,
         "num_labels": int(idx_summary["labels"]), "dim": int(idx_summary["dim"]), "default_k": int(default_k),
-        "propensity_a": ctx.cfg.evaluate.propensity_a, "propensity_b": ctx.cfg.evaluate.propensity_b,
+        **dict(zip(("propensity_a", "propensity_b"), ctx.propensity())),  # the A / B used (a 0 = by family)
         "input": serving_input(ctx),
     }
     if info["input"] == "features":  # requests: feature vectors of the dataset's columns (serving.requests)
@@ -247,40 +249,38 @@ def write_bundle(ctx: "StageContext", out: Path, default_k: int = 10, shortlist_
 
 
 def load_bundle(folder: str | Path, device: str | torch.device | None = None) -> ServingBundle:
-    """Load a bundle folder (no pickle: safetensors, .npy, faiss files, JSON, Parquet).
+    """Load a bundle folder (no pickle: safetensors, .npy, faiss files, JSON, Parquet), checked
+    (``xc_dagster.serving.bundle_checks``: a damaged or inconsistent bundle fails here, naming the file or field).
 
     ``device``: ``auto`` (CUDA when present), ``cpu`` or ``cuda``; default ``$XC_SERVING_DEVICE`` or auto.
     Autocast follows the ``pretrain.amp`` value the model was evaluated with, on this device.
     """
     folder = Path(folder)
-    path = folder / SERVING_FILE
-    if not path.is_file():
-        raise XCError(f"serving bundle {folder}: no {SERVING_FILE}; not a bundle written by write_bundle")
-    info = load_json(path)
-    if info.get("format") != BUNDLE_FORMAT:
-        raise XCError(f"serving bundle {path}: format {info.get('format')!r}, this code reads {BUNDLE_FORMAT}")
+    info = read_info(folder / SERVING_FILE, BUNDLE_FORMAT)
     dev = device if isinstance(device, torch.device) else resolve_device(device or os.environ.get(DEVICE_ENV)
                                                                           or "auto")
-    encoder = load_encoder(str(folder / "encoder"), info["pooling"]).to(dev).eval()
-    tokenizer = load_tokenizer(str(folder / "encoder"))
+    encoder = read_part(folder / "encoder", lambda p: load_encoder(str(p), info["pooling"])).to(dev).eval()
+    tokenizer = read_part(folder / "encoder", lambda p: load_tokenizer(str(p)))
     kind, efs = info["index_kind"], int(info["ef_search"])
-    labels = pq.read_table(folder / "labels.parquet", columns=["text"]).column("text").to_pylist()
-    label_texts = np.array(["" if t is None else t for t in labels], dtype=object)
-    W = np.load(folder / "W.npy", allow_pickle=False, mmap_mode="r")  # served from the W index's copy when it has one
-    if len(label_texts) != len(W):
-        raise XCError(f"serving bundle {folder}: {len(label_texts)} label texts for {len(W)} classifiers")
-    fusion_file = load_json(folder / "fusion.json")
-    sources = load_sources(folder, tuple(info.get("sources", ("W", "label"))), info.get("label_repr", "text"), kind,
-                           efs, W, np.load(folder / "label_emb.npy", allow_pickle=False, mmap_mode="r"),
-                           int(info.get("knn_neighbours", 0)), knn_power=float(info.get("knn_power", 1.0)),
-                           dense=bool(info.get("dense", True)))
-    return ServingBundle(
+    labels = read_part(folder / "labels.parquet", lambda p: pq.read_table(p, columns=["text"]).column("text"))
+    label_texts = np.array(["" if t is None else t for t in labels.to_pylist()], dtype=object)
+    W = read_array(folder / "W.npy", mmap=True)  # served from the W index's copy when it has one
+    if W.ndim != 2 or len(label_texts) != len(W):
+        raise XCError(f"serving bundle {folder}: {len(label_texts)} label texts for W.npy of shape {W.shape}")
+    fusion_file, label_emb = read_part(folder / "fusion.json", load_json), read_array(folder / "label_emb.npy", True)
+    sources = read_part(folder, lambda p: load_sources(
+        p, tuple(info.get("sources", ("W", "label"))), info.get("label_repr", "text"), kind, efs, W, label_emb,
+        int(info.get("knn_neighbours", 0)), knn_power=float(info.get("knn_power", 1.0)),
+        dense=bool(info.get("dense", True))))
+    bundle = ServingBundle(
         encoder=encoder, tokenizer=tokenizer, max_len=int(info["max_len"]),
         sources=with_fitted_votes(sources, fusion_file),  # the kNN votes the fusion was fitted with, as evaluated
-        fusion=load_fusion(fusion_file),
-        inv_prop=np.load(folder / "inv_prop.npy", allow_pickle=False), label_texts=label_texts,
+        fusion=read_part(folder / "fusion.json", lambda _: load_fusion(fusion_file)),
+        inv_prop=read_array(folder / "inv_prop.npy"), label_texts=label_texts,
         shortlist_size=int(info["shortlist_size"]), device=dev, dtype=amp_dtype(dev, info.get("amp", "auto")),
         batch_size=int(info.get("encode_batch_size", 256)), default_k=int(info.get("default_k", 10)), info=info)
+    check_parts(bundle, folder, label_emb, encode_texts([""], bundle).shape[1])  # the encoder's width
+    return bundle
 
 
 # --------------------------------------------------------------------------------------------- inference
@@ -342,6 +342,7 @@ def predict_features(X: Any, bundle: ServingBundle, k: int) -> tuple[np.ndarray,
         raise XCError("this model reads text (column 'text'), not feature vectors")
     X = sp.csr_matrix(X, dtype=np.float32)
     X.eliminate_zeros()
+    check_counts(X, bundle.counts)
     keep = np.flatnonzero(np.diff(X.indptr))
     width = min(max(int(k), 1), bundle.max_k)
     ids = np.full((X.shape[0], width), -1, dtype=np.int64)
@@ -389,8 +390,8 @@ class XCModel(mlflow.pyfunc.PythonModel):
         try:  # the caller's mistakes: a client error (HTTP 400), with our message, not a server error
             k = param_k(params, self.bundle.default_k)
             if self.bundle.input == "features":
-                ids, scores = predict_features(input_features(model_input, self.bundle.num_features, self.limits),
-                                               self.bundle, k)
+                X = input_features(model_input, self.bundle.num_features, self.limits, self.bundle.counts)
+                ids, scores = predict_features(X, self.bundle, k)
             else:
                 ids, scores = predict_topk(input_texts(model_input, self.limits), self.bundle, k)
         except XCError as e:

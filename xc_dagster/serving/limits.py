@@ -4,7 +4,8 @@ A served model reads untrusted input; each bound keeps one request's time and me
 model can use (docs/serving-and-retraining.md, "Input limits"; docs/decisions.md#serving-input-bounds):
 
 - a text is cut to ``max_len * MAX_CHARS_PER_TOKEN`` characters before it is tokenized (the encoder reads at most
-  ``max_len`` tokens of it anyway), and the lexical source reads the same cut text;
+  ``max_len`` tokens of it anyway), and the lexical source reads the same cut text; a longer text has its
+  whitespace runs collapsed to one space (and stripped) first, so whitespace never pushes its words out of the cut;
 - a text with no visible character (empty, whitespace, control or format characters only) gets no labels;
 - ``bytes`` are decoded as UTF-8 (strict: invalid bytes are refused, naming the row), never ``str(bytes)``;
 - a request holds at most ``$XC_SERVING_MAX_TEXTS`` texts and ``$XC_SERVING_MAX_REQUEST_CHARS`` characters;
@@ -42,10 +43,32 @@ def text_char_limit(max_len: int) -> int:
     return max(1, int(max_len)) * MAX_CHARS_PER_TOKEN
 
 
+def cut_text(text: str, limit: int) -> str:
+    """``text`` when it holds at most ``limit`` characters; else its words (whitespace runs collapsed to one space,
+    stripped) cut to ``limit`` characters. Read in slices of ``limit`` characters until the words fill it, so a
+    text of mostly whitespace costs one pass over it and ``limit``-sized pieces, never a copy or a word list of
+    all of it (a word cut by a slice's end is joined again: no space is put between slices without one)."""
+    if len(text) <= limit:  # read as the tokenize stage reads training and test texts
+        return text
+    out, chars, space = [], 0, False  # space: the previous slice ended in whitespace
+    for start in range(0, len(text), limit):
+        part = text[start:start + limit]
+        words = part.split()
+        if words:
+            piece = " ".join(words)
+            out.append(" " + piece if out and (space or part[0].isspace()) else piece)
+            chars += len(out[-1])
+            if chars >= limit:
+                break
+        space = part[-1].isspace()
+    return "".join(out)[:limit]
+
+
 def cut_texts(texts: Sequence[str], max_len: int) -> list[str]:
-    """Each text cut to :func:`text_char_limit` characters (a shorter text is returned as it is)."""
+    """Each text cut to :func:`text_char_limit` characters by :func:`cut_text` (a shorter text is returned as it
+    is)."""
     limit = text_char_limit(max_len)
-    return [t[:limit] for t in texts]
+    return [cut_text(t, limit) for t in texts]
 
 
 def has_content(text: str) -> bool:
@@ -95,7 +118,10 @@ class RequestLimits:
 
     def check_chars(self, texts: Sequence[str], unit: str = "texts") -> None:
         """Raise :class:`XCRequestError` when ``texts`` hold more than ``max_chars`` characters together."""
-        chars = sum(len(t) for t in texts)
+        self.check_total(sum(len(t) for t in texts), unit)
+
+    def check_total(self, chars: int, unit: str = "texts") -> None:
+        """Raise :class:`XCRequestError` when a request of ``chars`` characters is over ``max_chars``."""
         if chars > self.max_chars:
             raise XCRequestError(f"request of {chars} characters: at most {self.max_chars} per request "
                                  f"(${MAX_CHARS_ENV}); split it or send shorter {unit}")
