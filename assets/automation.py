@@ -5,8 +5,9 @@ the Dagster daemon, which ``dagster dev`` starts with the webserver). See ``docs
 (resource ``clicklogs``); for each dataset folder with new or changed files (a drop) builds the dataset
 from them, points its catalog entry at it and requests a pipeline run of that partition (run key unique per
 drop: a drop never trains twice). Its cursor records the files consumed. A drop that fails to build (a
-bad file) is not consumed: the tick fails with the file and line, and the drop is retried once the file is
-fixed or removed.
+bad file, named with its line, or any other error) is not consumed and is logged; the other feeds' drops
+still build and run, and when no drop was built the tick fails with those errors. A failed drop is retried
+once the file is fixed or removed.
 
 ``retrain_schedule``: on ``$XC_RETRAIN_CRON`` (default ``0 3 * * *``, in ``$XC_RETRAIN_TIMEZONE``, default
 UTC) requests a pipeline run for every partition whose source changed since its last ingest.
@@ -87,9 +88,10 @@ def build_click_log_sensor(job: dg.UnresolvedAssetJobDefinition,
             try:
                 info = build_drop(h, root, drop, min_clicks=clicklogs.min_clicks,
                                   test_fraction=clicklogs.test_fraction)
-            except XCError as e:
-                errors.append(f"{drop.name}: {e}")
-                context.log.error(f"click-log drop of {drop.name} not built: {e}")
+            except Exception as e:  # any failure is this feed's alone: the other feeds' drops still build and run
+                why = str(e) if isinstance(e, XCError) else f"{type(e).__name__}: {e}"
+                errors.append(f"{drop.name}: {why}")
+                context.log.error(f"click-log drop of {drop.name} not built: {why}")
                 continue
             seen.setdefault(drop.name, {}).update(drop.consumed())
             if drop.name not in known:

@@ -207,6 +207,32 @@ def test_sensor_reads_an_fsspec_feed_root(home, monkeypatch):
         fs.rm("/xc-feed", recursive=True)
 
 
+def test_a_feed_whose_build_raises_leaves_the_other_feeds_running(home, monkeypatch):
+    """Any exception from one feed's build (not only an XCError) is that feed's: logged and not consumed, while
+    the feeds built before and after it in the same tick are requested and consumed."""
+    import assets.automation as automation
+    from xc_dagster.definitions import build_definitions
+
+    inbox = home.root / retraining.INBOX
+    for name in ("alpha", "beta", "shop"):
+        write_drop(inbox / name / "a.jsonl", day=1)
+    real = automation.build_drop
+
+    def build_drop(h, root, drop, **kw):
+        if drop.name == "beta":
+            raise RuntimeError("disk on fire")
+        return real(h, root, drop, **kw)
+
+    monkeypatch.setattr(automation, "build_drop", build_drop)
+    defs = build_definitions(home)
+    instance = dg.DagsterInstance.local_temp()
+    res = _tick(defs, home, None, instance)
+    assert [r.partition_key for r in res.run_requests] == ["alpha", "shop"]
+    assert sorted(json.loads(res.cursor)["seen"]) == ["alpha", "shop"]  # beta's file is retried
+    with pytest.raises(Exception, match=r"click-log sensor.*beta: RuntimeError: disk on fire"):
+        _tick(defs, home, res.cursor, instance)  # alone, it fails the tick with the feed and the error
+
+
 def test_pending_drops_and_cursor_unit():
     sig = retraining.FileSig
     listing = retraining.FeedListing("/r", feeds={"a": {"x.csv": sig(10, "1", 1.0), "y.csv": sig(5, "2", 2.0)}})

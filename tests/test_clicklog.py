@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -18,10 +19,11 @@ from xc_dagster.catalog import Catalog
 from xc_dagster.cli import main as cli_main
 from xc_dagster.data import clicklog, read_dataset
 from xc_dagster.data.clicklog import build_click_dataset, load_label_map, window_id
-from xc_dagster.data.clicklog_reader import read_click_log
+from xc_dagster.data.clicklog_reader import MAX_COUNT, read_click_log
 from xc_dagster.errors import XCConfigError, XCError, XCFormatError
 from xc_dagster.home import Home
 from xc_dagster.pipeline import StageContext, run_all
+from xc_dagster.serving import retraining
 from xc_dagster.storage import ArtifactStore, stage_leftovers
 
 UTC = timezone.utc
@@ -285,6 +287,13 @@ GOOD = "red shoes,,shoe,2,2024-01-01T00:00:00Z"
     ("q,,shoe,1,", "a 'timestamp'"),
     ("q,,shoe,1,yesterday", "'timestamp' as ISO-8601"),
     ("q,,shoe,1,2024-13-45", "'timestamp' as ISO-8601"),
+    ("q,,shoe,1,now", "'timestamp' as ISO-8601"),  # pandas reads now/today as the wall clock
+    ("q,,shoe,1,today", "'timestamp' as ISO-8601"),
+    ("q,,shoe,1,2999-01-01", "'timestamp' as ISO-8601 text or epoch seconds/milliseconds, from 1677-09-22"),
+    ("q,,shoe,1,1e300", "'timestamp' as ISO-8601"),
+    ("q,,shoe,9223372036854775807,2024-01-01", f"'clicks' to be a positive integer (>= 1, at most {MAX_COUNT})"),
+    (f"q,,shoe,{MAX_COUNT + 1},2024-01-01", "'clicks' to be a positive integer"),
+    ("q,1e20,,1,2024-01-01", f"'label_id' to be a non-negative integer (at most {MAX_COUNT})"),
 ])
 def test_bad_csv_rows_name_file_and_line(tmp_path, bad, expected):
     p = tmp_path / "log.csv"
@@ -329,6 +338,114 @@ def test_bad_jsonl_and_parquet_rows(tmp_path):
         read_click_log(bad)
     with pytest.raises(XCFormatError, match="click-log file ending in"):
         read_click_log(tmp_path / "log.txt")
+
+
+def _jsonl_error(path: Path, bad: str) -> XCFormatError:
+    """The error of a JSON-lines log whose line 3 is ``bad`` (line 2 blank, lines 1 and 4 good)."""
+    good = '{"query": "a", "label_id": 0, "clicks": 2, "timestamp": "2024-01-02"}'
+    path.write_text(f"{good}\n\n{bad}\n{good}\n")
+    with pytest.raises(XCFormatError) as e:
+        read_click_log(path)
+    assert e.value.path == str(path) and e.value.line == 3
+    return e.value
+
+
+@pytest.mark.parametrize("bad,expected,got", [
+    ('{"query": "q", "label_id": true, "timestamp": "2024-01-01"}', "'label_id' to be a non-negative", "True"),
+    ('{"query": "q", "label": "x", "clicks": true, "timestamp": "2024-01-01"}', "'clicks' to be a positive", "True"),
+    ('{"query": "q", "label": "x", "clicks": [2], "timestamp": "2024-01-01"}', "'clicks' to be a positive", "[2]"),
+    ('{"query": {"text": "b"}, "label": "x", "timestamp": "2024-01-01"}', "'query' as text", "{'text': 'b'}"),
+    ('{"query": 7.5, "label": "x", "timestamp": "2024-01-01"}', "'query' as text", "7.5"),
+    ('{"query": "q", "label": 42.0, "timestamp": "2024-01-01"}', "'label' as text", "42.0"),
+    ('{"query": "q", "label": ["l0", "l1"], "timestamp": "2024-01-01"}', "'label' as text", "['l0', 'l1']"),
+    ('{"query": "q", "label": "x", "timestamp": true}', "'timestamp' as ISO-8601", "True"),
+    ('{"query": "q", "label": "x", "timestamp": {"t": 1}}', "'timestamp' as ISO-8601", "{'t': 1}"),
+    # past 64 bits: pandas' JSON reader refuses the file, the line is still named
+    ('{"query": "q", "label": "x", "clicks": 18446744073709551616, "timestamp": "2024-01-01"}',
+     "'clicks' to be a positive integer", "18446744073709551616"),
+], ids=["label_id-true", "clicks-true", "clicks-list", "query-object", "query-float", "label-float", "label-list", "timestamp-true",
+        "timestamp-object", "clicks-past-64-bits"])
+def test_jsonl_values_of_the_wrong_type_name_file_line_and_field(tmp_path, bad, expected, got):
+    e = _jsonl_error(tmp_path / "log.jsonl", bad)
+    assert e.expected.startswith(expected) and e.got == got
+
+
+def test_integer_label_names_are_read_as_their_text(tmp_path):
+    """Label names that are numbers (product ids) in a Parquet int column, or JSON integers, name the labels whose
+    text is those digits; only floats, true/false, objects and lists are refused."""
+    p = tmp_path / "log.parquet"
+    pd.DataFrame({"query": ["a", "b"], "label": [12345, 7], "timestamp": ["2024-01-02", "2024-01-03"]}).to_parquet(p)
+    j = tmp_path / "log.jsonl"
+    j.write_text('{"query": "a", "label": 12345, "timestamp": "2024-01-02"}\n'
+                 '{"query": "b", "label": "7", "timestamp": "2024-01-03"}\n')
+    for path in (p, j):
+        assert read_click_log(path)["label"].tolist() == ["12345", "7"]
+
+
+def test_a_parquet_timestamp_past_2262_names_its_row(tmp_path):
+    p = tmp_path / "log.parquet"
+    pd.DataFrame({"query": ["a", "b"], "label": ["x", "y"],
+                  "timestamp": pd.to_datetime(["2024-01-02", "2999-01-01"]).as_unit("us")}).to_parquet(p)
+    with pytest.raises(XCFormatError) as e:
+        read_click_log(p)
+    assert e.value.path == str(p) and e.value.line == 2 and "from 1677-09-22 to 2262-04-11" in e.value.expected
+
+
+def test_clicks_summing_past_the_maximum_name_the_row(tmp_path):
+    """Each row is in range, but the (query, label) total would wrap an int64 and drop the query."""
+    a = write_csv(tmp_path / "a.csv", [("q", None, "x", MAX_COUNT, "2024-01-01"), ("r", None, "x", MAX_COUNT,
+                                                                                   "2024-01-02")])
+    s = build_click_dataset([a], tmp_path / "ok")
+    assert s["clicks_in_window"] == 2 * MAX_COUNT and s["n_queries_dropped"] == 0  # exact, over two pairs
+    b = write_csv(tmp_path / "b.csv", [("r", None, "y", 1, "2024-01-03"), ("q", None, "x", 1, "2024-01-04")])
+    with pytest.raises(XCFormatError) as e:
+        build_click_dataset([a, b], tmp_path / "out")
+    assert e.value.path == str(b) and e.value.line == 3 and "'clicks' of query 'q'" in e.value.expected
+    assert f"total at most {MAX_COUNT}" in e.value.expected and not (tmp_path / "out").exists()
+
+
+def test_jsonl_keeps_a_raw_line_separator_inside_a_string(tmp_path):
+    """U+2028 is legal raw inside a JSON string; str.splitlines() would cut the line there."""
+    p = tmp_path / "log.jsonl"
+    rows = [{"query": "red\u2028shoes", "label": "x", "timestamp": "2024-01-01"},
+            {"query": "b", "label": "y", "timestamp": "2024-01-02"}, {"query": "c", "timestamp": "2024-01-03"}]
+    p.write_text("\r\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\r\n", encoding="utf-8")
+    with pytest.raises(XCFormatError) as e:  # line numbers stay the file's
+        read_click_log(p)
+    assert e.value.line == 3 and "label" in e.value.expected
+    p.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows[:2]), encoding="utf-8")
+    assert read_click_log(p)["query"].tolist() == ["red\u2028shoes", "b"]
+
+
+@pytest.mark.parametrize("remote", [False, True])
+def test_a_feed_file_named_like_a_glob_is_read_as_named(tmp_path, remote):
+    """A new ``day[1].csv`` next to a consumed ``day1.csv``: the drop holds the new file's clicks, not day1's."""
+    import fsspec
+
+    old = b"query,label,timestamp\nOLD1,old,2024-01-01\nOLD2,old,2024-01-02\n"
+    new = b"query,label,timestamp\nNEW1,new,2024-02-01\nNEW2,new,2024-02-02\n"
+    fs, root = fsspec.filesystem("memory"), "memory://glob-feed"
+    if remote:
+        fs.pipe("/glob-feed/shop/day1.csv", old)
+        fs.pipe("/glob-feed/shop/day[1].csv", new)
+    else:
+        root = str(tmp_path / "inbox")
+        (tmp_path / "inbox" / "shop").mkdir(parents=True)
+        (tmp_path / "inbox" / "shop" / "day1.csv").write_bytes(old)
+        (tmp_path / "inbox" / "shop" / "day[1].csv").write_bytes(new)
+    try:
+        listing = retraining.list_feeds(root)
+        seen = {"shop": {"day1.csv": listing.feeds["shop"]["day1.csv"].key()}}
+        drops, _ = retraining.pending_drops(listing, seen, now=time.time())
+        assert list(drops[0].new) == ["day[1].csv"]
+        info = retraining.build_drop(Home(tmp_path / "home"), root, drops[0])
+    finally:
+        if remote:
+            fs.rm("/glob-feed", recursive=True)
+    assert [Path(f).name for f in info["files"]] == ["day[1].csv"] and info["rows_read"] == 2
+    folder = Path(info["folder"])
+    assert {**_points(folder, "trn"), **_points(folder, "tst")} == {"NEW1": {0: 1}, "NEW2": {0: 1}}
+    assert load_label_map(folder) == ["new"]
 
 
 # ---------------------------------------------------------------------------------------- atomicity

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from xc_dagster.data.clicklog_reader import expand_log_paths, read_click_log
+from xc_dagster.data.clicklog_reader import MAX_COUNT, expand_log_paths, read_click_log
 from xc_dagster.errors import XCConfigError, XCDatasetNotFound, XCError, XCFormatError
 from xc_dagster.storage import atomic_dir
 
@@ -156,6 +156,27 @@ def _assign_label_ids(log: pd.DataFrame, files: list[Path], old_texts: list[str]
     return new_texts
 
 
+def _check_click_sums(log: pd.DataFrame, files: list[Path]) -> None:
+    """Refuse a (query, label) whose clicks in the window pass MAX_COUNT (an int64 sum of them could wrap and
+    drop the query as under min_clicks), naming the row where its running total passes it."""
+    clicks = log["clicks"].astype("float64")
+    if clicks.sum() <= MAX_COUNT:  # no sum can pass it
+        return
+    # float64 running totals are exact below 2**53, so the first one past MAX_COUNT is found exactly
+    over = (clicks.groupby([log["query"], log["lid"]], sort=False).cumsum() > MAX_COUNT).to_numpy()
+    if over.any():
+        i = int(np.argmax(over))
+        raise XCFormatError(files[int(log["file"].iat[i])], int(log["row"].iat[i]),
+                            f"the 'clicks' of query {log['query'].iat[i]!r} on label {int(log['lid'].iat[i])} in "
+                            f"the window to total at most {MAX_COUNT}",
+                            got=f"this row's {log['clicks'].iat[i]} clicks take the total past it")
+
+
+def _total(clicks: pd.Series) -> int:
+    """The exact sum of click counts (Python ints when an int64 sum could wrap)."""
+    return int(clicks.sum()) if float(clicks.astype("float64").sum()) < 2.0**62 else sum(map(int, clicks))
+
+
 def _split_queries(log: pd.DataFrame, min_clicks: int, test_fraction: float,
                    files: list[Path], window: str) -> tuple[pd.Series, pd.DataFrame, pd.DataFrame]:
     """One point per query, positives = labels with >= min_clicks clicks in the window; deterministic time
@@ -200,19 +221,21 @@ def _label_table(label_texts: list[str]) -> pd.DataFrame:
 
 def build_click_dataset(log_paths: Sequence[Path | str], out_folder: Path, *, start: datetime | None = None,
                         end: datetime | None = None, label_map: Path | str | None = None,
-                        test_fraction: float = 0.2, min_clicks: int = 1) -> dict[str, Any]:
+                        test_fraction: float = 0.2, min_clicks: int = 1, literal_paths: bool = False) -> dict[str, Any]:
     """Turn click logs over ``[start, end)`` into an LF raw-text dataset folder; returns a summary.
 
     ``label_map``: the previous window's ``label_map.json`` (or its folder); its ids are kept and new label
-    texts are appended after them, ordered by first click time then text.
+    texts are appended after them, ordered by first click time then text. ``literal_paths``: the paths are
+    files or folders as named, never glob patterns (a file may be called ``day[1].csv``).
     """
     t_start, t_end = _check_options(test_fraction, min_clicks, start, end)
-    files = expand_log_paths(log_paths)
+    files = expand_log_paths(log_paths, literal=literal_paths)
     old_texts = load_label_map(label_map)
     n_old = len(old_texts)
     log, n_read = _read_window(files, t_start, t_end)
     new_texts = _assign_label_ids(log, files, old_texts, label_map)
     label_texts = old_texts + new_texts
+    _check_click_sums(log, files)
     first, pairs, queries = _split_queries(log, min_clicks, test_fraction, files, window_id(start, end))
     points = _point_table(queries, pairs)
     labels = _label_table(label_texts)
@@ -224,7 +247,7 @@ def build_click_dataset(log_paths: Sequence[Path | str], out_folder: Path, *, st
               "end": None if t_end is None else t_end.isoformat(), "id": window_id(start, end)}
     summary: dict[str, Any] = {
         "window": window, "files": [str(f) for f in files], "rows_read": n_read, "rows_in_window": len(log),
-        "clicks_in_window": int(log["clicks"].sum()), "n_queries": n_q, "n_train": len(trn), "n_test": len(tst),
+        "clicks_in_window": _total(log["clicks"]), "n_queries": n_q, "n_train": len(trn), "n_test": len(tst),
         "n_labels": len(label_texts), "n_previous_labels": n_old, "n_new_labels": len(new_texts),
         "n_positives": len(pairs), "n_queries_dropped": int(first.shape[0] - n_q), "min_clicks": int(min_clicks),
         "test_fraction": float(test_fraction),

@@ -297,7 +297,8 @@ def _local_files(home: Home, root: str, drop: Drop) -> list[Path]:
         dst.parent.mkdir(parents=True, exist_ok=True)
         tmp = dst.with_name(f".{dst.name}.part")
         try:
-            fs.get(f"{base.rstrip('/')}/{drop.name}/{rel}", str(tmp))
+            # get_file copies the one path as named; get() would expand a name like day[1].csv as a glob
+            fs.get_file(f"{base.rstrip('/')}/{drop.name}/{rel}", str(tmp))
         except Exception as e:
             raise XCError(f"click-log feed {root}: cannot copy {drop.name}/{rel} ({type(e).__name__}: {e})") from e
         os.replace(tmp, dst)
@@ -315,7 +316,7 @@ def build_drop(home: Home, root: str, drop: Drop, *, min_clicks: int = 1,
     paths = _local_files(home, root, drop)
     try:
         summary = build_click_dataset(paths, out, label_map=previous, test_fraction=test_fraction,
-                                      min_clicks=min_clicks)
+                                      min_clicks=min_clicks, literal_paths=True)  # file names, not patterns
     finally:
         if local_path(root) is None:
             shutil.rmtree(home.cache / "clicklog-feeds" / drop.name / drop.digest, ignore_errors=True)
