@@ -1,6 +1,8 @@
 """Checkpoints under kills and damage: a trainer SIGKILLed inside a checkpoint write resumes from the last whole
 one to the uninterrupted result; a truncated or bit-flipped ``state.pt`` is logged by name, moved aside and
-training starts over instead of failing every rerun (issue 27, item 7)."""
+training starts over instead of failing every rerun (issue 27, item 7); so is one flipped in the zip's directory or
+end records, which no zip CRC covers, and one without its recorded SHA-256; two runs of one stage never tear each
+other's checkpoint."""
 
 from __future__ import annotations
 
@@ -11,12 +13,13 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import scipy.sparse as sp
 import torch
 
 from tests.tinydata import kill_at_marker
 from xc_dagster.config import ClassifierParams
-from xc_dagster.training.checkpoint import CORRUPT, STATE, Checkpointer, fingerprint
+from xc_dagster.training.checkpoint import CORRUPT, HASHES, STATE, TMP, Checkpointer, fingerprint
 from xc_dagster.training.classifier import train_classifiers
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -92,11 +95,11 @@ def test_a_trainer_killed_inside_a_checkpoint_write_resumes_to_the_uninterrupted
     child = subprocess.Popen([sys.executable, "-c", CHILD, str(folder)], cwd=ROOT, stdout=subprocess.PIPE,
                              text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     kill_at_marker(child, "mid-write")
-    part = folder / f"{STATE}.tmp"
-    assert part.exists() and part.stat().st_size < (folder / STATE).stat().st_size  # killed mid-write
+    (part,) = folder.glob(f"{TMP}*")
+    assert part.stat().st_size < (folder / STATE).stat().st_size  # killed mid-write
     assert checkpointer(folder).load().epoch == 2  # the last whole checkpoint
     W, summary = _train(folder)
-    assert summary["resumed_from_epoch"] == 2
+    assert summary["resumed_from_epoch"] == 2 and not list(folder.glob(f"{TMP}*"))  # the leftover swept
     assert np.array_equal(W, W_full)
 
 
@@ -129,3 +132,89 @@ def test_a_flipped_byte_that_torch_load_reads_silently_is_caught(tmp_path, caplo
     data[middle:middle + 8] = bytes(b ^ 0xFF for b in data[middle:middle + 8])
     (folder / STATE).write_bytes(bytes(data))
     _damaged_run_starts_over(folder, caplog)
+
+
+def _small_checkpoint(folder: Path) -> bytes:
+    Checkpointer(folder, "k").save(3, {"model": {"w": torch.arange(40.0).reshape(4, 10)}}, np.random.default_rng(0))
+    return (folder / STATE).read_bytes()
+
+
+def test_a_flip_in_the_zip_directory_or_end_records_or_a_missing_hash_record_is_damage(tmp_path, caplog):
+    """Flips anywhere in the last 400 bytes (central directory, zip64 end records: testzip raised OSError on some,
+    and torch.load read others as other weights) and a checkpoint without its SHA-256 record are moved aside."""
+    good = tmp_path / "good"
+    data = _small_checkpoint(good)
+    assert Checkpointer(good, "k").load().epoch == 3
+    for offset in [*range(len(data) - 400, len(data)), 0, len(data) // 2]:
+        folder = tmp_path / f"flip{offset}"
+        folder.mkdir()
+        (folder / HASHES).write_bytes((good / HASHES).read_bytes())
+        (folder / STATE).write_bytes(data[:offset] + bytes([data[offset] ^ 0xFF]) + data[offset + 1:])
+        assert Checkpointer(folder, "k").load() is None, offset
+        assert (folder / CORRUPT).exists() and not (folder / STATE).exists(), offset
+    (good / HASHES).unlink()  # a checkpoint of before the record: moved aside too
+    with caplog.at_level(logging.WARNING, logger="xc_dagster"):
+        assert Checkpointer(good, "k").load() is None
+    assert (good / CORRUPT).exists() and f"no readable {HASHES}" in caplog.text
+
+
+def test_a_save_that_fails_before_its_rename_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch):
+    folder = tmp_path / "ckpt"
+    _small_checkpoint(folder)
+    ckpt = Checkpointer(folder, "k")
+    assert ckpt.load().epoch == 3
+    real = os.replace
+
+    def fail_on_the_checkpoint(src, dst):
+        if Path(dst).name == STATE:
+            raise OSError("disk gone")
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", fail_on_the_checkpoint)
+    with pytest.raises(OSError, match="disk gone"):
+        ckpt.save(4, {"model": {"w": torch.zeros(4, 10)}}, np.random.default_rng(1))
+    monkeypatch.undo()
+    assert Checkpointer(folder, "k").load().epoch == 3  # the record written before the rename names both
+
+
+# saves a checkpoint of epoch 1 to argv[1], prints "saved", waits for the file argv[2], saves epochs 2..5
+HOLDER = """
+import sys, time
+from pathlib import Path
+import numpy as np, torch
+from xc_dagster.training.checkpoint import Checkpointer
+c, rng = Checkpointer(Path(sys.argv[1]), "k"), np.random.default_rng(0)
+c.save(1, {"w": torch.ones(64, 64)}, rng)
+print("saved", flush=True)
+while not Path(sys.argv[2]).exists():
+    time.sleep(0.01)
+for epoch in range(2, 6):
+    c.save(epoch, {"w": torch.ones(64, 64)}, rng)
+"""
+
+
+def test_a_second_run_of_a_stage_keeps_no_checkpoints_while_the_first_one_does(tmp_path, caplog):
+    folder, go = tmp_path / "_checkpoints" / "classifier", tmp_path / "go"
+    first = subprocess.Popen([sys.executable, "-c", HOLDER, str(folder), str(go)], cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout.readline().strip() == "saved"
+        second = Checkpointer(folder, "k")
+        with caplog.at_level(logging.WARNING, logger="xc_dagster"):
+            for epoch in range(2, 12):
+                second.save(epoch, {"w": torch.zeros(64, 64)}, np.random.default_rng(1))
+        assert "this run keeps no checkpoints" in caplog.text
+        assert Checkpointer(folder, "k").load().epoch == 1  # the first run's, untouched
+        second.clear()  # the live first run's folder is not removed
+        assert (folder / STATE).exists()
+    finally:
+        go.touch()
+    _, err = first.communicate(timeout=60)
+    assert first.returncode == 0, err
+    resumed = Checkpointer(folder, "k").load()
+    assert resumed.epoch == 5 and torch.equal(resumed.state["w"], torch.ones(64, 64))
+    third = Checkpointer(folder, "k")  # the first run is gone: its lock with it
+    third.save(6, {"w": torch.ones(64, 64)}, np.random.default_rng(2))
+    assert Checkpointer(folder, "k").load().epoch == 6
+    third.clear()
+    assert not folder.exists()

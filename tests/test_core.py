@@ -143,6 +143,30 @@ def test_catalog_gate_tolerance_validated_saved_and_resolved(tmp_path):
         b.champion_tolerance(-1.0)
 
 
+def test_a_stage_version_is_switched_in_with_its_own_config_record(tmp_path, monkeypatch):
+    """StageContext.writing puts params.json into the version before the link names it: a run killed right after
+    its switch leaves its record, and a concurrent run's record never lands in another run's version."""
+    from xc_dagster import storage
+    from xc_dagster.pipeline.context import StageContext
+    from xc_dagster.pipeline.provenance import recorded_params, with_upstream_params
+
+    at_switch, real_switch = [], storage._switch
+
+    def switch(final, version):
+        at_switch.append(json.loads((version / "params.json").read_text())["pretrain.epochs"])
+        real_switch(final, version)
+
+    monkeypatch.setattr(storage, "_switch", switch)
+    store = storage.ArtifactStore(tmp_path, remote=None)
+    for epochs in (7, 9):
+        cfg = resolve_config("quick", "ngame", ("run config", {"pretrain.epochs": epochs}))
+        with StageContext(store, DatasetSpec("D", "src"), cfg, tmp_path).for_stage("pretrain").writing() as out:
+            (out / "summary.json").write_text("{}")
+        assert at_switch[-1] == epochs and recorded_params(store, "D", "pretrain")["pretrain.epochs"] == epochs
+    up = with_upstream_params(resolve_config("quick", "ngame"), store, "D", ["pretrain"])
+    assert up.recorded == ["pretrain"] and up.cfg.pretrain.epochs == 9
+
+
 def test_upstream_sections_come_from_the_stage_records(tmp_path):
     """with_upstream_params: each upstream stage's section as recorded next to its artifacts; the run's own
     section, downstream sections and stages without a record keep the run's resolution."""

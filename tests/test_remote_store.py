@@ -1,6 +1,7 @@
 """Artifacts on a remote root (``XC_ARTIFACT_ROOT``) against a real S3 API: moto's server on a free local port.
 
-Publish then fetch into an empty cache; a publisher SIGKILLed halfway leaves the previous version whole; a changed
+Publish then fetch into an empty cache; a publisher SIGKILLed halfway leaves the previous version whole; a local
+rewrite during a publish fails it; a fetch never replaces a local write its run has not published yet; a changed
 object is refused on fetch; MLflow's run artifacts and a logged model go to the bucket; a tiny partition end to end,
 then read from a second home whose cache is empty."""
 
@@ -29,6 +30,7 @@ from xc_dagster.remote_store import ROOT_ENV, RemoteArtifactError, RemoteStore
 from xc_dagster.storage import ArtifactStore, MissingArtifact, load_json
 from xc_dagster.tracking import Tracker, use_tracking_uri
 
+ROOT = Path(__file__).resolve().parent.parent
 BUCKET = "xc-artifacts"
 DUMMY_AWS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
@@ -164,8 +166,8 @@ def test_a_publish_killed_halfway_leaves_the_previous_version_whole(s3, s3_endpo
     assert RemoteStore(root).manifest("D", "ingest").version == v1
     reader = ArtifactStore(tmp_path / "r", RemoteStore(root))
     assert tree(reader.require("D", "ingest")) == old
-    # the writer's own unpublished copy is not what the root names: a fresh look there reads the published one too
-    assert tree(ArtifactStore(tmp_path / "w", RemoteStore(root)).require("D", "ingest")) == old
+    # the writer's own unpublished copy is newer work than the root's: kept, for the stage's next publish to send
+    assert tree(ArtifactStore(tmp_path / "w", RemoteStore(root)).require("D", "ingest")) == new
 
 
 def test_a_changed_missing_or_hostile_remote_object_is_refused_and_nothing_is_cached(s3, tmp_path):
@@ -214,6 +216,92 @@ def test_a_local_folder_root_publishes_by_rename(tmp_path):
     assert json.loads((root / "D" / "ingest" / "MANIFEST.json").read_text())["version"] == version
     assert tree(ArtifactStore(tmp_path / "b", RemoteStore(f"file://{root}")).require("D", "ingest")) == tree(
         a.stage_dir("D", "ingest"))
+
+
+# publishes the stage of the tree in argv[1] to argv[2]; after uploading the file named argv[3] it prints "paused"
+# and waits for the file argv[4]
+PAUSED_PUBLISHER = """
+import sys, time
+from pathlib import Path
+from xc_dagster.remote_store import RemoteStore
+from xc_dagster.storage import ArtifactStore
+upload = RemoteStore._upload
+def pausing(self, src, key):
+    out = upload(self, src, key)
+    if src.name == sys.argv[3]:
+        print("paused", flush=True)
+        while not Path(sys.argv[4]).exists():
+            time.sleep(0.01)
+    return out
+RemoteStore._upload = pausing
+ArtifactStore(Path(sys.argv[1]), RemoteStore(sys.argv[2])).publish("D", "ingest")
+"""
+
+
+@pytest.mark.parametrize("pause_after, files", [
+    ("a.json", {"a.json": b"1", "encoder/w.bin": b"w" * 100}),  # its sub-folder is removed before it is listed
+    ("b.json", {"a.json": b"1", "b.json": b"2"}),  # every file sent, then the version is replaced before the manifest
+])
+def test_a_local_rewrite_during_a_publish_fails_it_and_leaves_the_previous_version(tmp_path, pause_after, files):
+    root = str(tmp_path / "shared")
+    store = ArtifactStore(tmp_path / "home", RemoteStore(root))
+    write_stage(store, {"a.json": b"0"})
+    v1 = store.publish("D", "ingest").version
+    write_stage(store, files)
+    go = tmp_path / "go"
+    child = subprocess.Popen([sys.executable, "-c", PAUSED_PUBLISHER, str(tmp_path / "home"), root, pause_after,
+                              str(go)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "paused"
+        write_stage(store, {"a.json": b"3"})  # a concurrent run of the stage: the version being sent is retired
+    finally:
+        go.touch()
+    _, err = child.communicate(timeout=60)
+    assert child.returncode == 1 and "RemoteArtifactError" in err, err
+    assert RemoteStore(root).manifest("D", "ingest").version == v1  # nothing incomplete was made current
+
+
+# writes the stage of the tree in argv[1] (remote root argv[2]), prints "switched", waits for the file argv[3], then
+# publishes it: a run paused between its write and its publish
+WRITE_THEN_PUBLISH = """
+import sys, time
+from pathlib import Path
+from xc_dagster.remote_store import RemoteStore
+from xc_dagster.storage import ArtifactStore
+store = ArtifactStore(Path(sys.argv[1]), RemoteStore(sys.argv[2]))
+with store.writing("D", "ingest") as out:
+    (out / "summary.json").write_text("new run")
+print("switched", flush=True)
+while not Path(sys.argv[3]).exists():
+    time.sleep(0.01)
+store.publish("D", "ingest")
+"""
+
+
+def test_a_fetch_never_replaces_a_write_its_run_has_not_published_yet(tmp_path):
+    root = str(tmp_path / "shared")
+    a, b = tmp_path / "a", tmp_path / "b"
+    write_stage(ArtifactStore(a, RemoteStore(root)), {"summary.json": b"old run"})
+    ArtifactStore(a, RemoteStore(root)).publish("D", "ingest")
+    assert tree(ArtifactStore(b, RemoteStore(root)).require("D", "ingest")) == {"summary.json": b"old run"}  # first
+    go = tmp_path / "go"
+    child = subprocess.Popen([sys.executable, "-c", WRITE_THEN_PUBLISH, str(a), root, str(go)], cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "switched"
+        # another run on home a reads the stage while the remote still names the old run's version
+        assert tree(ArtifactStore(a, RemoteStore(root)).require("D", "ingest")) == {"summary.json": b"new run"}
+    finally:
+        go.touch()
+    _, err = child.communicate(timeout=60)
+    assert child.returncode == 0, err
+    manifest = RemoteStore(root).manifest("D", "ingest")
+    assert (tmp_path / "shared/D/ingest/versions" / manifest.version / "summary.json").read_text() == "new run"
+    link = os.readlink(a / "D" / "ingest")
+    assert tree(ArtifactStore(a, RemoteStore(root)).require("D", "ingest")) == {"summary.json": b"new run"}
+    assert os.readlink(a / "D" / "ingest") == link  # its own published version is not fetched again
+    # the remote moved on: home b's copy of the old version is replaced by the new one
+    assert tree(ArtifactStore(b, RemoteStore(root)).require("D", "ingest")) == {"summary.json": b"new run"}
 
 
 class Doubler(mlflow.pyfunc.PythonModel):

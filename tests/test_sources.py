@@ -6,6 +6,7 @@ import gzip
 import hashlib
 import http.server
 import io
+import os
 import re
 import tarfile
 import zipfile
@@ -17,7 +18,7 @@ import pytest
 from tests.tinydata import serve_http, write_lf_dataset
 from xc_dagster.data import read_dataset
 from xc_dagster.data.archives import is_archive
-from xc_dagster.data.cache import cache_key, file_sha256
+from xc_dagster.data.cache import cache_key, file_sha256, install_file
 from xc_dagster.data.download import validator_path
 from xc_dagster.data.sources import resolve_source
 from xc_dagster.errors import XCConfigError, XCError, XCFormatError
@@ -209,3 +210,26 @@ def test_single_gz_sources_are_decompressed(tmp_path):
     with pytest.raises(XCFormatError, match="broken.gz"):
         resolve_source(str(bad), tmp_path / "cache")
     assert not [p for p in (tmp_path / "cache").iterdir() if p.name.startswith("broken")]
+
+
+def test_a_cache_entry_is_fsynced_before_it_is_renamed_into_place(tmp_path, monkeypatch):
+    """Every file and folder of an extracted entry reaches the disk before the rename names it, and the cache
+    folder's entries after: a crash never leaves an entry that exists but is not complete."""
+    arc = tmp_path / "ds.tar.gz"
+    with tarfile.open(arc, "w:gz") as t:
+        for name, body in (("ds/train.txt", b"1 2\n" * 100), ("ds/test.txt", b"3 4\n" * 50)):
+            info = tarfile.TarInfo(name)
+            info.size = len(body)
+            t.addfile(info, io.BytesIO(body))
+    calls, real_fsync, real_rename = [], os.fsync, os.rename
+    monkeypatch.setattr(os, "fsync", lambda fd: (calls.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 real_fsync(fd))[1])
+    monkeypatch.setattr(os, "rename", lambda a, b: (calls.append(("rename", str(a))), real_rename(a, b))[1])
+    cache = tmp_path / "cache"
+    out = install_file(arc, arc.name, cache / "ds-abc", str(arc))
+    assert sorted(p.name for p in out.iterdir()) == ["test.txt", "train.txt"]
+    (work,) = [path for op, path in calls if op == "rename"]
+    renamed = calls.index(("rename", work))
+    synced_before = {path for op, path in calls[:renamed] if op == "fsync"}
+    assert {work, f"{work}/ds", f"{work}/ds/train.txt", f"{work}/ds/test.txt"} <= synced_before
+    assert ("fsync", str(cache)) in calls[renamed:]

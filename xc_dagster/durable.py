@@ -30,6 +30,15 @@ def fsync_dir(folder: Path) -> None:
         fsync_file(folder)
 
 
+def fsync_tree(folder: Path) -> None:
+    """fsync every file and folder under ``folder`` (the folder included), so a rename or link that publishes it
+    never names data the disk has not got."""
+    for dirpath, _, filenames in os.walk(folder):
+        for name in filenames:
+            fsync_file(Path(dirpath) / name)
+        fsync_dir(Path(dirpath))
+
+
 def _fsync_written(path: Path) -> None:
     fsync_file(path, os.O_RDWR)  # writable: as the writing handle's fsync was, on Windows too
 

@@ -29,7 +29,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -121,6 +121,12 @@ def parse_manifest(raw: bytes, uri: str, dataset: str, stage: str) -> Manifest:
                     tuple(_check_relpath(uri, d) for d in dirs), str(obj.get("created", "")), uri)
 
 
+def _raise(exc: OSError) -> None:
+    """os.walk's error: a folder of the version being published cannot be listed (removed meanwhile)."""
+    raise RemoteArtifactError(f"{exc.filename}: cannot be listed ({exc.strerror}) while it is published: the folder "
+                              f"changed (a concurrent rewrite removed it); nothing was made current") from exc
+
+
 def new_version_id() -> str:
     """``<UTC time>-<random>``: sorts by creation time, unique across machines."""
     return f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{uuid.uuid4().hex[:12]}"
@@ -179,8 +185,10 @@ class RemoteStore:
                 return None
         return parse_manifest(raw, self.uri(key), dataset, stage)
 
-    def publish(self, dataset: str, stage: str, folder: Path) -> Manifest:
-        """Upload ``folder`` (complete, not changing) as a new version, then point the manifest at it."""
+    def publish(self, dataset: str, stage: str, folder: Path, check: Callable[[], None] | None = None) -> Manifest:
+        """Upload ``folder`` (complete, not changing) as a new version, then point the manifest at it. A folder or
+        file that cannot be read (removed meanwhile) fails the upload, as does ``check`` (called after the last
+        upload, before the manifest is written: e.g. that ``folder`` is still the current one)."""
         folder = Path(folder)
         version = new_version_id()
         base = self.version_key(dataset, stage, version)
@@ -188,7 +196,7 @@ class RemoteStore:
         dirs = []
         with _failing(f"publishing {folder} to {self.uri(base)} failed; the manifest "
                       f"{self.uri(self.manifest_key(dataset, stage))} still names the previous version"):
-            for dirpath, dirnames, filenames in os.walk(folder):
+            for dirpath, dirnames, filenames in os.walk(folder, onerror=_raise):  # no folder skipped silently
                 dirnames.sort()
                 rel_dir = PurePosixPath(Path(dirpath).relative_to(folder).as_posix())
                 if not filenames and not dirnames and str(rel_dir) != ".":
@@ -196,6 +204,8 @@ class RemoteStore:
                 for name in sorted(filenames):
                     rel = str(rel_dir / name) if str(rel_dir) != "." else name
                     files[rel] = self._upload(Path(dirpath) / name, f"{base}/{rel}")
+            if check is not None:
+                check()
             manifest = Manifest(dataset, stage, version, files, tuple(dirs),
                                 time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                 self.uri(self.manifest_key(dataset, stage)))

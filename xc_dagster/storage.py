@@ -11,8 +11,10 @@ sweeps every stage of its dataset so (docs/decisions.md#stage-versions-behind-a-
 
 With a remote artifact root (``XC_ARTIFACT_ROOT``, :mod:`xc_dagster.remote_store`) these folders are the local cache
 of the published stages: :meth:`ArtifactStore.publish` uploads a written stage, and :meth:`ArtifactStore.sync`
-(which ``require`` runs) replaces a stage whose local copy is missing or not the remote manifest's version by that
-version, downloaded and verified into a new version folder switched in as a write is.
+(which ``require`` runs) replaces a stage whose local copy is missing or a copy of another remote version by the
+manifest's version, downloaded and verified into a new version folder switched in as a write is. A local write not
+yet published is kept, so a run between its write and its publish publishes its own data
+(docs/decisions.md#remote-artifact-manifest).
 """
 
 from __future__ import annotations
@@ -29,9 +31,9 @@ from typing import Any, Iterator, Literal
 
 import numpy as np
 
-from xc_dagster.durable import atomic_write_text, fsync_dir, fsync_file
+from xc_dagster.durable import atomic_write_text, fsync_dir, fsync_tree
 from xc_dagster.errors import XCError
-from xc_dagster.remote_store import Manifest, RemoteStore
+from xc_dagster.remote_store import Manifest, RemoteArtifactError, RemoteStore
 
 try:
     import fcntl
@@ -70,15 +72,6 @@ def file_lock(path: Path, shared: bool = False, blocking: bool = True) -> Iterat
         yield True
     finally:
         os.close(fd)  # closing the last descriptor releases the lock
-
-
-def fsync_tree(folder: Path) -> None:
-    """fsync every file and folder under ``folder`` (the folder included), so a published link never names data
-    the disk has not got."""
-    for dirpath, _, filenames in os.walk(folder):
-        for name in filenames:
-            fsync_file(Path(dirpath) / name)
-        fsync_dir(Path(dirpath))
 
 
 def stage_leftovers(final: Path) -> list[Path]:
@@ -168,6 +161,7 @@ class ArtifactStore:
         self.root = Path(root)
         self.remote = RemoteStore.from_env() if remote == "env" else remote
         self._checked: set[tuple[str, str]] = set()
+        self._written: dict[tuple[str, str], str] = {}  # (dataset, stage) -> the version folder it wrote last
 
     def stage_dir(self, dataset: str, stage: str) -> Path:
         return self.root / dataset / stage
@@ -195,55 +189,91 @@ class ArtifactStore:
         self.sweep(dataset)
         with atomic_dir(self.stage_dir(dataset, stage)) as tmp:
             yield tmp
+        self._written[(dataset, stage)] = tmp.name  # what this store's publish sends, not what the link names then
 
     # ---- the remote root: publish after a write, fetch before a read
     def _marker(self, dataset: str, stage: str) -> Path:
         return self.root / dataset / REMOTE_DIR / f"{stage}.json"
 
-    def _local_version(self, dataset: str, stage: str) -> str | None:
-        """The remote version the local stage folder holds: the marker's, if it was written for this remote root
-        and the version folder the stage link names now (a later local write or fetch makes it stale)."""
-        d = self.stage_dir(dataset, stage)
+    def _marks(self, dataset: str, stage: str) -> dict[str, str]:
+        """The remote versions of this remote root that local version folders (by name) are copies of, fetched or
+        published; the marker of the earlier layout names one."""
         try:
             mark = load_json(self._marker(dataset, stage))
-            here = os.readlink(d)
         except (OSError, ValueError):
-            return None
-        if not isinstance(mark, dict) or mark.get("root") != self.remote.root or mark.get("local") != here:
-            return None
-        return mark.get("version")
+            return {}
+        if not isinstance(mark, dict) or mark.get("root") != self.remote.root:
+            return {}
+        local, version = mark.get("local"), mark.get("version")
+        if isinstance(local, str):  # the earlier layout: {"root", "version", "local": one name}
+            return {local: version} if isinstance(version, str) else {}
+        return {k: v for k, v in local.items() if isinstance(v, str)} if isinstance(local, dict) else {}
 
-    def _mark(self, dataset: str, stage: str, version: str, local: str) -> None:
-        atomic_write_text(self._marker(dataset, stage),
-                          json.dumps({"root": self.remote.root, "version": version, "local": local}) + "\n")
+    def _mark(self, dataset: str, stage: str, copies: dict[str, str]) -> None:
+        atomic_write_text(self._marker(dataset, stage), json.dumps({"root": self.remote.root, "local": copies}) + "\n")
         self._checked.add((dataset, stage))
 
+    def _stale(self, dataset: str, stage: str, manifest: Manifest) -> bool:
+        """Whether sync replaces the local stage by ``manifest``'s version: when it is missing, or a copy of another
+        remote version. A local version that is no copy (a write not published yet, or whose publish failed) is
+        this home's newer work and is kept: replacing it would have its run publish the older data."""
+        d = self.stage_dir(dataset, stage)
+        if not d.is_dir():
+            return True
+        try:
+            here = os.readlink(d)
+        except OSError:  # a real folder of the layout before versions, written here
+            return False
+        marks = self._marks(dataset, stage)
+        return here in marks and marks[here] != manifest.version
+
     def sync(self, dataset: str, stage: str) -> bool:
-        """Bring the local copy of a stage to the remote manifest's version when it is missing or another one
-        (downloaded, checked against the manifest, switched in like a write); returns whether the stage is
-        materialized locally now. Without a remote root, or already checked by this store, only the latter."""
+        """Bring the local copy of a stage to the remote manifest's version when it is missing or a copy of another
+        one (downloaded, checked against the manifest, switched in like a write; a local write not yet published
+        is kept, see :meth:`_stale`); returns whether the stage is materialized locally now. Without a remote root,
+        or already checked by this store, only the latter."""
         d = self.stage_dir(dataset, stage)
         if self.remote is None or (dataset, stage) in self._checked:
             return d.is_dir()
         manifest = self.remote.manifest(dataset, stage)
-        if manifest is not None and self._local_version(dataset, stage) != manifest.version:
+        if manifest is not None and self._stale(dataset, stage, manifest):
             lock = self._marker(dataset, stage).with_suffix(".lock")
             with file_lock(lock):  # one fetch of a stage at a time on this tree; the next finds it fresh
-                if self._local_version(dataset, stage) != manifest.version:
-                    with self.writing(dataset, stage) as tmp:
-                        self.remote.download(manifest, tmp)
-                    self._mark(dataset, stage, manifest.version, os.readlink(d))
+                if self._stale(dataset, stage, manifest):
+                    self._fetch(dataset, stage, manifest)
         self._checked.add((dataset, stage))
         return d.is_dir()
 
+    def _fetch(self, dataset: str, stage: str, manifest: Manifest) -> None:
+        d = self.stage_dir(dataset, stage)
+        here = os.readlink(d) if d.is_symlink() else None
+        kept = {k: v for k, v in self._marks(dataset, stage).items() if k == here}
+        with self.writing(dataset, stage) as tmp:
+            self.remote.download(manifest, tmp)
+            # recorded before the switch: a kill on either side of it leaves the current version known as a copy
+            self._mark(dataset, stage, {**kept, tmp.name: manifest.version})
+        self._mark(dataset, stage, {tmp.name: manifest.version})
+
     def publish(self, dataset: str, stage: str) -> Manifest | None:
-        """Upload the stage's complete local folder as the remote's new current version (None: no remote root).
-        A concurrent local rewrite of the stage fails the upload (its folder is removed) rather than mixing two."""
+        """Upload the stage's complete local folder as the remote's new current version (None: no remote root):
+        the version this store wrote last, else the one the link names. When the link no longer names it (a
+        concurrent local rewrite or fetch replaced it) the upload fails rather than send another run's data or a
+        removed folder's remains; the manifest then still names the previous version."""
         if self.remote is None:
             return None
-        local = os.readlink(self.require_local(dataset, stage))
-        manifest = self.remote.publish(dataset, stage, self.root / dataset / local)
-        self._mark(dataset, stage, manifest.version, local)
+        d = self.require_local(dataset, stage)
+        local = self._written.get((dataset, stage), os.readlink(d))
+
+        def still_current() -> None:
+            if os.readlink(d) != local:
+                raise RemoteArtifactError(
+                    f"dataset {dataset!r}: stage {stage!r}: its local version {local} was replaced by "
+                    f"{os.readlink(d)} (a concurrent write or fetch) before it was published; the remote manifest "
+                    f"still names its previous version; materialize the stage again")
+
+        still_current()
+        manifest = self.remote.publish(dataset, stage, self.root / dataset / local, check=still_current)
+        self._mark(dataset, stage, {local: manifest.version})
         return manifest
 
     def require_local(self, dataset: str, stage: str) -> Path:

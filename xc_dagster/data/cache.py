@@ -1,9 +1,9 @@
 """The source cache: one folder per fetched source, installed atomically, and SHA-256 checksums of sources.
 
-A fetched file lands in a temp name, is checked and extracted into a temp folder, and that folder is renamed
-to ``cache_dir/<key>``: a cache entry that exists is complete, and a partial or corrupt download never becomes one.
-A failed install removes its temp names; those of a killed process (named with its pid) are swept by the next
-install of the same key.
+A fetched file lands in a temp name, is checked and extracted into a temp folder, and that folder is fsynced and
+renamed to ``cache_dir/<key>``: a cache entry that exists is complete, a crash included, and a partial or corrupt
+download never becomes one. A failed install removes its temp names; those of a killed process (named with its
+pid) are swept by the next install of the same key.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pathlib import Path, PurePosixPath
 from urllib.parse import unquote, urlsplit
 
 from xc_dagster.data.archives import ARCHIVE_SUFFIXES, COPY_CHUNK, extract_archive, is_archive
+from xc_dagster.durable import fsync_dir, fsync_tree
 from xc_dagster.errors import XCConfigError, XCFormatError
 
 # ----------------------------------------------------------------------------------------- checksums
@@ -84,13 +85,18 @@ def entry(target: Path, name: str) -> Path:
 
 
 def commit(work: Path, target: Path) -> Path:
-    """Rename a finished temp folder into place (another process may have won the race: keep theirs)."""
+    """Rename a finished temp folder into place (another process may have won the race: keep theirs), its files
+    and folders fsynced before and the cache folder's entries after, so a crash never leaves an entry whose
+    files the disk has not got."""
+    fsync_tree(work)
     try:
         os.rename(work, target)
     except OSError:
         if not target.is_dir():
             raise
         shutil.rmtree(work, ignore_errors=True)
+        return target
+    fsync_dir(target.parent)
     return target
 
 

@@ -20,6 +20,7 @@ from xc_dagster.device import resolve_device
 from xc_dagster.errors import XCError
 from xc_dagster.evaluation.metrics import inverse_propensity
 from xc_dagster.pipeline.kept import KeptWork
+from xc_dagster.pipeline.provenance import write_params
 from xc_dagster.progress import Progress
 from xc_dagster.storage import ArtifactStore
 from xc_dagster.training.checkpoint import fingerprint
@@ -70,11 +71,12 @@ class StageContext:
     @contextlib.contextmanager
     def writing(self) -> Iterator[Path]:
         """A temporary folder that replaces this stage's artifacts when the block succeeds; what it holds must be
-        what the contract declares."""
+        what the contract declares. The config the stage ran with is written into it (``params.json``)."""
         if self.stage not in CONTRACT:
             raise XCError(f"writing: the context runs no stage ({self.stage!r})")
         with self.store.writing(self.name, self.stage) as out:
             yield out
+            write_params(out, self.cfg)  # in the version before its switch: never current without its record
             check_writes(CONTRACT[self.stage], out)
 
     def progress(self, name: str, total: int, unit: str) -> Progress:

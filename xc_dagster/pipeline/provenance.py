@@ -4,7 +4,8 @@ A stage's run resolves its config from the preset, the strategy, the catalog and
 stage's run config is not part of it. An override given to an upstream stage's run (run config
 ``ops: fusion: config: method: tree``) would otherwise be invisible to a later run of a downstream stage,
 which would log (and, where it reads that section, use) the catalog's value. So each stage writes the
-effective config it ran with to ``<artifacts>/<dataset>/<stage>/params.json`` (``record_params``), and a
+effective config it ran with to ``<artifacts>/<dataset>/<stage>/params.json`` (``write_params``, into the new
+version folder before it is switched in), and a
 downstream run takes the section of every upstream stage from that stage's record (``with_upstream_params``):
 what those artifacts were actually built with. Its own section and the downstream ones stay as it resolved
 them. A stage whose artifacts have no record (written before records existed) keeps the run's resolution.
@@ -32,8 +33,18 @@ def params_path(store: ArtifactStore, dataset: str, stage: str) -> Path:
     return store.stage_dir(dataset, stage) / PARAMS_FILE
 
 
+def write_params(folder: Path, cfg: PipelineConfig) -> Path:
+    """Write ``cfg`` (every ``stage.field`` value, as MLflow logs them) into a stage's new version folder, before
+    it is fsynced and switched in (``StageContext.writing``): the version is never current without its record,
+    and a concurrent run's record never lands in it."""
+    path = Path(folder) / PARAMS_FILE
+    path.write_text(json.dumps(cfg.flat(), indent=2, sort_keys=True) + "\n")
+    return path
+
+
 def record_params(store: ArtifactStore, dataset: str, stage: str, cfg: PipelineConfig) -> Path:
-    """Write ``cfg`` (every ``stage.field`` value, as MLflow logs them) next to ``stage``'s artifacts."""
+    """Write ``cfg`` next to ``stage``'s current artifacts, through the stage's link (for artifacts written without
+    ``StageContext.writing``; a stage run records its config with :func:`write_params`)."""
     path = params_path(store, dataset, stage)
     atomic_write_text(path, json.dumps(cfg.flat(), indent=2, sort_keys=True) + "\n")
     return path

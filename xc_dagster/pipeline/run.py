@@ -12,7 +12,7 @@ from xc_dagster.artifacts import CONTRACT, STAGE_ORDER
 from xc_dagster.errors import XCConfigError
 from xc_dagster.pipeline import classifier, evaluate, fusion, index, ingest, mining, pretrain, tokenize
 from xc_dagster.pipeline.context import StageContext
-from xc_dagster.pipeline.provenance import record_params, with_upstream_params
+from xc_dagster.pipeline.provenance import with_upstream_params
 
 Stage = Callable[[StageContext], dict[str, Any]]
 STAGES: dict[str, Stage] = {
@@ -22,7 +22,7 @@ STAGES: dict[str, Stage] = {
 
 
 def run_stage(ctx: StageContext, stage: str) -> dict[str, Any]:
-    """Run one stage with ``ctx`` bound to it, then record the config it ran with next to its artifacts.
+    """Run one stage with ``ctx`` bound to it (its ``ctx.writing`` records the config it ran with in its artifacts).
 
     With a remote artifact root (``XC_ARTIFACT_ROOT``) the stages it reads are first brought to their published
     versions, and its complete folder (the record included) is published after it: the run fails if that fails."""
@@ -38,10 +38,10 @@ def sync_reads(ctx: StageContext, stage: str) -> None:
 
 
 def finish_stage(ctx: StageContext, stage: str, summary: dict[str, Any], writer: bool = True) -> dict[str, Any]:
-    """After a stage ran: the process that wrote its artifacts (``writer``; rank 0 of several) records the config
-    it ran with and publishes the folder to a remote root; every process adds its peak memory to ``summary``."""
+    """After a stage ran: the process that wrote its artifacts (``writer``; rank 0 of several) publishes the folder
+    (the config it ran with recorded in it by ``ctx.writing``) to a remote root; every process adds its peak memory
+    to ``summary``."""
     if writer:
-        record_params(ctx.store, ctx.name, stage, ctx.cfg)
         published = ctx.store.publish(ctx.name, stage)
         if published is not None:  # in the MLflow run's <stage>_summary.json: which remote version this run made
             summary["published_version"] = published.version

@@ -2,23 +2,29 @@
 
 A checkpoint is one file, ``state.pt``: model and optimizer state, the torch and numpy generator states, the
 next epoch and a fingerprint of the configuration and inputs (tensors, numbers and strings only, read back
-with ``torch.load(weights_only=True)``, so loading executes no code). It is written to a temporary name, fsynced
-and renamed over the previous one (the folder fsynced too), so a kill or a crash mid-write leaves the previous
-checkpoint intact. A checkpoint that does not read back whole (truncated, a zip CRC mismatch: torch's reader
-checks no CRC) is logged by file name, moved aside to ``state.pt.corrupt`` and training starts over, so a damaged
-file never blocks the stage (docs/decisions.md#checkpoint-corrupt-restart). A checkpoint whose
-fingerprint differs from the current run's (other hyperparameters, other upstream artifacts) is ignored and
-overwritten, never resumed from. The stage removes its checkpoint once its artifacts are written.
+with ``torch.load(weights_only=True)``, so loading executes no code). It is written to a unique temporary name,
+fsynced, its SHA-256 recorded in ``state.pt.sha256`` (with the previous checkpoint's, so a kill before the rename
+leaves the previous one valid) and renamed over the previous one (the folder fsynced too), so a kill or a crash
+mid-write leaves the previous checkpoint intact. A checkpoint whose bytes do not hash to a recorded SHA-256
+(truncated, any byte flipped: torch's reader checks no CRC, and the zip's own CRCs cover neither its directory nor
+its end records) or that does not load is logged by file name, moved aside to ``state.pt.corrupt`` and training
+starts over, so a damaged file never blocks the stage (docs/decisions.md#checkpoint-corrupt-restart). A checkpoint
+whose fingerprint differs from the current run's (other hyperparameters, other upstream artifacts) is ignored and
+overwritten, never resumed from. One run at a time writes a folder: the first save takes an exclusive ``flock`` on
+``<folder>.lock`` beside it (as ``KeptWork`` does); a run of the same stage started meanwhile keeps no checkpoints.
+The stage removes its checkpoint once its artifacts are written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import pickle
 import shutil
+import uuid
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,12 +33,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from xc_dagster.durable import fsync_dir, fsync_file
+from xc_dagster.durable import atomic_write_text, fsync_dir, fsync_file
+from xc_dagster.storage import file_lock
 
 log = logging.getLogger("xc_dagster")
-STATE, CORRUPT = "state.pt", "state.pt.corrupt"
-# what a damaged file raises in the CRC check or in torch.load (the key/type errors: a loaded object of the wrong shape)
-DAMAGED = (zipfile.BadZipFile, RuntimeError, EOFError, ValueError, KeyError, TypeError, pickle.UnpicklingError)
+STATE, CORRUPT, HASHES = "state.pt", "state.pt.corrupt", "state.pt.sha256"
+TMP = f"{STATE}.tmp-"  # unique temporary names: <TMP><8 hex>
+# what a damaged file raises in the hash check or in torch.load (the key/type errors: a loaded object of the wrong
+# shape; OSError: a zip end record torch's reader cannot seek by)
+DAMAGED = (zipfile.BadZipFile, RuntimeError, EOFError, ValueError, KeyError, TypeError, pickle.UnpicklingError,
+           OSError)
+
+
+class DamagedCheckpoint(ValueError):
+    """A checkpoint's bytes are not the ones its save recorded."""
 
 
 def fingerprint(params: Any, *arrays: np.ndarray) -> str:
@@ -72,6 +86,9 @@ class Checkpointer:
     def __init__(self, folder: Path | None, key: str):
         self.folder = Path(folder) if folder is not None else None
         self.key = key
+        self._lock = contextlib.ExitStack()
+        self._owns: bool | None = None  # the folder's lock: not tried yet, held, or held by another run
+        self._current: str | None = None  # the SHA-256 of state.pt as this run loaded or saved it
 
     def load(self) -> Resumed | None:
         """The saved state if it belongs to this run (same fingerprint), else None. A damaged checkpoint is logged,
@@ -80,44 +97,92 @@ class Checkpointer:
         if path is None or not path.exists():
             return None
         try:
-            state = _read_whole(path)
+            state, self._current = _read_whole(path, _recorded_hashes(self.folder))
             if state.get("key") != self.key:
                 return None
             return Resumed(int(state["epoch"]), state, state["rng_state"])
         except DAMAGED as exc:
-            os.replace(path, self.folder / CORRUPT)
+            with contextlib.suppress(FileNotFoundError):  # another run of the stage moved or cleared it first
+                os.replace(path, self.folder / CORRUPT)
             log.warning("checkpoint %s is damaged (%s: %s); moved to %s, training starts from epoch 0",
                         path, type(exc).__name__, str(exc).split("\n")[0][:200], self.folder / CORRUPT)
             return None
 
+    def _own(self) -> bool:
+        """Take the folder's lock on first use (non-blocking); False while another run of the stage holds it."""
+        if self._owns is None:
+            self.folder.parent.mkdir(parents=True, exist_ok=True)
+            lock = self.folder.with_name(f"{self.folder.name}.lock")
+            self._owns = self._lock.enter_context(file_lock(lock, blocking=False))
+            if not self._owns:
+                log.warning("%s: another run of this stage is checkpointing there; this run keeps no checkpoints",
+                            self.folder)
+            elif self.folder.is_dir():
+                for leftover in self.folder.glob(f"{TMP}*"):  # killed writes': no other writer is alive
+                    leftover.unlink(missing_ok=True)
+        return self._owns
+
     def save(self, epoch: int, state: dict[str, Any], rng: np.random.Generator) -> None:
         """Record that epochs ``< epoch`` are done, with the state to continue from (durable once it returns)."""
-        if self.folder is None:
+        if self.folder is None or not self._own():
             return
         self.folder.mkdir(parents=True, exist_ok=True)
-        tmp = self.folder / f"{STATE}.tmp"  # one fixed name: a killed write's leftover is overwritten, not piled up
+        tmp = self.folder / f"{TMP}{uuid.uuid4().hex[:8]}"
         cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
-        torch.save({**state, "key": self.key, "epoch": int(epoch), "rng_state": rng.bit_generator.state,
-                    "torch_rng": torch.get_rng_state(), "cuda_rng": cuda}, tmp)
-        fsync_file(tmp)  # on the disk before the rename makes it the checkpoint
-        os.replace(tmp, self.folder / STATE)
+        try:
+            torch.save({**state, "key": self.key, "epoch": int(epoch), "rng_state": rng.bit_generator.state,
+                        "torch_rng": torch.get_rng_state(), "cuda_rng": cuda}, tmp)
+            fsync_file(tmp)  # on the disk before the rename makes it the checkpoint
+            digest = _sha256(tmp)
+            # the previous checkpoint's hash stays valid: a kill before the rename leaves it the checkpoint
+            hashes = [digest] + ([self._current] if self._current else [])
+            atomic_write_text(self.folder / HASHES, json.dumps({"sha256": hashes}) + "\n")
+            os.replace(tmp, self.folder / STATE)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        self._current = digest
         fsync_dir(self.folder)
 
     def clear(self) -> None:
-        if self.folder is not None and self.folder.exists():
+        """Remove the folder (unless another run of the stage holds it) and let it go."""
+        if self.folder is not None and self._own() and self.folder.exists():
             shutil.rmtree(self.folder, ignore_errors=True)
+        self.close()
+
+    def close(self) -> None:
+        """Release the folder's lock (the kernel does when the process dies)."""
+        self._lock.close()
+        self._owns = None
 
 
-def _read_whole(path: Path) -> dict[str, Any]:
-    """Load a checkpoint after checking every zip member's CRC (``torch.load`` reads a flipped byte silently)."""
-    with zipfile.ZipFile(path) as z:
-        bad = z.testzip()
-    if bad is not None:
-        raise zipfile.BadZipFile(f"member {bad} fails its CRC check")
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _recorded_hashes(folder: Path) -> list[str]:
+    """The SHA-256s ``save`` recorded; none (a checkpoint of before the record, or the record lost) is damage."""
+    try:
+        hashes = json.loads((folder / HASHES).read_text())["sha256"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise DamagedCheckpoint(f"no readable {HASHES} beside it ({type(exc).__name__})") from None
+    return [h for h in hashes if isinstance(h, str)] if isinstance(hashes, list) else []
+
+
+def _read_whole(path: Path, hashes: list[str]) -> tuple[dict[str, Any], str]:
+    """Load a checkpoint whose bytes hash to one of ``hashes`` (``torch.load`` reads a flipped byte silently);
+    returns it and its SHA-256."""
+    digest = _sha256(path)
+    if digest not in hashes:
+        raise DamagedCheckpoint(f"SHA-256 {digest} is none of the recorded {hashes}")
     state = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(state, dict):
         raise TypeError(f"expected a dict, got {type(state).__name__}")
-    return state
+    return state, digest
 
 
 class Resumable:
