@@ -1,15 +1,19 @@
 """Checkpoints under kills and damage: a trainer SIGKILLed inside a checkpoint write resumes from the last whole
 one to the uninterrupted result; a truncated or bit-flipped ``state.pt`` is logged by name, moved aside and
 training starts over instead of failing every rerun (issue 27, item 7); so is one flipped in the zip's directory or
-end records, which no zip CRC covers, and one without its recorded SHA-256; two runs of one stage never tear each
-other's checkpoint."""
+end records, which no zip CRC covers; one written before the SHA-256 record resumes under the earlier zip check; an
+I/O error is raised, not taken for damage; two runs of one stage never tear each other's checkpoint, and a load racing
+the other run's saves reads again rather than moving its checkpoint aside."""
 
 from __future__ import annotations
 
+import errno
+import json
 import logging
 import os
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +23,7 @@ import torch
 
 from tests.tinydata import kill_at_marker
 from xc_dagster.config import ClassifierParams
+from xc_dagster.training import checkpoint
 from xc_dagster.training.checkpoint import CORRUPT, HASHES, STATE, TMP, Checkpointer, fingerprint
 from xc_dagster.training.classifier import train_classifiers
 
@@ -139,9 +144,9 @@ def _small_checkpoint(folder: Path) -> bytes:
     return (folder / STATE).read_bytes()
 
 
-def test_a_flip_in_the_zip_directory_or_end_records_or_a_missing_hash_record_is_damage(tmp_path, caplog):
+def test_a_flip_in_the_zip_directory_or_end_records_is_damage(tmp_path):
     """Flips anywhere in the last 400 bytes (central directory, zip64 end records: testzip raised OSError on some,
-    and torch.load read others as other weights) and a checkpoint without its SHA-256 record are moved aside."""
+    and torch.load read others as other weights) are moved aside."""
     good = tmp_path / "good"
     data = _small_checkpoint(good)
     assert Checkpointer(good, "k").load().epoch == 3
@@ -152,10 +157,61 @@ def test_a_flip_in_the_zip_directory_or_end_records_or_a_missing_hash_record_is_
         (folder / STATE).write_bytes(data[:offset] + bytes([data[offset] ^ 0xFF]) + data[offset + 1:])
         assert Checkpointer(folder, "k").load() is None, offset
         assert (folder / CORRUPT).exists() and not (folder / STATE).exists(), offset
-    (good / HASHES).unlink()  # a checkpoint of before the record: moved aside too
-    with caplog.at_level(logging.WARNING, logger="xc_dagster"):
-        assert Checkpointer(good, "k").load() is None
-    assert (good / CORRUPT).exists() and f"no readable {HASHES}" in caplog.text
+
+
+def _zip_check_raises_oserror(path: Path) -> bool:
+    try:
+        with zipfile.ZipFile(path) as z:  # a file: the seek before its start is an OSError (a ValueError in memory)
+            z.testzip()
+    except OSError:
+        return True
+    except Exception:  # BadZipFile and the like: the structure is found broken another way
+        return False
+    return False
+
+
+def test_a_checkpoint_of_before_the_hash_record_resumes_and_its_next_save_records_it(tmp_path, caplog):
+    """A run interrupted before the upgrade resumes: without a record the earlier check (zip CRCs, torch.load)
+    decides, a broken zip structure (the OSError of a damaged end record included) being damage."""
+    good = tmp_path / "good"
+    data = _small_checkpoint(good)
+    (good / HASHES).unlink()
+    ckpt = Checkpointer(good, "k")
+    assert ckpt.load().epoch == 3 and not (good / CORRUPT).exists()
+    ckpt.save(4, {"model": {"w": torch.zeros(4, 10)}}, np.random.default_rng(1))
+    assert len(json.loads((good / HASHES).read_text())["sha256"]) == 2  # the new one's and the resumed one's
+    assert Checkpointer(good, "k").load().epoch == 4
+
+    middle = len(data) // 2  # inside the tensor's bytes: its member's CRC fails
+    damaged = {"truncated": data[: len(data) // 2], "tensor": data[:middle] + b"\xff" * 8 + data[middle + 8:]}
+    probe = tmp_path / "probe.pt"
+    for offset in range(len(data) - 400, len(data)):
+        probe.write_bytes(flipped := data[:offset] + bytes([data[offset] ^ 0xFF]) + data[offset + 1:])
+        if _zip_check_raises_oserror(probe):  # a flip in the zip64 end records: zipfile seeks before the start
+            damaged[f"end record {offset}"] = flipped
+    assert len(damaged) > 2
+    for name, content in damaged.items():
+        folder = tmp_path / name.replace(" ", "-")
+        folder.mkdir()
+        (folder / STATE).write_bytes(content)
+        with caplog.at_level(logging.WARNING, logger="xc_dagster"):
+            assert Checkpointer(folder, "k").load() is None, name
+        assert (folder / CORRUPT).exists() and not (folder / STATE).exists(), name
+    assert "is damaged" in caplog.text
+
+
+def test_an_io_error_reading_a_recorded_checkpoint_is_raised_and_the_checkpoint_kept(tmp_path, monkeypatch):
+    folder = tmp_path / "ckpt"
+    _small_checkpoint(folder)
+
+    def failing_disk(f):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(checkpoint, "_sha256", failing_disk)
+    with pytest.raises(OSError, match="Input/output error"):
+        Checkpointer(folder, "k").load()
+    monkeypatch.undo()
+    assert not (folder / CORRUPT).exists() and Checkpointer(folder, "k").load().epoch == 3
 
 
 def test_a_save_that_fails_before_its_rename_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch):
@@ -218,3 +274,51 @@ def test_a_second_run_of_a_stage_keeps_no_checkpoints_while_the_first_one_does(t
     assert Checkpointer(folder, "k").load().epoch == 6
     third.clear()
     assert not folder.exists()
+
+
+# saves a checkpoint of each epoch read from stdin to argv[1] (holding the folder's lock), answering "saved <epoch>"
+OWNER = """
+import sys
+from pathlib import Path
+import numpy as np, torch
+from xc_dagster.training.checkpoint import Checkpointer
+c, rng = Checkpointer(Path(sys.argv[1]), "k"), np.random.default_rng(0)
+for line in sys.stdin:
+    c.save(int(line), {"w": torch.full((64, 64), float(line))}, rng)
+    print("saved", int(line), flush=True)
+"""
+
+
+def test_a_load_racing_the_other_runs_saves_never_moves_its_checkpoint_aside(tmp_path, monkeypatch, caplog):
+    """The owner saves between another run's opening of state.pt and its reading of the record: once (the record
+    still names the opened file: it resumes from it), then twice (the record names neither: the read mismatches,
+    and the second read resumes from the owner's newest checkpoint instead of moving it aside)."""
+    folder = tmp_path / "_checkpoints" / "classifier"
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, str(folder)], cwd=ROOT, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def save(epoch: int) -> None:
+        owner.stdin.write(f"{epoch}\n")
+        owner.stdin.flush()
+        assert owner.stdout.readline().split() == ["saved", str(epoch)]
+
+    try:
+        save(1)
+        real, saves = checkpoint._recorded_hashes, iter([[2], [3, 4]])
+
+        def racing(where):
+            for epoch in next(saves, []):
+                save(epoch)
+            return real(where)
+
+        monkeypatch.setattr(checkpoint, "_recorded_hashes", racing)
+        resumed = Checkpointer(folder, "k").load()
+        assert resumed.epoch == 1 and torch.equal(resumed.state["w"], torch.full((64, 64), 1.0))
+        with caplog.at_level(logging.WARNING, logger="xc_dagster"):
+            resumed = Checkpointer(folder, "k").load()
+        assert resumed.epoch == 4 and torch.equal(resumed.state["w"], torch.full((64, 64), 4.0))
+        assert not (folder / CORRUPT).exists() and "damaged" not in caplog.text
+        assert next(saves, None) is None  # both racing reads ran
+    finally:
+        _, err = owner.communicate(timeout=60)  # closes its stdin: it exits
+    assert owner.returncode == 0, err

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 import torch
+import yaml
 
 from xc_dagster.catalog import Catalog, DatasetSpec, default_propensity, default_text
 from xc_dagster.config import parse_set_options, resolve_config
@@ -107,6 +108,22 @@ def test_catalog_rejects_bad_entries(tmp_path, spec, msg):
     with pytest.raises(XCConfigError, match=msg):
         Catalog(tmp_path / "c.yaml").add(spec)
     assert not (tmp_path / "c.yaml").exists()
+
+
+def test_an_old_catalogs_ignored_strategy_override_still_loads(tmp_path, caplog):
+    """Earlier versions stored `--set strategy=...` in an entry's overrides and never applied it; refusing the key
+    now must not make such a catalog unreadable (every partition would go): it loads with its preset and strategy
+    as it always ran, the key dropped with a warning, and the next edit saves it without the key."""
+    p = tmp_path / "catalog.yaml"
+    p.write_text("datasets:\n  A:\n    source: x\n    overrides:\n      strategy: astra\n      preset: paper\n"
+                 "      pretrain.epochs: 2\n  B:\n    source: y\n")
+    with caplog.at_level("WARNING"):
+        a = Catalog(p).get("A")
+    assert a.strategy == "ngame" and a.preset == "quick" and a.overrides == {"pretrain.epochs": 2}
+    assert a.config().pretrain.epochs == 2.0 and "never applied" in caplog.text
+    Catalog(p).remove("B")
+    assert yaml.safe_load(p.read_text())["datasets"]["A"]["overrides"] == {"pretrain.epochs": 2}
+    assert Catalog(p).names() == ["A"]
 
 
 def test_catalog_bad_yaml_names_file_and_line(tmp_path):

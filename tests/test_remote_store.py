@@ -1,9 +1,10 @@
 """Artifacts on a remote root (``XC_ARTIFACT_ROOT``) against a real S3 API: moto's server on a free local port.
 
 Publish then fetch into an empty cache; a publisher SIGKILLed halfway leaves the previous version whole; a local
-rewrite during a publish fails it; a fetch never replaces a local write its run has not published yet; a changed
-object is refused on fetch; MLflow's run artifacts and a logged model go to the bucket; a tiny partition end to end,
-then read from a second home whose cache is empty."""
+rewrite during a publish fails it; a fetch never replaces a local write its run has not published yet, and always
+replaces one older than the remote version or without a record; a changed object is refused on fetch; MLflow's run
+artifacts and a logged model go to the bucket; a tiny partition end to end, then read from a second home whose cache
+is empty."""
 
 from __future__ import annotations
 
@@ -302,6 +303,56 @@ def test_a_fetch_never_replaces_a_write_its_run_has_not_published_yet(tmp_path):
     assert os.readlink(a / "D" / "ingest") == link  # its own published version is not fetched again
     # the remote moved on: home b's copy of the old version is replaced by the new one
     assert tree(ArtifactStore(b, RemoteStore(root)).require("D", "ingest")) == {"summary.json": b"new run"}
+
+
+def test_a_write_older_than_the_remote_version_or_without_a_record_is_replaced_by_it(tmp_path, monkeypatch):
+    """Home a's pretrain, whose publish failed, then home b's newer publish: a's next read fetches b's version, so a
+    never publishes a classifier built on a pretrain the remote does not have. A stage written before the remote
+    root was set, or recorded for another root string, is no unpublished write of this root: replaced too."""
+    root = str(tmp_path / "shared")
+    a = ArtifactStore(tmp_path / "a", RemoteStore(root))
+    write_stage(a, {"summary.json": b"a's pretrain"}, stage="pretrain")
+
+    def store_down(key, data):
+        raise OSError("store down")
+
+    monkeypatch.setattr(a.remote, "_put_manifest", store_down)
+    with pytest.raises(RemoteArtifactError, match="store down"):
+        a.publish("D", "pretrain")
+    monkeypatch.undo()
+    assert tree(ArtifactStore(tmp_path / "a", RemoteStore(root)).require("D", "pretrain")) == {
+        "summary.json": b"a's pretrain"}  # the remote has no version yet: the local write is all there is
+    b = ArtifactStore(tmp_path / "b", RemoteStore(root))
+    write_stage(b, {"summary.json": b"b's pretrain"}, stage="pretrain")
+    b.publish("D", "pretrain")
+    assert tree(ArtifactStore(tmp_path / "a", RemoteStore(root)).require("D", "pretrain")) == {
+        "summary.json": b"b's pretrain"}
+
+    write_stage(ArtifactStore(tmp_path / "c", remote=None), {"summary.json": b"local only"}, stage="pretrain")
+    write_stage(ArtifactStore(tmp_path / "d", RemoteStore(f"file://{root}")), {"summary.json": b"other root"},
+                stage="pretrain")  # written after b's publish, but recorded for another root string
+    for home in ("c", "d"):
+        got = ArtifactStore(tmp_path / home, RemoteStore(root)).require("D", "pretrain")
+        assert tree(got) == {"summary.json": b"b's pretrain"}, home
+
+
+def test_a_manifest_without_a_creation_time_is_older_than_any_unpublished_write(tmp_path):
+    root = str(tmp_path / "shared")
+    a = ArtifactStore(tmp_path / "a", RemoteStore(root))
+    write_stage(a, {"summary.json": b"published"})
+    assert a.publish("D", "ingest").created_ns > 0
+    path = tmp_path / "shared/D/ingest/MANIFEST.json"
+    manifest = json.loads(path.read_text())
+    del manifest["created_ns"]  # as written before the field
+    path.write_text(json.dumps(manifest))
+    assert RemoteStore(root).manifest("D", "ingest").created_ns == 0
+    write_stage(ArtifactStore(tmp_path / "a", RemoteStore(root)), {"summary.json": b"unpublished"})
+    assert tree(ArtifactStore(tmp_path / "a", RemoteStore(root)).require("D", "ingest")) == {
+        "summary.json": b"unpublished"}
+    manifest["created_ns"] = "yesterday"
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(RemoteArtifactError, match="field 'created_ns': expected an integer >= 0"):
+        RemoteStore(root).manifest("D", "ingest")
 
 
 class Doubler(mlflow.pyfunc.PythonModel):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 import re
 from dataclasses import asdict, dataclass, field
@@ -32,6 +33,7 @@ from xc_dagster.storage import file_lock
 from xc_dagster.strategies import STRATEGIES
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_log = logging.getLogger(__name__)
 TEXT_CHOICES = ("title", "title+content")
 LAYOUTS = ("auto",) + DATA_LAYOUTS
 BUILTIN_PREFIX = "builtin:"  # datasets embedded in the package, e.g. builtin:LF-WordNetNouns
@@ -239,7 +241,8 @@ class Catalog:
             if unknown:
                 raise XCConfigError(f"{self.path}: dataset {name!r}: unknown keys {sorted(unknown)}; "
                                     f"known keys are {sorted(known)}")
-            out[str(name)] = DatasetSpec(name=str(name), **entry).validate(str(self.path))
+            out[str(name)] = DatasetSpec(name=str(name), **_without_ignored_keys(entry, name, self.path)).validate(
+                str(self.path))
         return out
 
     def names(self) -> list[str]:
@@ -293,3 +296,16 @@ class Catalog:
             if name not in ds:
                 raise XCDatasetNotFound(f"dataset {name!r} is not in the catalog {self.path}")
             del ds[name]
+
+
+def _without_ignored_keys(entry: dict[str, Any], name: Any, path: Path) -> dict[str, Any]:
+    """``entry`` without the ``preset`` / ``strategy`` overrides that earlier versions stored (``--set strategy=...``)
+    and never applied: they are refused when given now, but an old catalog must still load (one bad entry would stop
+    every partition); the entry keeps the preset and strategy it has always run with, and the user is told."""
+    overrides = entry.get("overrides")
+    if not isinstance(overrides, dict) or not {"preset", "strategy"} & set(overrides):
+        return entry
+    dropped = {k: overrides[k] for k in ("preset", "strategy") if k in overrides}
+    _log.warning("%s: dataset %r: overrides %s were never applied (set them with --preset / --strategy); "
+                 "ignored as before", path, name, dropped)
+    return {**entry, "overrides": {k: v for k, v in overrides.items() if k not in dropped}}

@@ -35,7 +35,9 @@ def fsync_tree(folder: Path) -> None:
     never names data the disk has not got."""
     for dirpath, _, filenames in os.walk(folder):
         for name in filenames:
-            fsync_file(Path(dirpath) / name)
+            # a link's entry is its folder's (fsynced below); its target may be gone, or outside the tree
+            if not os.path.islink(path := Path(dirpath) / name):
+                fsync_file(path)
         fsync_dir(Path(dirpath))
 
 

@@ -3,7 +3,8 @@
 The local ``$XC_HOME/artifacts`` stays the working copy; :class:`RemoteStore` owns the remote side only:
 
 - ``<root>/<dataset>/<stage>/versions/<version>/<path>``: the files of one published version, written once;
-- ``<root>/<dataset>/<stage>/MANIFEST.json``: the current version (its id, and every file's size and sha256).
+- ``<root>/<dataset>/<stage>/MANIFEST.json``: the current version (its id, when it was published, and every
+  file's size and sha256).
 
 :meth:`RemoteStore.publish` uploads a complete local folder under a fresh version key and only then writes the
 manifest in one PUT: the new version becomes visible at once, and a publish that fails or is killed leaves the
@@ -53,7 +54,9 @@ class RemoteArtifactError(XCError):
 @dataclass(frozen=True)
 class Manifest:
     """One published version of a stage: ``files`` maps each relative POSIX path to ``{"size", "sha256"}``;
-    ``dirs`` lists the folders with no file in them (kept so a fetched copy has the same tree)."""
+    ``dirs`` lists the folders with no file in them (kept so a fetched copy has the same tree); ``created_ns``:
+    when it was published (ns since the epoch; 0 in a manifest written before the field, read as older than any
+    local write)."""
 
     dataset: str
     stage: str
@@ -61,12 +64,13 @@ class Manifest:
     files: dict[str, dict[str, Any]]
     dirs: tuple[str, ...] = ()
     created: str = ""
+    created_ns: int = 0
     uri: str = field(default="", compare=False)  # where it was read from (error messages)
 
     def to_json(self) -> str:
         return json.dumps({"format": FORMAT, "dataset": self.dataset, "stage": self.stage, "version": self.version,
-                           "created": self.created, "host": socket.gethostname(), "files": self.files,
-                           "dirs": list(self.dirs)}, indent=1, sort_keys=True) + "\n"
+                           "created": self.created, "created_ns": self.created_ns, "host": socket.gethostname(),
+                           "files": self.files, "dirs": list(self.dirs)}, indent=1, sort_keys=True) + "\n"
 
 
 def _bad(uri: str, what: str) -> RemoteArtifactError:
@@ -106,6 +110,9 @@ def parse_manifest(raw: bytes, uri: str, dataset: str, stage: str) -> Manifest:
         if obj.get(name) != want:
             raise _bad(uri, f"field {name!r}: expected {want!r}, got {obj.get(name)!r}")
     version, files, dirs = obj.get("version"), obj.get("files"), obj.get("dirs", [])
+    created_ns = obj.get("created_ns", 0)
+    if type(created_ns) is not int or created_ns < 0:
+        raise _bad(uri, f"field 'created_ns': expected an integer >= 0 (ns since the epoch), got {created_ns!r}")
     if not isinstance(version, str) or not VERSION_RE.match(version):
         raise _bad(uri, f"field 'version': expected a version id ([0-9A-Za-z._-]), got {version!r}")
     if not isinstance(files, dict) or not isinstance(dirs, list):
@@ -118,7 +125,7 @@ def parse_manifest(raw: bytes, uri: str, dataset: str, stage: str) -> Manifest:
                             f"got {meta!r}")
     return Manifest(dataset, stage, version,
                     {k: {"size": v["size"], "sha256": v["sha256"]} for k, v in files.items()},
-                    tuple(_check_relpath(uri, d) for d in dirs), str(obj.get("created", "")), uri)
+                    tuple(_check_relpath(uri, d) for d in dirs), str(obj.get("created", "")), created_ns, uri)
 
 
 def _raise(exc: OSError) -> None:
@@ -206,8 +213,9 @@ class RemoteStore:
                     files[rel] = self._upload(Path(dirpath) / name, f"{base}/{rel}")
             if check is not None:
                 check()
+            now = time.time_ns()  # compared with local writes' times by ArtifactStore.sync
             manifest = Manifest(dataset, stage, version, files, tuple(dirs),
-                                time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                                time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now // 10**9)), now,
                                 self.uri(self.manifest_key(dataset, stage)))
             self._put_manifest(self.manifest_key(dataset, stage), manifest.to_json().encode())
         return manifest

@@ -11,9 +11,9 @@ sweeps every stage of its dataset so (docs/decisions.md#stage-versions-behind-a-
 
 With a remote artifact root (``XC_ARTIFACT_ROOT``, :mod:`xc_dagster.remote_store`) these folders are the local cache
 of the published stages: :meth:`ArtifactStore.publish` uploads a written stage, and :meth:`ArtifactStore.sync`
-(which ``require`` runs) replaces a stage whose local copy is missing or a copy of another remote version by the
-manifest's version, downloaded and verified into a new version folder switched in as a write is. A local write not
-yet published is kept, so a run between its write and its publish publishes its own data
+(which ``require`` runs) replaces a stage whose local copy is not the remote manifest's version by that version,
+downloaded and verified into a new version folder switched in as a write is. A local write not yet published and
+newer than the manifest is kept, so a run between its write and its publish publishes its own data
 (docs/decisions.md#remote-artifact-manifest).
 """
 
@@ -27,7 +27,7 @@ import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Callable, Iterator, Literal
 
 import numpy as np
 
@@ -46,7 +46,7 @@ LEFTOVER_RE = re.compile(r"^\.(?P<stage>.+)\.(?:v|link|tmp|old)-[0-9a-f]+$")  # 
 # the replaced version is removed this long after the switch: a reader descheduled between reading the link and
 # opening a file of its version (1 missing and 1 partial read in 28,577 under a loaded 2-core machine) still finds it
 RETIRE_GRACE_S = 0.02
-REMOTE_DIR = "_remote"  # <root>/<dataset>/_remote/<stage>.json: the remote version the local stage folder holds
+REMOTE_DIR = "_remote"  # <root>/<dataset>/_remote/<stage>.json: which local versions are copies, which unpublished
 
 
 class MissingArtifact(XCError, FileNotFoundError):
@@ -185,74 +185,109 @@ class ArtifactStore:
     @contextlib.contextmanager
     def writing(self, dataset: str, stage: str) -> Iterator[Path]:
         """A new version folder of the stage (see :func:`atomic_dir`); every stage of the dataset is swept first,
-        so a killed write of a stage that is not rewritten soon is reclaimed too."""
+        so a killed write of a stage that is not rewritten soon is reclaimed too. With a remote root the version is
+        recorded as a write of this home not yet published, with its time, before it is switched in (:meth:`_stale`)."""
+        with self._writing(dataset, stage, self._record_write if self.remote is not None else None) as tmp:
+            yield tmp
+
+    @contextlib.contextmanager
+    def _writing(self, dataset: str, stage: str, record: Callable[[str, str, str], None] | None) -> Iterator[Path]:
         self.sweep(dataset)
         with atomic_dir(self.stage_dir(dataset, stage)) as tmp:
             yield tmp
+            if record is not None:
+                record(dataset, stage, tmp.name)  # before the switch: never current without its record
         self._written[(dataset, stage)] = tmp.name  # what this store's publish sends, not what the link names then
 
     # ---- the remote root: publish after a write, fetch before a read
     def _marker(self, dataset: str, stage: str) -> Path:
         return self.root / dataset / REMOTE_DIR / f"{stage}.json"
 
-    def _marks(self, dataset: str, stage: str) -> dict[str, str]:
-        """The remote versions of this remote root that local version folders (by name) are copies of, fetched or
-        published; the marker of the earlier layout names one."""
+    def _marker_lock(self, dataset: str, stage: str) -> contextlib.AbstractContextManager[bool]:
+        """Held to change the marker, and by a fetch throughout (one fetch of a stage at a time on this tree)."""
+        return file_lock(self._marker(dataset, stage).with_suffix(".lock"))
+
+    def _marks(self, dataset: str, stage: str) -> tuple[dict[str, str], dict[str, int]]:
+        """What the marker of this remote root says of local version folders (by name): those that are copies of a
+        remote version (fetched or published), and those written here and not published yet, with their write
+        times (ns since the epoch). A marker of another root (or none) names neither; one of the earliest layout
+        names one copy, one of the previous layout copies only."""
         try:
             mark = load_json(self._marker(dataset, stage))
         except (OSError, ValueError):
-            return {}
+            return {}, {}
         if not isinstance(mark, dict) or mark.get("root") != self.remote.root:
-            return {}
-        local, version = mark.get("local"), mark.get("version")
-        if isinstance(local, str):  # the earlier layout: {"root", "version", "local": one name}
-            return {local: version} if isinstance(version, str) else {}
-        return {k: v for k, v in local.items() if isinstance(v, str)} if isinstance(local, dict) else {}
+            return {}, {}
+        local, version, pending = mark.get("local"), mark.get("version"), mark.get("pending")
+        if isinstance(local, str):  # the earliest layout: {"root", "version", "local": one name}
+            copies = {local: version} if isinstance(version, str) else {}
+        else:
+            copies = {k: v for k, v in local.items() if isinstance(v, str)} if isinstance(local, dict) else {}
+        written = ({k: v for k, v in pending.items() if type(v) is int} if isinstance(pending, dict) else {})
+        return copies, written
 
-    def _mark(self, dataset: str, stage: str, copies: dict[str, str]) -> None:
-        atomic_write_text(self._marker(dataset, stage), json.dumps({"root": self.remote.root, "local": copies}) + "\n")
-        self._checked.add((dataset, stage))
+    def _record(self, dataset: str, stage: str, name: str, version: str | None = None,
+                written_ns: int | None = None) -> None:
+        """Record local version ``name`` as a copy of remote ``version``, or else as a write of this home not
+        published yet (at ``written_ns``); entries of version folders removed since are dropped. The caller holds
+        :meth:`_marker_lock`."""
+        copies, pending = self._marks(dataset, stage)
+        copies.pop(name, None)
+        pending.pop(name, None)
+        if version is not None:
+            copies[name] = version
+        else:
+            pending[name] = written_ns
+        there = {n for n in {*copies, *pending} if (self.root / dataset / n).is_dir()}
+        atomic_write_text(self._marker(dataset, stage), json.dumps(
+            {"root": self.remote.root, "local": {n: v for n, v in copies.items() if n in there},
+             "pending": {n: t for n, t in pending.items() if n in there}}) + "\n")
+
+    def _record_write(self, dataset: str, stage: str, name: str) -> None:
+        with self._marker_lock(dataset, stage):
+            self._record(dataset, stage, name, written_ns=time.time_ns())
 
     def _stale(self, dataset: str, stage: str, manifest: Manifest) -> bool:
-        """Whether sync replaces the local stage by ``manifest``'s version: when it is missing, or a copy of another
-        remote version. A local version that is no copy (a write not published yet, or whose publish failed) is
-        this home's newer work and is kept: replacing it would have its run publish the older data."""
+        """Whether sync replaces the local stage by ``manifest``'s version. Kept: a copy of that version, and a write
+        of this home not published yet that is newer than the manifest (its run publishes it next; replacing it
+        would have the run publish the older data). Replaced: a missing stage, a copy of another version, a write
+        older than the manifest (its publish failed and another home published since), a version without a record
+        (written before the remote root was set, or recorded for another root) and a real folder of before
+        versions: a stage built on them would be published on inputs the remote does not have."""
         d = self.stage_dir(dataset, stage)
         if not d.is_dir():
             return True
         try:
             here = os.readlink(d)
-        except OSError:  # a real folder of the layout before versions, written here
-            return False
-        marks = self._marks(dataset, stage)
-        return here in marks and marks[here] != manifest.version
+        except OSError:  # a real folder of the layout before versions
+            return True
+        copies, pending = self._marks(dataset, stage)
+        if here in copies:
+            return copies[here] != manifest.version
+        written = pending.get(here)
+        return written is None or written <= manifest.created_ns
 
     def sync(self, dataset: str, stage: str) -> bool:
-        """Bring the local copy of a stage to the remote manifest's version when it is missing or a copy of another
-        one (downloaded, checked against the manifest, switched in like a write; a local write not yet published
-        is kept, see :meth:`_stale`); returns whether the stage is materialized locally now. Without a remote root,
-        or already checked by this store, only the latter."""
+        """Bring the local copy of a stage to the remote manifest's version unless it is that version or a newer
+        write not published yet (see :meth:`_stale`): downloaded, checked against the manifest, switched in like a
+        write. Returns whether the stage is materialized locally now. Without a remote root, or already checked by
+        this store, only the latter."""
         d = self.stage_dir(dataset, stage)
         if self.remote is None or (dataset, stage) in self._checked:
             return d.is_dir()
         manifest = self.remote.manifest(dataset, stage)
         if manifest is not None and self._stale(dataset, stage, manifest):
-            lock = self._marker(dataset, stage).with_suffix(".lock")
-            with file_lock(lock):  # one fetch of a stage at a time on this tree; the next finds it fresh
+            with self._marker_lock(dataset, stage):  # the next fetch of the stage on this tree finds it fresh
                 if self._stale(dataset, stage, manifest):
                     self._fetch(dataset, stage, manifest)
         self._checked.add((dataset, stage))
         return d.is_dir()
 
     def _fetch(self, dataset: str, stage: str, manifest: Manifest) -> None:
-        d = self.stage_dir(dataset, stage)
-        here = os.readlink(d) if d.is_symlink() else None
-        kept = {k: v for k, v in self._marks(dataset, stage).items() if k == here}
-        with self.writing(dataset, stage) as tmp:
+        """Download ``manifest``'s version into a new version, recorded as its copy before the switch (a kill on
+        either side of it leaves the current version known). The caller holds :meth:`_marker_lock`."""
+        with self._writing(dataset, stage, lambda ds, st, name: self._record(ds, st, name, manifest.version)) as tmp:
             self.remote.download(manifest, tmp)
-            # recorded before the switch: a kill on either side of it leaves the current version known as a copy
-            self._mark(dataset, stage, {**kept, tmp.name: manifest.version})
-        self._mark(dataset, stage, {tmp.name: manifest.version})
 
     def publish(self, dataset: str, stage: str) -> Manifest | None:
         """Upload the stage's complete local folder as the remote's new current version (None: no remote root):
@@ -273,7 +308,9 @@ class ArtifactStore:
 
         still_current()
         manifest = self.remote.publish(dataset, stage, self.root / dataset / local, check=still_current)
-        self._mark(dataset, stage, {local: manifest.version})
+        with self._marker_lock(dataset, stage):
+            self._record(dataset, stage, local, manifest.version)  # a write published: a copy of its version now
+        self._checked.add((dataset, stage))
         return manifest
 
     def require_local(self, dataset: str, stage: str) -> Path:

@@ -103,16 +103,16 @@ class SparseRows:
 
 def canonical(m: sp.csr_matrix, path: Path, what: str) -> sp.csr_matrix:
     """``m`` with sorted indices and repeated entries summed, each sum within float32's range; a ``what`` of
-    "label" holds relevances: a negative one is refused, a 0 (given, or summed, or below float32's smallest) is no
-    label and dropped, so that no stage reads a stored 0 as a positive."""
+    "label" holds relevances: a negative one is refused, a 0 (given, or below float32's smallest) is no label and
+    dropped, so that no stage reads a stored 0 as a positive."""
+    if what == "label" and (m.data < 0).any():  # each value, as the LF readers judge target_rel (not their sum)
+        raise XCFormatError(path, None, "label values (relevances) >= 0; 0 is no label",
+                            got=f"a negative value in data row {_row_of(m, m.data < 0)}")
     m.sum_duplicates()
     if not np.isfinite(m.data).all():  # values, or repeated entries of one column summed, past float32's range
         raise XCFormatError(path, None, f"{what} values whose sum per (row, column) fits float32 (|sum| <= "
                             f"{F32_MAX:.4g})", got=f"an overflow in data row {_row_of(m, ~np.isfinite(m.data))}")
     if what == "label":
-        if (m.data < 0).any():
-            raise XCFormatError(path, None, "label values (relevances) >= 0, per (row, label) after summing its "
-                                "entries; 0 is no label", got=f"a negative value in data row {_row_of(m, m.data < 0)}")
         m.eliminate_zeros()
     return m
 

@@ -8,7 +8,10 @@ leaves the previous one valid) and renamed over the previous one (the folder fsy
 mid-write leaves the previous checkpoint intact. A checkpoint whose bytes do not hash to a recorded SHA-256
 (truncated, any byte flipped: torch's reader checks no CRC, and the zip's own CRCs cover neither its directory nor
 its end records) or that does not load is logged by file name, moved aside to ``state.pt.corrupt`` and training
-starts over, so a damaged file never blocks the stage (docs/decisions.md#checkpoint-corrupt-restart). A checkpoint
+starts over, so a damaged file never blocks the stage (docs/decisions.md#checkpoint-corrupt-restart). One written
+before the record existed gets the earlier check (every zip member's CRC, then ``torch.load``) and its hash is
+recorded by the next save. An I/O error reading a checkpoint is raised, the file left alone; a mismatch is read
+twice before it counts (another run's saves can race a read: loads take no lock). A checkpoint
 whose fingerprint differs from the current run's (other hyperparameters, other upstream artifacts) is ignored and
 overwritten, never resumed from. One run at a time writes a folder: the first save takes an exclusive ``flock`` on
 ``<folder>.lock`` beside it (as ``KeptWork`` does); a run of the same stage started meanwhile keeps no checkpoints.
@@ -28,7 +31,7 @@ import uuid
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -39,10 +42,9 @@ from xc_dagster.storage import file_lock
 log = logging.getLogger("xc_dagster")
 STATE, CORRUPT, HASHES = "state.pt", "state.pt.corrupt", "state.pt.sha256"
 TMP = f"{STATE}.tmp-"  # unique temporary names: <TMP><8 hex>
-# what a damaged file raises in the hash check or in torch.load (the key/type errors: a loaded object of the wrong
-# shape; OSError: a zip end record torch's reader cannot seek by)
-DAMAGED = (zipfile.BadZipFile, RuntimeError, EOFError, ValueError, KeyError, TypeError, pickle.UnpicklingError,
-           OSError)
+# what a damaged file raises in the checks or in torch.load (the key/type errors: a loaded object of the wrong
+# shape); not OSError, an I/O fault: only a checkpoint without a hash record takes one for damage (_read_unrecorded)
+DAMAGED = (zipfile.BadZipFile, RuntimeError, EOFError, ValueError, KeyError, TypeError, pickle.UnpicklingError)
 
 
 class DamagedCheckpoint(ValueError):
@@ -92,21 +94,33 @@ class Checkpointer:
 
     def load(self) -> Resumed | None:
         """The saved state if it belongs to this run (same fingerprint), else None. A damaged checkpoint is logged,
-        moved aside to ``state.pt.corrupt`` and treated as none (training starts over)."""
+        moved aside to ``state.pt.corrupt`` and treated as none (training starts over). Loads take no lock,
+        so a mismatch is damage only when a second read finds it too: a concurrent save of the run holding the folder
+        writes the record, then renames the file, and a read opens the file before it reads the record, so one save
+        meanwhile is harmless but two are not. An ``OSError`` reading a checkpoint (an I/O fault) is raised, the file
+        left alone."""
         path = None if self.folder is None else self.folder / STATE
         if path is None or not path.exists():
             return None
-        try:
-            state, self._current = _read_whole(path, _recorded_hashes(self.folder))
-            if state.get("key") != self.key:
-                return None
-            return Resumed(int(state["epoch"]), state, state["rng_state"])
+        with contextlib.suppress(*DAMAGED):
+            return self._resume(path)
+        try:  # once more: another run's saves between this read's opening of the file and of its record
+            return self._resume(path)
         except DAMAGED as exc:
             with contextlib.suppress(FileNotFoundError):  # another run of the stage moved or cleared it first
                 os.replace(path, self.folder / CORRUPT)
-            log.warning("checkpoint %s is damaged (%s: %s); moved to %s, training starts from epoch 0",
-                        path, type(exc).__name__, str(exc).split("\n")[0][:200], self.folder / CORRUPT)
+            log.warning("checkpoint %s is damaged (%s); moved to %s, training starts from epoch 0",
+                        path, _brief(exc), self.folder / CORRUPT)
             return None
+
+    def _resume(self, path: Path) -> Resumed | None:
+        read = _read_whole(path)
+        if read is None:  # removed since: another run of the stage finished and cleared it
+            return None
+        state, self._current = read
+        if state.get("key") != self.key:
+            return None
+        return Resumed(int(state["epoch"]), state, state["rng_state"])
 
     def _own(self) -> bool:
         """Take the folder's lock on first use (non-blocking); False while another run of the stage holds it."""
@@ -133,7 +147,8 @@ class Checkpointer:
             torch.save({**state, "key": self.key, "epoch": int(epoch), "rng_state": rng.bit_generator.state,
                         "torch_rng": torch.get_rng_state(), "cuda_rng": cuda}, tmp)
             fsync_file(tmp)  # on the disk before the rename makes it the checkpoint
-            digest = _sha256(tmp)
+            with open(tmp, "rb") as f:
+                digest = _sha256(f)
             # the previous checkpoint's hash stays valid: a kill before the rename leaves it the checkpoint
             hashes = [digest] + ([self._current] if self._current else [])
             atomic_write_text(self.folder / HASHES, json.dumps({"sha256": hashes}) + "\n")
@@ -156,33 +171,70 @@ class Checkpointer:
         self._owns = None
 
 
-def _sha256(path: Path) -> str:
+def _brief(exc: BaseException) -> str:
+    first_line = str(exc).split("\n")[0][:200]
+    return f"{type(exc).__name__}: {first_line}"
+
+
+def _sha256(f: BinaryIO) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
+    for block in iter(lambda: f.read(1 << 20), b""):
+        h.update(block)
     return h.hexdigest()
 
 
-def _recorded_hashes(folder: Path) -> list[str]:
-    """The SHA-256s ``save`` recorded; none (a checkpoint of before the record, or the record lost) is damage."""
+def _recorded_hashes(folder: Path) -> list[str] | None:
+    """The SHA-256s ``save`` recorded; None without a record (a checkpoint of before it). A record that does not
+    parse is damage; one that cannot be read (an I/O fault) raises its ``OSError``."""
     try:
         hashes = json.loads((folder / HASHES).read_text())["sha256"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise DamagedCheckpoint(f"no readable {HASHES} beside it ({type(exc).__name__})") from None
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise DamagedCheckpoint(f"{HASHES} beside it does not parse ({type(exc).__name__})") from None
     return [h for h in hashes if isinstance(h, str)] if isinstance(hashes, list) else []
 
 
-def _read_whole(path: Path, hashes: list[str]) -> tuple[dict[str, Any], str]:
-    """Load a checkpoint whose bytes hash to one of ``hashes`` (``torch.load`` reads a flipped byte silently);
-    returns it and its SHA-256."""
-    digest = _sha256(path)
-    if digest not in hashes:
-        raise DamagedCheckpoint(f"SHA-256 {digest} is none of the recorded {hashes}")
-    state = torch.load(path, map_location="cpu", weights_only=True)
+def _read_whole(path: Path) -> tuple[dict[str, Any], str] | None:
+    """The checkpoint at ``path`` and its SHA-256 (None: it is gone). Its bytes must hash to one that ``save``
+    recorded (``torch.load`` reads a flipped byte silently); without a record, :func:`_read_unrecorded` checks it.
+    The record is read after the file is opened: a save records its hash before its rename, so the record read
+    names the opened file unless two saves ran in between."""
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        return None
+    with f:
+        hashes = _recorded_hashes(path.parent)
+        digest = _sha256(f)
+        f.seek(0)
+        if hashes is None:
+            return _read_unrecorded(f), digest
+        if digest not in hashes:
+            raise DamagedCheckpoint(f"SHA-256 {digest} is none of the recorded {hashes}")
+        return _torch_load(f), digest
+
+
+def _read_unrecorded(f: BinaryIO) -> dict[str, Any]:
+    """The check of checkpoints written before the hash record: every zip member's CRC, then ``torch.load``. A
+    broken zip structure is damage, the ``OSError`` zipfile raises seeking by a damaged end record included (the
+    file was just read whole to hash it, so an I/O fault here is unlikely)."""
+    try:
+        with zipfile.ZipFile(f) as z:  # a file object passed in: closing the ZipFile leaves it open
+            bad = z.testzip()
+        if bad is not None:
+            raise zipfile.BadZipFile(f"member {bad} fails its CRC check")
+        f.seek(0)
+        return _torch_load(f)
+    except OSError as exc:
+        raise DamagedCheckpoint(f"a broken zip structure ({type(exc).__name__}: {exc})") from None
+
+
+def _torch_load(f: BinaryIO) -> dict[str, Any]:
+    state = torch.load(f, map_location="cpu", weights_only=True)
     if not isinstance(state, dict):
         raise TypeError(f"expected a dict, got {type(state).__name__}")
-    return state, digest
+    return state
 
 
 class Resumable:
