@@ -279,7 +279,7 @@ def load_bundle(folder: str | Path, device: str | torch.device | None = None) ->
         inv_prop=read_array(folder / "inv_prop.npy"), label_texts=label_texts,
         shortlist_size=int(info["shortlist_size"]), device=dev, dtype=amp_dtype(dev, info.get("amp", "auto")),
         batch_size=int(info.get("encode_batch_size", 256)), default_k=int(info.get("default_k", 10)), info=info)
-    check_parts(bundle, folder, label_emb, encode_texts([""], bundle).shape[1])  # the encoder's width
+    check_parts(bundle, folder, label_emb, encoder.dim)  # the width of the queries the indexes are searched with
     return bundle
 
 
