@@ -187,7 +187,7 @@ def test_a_stage_version_is_switched_in_with_its_own_config_record(tmp_path, mon
 def test_upstream_sections_come_from_the_stage_records(tmp_path):
     """with_upstream_params: each upstream stage's section as recorded next to its artifacts; the run's own
     section, downstream sections and stages without a record keep the run's resolution."""
-    from xc_dagster.pipeline.provenance import record_params, recorded_params, with_upstream_params
+    from xc_dagster.pipeline.provenance import recorded_params, with_upstream_params, write_params
     from xc_dagster.storage import ArtifactStore
 
     store = ArtifactStore(tmp_path)
@@ -195,7 +195,7 @@ def test_upstream_sections_come_from_the_stage_records(tmp_path):
                                                               "mining.sources": "label knn"}))
     for stage in ("mining", "index", "fusion"):
         store.stage_dir("D", stage).mkdir(parents=True)
-        record_params(store, "D", stage, built)
+        write_params(store.stage_dir("D", stage), built)
     store.stage_dir("D", "classifier").mkdir(parents=True)  # artifacts from before records existed
     path = store.stage_dir("D", "fusion") / "params.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), "fusion.gone": 1}))  # a field since removed

@@ -21,7 +21,6 @@ from xc_dagster.artifacts import (
 )
 from xc_dagster.catalog import Catalog, DatasetSpec
 from xc_dagster.pipeline import STAGES, StageContext
-from xc_dagster.pipeline.provenance import record_params
 from xc_dagster.storage import ArtifactStore, stage_leftovers
 
 TINY = {
@@ -83,8 +82,7 @@ def _run(tmp: Path, encoder: Path, strategy: str, overrides: dict) -> tuple[dict
             bound = ctx.for_stage(stage)
             _RECORDER.running = stage
             STAGES[stage](bound)
-            _RECORDER.running = None
-            record_params(ctx.store, ctx.name, stage, ctx.cfg)
+            _RECORDER.running = None  # the stage's ctx.writing recorded its params.json
             read[stage] = bound.read.opened
         opened = _RECORDER.opened
     finally:

@@ -22,7 +22,6 @@ from typing import Any, Sequence
 
 from xc_dagster.artifacts import PARAMS
 from xc_dagster.config import STAGES, PipelineConfig, apply_overrides
-from xc_dagster.durable import atomic_write_text
 from xc_dagster.errors import XCConfigError
 from xc_dagster.storage import ArtifactStore
 
@@ -39,14 +38,6 @@ def write_params(folder: Path, cfg: PipelineConfig) -> Path:
     and a concurrent run's record never lands in it."""
     path = Path(folder) / PARAMS_FILE
     path.write_text(json.dumps(cfg.flat(), indent=2, sort_keys=True) + "\n")
-    return path
-
-
-def record_params(store: ArtifactStore, dataset: str, stage: str, cfg: PipelineConfig) -> Path:
-    """Write ``cfg`` next to ``stage``'s current artifacts, through the stage's link (for artifacts written without
-    ``StageContext.writing``; a stage run records its config with :func:`write_params`)."""
-    path = params_path(store, dataset, stage)
-    atomic_write_text(path, json.dumps(cfg.flat(), indent=2, sort_keys=True) + "\n")
     return path
 
 
