@@ -60,31 +60,28 @@ def read_line(f: IO[bytes], path: Path, lineno: int, limits: InputLimits) -> byt
 
 
 def read_header(f: IO[bytes], path: Path) -> str | None:
-    """The first line as text (BOM and line end stripped), None for an empty file; bad UTF-8 raises."""
+    """The first line as text (BOM and line end stripped), None for an empty file; bytes that are no UTF-8 raise
+    naming line 1 (a UTF-16 file by its byte-order mark: the layouts are UTF-8)."""
     raw = read_line(f, path, 1, current_limits())
     if not raw:
         return None
     try:
         s = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise XCFormatError(path, 1, "UTF-8 text", got=f"undecodable bytes at column {e.start + 1}") from e
+        got = "a UTF-16 byte-order mark" if raw[:2] in (b"\xff\xfe", b"\xfe\xff") else \
+            f"undecodable bytes at column {e.start + 1}"
+        raise XCFormatError(path, 1, "UTF-8 text", got=got) from e
     return s.lstrip("\ufeff").rstrip("\r\n")
 
 
 def first_line(path: Path) -> str | None:
-    """The first line of a file (BOM and line end stripped), None when empty or unreadable; bytes that are no UTF-8
-    raise naming line 1 (a UTF-16 file by its byte-order mark: the layouts are UTF-8)."""
+    """:func:`read_header` of the file at ``path``, None when it cannot be opened."""
     try:
-        with open(path, "rb") as f:
-            raw = f.readline(4096)
+        f = open(path, "rb")
     except OSError:
         return None
-    try:
-        return raw.decode("utf-8").lstrip("\ufeff").rstrip("\r\n") if raw else None
-    except UnicodeDecodeError as e:
-        got = "a UTF-16 byte-order mark" if raw[:2] in (b"\xff\xfe", b"\xfe\xff") else \
-            f"undecodable bytes at column {e.start + 1}"
-        raise XCFormatError(path, 1, "UTF-8 text", got=got) from e
+    with f:
+        return read_header(f, path)
 
 
 def parse_header(path: Path, line: str | None, names: Sequence[str]) -> list[int]:
