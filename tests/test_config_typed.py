@@ -122,6 +122,7 @@ def test_allowed_values_pass_and_resolve_to_plain_strings():
     ("evaluate.ks=0,5", "config field 'evaluate.ks': expected items each a value >= 1"),
     ("evaluate.top_k=0", "config field 'evaluate.top_k': expected a value >= 1"),
     ("evaluate.propensity_b=-1", "config field 'evaluate.propensity_b': expected a value >= 0"),
+    ("index.lexical_char_weight=-0.5", "config field 'index.lexical_char_weight': expected a value >= 0"),
 ])
 def test_set_refuses_a_number_outside_its_range(item, message):
     """Infinite, nan and out-of-range numbers fail at --set naming the field, not in a stage with a numpy error."""

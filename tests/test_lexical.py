@@ -107,6 +107,49 @@ def test_tfidf_on_texts_is_sublinear_word_bigrams_with_min_df():
         LexicalIndex.fit(points, labels, Y, neighbours=0)
 
 
+def test_char_ngrams_beside_the_words_match_inflections_and_round_trip(tmp_path):
+    """index.lexical_char_weight w > 0: the word block and the char 3-5 gram block, each L2-normalised, the chars
+    times w, the row normalised again -- so the char block holds w^2 / (1 + w^2) of a row's squared norm; a query
+    word the words never saw ("chestnuts", "infections") still meets the label sharing its stem; saved and loaded
+    back (terms "w "/"c " prefixed) the rows are the same; an index written before the setting loads as words only."""
+    points = ["european chestnut tree", "sweet chestnut", "bone cell", "protozoal infection", "infection of bone"] * 2
+    labels = ["chestnut", "cell", "infection"]
+    Y = sp.csr_matrix(np.array([[1, 0, 0], [1, 0, 0], [0, 1, 0], [0, 0, 1], [0, 1, 1]] * 2, dtype=np.float32))
+    queries = ["chestnuts", "protozoan infections", "sweet chestnut", ""]
+    words = LexicalIndex.fit(points, labels, Y, neighbours=2, min_df=1)
+    assert words.transform(queries[:2]).nnz == 0  # no word of either query is a term
+    first = None  # the char blocks' cosines, from w = 1
+    for w in (1.0, 0.5):
+        lex = LexicalIndex.fit(points, labels, Y, neighbours=2, min_df=1, char_weight=w)
+        Q = lex.transform(queries)
+        n = len(lex.model.words.vocabulary_)
+        assert Q.shape == (4, n + len(lex.model.chars.vocabulary_)) and Q[3].nnz == 0
+        both = Q[2].toarray()[0]  # "sweet chestnut": terms in both blocks
+        assert both @ both == pytest.approx(1.0)
+        assert both[n:] @ both[n:] == pytest.approx(w * w / (1 + w * w))
+        assert both[:n] == pytest.approx(words.transform(queries[2:3]).toarray()[0] / math.sqrt(1 + w * w))
+        cos = (Q[:2] @ lex.labels.T).toarray()
+        assert cos[0].argmax() == 0 and cos[1].argmax() == 2 and cos[0, 0] > 0 and cos[1, 2] > 0
+        # the queries' rows are all chars, the labels' char blocks w / sqrt(1 + w^2) of theirs: the cosine is the
+        # char blocks' times that (1 / sqrt(2) at w = 1)
+        first = first if w != 1.0 else cos[:, [0, 2]].diagonal() * math.sqrt(2)
+        assert cos[:, [0, 2]].diagonal() == pytest.approx(first * w / math.sqrt(1 + w * w), rel=1e-5)
+        lex.save(tmp_path / str(w))
+        config = json.loads((tmp_path / str(w) / "lexical.json").read_text())
+        assert config["char_weight"] == w
+        vocab = json.loads((tmp_path / str(w) / "vocabulary.json").read_text())
+        assert vocab[0].startswith("w ") and vocab[-1].startswith("c ") and len(vocab) == Q.shape[1]
+        back = LexicalIndex.load(tmp_path / str(w))
+        assert (back.transform(queries) != Q).nnz == 0
+        np.testing.assert_array_equal(back.scores(Q).toarray(), lex.scores(Q).toarray())
+    words.save(tmp_path / "words")
+    assert "char_weight" not in json.loads((tmp_path / "words" / "lexical.json").read_text())
+    assert (LexicalIndex.load(tmp_path / "words").transform(queries) != words.transform(queries)).nnz == 0
+    for bad in (-1.0, float("nan"), float("inf"), True, "1"):
+        with pytest.raises(XCConfigError, match="index.lexical_char_weight"):
+            LexicalIndex.fit(points, labels, Y, neighbours=2, char_weight=bad)
+
+
 def test_a_stored_zero_in_the_point_labels_is_no_label():
     """A label matrix may store explicit zeros (scipy keeps them through slicing and sums): the index binarises
     its entries after dropping them, so a 0 never becomes a neighbour's label."""

@@ -20,6 +20,7 @@ BOUNDS: dict[str, tuple[float, float | None, str]] = {
     "tokenize.max_len": (2, None, "tokens per text, the two special tokens included"),
     "tokenize.label_max_len": (2, None, "tokens per label text, the two special tokens included "
                                         "(0 = tokenize.max_len)"),
+    "index.lexical_char_weight": (0, None, "the lexical source's char n-grams' weight (0 = words only)"),
     "evaluate.ks": (1, None, "the number of predictions each metric reads"),
     "evaluate.top_k": (1, None, "predictions kept per test point"),
     "evaluate.propensity_a": (0, None, "propensity A (0 = by dataset family)"),

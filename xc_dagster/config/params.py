@@ -56,9 +56,8 @@ class IngestParams:
     label_text: LabelText = "title"  # label text fields; "same" = as points
     valid_fraction: float = 0.05  # fraction of training points held out for fusion fitting
     valid_max: int = 5000  # at most this many validation points
-    # a split that would hold fewer points than this is not carved: every training point trains the models and
-    # the fusion is cross-fitted over folds of the training set (fusion.fit_on); 0 = always carve
-    # (docs/decisions.md#fusion-cross-fitting)
+    # a split that would hold fewer points than this is not carved: every training point trains the models and the
+    # fusion is cross-fitted over folds of the training set (fusion.fit_on); 0 = always carve (fusion-cross-fitting)
     valid_min: int = 0
     split: int = 0  # bow-single layout: which column of the <name>_trSplit/_tstSplit tables
     seed: int = 0
@@ -350,6 +349,7 @@ class IndexParams:
     lexical_neighbours: int = 10
     lexical_power: float = 1.0  # as knn_power, for the lexical source's kNN votes
     lexical_min_df: int = 2  # lexical source: terms (word 1-2 grams) in fewer documents are dropped; 1 if none is left
+    lexical_char_weight: float = 0.0  # > 0: texts' char 3-5 grams too, weighed so (decisions.md#lexical-char-ngrams)
     # lexical source over more than lexical_exact_points training points: each term's postings capped at the P
     # points (and P labels) where its weight is largest, so a query's cost is bounded by its terms x P at any N
     # (static index pruning; docs/decisions.md#lexical-postings-cap); 0 = every posting (exact cosines) at any N

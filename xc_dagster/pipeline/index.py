@@ -39,6 +39,7 @@ from xc_dagster.retrieval.shortlist import (
     label_index_settings,
 )
 from xc_dagster.retrieval.sparse_rows import check_power, sparse_topk
+from xc_dagster.retrieval.tfidf import check_char_weight
 from xc_dagster.storage import save_json
 from xc_dagster.training.budget import SKIP_SLACK, reserved_after_pretraining, stage_deadline
 
@@ -50,6 +51,7 @@ def _check(p: Any) -> None:
         raise XCConfigError(f"index.knn_neighbours: expected an int >= 0, got {p.knn_neighbours!r}")
     check_power(p.knn_power, "index.knn_power")
     check_power(p.lexical_power, "index.lexical_power")
+    check_char_weight(p.lexical_char_weight)
     if not isinstance(p.lexical_classifier, bool):
         raise XCConfigError(f"index.lexical_classifier: expected true or false, got {p.lexical_classifier!r}")
     classifier_settings(p, 0)
@@ -140,7 +142,8 @@ def lexical_index(ctx: StageContext, rows: np.ndarray, ds: XCDataset, fit_rows: 
                                  max_postings=p.lexical_max_postings if len(rows) > p.lexical_exact_points else 0,
                                  feature_words=words, power=p.lexical_power, classifier=settings, valid=valid,
                                  deadline=deadline, skip_after=None if deadline is None
-                                 else deadline + SKIP_SLACK * 60.0 * ctx.cfg.train.budget_minutes)
+                                 else deadline + SKIP_SLACK * 60.0 * ctx.cfg.train.budget_minutes,
+                                 char_weight=p.lexical_char_weight)
     except XCConfigError as e:
         raise XCConfigError(f"{ctx.name}: {e}") from None
     if index.classifier is not None:

@@ -308,7 +308,8 @@ def text_units(costs: UnitCosts, cfg: PipelineConfig) -> dict[str, float]:
     p = cfg.index
     t0 = time.perf_counter()
     lex = LexicalIndex.fit(texts, list(ds.label_texts), ds.Y_train, p.lexical_neighbours, p.lexical_min_df,
-                           max_postings=p.lexical_max_postings if len(texts) > p.lexical_exact_points else 0)
+                           max_postings=p.lexical_max_postings if len(texts) > p.lexical_exact_points else 0,
+                           char_weight=p.lexical_char_weight)
     fit_s = time.perf_counter() - t0
     queries = list(ds.test_texts)[:LEXICAL_QUERIES]
     score_s = best_seconds(lambda: lex.scores(lex.transform(queries)), reps=2)

@@ -125,8 +125,9 @@ class Costs:
     def text(self) -> dict[str, float]:
         i = self.cfg.index
         return self.u.get("texts", {"encoder": self.cfg.tokenize.encoder, "max_len": self.cfg.tokenize.max_len,
-                                    **_fields(i, "lexical_neighbours", "lexical_min_df", "lexical_max_postings",
-                                              "lexical_exact_points")}, lambda: text_units(self.u, self.cfg))
+                                    **_fields(i, "lexical_neighbours", "lexical_min_df", "lexical_char_weight",
+                                              "lexical_max_postings", "lexical_exact_points")},
+                          lambda: text_units(self.u, self.cfg))
 
     def classifier_step_s(self) -> float:
         c = self.cfg.classifier

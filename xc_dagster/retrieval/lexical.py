@@ -14,7 +14,8 @@ A query is its L2-normalised TF-IDF row q. Its lexical score for label l sums up
   label or point) also gets those of largest b_l: the classifiers' prior.
 
 The TF-IDF model is scikit-learn's (``xc_dagster.retrieval.tfidf``): ``TfidfVectorizer`` (sublinear tf, word 1-2
-grams, ``index.lexical_min_df``, 1 when that leaves no term) on the points' and labels' texts, or
+grams, ``index.lexical_min_df``, 1 when that leaves no term; with ``index.lexical_char_weight`` char 3-5 grams beside
+them) on the points' and labels' texts, or
 ``TfidfTransformer`` on the shipped BoW features (sublinear tf and idf for counts; real values, already weighted,
 only L2-normalised); validation points are indexed (excluded from the fusion's kNN, as the dense kNN excludes them) but
 left out of the fit. Both parts are sparse products in row blocks holding at most ``PRODUCT_BUDGET`` entries each
@@ -67,7 +68,7 @@ from xc_dagster.retrieval.sparse_rows import (
     vote_weights,
     work_blocks,
 )
-from xc_dagster.retrieval.tfidf import VECTORIZER, are_counts, fit_texts, nonzero, transformer, vectorizer
+from xc_dagster.retrieval.tfidf import are_counts, fit_texts, load_text_model, nonzero, text_settings, transformer
 from xc_dagster.storage import load_json, save_json
 
 CONFIG_FILE = "lexical.json"
@@ -156,18 +157,19 @@ class LexicalIndex:
             point_labels: sp.spmatrix, neighbours: int, min_df: int = 2, fit_on: np.ndarray | None = None,
             feature_words: Sequence[str] | None = None, max_postings: int = 0, power: float = 1.0,
             classifier: ClassifierSettings | None = None, valid: tuple[Sequence[str] | sp.spmatrix, sp.spmatrix]
-            | None = None, deadline: float | None = None, skip_after: float | None = None) -> LexicalIndex:
-        """Index the training points' texts with the label texts, or their BoW feature rows with the labels'
-        (``labels`` None: no label-text part). The TF-IDF model is fitted on the labels and the points ``fit_on``
-        (positions in ``points``; default all): the validation points, indexed but excluded from the fusion's kNN,
-        stay out of the idf too. ``point_labels``: (points, L), binarised (a neighbour carries a label or not).
-        ``max_postings``: each term's postings capped at this many points and labels (0: none; module docstring).
-        ``feature_words``: with feature rows, one word per column, read as word sets (:class:`FeatureWords`) so
-        that the index serves raw text too. ``classifier``: train the third part, the
-        sparse per-label logistic regressions, on the points ``fit_on`` (``xc_dagster.retrieval.lexical_classifier``;
-        None: no classifier part); ``valid``: held-out points (texts or feature rows, as ``points``) and their labels
-        that pick its training pass, when they are not indexed (else the indexed points outside ``fit_on`` do);
-        ``deadline``, ``skip_after``: as :meth:`fit_classifier`'s (``classifier_skipped``: it left them out)."""
+            | None = None, deadline: float | None = None, skip_after: float | None = None,
+            char_weight: float = 0.0) -> LexicalIndex:
+        """Index the training points' texts with the label texts, or their BoW feature rows with the labels' (``labels``
+        None: no label-text part). The TF-IDF model is fitted on the labels and the points ``fit_on`` (positions in
+        ``points``; default all): the validation points, indexed but excluded from the fusion's kNN, stay out of the idf
+        too. ``point_labels``: (points, L), binarised (a neighbour carries a label or not). ``max_postings``: each
+        term's postings capped at this many points and labels (0: none; module docstring). ``feature_words``: with
+        feature rows, one word per column, read as word sets (:class:`FeatureWords`) so that the index serves raw text
+        too. ``classifier``: train the third part, the sparse per-label logistic regressions, on the points ``fit_on``
+        (``lexical_classifier``; None: none); ``valid``: held-out points (texts or feature rows, as ``points``) and
+        their labels that pick its training pass, when they are not indexed (else the indexed points outside ``fit_on``
+        do); ``deadline``, ``skip_after``: as :meth:`fit_classifier`'s (``classifier_skipped``: it left them out).
+        ``char_weight`` > 0: texts also as char n-grams, that block weighed so (``tfidf.WordsAndChars``)."""
         if not (isinstance(min_df, int) and not isinstance(min_df, bool) and min_df >= 1):
             raise XCConfigError(f"index.lexical_min_df: expected an int >= 1, got {min_df!r}")
         Y = sp.csr_matrix(point_labels, dtype=np.float32, copy=True)
@@ -188,7 +190,8 @@ class LexicalIndex:
             model = transformer(values=not are_counts(fitted)).fit(fitted)
         else:
             points = list(points)
-            model = fit_texts([points[i] for i in fit_rows] + (list(labels) if labels is not None else []), min_df)
+            model = fit_texts([points[i] for i in fit_rows] + (list(labels) if labels is not None else []), min_df,
+                              char_weight)
         P, T = model.transform(points), None if labels is None else model.transform(labels)
         if sp.csr_matrix(P).nnz == 0:
             raise XCConfigError("index.sources: the lexical source needs the training points' texts or BoW "
@@ -250,11 +253,8 @@ class LexicalIndex:
         if self.input == "text":
             if sp.issparse(inputs):
                 raise XCError("this lexical index was fitted on texts; give it texts, not feature rows")
-            texts = list(inputs)
-            if not texts:  # sklearn refuses zero rows
-                return sp.csr_matrix((0, self.points.shape[1]), dtype=np.float32)
-            return sp.csr_matrix(self.model.transform(texts), dtype=np.float32)
-        if not sp.issparse(inputs):
+            rows = list(inputs)
+        elif not sp.issparse(inputs):
             if self.words is None:
                 raise XCConfigError("index.sources: this lexical index was fitted on the dataset's shipped BoW "
                                     "features, which raw text cannot be mapped to without the dataset's feature "
@@ -265,7 +265,7 @@ class LexicalIndex:
             raise XCError(f"feature rows of {inputs.shape[1]} columns, the lexical index reads {self.num_features}")
         else:
             rows = nonzero(inputs) if self.words is None else self.words.of_features(inputs)
-        if rows.shape[0] == 0:
+        if (rows.shape[0] if sp.issparse(rows) else len(rows)) == 0:  # sklearn refuses zero rows
             return sp.csr_matrix((0, self.points.shape[1]), dtype=np.float32)
         return sp.csr_matrix(self.model.transform(rows), dtype=np.float32)
 
@@ -351,7 +351,7 @@ class LexicalIndex:
         if self.input == "text":
             vocab = self.model.vocabulary_
             save_json(folder / VOCABULARY_FILE, sorted(vocab, key=vocab.get))
-            config["vectorizer"] = {**VECTORIZER, "min_df": int(self.model.min_df)}  # as fitted (after a fallback)
+            config.update(text_settings(self.model))
         if self.words is not None:
             save_json(folder / FEATURE_WORDS_FILE, self.words.words)
         if self.model.use_idf:
@@ -372,7 +372,7 @@ class LexicalIndex:
         folder = Path(folder)
         config = read_config(folder)
         if config["input"] == "text":
-            model = vectorizer(**config.get("vectorizer", VECTORIZER), vocabulary=load_json(folder / VOCABULARY_FILE))
+            model = load_text_model(config, load_json(folder / VOCABULARY_FILE))
         else:
             model = transformer(values=bool(config.get("values")))
         if model.use_idf:

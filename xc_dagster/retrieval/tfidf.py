@@ -15,13 +15,18 @@ from xc_dagster.errors import XCConfigError
 
 # TfidfVectorizer settings besides min_df (recorded in lexical.json, so a load rebuilds the same analyzer)
 VECTORIZER = {"sublinear_tf": True, "ngram_range": [1, 2], "lowercase": True, "token_pattern": r"(?u)\b\w\w+\b"}
+# the char n-gram block of ``WordsAndChars``: 3-5 grams inside word boundaries (a word's inflections and compounds
+# share them: "protozoal" / "protozoan", "chestnut" / "chestnuts")
+CHARS = {"sublinear_tf": True, "ngram_range": [3, 5], "lowercase": True, "analyzer": "char_wb"}
+WORD, CHAR = "w ", "c "  # prefixes of the two blocks' terms in a saved vocabulary
 
 
-def vectorizer(**kw: Any) -> Any:
-    """The vectorizer of raw texts: ``VECTORIZER`` with ``kw`` (min_df, a fitted vocabulary)."""
+def vectorizer(base: dict[str, Any] = VECTORIZER, **kw: Any) -> Any:
+    """The vectorizer of raw texts: ``base`` (``VECTORIZER``, ``CHARS``) with ``kw`` (min_df, a fitted
+    vocabulary)."""
     from sklearn.feature_extraction.text import TfidfVectorizer
 
-    settings = {**VECTORIZER, **kw}
+    settings = {**base, **kw}
     settings["ngram_range"] = tuple(settings["ngram_range"])
     return TfidfVectorizer(dtype=np.float32, **settings)
 
@@ -48,12 +53,91 @@ def are_counts(X: sp.csr_matrix) -> bool:
     return bool(len(d) == 0 or (d.min() >= 1 and np.array_equal(d, np.rint(d))))
 
 
-def fit_texts(texts: list[str], min_df: int) -> Any:
+class WordsAndChars:
+    """TF-IDF of word 1-2 grams beside TF-IDF of char 3-5 grams of the same texts (``CHARS``; PECOS's union of
+    vectorizers), each block L2-normalised, the char block weighed ``weight``, the row L2-normalised again: a word
+    a query shares with a label or point only in part (an inflection, a compound) still counts. The blocks' terms
+    are one vocabulary, ``WORD`` / ``CHAR`` prefixed, the words first."""
+
+    use_idf = True
+
+    def __init__(self, words: Any, chars: Any, weight: float):
+        self.words, self.chars, self.weight = words, chars, float(weight)
+
+    @property
+    def min_df(self) -> int:
+        return int(self.words.min_df)
+
+    def build_analyzer(self) -> Any:  # marks a model of raw texts (``LexicalIndex.input``)
+        return self.words.build_analyzer()
+
+    @property
+    def vocabulary_(self) -> dict[str, int]:
+        n = len(self.words.vocabulary_)
+        return {**{WORD + t: i for t, i in self.words.vocabulary_.items()},
+                **{CHAR + t: n + i for t, i in self.chars.vocabulary_.items()}}
+
+    @property
+    def idf_(self) -> np.ndarray:
+        return np.concatenate([self.words.idf_, self.chars.idf_])
+
+    @idf_.setter
+    def idf_(self, idf: np.ndarray) -> None:
+        n = len(self.words.vocabulary)
+        if len(idf) != n + len(self.chars.vocabulary):
+            raise ValueError(f"{len(idf)} idf values for {n} + {len(self.chars.vocabulary)} terms")
+        self.words.idf_, self.chars.idf_ = idf[:n], idf[n:]
+
+    def transform(self, texts: Any) -> sp.csr_matrix:
+        from sklearn.preprocessing import normalize
+
+        texts = list(texts)
+        blocks = [self.words.transform(texts), self.chars.transform(texts) * np.float32(self.weight)]
+        return normalize(sp.hstack(blocks, format="csr", dtype=np.float32), copy=False)
+
+    @classmethod
+    def load(cls, vocabulary: list[str], weight: float, min_df: int) -> WordsAndChars:
+        """The model of a saved vocabulary (``WORD`` / ``CHAR`` terms; its ``idf_`` is set after)."""
+        words = [t[len(WORD):] for t in vocabulary if t.startswith(WORD)]
+        chars = [t[len(CHAR):] for t in vocabulary if t.startswith(CHAR)]
+        if len(words) + len(chars) != len(vocabulary) or words + chars != [t[2:] for t in vocabulary]:
+            raise ValueError(f"a words-and-chars vocabulary holds {WORD!r} terms, then {CHAR!r} ones")
+        return cls(vectorizer(min_df=min_df, vocabulary=words), vectorizer(CHARS, min_df=min_df, vocabulary=chars),
+                   weight)
+
+
+def text_settings(model: Any) -> dict[str, Any]:
+    """What ``lexical.json`` records of a fitted text model, for :func:`load_text_model`."""
+    out: dict[str, Any] = {"vectorizer": {**VECTORIZER, "min_df": int(model.min_df)}}  # as fitted (a fallback)
+    if isinstance(model, WordsAndChars):
+        out["char_weight"] = model.weight
+    return out
+
+
+def load_text_model(config: dict[str, Any], vocabulary: list[str]) -> Any:
+    """The text model :func:`text_settings` recorded (before the char block: ``VECTORIZER`` alone)."""
+    settings = config.get("vectorizer", VECTORIZER)
+    if config.get("char_weight"):
+        return WordsAndChars.load(vocabulary, config["char_weight"], int(settings.get("min_df", 1)))
+    return vectorizer(**settings, vocabulary=vocabulary)
+
+
+def check_char_weight(weight: Any) -> float:
+    """``index.lexical_char_weight`` as a float if it is a finite number >= 0, else an error naming it."""
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not (0 <= weight < float("inf")):
+        raise XCConfigError(f"index.lexical_char_weight: expected a number >= 0 (0: words only), got {weight!r}")
+    return float(weight)
+
+
+def fit_texts(texts: list[str], min_df: int, char_weight: float = 0.0) -> Any:
     """The vectorizer fitted on ``texts``; min_df 1 when ``min_df`` leaves no term (tiny corpora). A corpus
-    without any term is a config error."""
+    without any term is a config error. ``char_weight`` > 0: :class:`WordsAndChars` with that weight."""
+    char_weight = check_char_weight(char_weight)
     for df in dict.fromkeys((min_df, 1)):
         try:
-            return vectorizer(min_df=df).fit(texts)
+            words = vectorizer(min_df=df).fit(texts)
+            return WordsAndChars(words, vectorizer(CHARS, min_df=df).fit(texts), char_weight) if char_weight \
+                else words
         except ValueError:  # "no terms remain" / "empty vocabulary" / fewer documents than min_df
             continue
     raise XCConfigError("index.sources: the lexical source found no term (words of 2+ characters) in the "
