@@ -15,7 +15,7 @@ from assets.config import CONFIG_CLASSES, make_config_class, run_overrides
 from xc_dagster.catalog import Catalog, DatasetSpec
 from xc_dagster.cli import main as cli_main
 from xc_dagster.config import STAGES, choices, describe_default, literal_choices, parse_set_options, resolve_config
-from xc_dagster.config.bounds import BOUNDS
+from xc_dagster.config.bounds import BOUNDS, NON_EMPTY
 from xc_dagster.device import amp_dtype
 from xc_dagster.errors import XCConfigError
 from xc_dagster.home import Home
@@ -123,6 +123,10 @@ def test_allowed_values_pass_and_resolve_to_plain_strings():
     ("evaluate.top_k=0", "config field 'evaluate.top_k': expected a value >= 1"),
     ("evaluate.propensity_b=-1", "config field 'evaluate.propensity_b': expected a value >= 0"),
     ("index.lexical_char_weight=-0.5", "config field 'index.lexical_char_weight': expected a value >= 0"),
+    ("index.sources=", "config field 'index.sources': expected one or more values, got none"),
+    ("mining.sources= ,", "config field 'mining.sources': expected one or more values, got none"),
+    ("evaluate.ks=", "config field 'evaluate.ks': expected one or more values, got none"),
+    ("index.lexical_classifier_weights=", "config field 'index.lexical_classifier_weights': expected one or more"),
 ])
 def test_set_refuses_a_number_outside_its_range(item, message):
     """Infinite, nan and out-of-range numbers fail at --set naming the field, not in a stage with a numpy error."""
@@ -138,7 +142,8 @@ def test_the_edges_of_the_ranges_pass():
     assert (cfg.ingest.valid_fraction, cfg.tokenize.max_len, cfg.evaluate.top_k) == (1.0, 2, 10)
     wide = resolve_config("quick", "ngame", ("--set", {"evaluate.ks": "1,20", "evaluate.top_k": 20}))
     assert wide.evaluate.top_k == 20
-    assert [k for k in BOUNDS if k.partition(".")[2] not in _hints(k.partition(".")[0])] == []  # no stale names
+    assert [k for k in {*BOUNDS, *NON_EMPTY} if k.partition(".")[2] not in _hints(k.partition(".")[0])] == []
+    assert parse_set_options(["fusion.vote_grid="]) == {"fusion.vote_grid": ""}  # empty: the index stage's votes
 
 
 def test_top_k_below_the_largest_reported_k_fails_when_the_config_is_resolved(tmp_path):

@@ -29,10 +29,15 @@ BOUNDS: dict[str, tuple[float, float | None, str]] = {
 # fields whose 0 has a meaning of its own below their range: tokenize.label_max_len 0 = tokenize.max_len
 ZERO_ALLOWED = frozenset({"tokenize.label_max_len"})
 SEED_BOUND = (0, None, "a seed")  # every stage's `seed` (numpy refuses a negative one)
+# tuple fields with no meaning when empty (`--set index.sources=` would build no index and fail later, unnamed)
+NON_EMPTY = frozenset({"index.sources", "mining.sources", "evaluate.ks", "index.lexical_classifier_weights"})
 
 
 def check_bounds(key: str, value: Any) -> None:
-    """Raise naming ``key`` when its coerced ``value`` (each item of a tuple) is outside the field's range."""
+    """Raise naming ``key`` when its coerced ``value`` (each item of a tuple) is outside the field's range, or is
+    empty where the field needs an item."""
+    if key in NON_EMPTY and value == ():
+        raise XCConfigError(f"config field {key!r}: expected one or more values, got none")
     bound = BOUNDS.get(key) or (SEED_BOUND if key.endswith(".seed") else None)
     if bound is None:
         return
