@@ -136,7 +136,7 @@ def test_char_ngrams_beside_the_words_match_inflections_and_round_trip(tmp_path)
         assert cos[:, [0, 2]].diagonal() == pytest.approx(first * w / math.sqrt(1 + w * w), rel=1e-5)
         lex.save(tmp_path / str(w))
         config = json.loads((tmp_path / str(w) / "lexical.json").read_text())
-        assert config["char_weight"] == w
+        assert config["char_weight"] == w and config["char_vectorizer"]["analyzer"] == "char_wb"
         vocab = json.loads((tmp_path / str(w) / "vocabulary.json").read_text())
         assert vocab[0].startswith("w ") and vocab[-1].startswith("c ") and len(vocab) == Q.shape[1]
         back = LexicalIndex.load(tmp_path / str(w))

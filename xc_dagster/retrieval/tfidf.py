@@ -96,21 +96,21 @@ class WordsAndChars:
         return normalize(sp.hstack(blocks, format="csr", dtype=np.float32), copy=False)
 
     @classmethod
-    def load(cls, vocabulary: list[str], weight: float, min_df: int) -> WordsAndChars:
-        """The model of a saved vocabulary (``WORD`` / ``CHAR`` terms; its ``idf_`` is set after)."""
-        words = [t[len(WORD):] for t in vocabulary if t.startswith(WORD)]
-        chars = [t[len(CHAR):] for t in vocabulary if t.startswith(CHAR)]
-        if len(words) + len(chars) != len(vocabulary) or words + chars != [t[2:] for t in vocabulary]:
+    def load(cls, vocabulary: list[str], weight: float, words: dict[str, Any], chars: dict[str, Any]) -> WordsAndChars:
+        """The model of a saved vocabulary (``WORD`` / ``CHAR`` terms; its ``idf_`` is set after), each block's
+        vectorizer built from its recorded settings ``words`` / ``chars``."""
+        terms = {p: [t[len(p):] for t in vocabulary if t.startswith(p)] for p in (WORD, CHAR)}
+        if terms[WORD] + terms[CHAR] != [t[len(WORD):] for t in vocabulary]:  # WORD and CHAR are of one length
             raise ValueError(f"a words-and-chars vocabulary holds {WORD!r} terms, then {CHAR!r} ones")
-        return cls(vectorizer(min_df=min_df, vocabulary=words), vectorizer(CHARS, min_df=min_df, vocabulary=chars),
-                   weight)
+        return cls(vectorizer(words, vocabulary=terms[WORD]), vectorizer(chars, vocabulary=terms[CHAR]), weight)
 
 
 def text_settings(model: Any) -> dict[str, Any]:
-    """What ``lexical.json`` records of a fitted text model, for :func:`load_text_model`."""
-    out: dict[str, Any] = {"vectorizer": {**VECTORIZER, "min_df": int(model.min_df)}}  # as fitted (a fallback)
+    """What ``lexical.json`` records of a fitted text model, for :func:`load_text_model`: each vectorizer's settings
+    as fitted (min_df after a fallback), so that a load rebuilds the same analyzers."""
+    out: dict[str, Any] = {"vectorizer": {**VECTORIZER, "min_df": int(model.min_df)}}
     if isinstance(model, WordsAndChars):
-        out["char_weight"] = model.weight
+        out.update(char_weight=model.weight, char_vectorizer={**CHARS, "min_df": int(model.chars.min_df)})
     return out
 
 
@@ -118,7 +118,8 @@ def load_text_model(config: dict[str, Any], vocabulary: list[str]) -> Any:
     """The text model :func:`text_settings` recorded (before the char block: ``VECTORIZER`` alone)."""
     settings = config.get("vectorizer", VECTORIZER)
     if config.get("char_weight"):
-        return WordsAndChars.load(vocabulary, config["char_weight"], int(settings.get("min_df", 1)))
+        chars = config.get("char_vectorizer", {**CHARS, "min_df": settings.get("min_df", 1)})
+        return WordsAndChars.load(vocabulary, config["char_weight"], settings, chars)
     return vectorizer(**settings, vocabulary=vocabulary)
 
 
