@@ -25,6 +25,7 @@ from xc_dagster.pipeline import StageContext, run_all
 from xc_dagster.retrieval import lexical as lexical_module
 from xc_dagster.retrieval.fusion import AlphaFusion, fit_alpha, fit_tree, load_fusion
 from xc_dagster.retrieval.lexical import LexicalIndex
+from xc_dagster.retrieval.lexical_classifier import ClassifierSettings
 from xc_dagster.retrieval.lexical_exact import SCALES, SCALES_EXTEND
 from xc_dagster.retrieval.shortlist import (
     ANN_SOURCES,
@@ -107,33 +108,36 @@ def test_tfidf_on_texts_is_sublinear_word_bigrams_with_min_df():
         LexicalIndex.fit(points, labels, Y, neighbours=0)
 
 
-def test_char_ngrams_beside_the_words_match_inflections_and_round_trip(tmp_path):
+def test_char_ngrams_beside_the_words_match_inflections_in_the_classifiers_and_round_trip(tmp_path):
     """index.lexical_char_weight w > 0: the word block and the char 3-5 gram block, each L2-normalised, the chars
-    times w, the row normalised again -- so the char block holds w^2 / (1 + w^2) of a row's squared norm; a query
-    word the words never saw ("chestnuts", "infections") still meets the label sharing its stem; saved and loaded
-    back (terms "w "/"c " prefixed) the rows are the same; an index written before the setting loads as words only."""
+    times w, the row normalised again -- so the char block holds w^2 / (1 + w^2) of a row's squared norm. The
+    label-text and kNN parts read the word block alone, rescaled to the word rows' cosines (their scores those of a
+    words-only index); the classifiers read both, so a query word the words never saw ("chestnuts", "infections")
+    still meets the label sharing its stem there. Saved and loaded back (terms "w "/"c " prefixed) the rows and
+    scores are the same; an index written before the setting loads as words only."""
     points = ["european chestnut tree", "sweet chestnut", "bone cell", "protozoal infection", "infection of bone"] * 2
     labels = ["chestnut", "cell", "infection"]
     Y = sp.csr_matrix(np.array([[1, 0, 0], [1, 0, 0], [0, 1, 0], [0, 0, 1], [0, 1, 1]] * 2, dtype=np.float32))
-    queries = ["chestnuts", "protozoan infections", "sweet chestnut", ""]
+    queries = ["chestnuts", "protozoan infections", "sweet chestnut", "bone infection", ""]
     words = LexicalIndex.fit(points, labels, Y, neighbours=2, min_df=1)
     assert words.transform(queries[:2]).nnz == 0  # no word of either query is a term
-    first = None  # the char blocks' cosines, from w = 1
+    plain = words.scores(words.transform(queries)).toarray()
+    assert plain[:2].max() == 0 and plain[2, 0] > 0 and plain[3, [1, 2]].min() > 0
+    settings = ClassifierSettings(solver="liblinear", seed=0)
     for w in (1.0, 0.5):
         lex = LexicalIndex.fit(points, labels, Y, neighbours=2, min_df=1, char_weight=w)
         Q = lex.transform(queries)
         n = len(lex.model.words.vocabulary_)
-        assert Q.shape == (4, n + len(lex.model.chars.vocabulary_)) and Q[3].nnz == 0
+        assert Q.shape == (5, n + len(lex.model.chars.vocabulary_)) and Q[4].nnz == 0
         both = Q[2].toarray()[0]  # "sweet chestnut": terms in both blocks
         assert both @ both == pytest.approx(1.0)
         assert both[n:] @ both[n:] == pytest.approx(w * w / (1 + w * w))
         assert both[:n] == pytest.approx(words.transform(queries[2:3]).toarray()[0] / math.sqrt(1 + w * w))
-        cos = (Q[:2] @ lex.labels.T).toarray()
-        assert cos[0].argmax() == 0 and cos[1].argmax() == 2 and cos[0, 0] > 0 and cos[1, 2] > 0
-        # the queries' rows are all chars, the labels' char blocks w / sqrt(1 + w^2) of theirs: the cosine is the
-        # char blocks' times that (1 / sqrt(2) at w = 1)
-        first = first if w != 1.0 else cos[:, [0, 2]].diagonal() * math.sqrt(2)
-        assert cos[:, [0, 2]].diagonal() == pytest.approx(first * w / math.sqrt(1 + w * w), rel=1e-5)
+        assert Q[:2].nnz and Q[:2, :n].nnz == 0  # the inflected queries: chars only
+        np.testing.assert_allclose(lex.scores(Q).toarray(), plain, rtol=1e-5, atol=1e-7)  # parts read the words
+        lex.classifier = lex.fit_classifier(np.arange(len(points)), settings)
+        ranked = lex.scores(Q).toarray()
+        assert ranked[0].argmax() == 0 and ranked[1].argmax() == 2  # through the classifiers' char weights
         lex.save(tmp_path / str(w))
         config = json.loads((tmp_path / str(w) / "lexical.json").read_text())
         assert config["char_weight"] == w and config["char_vectorizer"]["analyzer"] == "char_wb"
@@ -141,7 +145,10 @@ def test_char_ngrams_beside_the_words_match_inflections_and_round_trip(tmp_path)
         assert vocab[0].startswith("w ") and vocab[-1].startswith("c ") and len(vocab) == Q.shape[1]
         back = LexicalIndex.load(tmp_path / str(w))
         assert (back.transform(queries) != Q).nnz == 0
-        np.testing.assert_array_equal(back.scores(Q).toarray(), lex.scores(Q).toarray())
+        np.testing.assert_array_equal(back.scores(Q).toarray(), ranked)
+    words.classifier = words.fit_classifier(np.arange(len(points)), settings)
+    unseen = words.scores(words.transform(queries[:2])).toarray()
+    np.testing.assert_array_equal(unseen[0], unseen[1])  # words only: both get the classifiers' prior alone
     words.save(tmp_path / "words")
     assert "char_weight" not in json.loads((tmp_path / "words" / "lexical.json").read_text())
     assert (LexicalIndex.load(tmp_path / "words").transform(queries) != words.transform(queries)).nnz == 0

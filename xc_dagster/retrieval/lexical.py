@@ -7,36 +7,36 @@ A query is its L2-normalised TF-IDF row q. Its lexical score for label l sums up
 * sparse kNN: (1 / K) * sum over the query's K nearest training points j (TF-IDF cosine, ties by smaller row;
   fewer when fewer share a term) of cos(q, x_j) ** p * [j carries l] (p: ``index.lexical_power``), as the dense
   kNN score (``index.knn_neighbours``) in the encoder's space;
-* classifier (``index.lexical_classifier``): g * sigmoid(w_l . q + b_l), a sparse linear model per label over
-  the TF-IDF rows (``xc_dagster.retrieval.lexical_classifier``; g chosen on validation,
+* classifier (``index.lexical_classifier``): g * sigmoid(w_l . q + b_l), a sparse linear model per label over the
+  TF-IDF rows (``xc_dagster.retrieval.lexical_classifier``; g chosen on validation,
   ``xc_dagster.retrieval.lexical_weight``) re-ranking the other two parts' labels: the one-vs-all linear model the
-  linear peers win with on BoW data. A query they give fewer than ``PRIOR_LABELS`` labels (no term shared with a
-  label or point) also gets those of largest b_l: the classifiers' prior.
+  linear peers win with on BoW data. A query they give fewer than ``PRIOR_LABELS`` labels (no term shared with a label
+  or point) also gets those of largest b_l: the classifiers' prior.
 
-The TF-IDF model is scikit-learn's (``xc_dagster.retrieval.tfidf``): ``TfidfVectorizer`` (sublinear tf, word 1-2
-grams, ``index.lexical_min_df``, 1 when that leaves no term; with ``index.lexical_char_weight`` char 3-5 grams beside
-them) on the points' and labels' texts, or
-``TfidfTransformer`` on the shipped BoW features (sublinear tf and idf for counts; real values, already weighted,
-only L2-normalised); validation points are indexed (excluded from the fusion's kNN, as the dense kNN excludes them) but
-left out of the fit. Both parts are sparse products in row blocks holding at most ``PRODUCT_BUDGET`` entries each
-(:attr:`LexicalIndex.block_rows` queries, split further by their terms' postings); the kNN part of dense feature rows
-(most terms in most points: ``sparse_rows.dense_postings``) is one dense product per block instead.
+The TF-IDF model is scikit-learn's (``xc_dagster.retrieval.tfidf``): ``TfidfVectorizer`` (sublinear tf, word 1-2 grams,
+``index.lexical_min_df``, 1 when that leaves no term; ``index.lexical_char_weight``: char 3-5 grams beside them, read
+by the classifiers alone, ``tfidf.word_postings``) on the points' and labels' texts, or ``TfidfTransformer`` on the
+shipped BoW features (sublinear tf and idf for counts; real values, already weighted, only L2-normalised); validation
+points are indexed (excluded from the fusion's kNN, as the dense kNN excludes them) but left out of the fit. Both parts
+are sparse products in row blocks holding at most ``PRODUCT_BUDGET`` entries each (:attr:`LexicalIndex.block_rows`
+queries, split further by their terms' postings); the kNN part of dense feature rows (most terms in most points:
+``sparse_rows.dense_postings``) is one dense product per block instead.
 
 At scale the products are bounded by static index pruning (Carmel et al., SIGIR 2001): with ``max_postings`` P > 0
 (``index.lexical_max_postings``) each term keeps only the P points, and the P labels, where its TF-IDF weight is
 largest, so a query costs at most (its terms) x P products at any N (the whole postings of a common term: O(N) per
 query). A score then sums only kept terms, exact for terms in at most P points (decisions.md#lexical-postings-cap).
 
-A features index given the dataset's feature words (its BoW vocabulary, one per column) reads every feature row as
-the set of its words (:class:`FeatureWords`), as it reads raw texts split on single spaces (how the BoW layouts
-rebuild a point's text, ``xc_dagster.data.companions``): the same TF-IDF row either way, so the index serves raw
-text; without the words it cannot (a clear error).
+A features index given the dataset's feature words (its BoW vocabulary, one per column) reads every feature row as the
+set of its words (:class:`FeatureWords`), as it reads raw texts split on single spaces (how the BoW layouts rebuild a
+point's text, ``xc_dagster.data.companions``): the same TF-IDF row either way, so the index serves raw text; without
+the words it cannot (a clear error).
 
-:class:`LexicalIndex` owns its files, one folder (``LEXICAL_DIR`` in the index stage's), no pickle:
-``lexical.json`` (input kind, K, the vectorizer's settings), ``vocabulary.json`` (the terms, by column; text input
-only), ``feature_words.json`` (the feature words, by column; features input with words only), ``idf.npy``,
-``points.npz`` / ``point_labels.npz`` (TF-IDF rows and labels of the indexed training points, in the rows of the
-dense kNN index) and ``labels.npz`` (TF-IDF rows of the label texts, when there are any).
+:class:`LexicalIndex` owns its files, one folder (``LEXICAL_DIR`` in the index stage's), no pickle: ``lexical.json``
+(input kind, K, the vectorizer's settings), ``vocabulary.json`` (the terms, by column; text input only),
+``feature_words.json`` (the feature words, by column; features input with words only), ``idf.npy``, ``points.npz`` /
+``point_labels.npz`` (TF-IDF rows and labels of the indexed training points, in the rows of the dense kNN index) and
+``labels.npz`` (TF-IDF rows of the label texts, when there are any).
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ import torch
 
 from xc_dagster.device import on_threads
 from xc_dagster.errors import XCConfigError, XCError
+from xc_dagster.retrieval import tfidf
 from xc_dagster.retrieval.feature_words import FeatureWords
 from xc_dagster.retrieval.files import LEXICAL_DIR as LEXICAL_DIR  # the folder's name, re-exported with the index
 from xc_dagster.retrieval.lexical_classifier import ClassifierSettings, LexicalClassifier, ends_past, hard_negatives
@@ -68,7 +69,6 @@ from xc_dagster.retrieval.sparse_rows import (
     vote_weights,
     work_blocks,
 )
-from xc_dagster.retrieval.tfidf import are_counts, fit_texts, load_text_model, nonzero, text_settings, transformer
 from xc_dagster.storage import load_json, save_json
 
 CONFIG_FILE = "lexical.json"
@@ -117,8 +117,9 @@ class LexicalIndex:
         if self.words is not None and (self.input == "text" or len(self.words.terms) != self.points.shape[1]):
             raise ValueError(f"feature words: a features index over their {len(self.words.terms)} terms, got a "
                              f"{self.input} index of {self.points.shape[1]} columns")
-        self._points_t = cap_postings(self.points.T.tocsr(), self.max_postings)  # once: blocks then CSR @ CSR
-        self._labels_t = None if self.labels is None else cap_postings(self.labels.T.tocsr(), self.max_postings)
+        cap = self.max_postings  # the term-major rows, once: blocks then CSR @ CSR
+        self._points_t, self._labels_t = (None if X is None else cap_postings(tfidf.word_postings(model, X), cap)
+                                          for X in (self.points, self.labels))
         self._points_dense = dense_postings(self._points_t)  # dense feature rows: one BLAS product per block
         self._work = np.diff(self._points_t.indptr) * (self._points_dense is None)  # dense: num_points per query
         self._work += 0 if self._labels_t is None else np.diff(self._labels_t.indptr)
@@ -185,13 +186,13 @@ class LexicalIndex:
                 raise ValueError(f"{len(words.words)} feature words for feature rows of {points.shape[1]} columns")
             points, labels = words.of_features(points), None if labels is None else words.of_features(labels)
         if sp.issparse(points):
-            points = nonzero(points)
-            fitted = sp.vstack([points[fit_rows]] + ([nonzero(labels)] if labels is not None else []), format="csr")
-            model = transformer(values=not are_counts(fitted)).fit(fitted)
+            points = tfidf.nonzero(points)
+            fitted = sp.vstack([points[fit_rows]] + ([tfidf.nonzero(labels)] if labels is not None else []), "csr")
+            model = tfidf.transformer(values=not tfidf.are_counts(fitted)).fit(fitted)
         else:
             points = list(points)
-            model = fit_texts([points[i] for i in fit_rows] + (list(labels) if labels is not None else []), min_df,
-                              char_weight)
+            model = tfidf.fit_texts([points[i] for i in fit_rows] + (list(labels) if labels is not None else []),
+                                    min_df, char_weight)
         P, T = model.transform(points), None if labels is None else model.transform(labels)
         if sp.csr_matrix(P).nnz == 0:
             raise XCConfigError("index.sources: the lexical source needs the training points' texts or BoW "
@@ -264,7 +265,7 @@ class LexicalIndex:
         elif inputs.shape[1] != self.num_features:
             raise XCError(f"feature rows of {inputs.shape[1]} columns, the lexical index reads {self.num_features}")
         else:
-            rows = nonzero(inputs) if self.words is None else self.words.of_features(inputs)
+            rows = tfidf.nonzero(inputs) if self.words is None else self.words.of_features(inputs)
         if (rows.shape[0] if sp.issparse(rows) else len(rows)) == 0:  # sklearn refuses zero rows
             return sp.csr_matrix((0, self.points.shape[1]), dtype=np.float32)
         return sp.csr_matrix(self.model.transform(rows), dtype=np.float32)
@@ -351,7 +352,7 @@ class LexicalIndex:
         if self.input == "text":
             vocab = self.model.vocabulary_
             save_json(folder / VOCABULARY_FILE, sorted(vocab, key=vocab.get))
-            config.update(text_settings(self.model))
+            config.update(tfidf.text_settings(self.model))
         if self.words is not None:
             save_json(folder / FEATURE_WORDS_FILE, self.words.words)
         if self.model.use_idf:
@@ -372,9 +373,9 @@ class LexicalIndex:
         folder = Path(folder)
         config = read_config(folder)
         if config["input"] == "text":
-            model = load_text_model(config, load_json(folder / VOCABULARY_FILE))
+            model = tfidf.load_text_model(config, load_json(folder / VOCABULARY_FILE))
         else:
-            model = transformer(values=bool(config.get("values")))
+            model = tfidf.transformer(values=bool(config.get("values")))
         if model.use_idf:
             model.idf_ = np.load(folder / IDF_FILE, allow_pickle=False)
         else:
@@ -384,8 +385,7 @@ class LexicalIndex:
         classifier = LexicalClassifier.load(folder, config["classifier"]) if config.get("classifier") else None
         return cls(model, sp.load_npz(folder / POINTS_FILE), sp.load_npz(folder / POINT_LABELS_FILE), labels,
                    int(config["neighbours"]), words, int(config.get("max_postings", 0)),
-                   float(config.get("power", 1.0)),  # indexes written before the setting: plain similarities
-                   classifier)
+                   float(config.get("power", 1.0)), classifier)  # power: 1 in indexes written before the setting
 
 
 def read_config(folder: str | Path) -> dict[str, Any]:

@@ -55,9 +55,10 @@ def are_counts(X: sp.csr_matrix) -> bool:
 
 class WordsAndChars:
     """TF-IDF of word 1-2 grams beside TF-IDF of char 3-5 grams of the same texts (``CHARS``; PECOS's union of
-    vectorizers), each block L2-normalised, the char block weighed ``weight``, the row L2-normalised again: a word
-    a query shares with a label or point only in part (an inflection, a compound) still counts. The blocks' terms
-    are one vocabulary, ``WORD`` / ``CHAR`` prefixed, the words first."""
+    vectorizers), each block L2-normalised, the char block weighed ``weight``, the row L2-normalised again: to the
+    lexical classifiers a word a query shares with a label only in part (an inflection, a compound) still counts
+    (the other parts read the word block: :func:`word_postings`). The blocks' terms are one vocabulary, ``WORD`` /
+    ``CHAR`` prefixed, the words first."""
 
     use_idf = True
 
@@ -103,6 +104,21 @@ class WordsAndChars:
         if terms[WORD] + terms[CHAR] != [t[len(WORD):] for t in vocabulary]:  # WORD and CHAR are of one length
             raise ValueError(f"a words-and-chars vocabulary holds {WORD!r} terms, then {CHAR!r} ones")
         return cls(vectorizer(words, vocabulary=terms[WORD]), vectorizer(chars, vocabulary=terms[CHAR]), weight)
+
+
+def word_postings(model: Any, X: sp.csr_matrix) -> sp.csr_matrix:
+    """The term-major (terms, rows) CSR of the TF-IDF rows ``X`` that the label-text and kNN parts read: of a
+    :class:`WordsAndChars` model's rows the word block alone, times 1 + w^2, so that a product of two is the cosine
+    of their word rows (a row with words has chars too, its word block its word row / sqrt(1 + w^2)); the char block
+    is the classifiers' (decisions.md#lexical-char-ngrams). Other models': the whole rows."""
+    X_t = sp.csr_matrix(X.T, dtype=np.float32)
+    if not isinstance(model, WordsAndChars):
+        return X_t
+    n = len(model.words.vocabulary_)
+    end, rest = X_t.indptr[n], X_t.shape[0] - n
+    indptr = np.concatenate([X_t.indptr[:n + 1], np.full(rest, X_t.indptr[n], dtype=X_t.indptr.dtype)])
+    data = X_t.data[:end] * np.float32(1.0 + model.weight ** 2)
+    return sp.csr_matrix((data, X_t.indices[:end], indptr), shape=X_t.shape)
 
 
 def text_settings(model: Any) -> dict[str, Any]:
