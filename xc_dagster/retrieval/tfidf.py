@@ -111,14 +111,13 @@ def word_postings(model: Any, X: sp.csr_matrix) -> sp.csr_matrix:
     :class:`WordsAndChars` model's rows the word block alone, times 1 + w^2, so that a product of two is the cosine
     of their word rows (a row with words has chars too, its word block its word row / sqrt(1 + w^2)); the char block
     is the classifiers' (decisions.md#lexical-char-ngrams). Other models': the whole rows."""
-    X_t = sp.csr_matrix(X.T, dtype=np.float32)
     if not isinstance(model, WordsAndChars):
-        return X_t
-    n = len(model.words.vocabulary_)
-    end, rest = X_t.indptr[n], X_t.shape[0] - n
-    indptr = np.concatenate([X_t.indptr[:n + 1], np.full(rest, X_t.indptr[n], dtype=X_t.indptr.dtype)])
-    data = X_t.data[:end] * np.float32(1.0 + model.weight ** 2)
-    return sp.csr_matrix((data, X_t.indices[:end], indptr), shape=X_t.shape)
+        return sp.csr_matrix(X.T, dtype=np.float32)
+    # the word columns sliced before the transpose: the char entries (most of a row's) are never copied or sorted
+    words = sp.csr_matrix(X[:, :len(model.words.vocabulary_)], dtype=np.float32) * np.float32(1.0 + model.weight ** 2)
+    out = words.T.tocsr()
+    out.resize(X.shape[1], X.shape[0])  # the char terms' rows: empty
+    return out
 
 
 def text_settings(model: Any) -> dict[str, Any]:
