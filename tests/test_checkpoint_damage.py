@@ -207,7 +207,7 @@ def test_an_io_error_reading_a_recorded_checkpoint_is_raised_and_the_checkpoint_
     def failing_disk(f):
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(checkpoint, "_sha256", failing_disk)
+    monkeypatch.setattr(checkpoint, "read_sha256", failing_disk)
     with pytest.raises(OSError, match="Input/output error"):
         Checkpointer(folder, "k").load()
     monkeypatch.undo()

@@ -6,6 +6,7 @@ One tiny pipeline (tiny random encoder, generated dataset) is built once for the
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -131,6 +132,10 @@ def test_bundle_reproduces_the_evaluation(built, tmp_path):
     assert {"W.npy", "label_emb.npy", "W.index", "label_emb.index", "fusion.json", "inv_prop.npy", "labels.parquet",
             "serving.json", "encoder/config.json", "encoder/model.safetensors", "encoder/tokenizer.json"} <= files
     assert not any(f.endswith((".pkl", ".pickle", ".bin")) for f in files)
+    manifest = load_json(tmp_path / "bundle" / "manifest.json")["files"]  # every other file, its size and hash
+    assert info["manifest"] == "manifest.json" and set(manifest) == files - {"manifest.json"}
+    w = (tmp_path / "bundle" / "W.npy").read_bytes()
+    assert manifest["W.npy"] == {"size": len(w), "sha256": hashlib.sha256(w).hexdigest()}
     bundle = serving_bundle.load_bundle(tmp_path / "bundle", "cpu")
     ids, scores = serving_bundle.predict_topk(built.ds.test_texts, bundle, 10)
     assert ids.shape == (40, 10) and all(np.all(np.diff(s[i >= 0]) <= 0) for i, s in zip(ids, scores))

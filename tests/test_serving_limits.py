@@ -40,8 +40,10 @@ from xc_dagster.errors import XCConfigError, XCError
 from xc_dagster.retrieval.shortlist import build_sources
 from xc_dagster.retrieval.source_files import save_sources
 from xc_dagster.serving import bundle as serving_bundle
+from xc_dagster.serving.bundle_files import MANIFEST_FILE, VERIFY_ENV, write_manifest
 from xc_dagster.serving.limits import MAX_TEXTS_ENV, RequestLimits, cut_text, text_char_limit
 from xc_dagster.serving.registry import MODEL_CODE
+from xc_dagster.serving.warm_start import resolve_warm_start
 from xc_dagster.storage import save_json
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,7 +74,9 @@ def bundle_dir(tmp_path_factory) -> Path:
     save_json(out / serving_bundle.SERVING_FILE, {
         "format": serving_bundle.BUNDLE_FORMAT, "pooling": "mean", "max_len": MAX_LEN, "amp": "off",
         "encode_batch_size": 256, "index_kind": "exact", "ef_search": 64, "sources": ["W", "label"],
-        "label_repr": "text", "knn_neighbours": 0, "shortlist_size": SHORTLIST, "default_k": 10})
+        "label_repr": "text", "knn_neighbours": 0, "shortlist_size": SHORTLIST, "default_k": 10,
+        "manifest": MANIFEST_FILE})
+    write_manifest(out)  # last, as write_bundle does
     return out
 
 
@@ -250,8 +254,66 @@ def _truncate(name: str):
 def test_a_damaged_bundle_fails_at_load_naming_the_file_or_field(bundle_dir, tmp_path, damage, match):
     bad = Path(shutil.copytree(bundle_dir, tmp_path / "bundle"))
     damage(bad)
+    write_manifest(bad)  # a bundle written inconsistent (not changed after): the parts' checks name it
     with pytest.raises(XCError, match=match):
         serving_bundle.load_bundle(bad, "cpu")
+
+
+def _flip_last_byte(name: str):
+    def change(folder: Path) -> None:  # same size, still a valid file: numpy reads it without complaint
+        data = bytearray((folder / name).read_bytes())
+        data[-1] ^= 0xFF
+        (folder / name).write_bytes(bytes(data))
+    return change
+
+
+def _manifest_entry(rel: str):
+    def change(folder: Path) -> None:
+        m = json.loads((folder / MANIFEST_FILE).read_text())
+        m["files"][rel] = {"size": 1, "sha256": "0" * 64}
+        (folder / MANIFEST_FILE).write_text(json.dumps(m))
+    return change
+
+
+@pytest.mark.parametrize("damage, mode, match", [
+    (_flip_last_byte("W.npy"), "sha256", r"W.npy: size \d+, sha256 [0-9a-f]{64}, but manifest.json says size \d+, "
+                                         r"sha256 [0-9a-f]{64}: damaged or changed after write_bundle"),
+    (_flip_last_byte("encoder/model.safetensors"), "", r"encoder/model.safetensors: size \d+, sha256"),
+    (_truncate("label_emb.npy"), "size", r"label_emb.npy: size 1000, but manifest.json says size \d+:"),
+    (lambda d: (d / "W.index").unlink(), "size", r"W.index: missing, though manifest.json lists it"),
+    (lambda d: (d / MANIFEST_FILE).unlink(), "sha256", r"manifest.json is missing, though serving.json says"),
+    (lambda d: (d / MANIFEST_FILE).write_text("{"), "sha256", r"manifest.json: cannot be read"),
+    (_manifest_entry("../outside.npy"), "sha256", r"entry '../outside.npy': expected a relative path inside"),
+])
+def test_a_bundle_changed_after_it_was_written_fails_against_its_manifest(bundle_dir, tmp_path, monkeypatch, damage,
+                                                                         mode, match):
+    bad = Path(shutil.copytree(bundle_dir, tmp_path / "bundle"))
+    damage(bad)
+    monkeypatch.setenv(VERIFY_ENV, mode)
+    with pytest.raises(XCError, match=match):
+        serving_bundle.load_bundle(bad, "cpu")
+    with pytest.raises(XCError, match=match):  # a warm start reads the same encoder, W and label texts
+        resolve_warm_start(str(bad), "TinyTitles", None, tmp_path / "champion")
+
+
+def test_manifest_checks_as_much_as_xc_serving_verify_asks(bundle_dir, tmp_path, monkeypatch, caplog):
+    flipped = Path(shutil.copytree(bundle_dir, tmp_path / "flipped"))
+    _flip_last_byte("W.npy")(flipped)
+    monkeypatch.setenv(VERIFY_ENV, "size")  # a same-size change passes the sizes; the parts then load
+    assert serving_bundle.load_bundle(flipped, "cpu").num_labels == L
+    monkeypatch.setenv(VERIFY_ENV, "off")
+    (flipped / MANIFEST_FILE).unlink()
+    serving_bundle.load_bundle(flipped, "cpu")
+    monkeypatch.setenv(VERIFY_ENV, "md5")
+    with pytest.raises(XCConfigError, match=r"\$XC_SERVING_VERIFY: expected one of sha256, size, off, got 'md5'"):
+        serving_bundle.load_bundle(bundle_dir, "cpu")
+    monkeypatch.delenv(VERIFY_ENV)
+    old = Path(shutil.copytree(bundle_dir, tmp_path / "old"))  # written before manifests: no key, no file
+    (old / MANIFEST_FILE).unlink()
+    _set_info(manifest=None)(old)
+    with caplog.at_level("WARNING", logger="xc_dagster"):
+        assert serving_bundle.load_bundle(old, "cpu").num_labels == L
+    assert "has no manifest.json (written before manifests)" in caplog.text
 
 
 # ------------------------------------------------------------- MLflow's scoring server, over real HTTP

@@ -18,7 +18,8 @@ from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from urllib.parse import unquote, urlsplit
 
-from xc_dagster.data.archives import ARCHIVE_SUFFIXES, COPY_CHUNK, extract_archive, is_archive
+from xc_dagster.checksums import file_sha256
+from xc_dagster.data.archives import ARCHIVE_SUFFIXES, extract_archive, is_archive
 from xc_dagster.durable import fsync_dir, fsync_tree
 from xc_dagster.errors import XCConfigError, XCFormatError
 
@@ -33,15 +34,6 @@ def normalize_sha256(value: str | None) -> str | None:
     if not re.fullmatch(r"[0-9a-f]{64}", v):
         raise XCConfigError(f"sha256 must be 64 hexadecimal digits, got {value!r}")
     return v
-
-
-def file_sha256(path: Path) -> str:
-    """Hex SHA-256 of a file, streamed."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(COPY_CHUNK), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def verify_sha256(path: Path, expected: str | None, label: str, delete: bool = False) -> None:

@@ -18,6 +18,7 @@ A *bundle* is a folder that loads from plain files only (no pickle); the registe
 ``fusion.json``        the fitted fusion (alpha or tree), as the fusion stage wrote it
 ``inv_prop.npy``       inverse propensities of the labels (the tree fusion's third feature)
 ``labels.parquet``     label texts (column ``text``, row = label id)
+``manifest.json``      every other file's size and SHA-256, checked at load (``xc_dagster.serving.bundle_files``)
 ``serving.json``       how to use them: max_len, pooling, index kind and efSearch, shortlist size, amp, k, and
                        ``input``: ``text``, or ``features`` for a model of feature rows without their words (its
                        points had no text): requests are then feature vectors (``predict_features``)
@@ -34,7 +35,6 @@ k at most the shortlist's width; the pyfunc also caps a request's texts and char
 from __future__ import annotations
 
 import os
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
@@ -63,6 +63,7 @@ from xc_dagster.retrieval.shortlist import ShortlistSources, retrieve, topk_from
 from xc_dagster.retrieval.source_files import load_sources
 from xc_dagster.retrieval.votes import fitted_votes, votes_record, with_fitted_votes
 from xc_dagster.serving.bundle_checks import check_parts, read_array, read_info, read_part
+from xc_dagster.serving.bundle_files import MANIFEST_FILE, link_or_copy, link_tree, verify_bundle, write_manifest
 from xc_dagster.serving.limits import RequestLimits, cut_texts, has_content
 from xc_dagster.serving.requests import FEATURES_COLUMN, check_counts, input_features, input_texts, param_k
 from xc_dagster.storage import load_json, save_json
@@ -122,21 +123,6 @@ class ServingBundle:
     def max_k(self) -> int:
         """The most labels a row can get: the shortlist's width (``shortlist_size`` per source), at most L."""
         return max(1, min(self.shortlist_size * len(self.sources.names), self.num_labels))
-
-
-def _link_or_copy(src: Path, dst: Path) -> None:
-    """Hard-link ``src`` to ``dst`` (no second copy of a GB-sized index), copying across file systems."""
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
-
-
-def _link_tree(src: Path, dst: Path) -> None:
-    for f in sorted(src.rglob("*")):
-        if f.is_file():
-            _link_or_copy(f, dst / f.relative_to(src))
 
 
 def _graph_copy(src: Path, dst: Path, graph_above: int, ctx: "StageContext") -> bool:
@@ -201,9 +187,9 @@ def write_bundle(ctx: "StageContext", out: Path, default_k: int = 10, shortlist_
     out.mkdir(parents=True, exist_ok=True)
     read = ctx.read
     pre, idx = read.model_dir(), read.dir("index")  # the deployed encoder: pretrain's, or the end-to-end one
-    _link_tree(pre / ENCODER, out / "encoder")
-    _link_or_copy(pre / LABEL_EMB, out / "label_emb.npy")
-    _link_or_copy(read.path("classifier", W), out / "W.npy")
+    link_tree(pre / ENCODER, out / "encoder")
+    link_or_copy(pre / LABEL_EMB, out / "label_emb.npy")
+    link_or_copy(read.path("classifier", W), out / "W.npy")
     idx_summary = read.summary("index")
     sources = idx_summary.get("sources", ["W", "label"])
     graphs = [INDEX_FILES[n] for n in sources if n in INDEX_FILES and (idx / INDEX_FILES[n]).exists()
@@ -211,11 +197,11 @@ def write_bundle(ctx: "StageContext", out: Path, default_k: int = 10, shortlist_
     parts = [KNN_LABELS_FILE, CENTROID_FILE, COOCCURRENCE_FILE]
     for name in [INDEX_FILES[n] for n in sources if n in INDEX_FILES] + parts:
         if (idx / name).exists() and name not in graphs:
-            _link_or_copy(idx / name, out / name)
+            link_or_copy(idx / name, out / name)
     if "lexical" in sources:
-        _link_tree(idx / LEXICAL_DIR, out / LEXICAL_DIR)
-    _link_or_copy(read.path("fusion", FUSION), out / "fusion.json")
-    _link_or_copy(read.dataset_dir() / LABEL_TEXTS_FILE, out / "labels.parquet")
+        link_tree(idx / LEXICAL_DIR, out / LEXICAL_DIR)
+    link_or_copy(read.path("fusion", FUSION), out / "fusion.json")
+    link_or_copy(read.dataset_dir() / LABEL_TEXTS_FILE, out / "labels.parquet")
     inv = ctx.inv_prop(read.labels().Y_train)
     np.save(out / "inv_prop.npy", np.asarray(inv, dtype=np.float64), allow_pickle=False)
     pre_summary = read.model_summary()
@@ -240,23 +226,26 @@ def write_bundle(ctx: "StageContext", out: Path, default_k: int = 10, shortlist_
                         and (not ef_search or ef_search == ctx.cfg.index.hnsw_ef_search) and not graphs,
         "num_labels": int(idx_summary["labels"]), "dim": int(idx_summary["dim"]), "default_k": int(default_k),
         **dict(zip(("propensity_a", "propensity_b"), ctx.propensity())),  # the A / B used (a 0 = by family)
-        "input": serving_input(ctx),
+        "input": serving_input(ctx), "manifest": MANIFEST_FILE,
     }
     if info["input"] == "features":  # requests: feature vectors of the dataset's columns (serving.requests)
         info["num_features"] = int(read_config(out / LEXICAL_DIR)["num_features"])
     save_json(out / SERVING_FILE, info)
+    write_manifest(out)  # last: it lists every file above with its size and SHA-256
     return info
 
 
 def load_bundle(folder: str | Path, device: str | torch.device | None = None) -> ServingBundle:
-    """Load a bundle folder (no pickle: safetensors, .npy, faiss files, JSON, Parquet), checked
-    (``xc_dagster.serving.bundle_checks``: a damaged or inconsistent bundle fails here, naming the file or field).
+    """Load a bundle folder (no pickle: safetensors, .npy, faiss files, JSON, Parquet), checked (its files against
+    ``manifest.json``, then ``xc_dagster.serving.bundle_checks``: a damaged or inconsistent bundle fails here, naming
+    the file or field).
 
     ``device``: ``auto`` (CUDA when present), ``cpu`` or ``cuda``; default ``$XC_SERVING_DEVICE`` or auto.
     Autocast follows the ``pretrain.amp`` value the model was evaluated with, on this device.
     """
     folder = Path(folder)
     info = read_info(folder / SERVING_FILE, BUNDLE_FORMAT)
+    verify_bundle(folder, required=bool(info.get("manifest")))  # before any other file is read
     dev = device if isinstance(device, torch.device) else resolve_device(device or os.environ.get(DEVICE_ENV)
                                                                           or "auto")
     encoder = read_part(folder / "encoder", lambda p: load_encoder(str(p), info["pooling"])).to(dev).eval()

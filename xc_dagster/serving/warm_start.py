@@ -24,11 +24,21 @@ from xc_dagster.encoders.tokenizer import load_tokenizer
 from xc_dagster.errors import XCConfigError
 from xc_dagster.home import Home
 from xc_dagster.serving.bundle import SERVING_FILE
+from xc_dagster.serving.bundle_checks import read_part
+from xc_dagster.serving.bundle_files import verify_bundle
+from xc_dagster.storage import load_json
 from xc_dagster.tracking import model_name, use_tracking_uri
 
 
 def is_bundle(folder: Path) -> bool:
     return (Path(folder) / SERVING_FILE).is_file() and (Path(folder) / "encoder").is_dir()
+
+
+def checked_bundle(folder: Path) -> Path:
+    """``folder`` once its files match its manifest (the encoder, W and label texts a warm start reads)."""
+    info = read_part(Path(folder) / SERVING_FILE, load_json)
+    verify_bundle(folder, required=isinstance(info, dict) and bool(info.get("manifest")))
+    return Path(folder)
 
 
 def champion_bundle(dataset: str, tracking_uri: str, dest: Path) -> Path | None:
@@ -49,7 +59,7 @@ def champion_bundle(dataset: str, tracking_uri: str, dest: Path) -> Path | None:
     if not is_bundle(bundle):
         raise XCConfigError(f"pretrain.warm_start=champion: models:/{name}/{version} holds no serving bundle "
                             f"({bundle})")
-    return bundle
+    return checked_bundle(bundle)
 
 
 def resolve_warm_start(value: str, dataset: str, tracking_uri: str | None, dest: Path) -> Path | None:
@@ -67,7 +77,7 @@ def resolve_warm_start(value: str, dataset: str, tracking_uri: str | None, dest:
     if not is_bundle(path):
         raise XCConfigError(f"pretrain.warm_start={value!r}: expected 'champion' or a serving bundle folder "
                             f"(with {SERVING_FILE} and encoder/), found none at {path}")
-    return path
+    return checked_bundle(path)
 
 
 def check_same_vocabulary(bundle: Path, tokenizer) -> None:

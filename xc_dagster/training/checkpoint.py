@@ -36,6 +36,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
+from xc_dagster.checksums import read_sha256
 from xc_dagster.durable import atomic_write_text, fsync_dir, fsync_file
 from xc_dagster.storage import file_lock
 
@@ -148,7 +149,7 @@ class Checkpointer:
                         "torch_rng": torch.get_rng_state(), "cuda_rng": cuda}, tmp)
             fsync_file(tmp)  # on the disk before the rename makes it the checkpoint
             with open(tmp, "rb") as f:
-                digest = _sha256(f)
+                digest = read_sha256(f)
             # the previous checkpoint's hash stays valid: a kill before the rename leaves it the checkpoint
             hashes = [digest] + ([self._current] if self._current else [])
             atomic_write_text(self.folder / HASHES, json.dumps({"sha256": hashes}) + "\n")
@@ -176,13 +177,6 @@ def _brief(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first_line}"
 
 
-def _sha256(f: BinaryIO) -> str:
-    h = hashlib.sha256()
-    for block in iter(lambda: f.read(1 << 20), b""):
-        h.update(block)
-    return h.hexdigest()
-
-
 def _recorded_hashes(folder: Path) -> list[str] | None:
     """The SHA-256s ``save`` recorded; None without a record (a checkpoint of before it). A record that does not
     parse is damage; one that cannot be read (an I/O fault) raises its ``OSError``."""
@@ -206,7 +200,7 @@ def _read_whole(path: Path) -> tuple[dict[str, Any], str] | None:
         return None
     with f:
         hashes = _recorded_hashes(path.parent)
-        digest = _sha256(f)
+        digest = read_sha256(f)
         f.seek(0)
         if hashes is None:
             return _read_unrecorded(f), digest
