@@ -135,6 +135,12 @@ def test_char_ngrams_beside_the_words_match_inflections_in_the_classifiers_and_r
         assert both[:n] == pytest.approx(words.transform(queries[2:3]).toarray()[0] / math.sqrt(1 + w * w))
         assert Q[:2].nnz and Q[:2, :n].nnz == 0  # the inflected queries: chars only
         np.testing.assert_allclose(lex.scores(Q).toarray(), plain, rtol=1e-5, atol=1e-7)  # parts read the words
+        # the label rows hold their word block alone (read by the label-text part only); the points keep their
+        # chars (the classifiers train on them); label rows with chars (an index saved before) score the same
+        assert lex.labels[:, n:].nnz == 0 and lex.labels.nnz == words.labels.nnz and lex.points[:, n:].nnz
+        with_chars = LexicalIndex(lex.model, lex.points, lex.point_labels, lex.model.transform(labels), 2)
+        assert with_chars.labels[:, n:].nnz
+        np.testing.assert_array_equal(with_chars.scores(Q).toarray(), lex.scores(Q).toarray())
         lex.classifier = lex.fit_classifier(np.arange(len(points)), settings)
         ranked = lex.scores(Q).toarray()
         assert ranked[0].argmax() == 0 and ranked[1].argmax() == 2  # through the classifiers' char weights
@@ -144,7 +150,7 @@ def test_char_ngrams_beside_the_words_match_inflections_in_the_classifiers_and_r
         vocab = json.loads((tmp_path / str(w) / "vocabulary.json").read_text())
         assert vocab[0].startswith("w ") and vocab[-1].startswith("c ") and len(vocab) == Q.shape[1]
         back = LexicalIndex.load(tmp_path / str(w))
-        assert (back.transform(queries) != Q).nnz == 0
+        assert (back.transform(queries) != Q).nnz == 0 and (back.labels != lex.labels).nnz == 0
         np.testing.assert_array_equal(back.scores(Q).toarray(), ranked)
     words.classifier = words.fit_classifier(np.arange(len(points)), settings)
     unseen = words.scores(words.transform(queries[:2])).toarray()

@@ -193,7 +193,7 @@ class LexicalIndex:
             points = list(points)
             model = tfidf.fit_texts([points[i] for i in fit_rows] + (list(labels) if labels is not None else []),
                                     min_df, char_weight)
-        P, T = model.transform(points), None if labels is None else model.transform(labels)
+        P, T = model.transform(points), None if labels is None else tfidf.word_block(model, model.transform(labels))
         if sp.csr_matrix(P).nnz == 0:
             raise XCConfigError("index.sources: the lexical source needs the training points' texts or BoW "
                                 "features, and these points have none (no term in any of them)")

@@ -106,6 +106,17 @@ class WordsAndChars:
         return cls(vectorizer(words, vocabulary=terms[WORD]), vectorizer(chars, vocabulary=terms[CHAR]), weight)
 
 
+def word_block(model: Any, X: sp.csr_matrix) -> sp.csr_matrix:
+    """``X`` (rows of ``model``, the same shape) without a :class:`WordsAndChars` model's char entries: the label
+    rows, which only the label-text part reads (:func:`word_postings`), so their char block (several times the
+    word entries) is neither held nor saved. Other models' rows: ``X``."""
+    if not isinstance(model, WordsAndChars):
+        return X
+    out = sp.csr_matrix(X[:, :len(model.words.vocabulary_)], dtype=np.float32)
+    out.resize(X.shape)
+    return out
+
+
 def word_postings(model: Any, X: sp.csr_matrix) -> sp.csr_matrix:
     """The term-major (terms, rows) CSR of the TF-IDF rows ``X`` that the label-text and kNN parts read: of a
     :class:`WordsAndChars` model's rows the word block alone, times 1 + w^2, so that a product of two is the cosine
