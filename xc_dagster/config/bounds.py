@@ -4,7 +4,10 @@ a value outside its range fails there naming the field and the range, not a stag
 
 from __future__ import annotations
 
+import math
 from typing import Any
+
+import numpy as np
 
 from xc_dagster.errors import XCConfigError
 
@@ -31,6 +34,13 @@ ZERO_ALLOWED = frozenset({"tokenize.label_max_len"})
 SEED_BOUND = (0, None, "a seed")  # every stage's `seed` (numpy refuses a negative one)
 # tuple fields with no meaning when empty (`--set index.sources=` would build no index and fail later, unnamed)
 NON_EMPTY = frozenset({"index.sources", "mining.sources", "evaluate.ks", "index.lexical_classifier_weights"})
+
+
+def is_finite_number(value: Any) -> bool:
+    """A finite real number, not a bool (True is an int to Python, never a setting's number): what a numeric
+    setting checked where it is used (a library call without the config's coercion) must be first."""
+    return (not isinstance(value, bool) and isinstance(value, (int, float, np.integer, np.floating))
+            and math.isfinite(value))
 
 
 def check_bounds(key: str, value: Any) -> None:

@@ -44,6 +44,7 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
+from xc_dagster.config.bounds import is_finite_number
 from xc_dagster.errors import XCConfigError, XCError
 from xc_dagster.retrieval.lexical_exact import SOLVERS, fit_exact, solver_for
 from xc_dagster.retrieval.lexical_tables import (
@@ -93,8 +94,7 @@ class ClassifierSettings:
                                 f"got {self.solver!r}")
         for name, field in (("epochs", "epochs"), ("lr", "lr"), ("l2", "l2"), ("c", "c"), ("weight", "weights")):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 \
-                    or (v == 0 and name != "l2"):
+            if not is_finite_number(v) or v < 0 or (v == 0 and name != "l2"):
                 raise XCConfigError(f"index.lexical_classifier_{field}: expected a number "
                                     f"{'>= 0' if name == 'l2' else '> 0'}, got {v!r}")
         return self

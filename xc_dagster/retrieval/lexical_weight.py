@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import scipy.sparse as sp
 
+from xc_dagster.config.bounds import is_finite_number
 from xc_dagster.errors import XCConfigError
 
 MAX_POINTS = 20_000  # held-out points scored for the choice at most (a seeded sample beyond)
@@ -30,8 +30,7 @@ MAX_POINTS = 20_000  # held-out points scored for the choice at most (a seeded s
 def check_weights(weights: Any) -> tuple[float, ...]:
     """``index.lexical_classifier_weights``: a non-empty sequence of finite numbers > 0, or a config error."""
     values = tuple(weights) if isinstance(weights, (list, tuple)) else (weights,)
-    bad = [w for w in values if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w)
-           or w <= 0]
+    bad = [w for w in values if not is_finite_number(w) or w <= 0]
     if not values or bad:
         raise XCConfigError(f"index.lexical_classifier_weights: expected one or more numbers > 0 (the classifiers' "
                             f"weight g in the lexical score, chosen on validation), got {list(values)!r}")

@@ -5,18 +5,18 @@ lexical kNN scores both sum (``vote_weights``, with its setting's check)."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
 import scipy.sparse as sp
 
+from xc_dagster.config.bounds import is_finite_number
 from xc_dagster.errors import XCConfigError
 
 
 def check_power(power: Any, field: str) -> float:
     """``power`` as a float if it is a finite number > 0, else an error naming the setting ``field``."""
-    if isinstance(power, bool) or not isinstance(power, (int, float)) or not math.isfinite(power) or power <= 0:
+    if not is_finite_number(power) or power <= 0:
         raise XCConfigError(f"{field}: expected a number > 0 (1: votes are the similarities), got {power!r}")
     return float(power)
 

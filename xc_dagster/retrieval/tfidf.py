@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import scipy.sparse as sp
 
+from xc_dagster.config.bounds import is_finite_number
 from xc_dagster.errors import XCConfigError
 
 # TfidfVectorizer settings besides min_df (recorded in lexical.json, so a load rebuilds the same analyzer)
@@ -151,7 +152,7 @@ def load_text_model(config: dict[str, Any], vocabulary: list[str]) -> Any:
 
 def check_char_weight(weight: Any) -> float:
     """``index.lexical_char_weight`` as a float if it is a finite number >= 0, else an error naming it."""
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not (0 <= weight < float("inf")):
+    if not is_finite_number(weight) or weight < 0:
         raise XCConfigError(f"index.lexical_char_weight: expected a number >= 0 (0: words only), got {weight!r}")
     return float(weight)
 

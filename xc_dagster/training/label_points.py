@@ -16,6 +16,7 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
+from xc_dagster.config.bounds import is_finite_number
 from xc_dagster.encoders.bag import BagOfEmbeddingsEncoder, embed_from_intermediate
 from xc_dagster.errors import XCConfigError
 from xc_dagster.retrieval.ann import LabelIndex, exact_topk
@@ -30,7 +31,7 @@ Tokens = tuple[np.ndarray, np.ndarray]  # token ids (N, T), lengths (N,)
 def check_label_point_share(label_points: bool, share: float, stage: str = "classifier") -> None:
     """Raise XCConfigError unless ``<stage>.label_point_cooccurrence`` is a share in [0, 1], > 0 only with
     ``<stage>.label_points``."""
-    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= float(share) <= 1.0:
+    if not is_finite_number(share) or not 0.0 <= float(share) <= 1.0:
         raise XCConfigError(f"{stage}.label_point_cooccurrence: expected a share in [0, 1], got {share!r}")
     if share > 0 and not label_points:
         raise XCConfigError(f"{stage}.label_point_cooccurrence: {share} needs {stage}.label_points=true "
