@@ -171,6 +171,21 @@ def test_whitespace_is_collapsed_before_the_cut(bundle):
     assert cut_text("ab" + " " * limit + "cd", 3) == "ab " and cut_text("a" * 5 + " b", 3) == "aaa"
 
 
+def test_invisible_characters_are_dropped_before_the_cut(bundle):
+    """Zero-width and other format / control characters of a text over the cut are dropped first (the tokenizer
+    drops them too): padding of them never pushes its words out of the cut."""
+    limit = text_char_limit(MAX_LEN)
+    padded = ["\u200b" * 5000 + "apple river", "apple\u00ad" * 2 + "\u200d" * limit + " river",
+              "\x07" * limit + "apple river"]
+    ids, scores = serving_bundle.predict_topk(padded, bundle, 10)
+    ref, ref_scores = serving_bundle.predict_topk(["apple river", "appleapple river", "apple river"], bundle, 10)
+    np.testing.assert_array_equal(ids, ref)
+    np.testing.assert_allclose(scores, ref_scores, rtol=1e-5)
+    assert cut_text("\u200b" * limit + "apple", limit) == "apple" and cut_text("\u200b" * (limit + 1), limit) == ""
+    assert cut_text("ab\u200b" + "\u200b" * limit + " cd", limit) == "ab cd"  # the space after the run is kept
+    assert cut_text("apple\u200b river", limit) == "apple\u200b river"  # within the cut: read as it is
+
+
 def test_texts_without_a_visible_character_get_no_labels(bundle):
     texts = ["", "   ", "\t\n\r", "\u200b\u00a0\u3000", "apple river", "x"]
     ids, scores = serving_bundle.predict_topk(texts, bundle, 10)
