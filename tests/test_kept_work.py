@@ -259,6 +259,34 @@ def test_an_index_stage_stopped_in_its_second_build_builds_only_the_indexes_it_h
     assert not ctx.checkpoint_dir("index").exists()
 
 
+def test_an_index_stage_stopped_after_its_lexical_fit_reads_the_fitted_source_back(home, tmp_path, monkeypatch):
+    """The lexical source (TF-IDF and classifiers: minutes at the 1.3M shape) is kept whole once fitted: a run
+    after one stopped in the next build fits it no more, and writes the same files and summary."""
+    spec = Catalog(home.catalog).get("TinyTitles")
+    cfg = spec.config({"index.sources": ("W", "label", "lexical"), "index.kind": "exact"})
+    full_store, store = ArtifactStore(tmp_path / "full"), ArtifactStore(tmp_path / "stopped")
+    upstream = ("ingest", "tokenize", "pretrain", "mining", "classifier")
+    full = run_all(StageContext(full_store, spec, cfg, home.cache), (*upstream, "index"))["index"]
+    ctx = StageContext(store, spec, cfg, home.cache)
+    run_all(ctx, upstream)
+    real_fit, fits = index_stage.LexicalIndex.fit, []
+    monkeypatch.setattr(index_stage.LexicalIndex, "fit", lambda *a, **k: fits.append(1) or real_fit(*a, **k))
+    _counting(monkeypatch, index_stage, "LabelIndex", fail_at=1)  # stopped in the W build, after the lexical fit
+    with pytest.raises(KeyboardInterrupt):
+        run_all(ctx, ("index",))
+    assert fits == [1] and sorted(p.name for p in ctx.checkpoint_dir("index").iterdir()) == ["key.txt", "lexical-fit"]
+    assert not store.stage_dir("TinyTitles", "index").exists()  # nothing half-written
+    _counting(monkeypatch, index_stage, "LabelIndex")
+    out = run_all(ctx, ("index",))["index"]
+    assert fits == [1] and out["lexical"] == full["lexical"] and out["sources"] == full["sources"]
+    got, want = (s.stage_dir("TinyTitles", "index") / "lexical" for s in (store, full_store))
+    names = sorted(p.name for p in want.iterdir())
+    assert sorted(p.name for p in got.iterdir()) == names and "classifier_weights.npy" in names  # with classifiers
+    for name in names:  # the same fit: the same bytes
+        assert (got / name).read_bytes() == (want / name).read_bytes(), name
+    assert not ctx.checkpoint_dir("index").exists()
+
+
 def test_the_key_follows_a_stage_folder_that_is_not_a_version(tmp_path):
     """A stage folder written before versions (a real folder) is keyed by its path and its summary's stamp and
     size: rewritten, the key changes, so work kept over the old contents is not used."""
