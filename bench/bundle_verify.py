@@ -84,7 +84,8 @@ def main() -> None:
               "sha256_extra_seconds": round(extra, 3), "verify_sha256_alone_seconds": round(alone, 3),
               "sha256_gb_per_s_alone": round(size / 1e9 / alone, 2),
               "repeats": args.repeats, "machine": platform.processor() or platform.machine(),
-              "cpus": os.cpu_count(), "command": f"python bench/bundle_verify.py --labels {args.labels} --repeats {args.repeats}"}
+              "cpus": os.cpu_count(),
+              "command": f"python bench/bundle_verify.py --labels {args.labels} --repeats {args.repeats}"}
     print(json.dumps(result, indent=1))
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -182,6 +182,28 @@ def test_large_exact_indexes_are_served_from_graphs(built, tmp_path):
         serving_bundle.write_bundle(built.ctx, tmp_path / "bad", graph_above=-1)
 
 
+def test_a_bundle_is_written_whole_or_not_at_all(built, tmp_path, monkeypatch):
+    """write_bundle assembles beside its folder and renames: a failure part-way leaves nothing (no folder, no
+    temporary one), and a folder holding files (another bundle's) is refused, never mixed into."""
+    real, writes = serving_bundle.save_json, []
+
+    def failing(path, obj):  # serving.json: the last part before the manifest
+        writes.append(Path(path).name)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(serving_bundle, "save_json", failing)
+    with pytest.raises(OSError, match="No space left"):
+        serving_bundle.write_bundle(built.ctx, tmp_path / "bundle")
+    assert writes == ["serving.json"] and list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(serving_bundle, "save_json", real)
+    (tmp_path / "empty").mkdir()  # an empty folder may be the target
+    assert serving_bundle.write_bundle(built.ctx, tmp_path / "empty")["format"] == serving_bundle.BUNDLE_FORMAT
+    assert serving_bundle.load_bundle(tmp_path / "empty", "cpu").num_labels == built.ds.num_labels
+    with pytest.raises(XCConfigError, match=r"serving bundle folder .*empty: exists and is not empty"):
+        serving_bundle.write_bundle(built.ctx, tmp_path / "empty")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]
+
+
 # ---------------------------------------------------------------------------- registry and promotion
 
 def test_register_pyfunc_and_champion_challenger(built, tmp_path):

@@ -50,12 +50,12 @@ from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 from xc_dagster.artifacts import ENCODER, FUSION, LABEL_EMB, W
 from xc_dagster.data.canonical import LABEL_TEXTS_FILE
 from xc_dagster.device import amp_dtype, resolve_device
+from xc_dagster.durable import atomic_write, fsync_tree
 from xc_dagster.encoders.encode import encode_tokens
 from xc_dagster.encoders.loading import load_encoder
 from xc_dagster.encoders.tokenizer import load_tokenizer, tokenize_texts
 from xc_dagster.errors import XCConfigError, XCError
 from xc_dagster.faiss_module import faiss
-from xc_dagster.retrieval.ann import LabelIndex, saved_kind
 from xc_dagster.retrieval.files import CENTROID_FILE, COOCCURRENCE_FILE, INDEX_FILES, KNN_LABELS_FILE
 from xc_dagster.retrieval.fusion import load_fusion
 from xc_dagster.retrieval.lexical import LEXICAL_DIR, read_config
@@ -63,7 +63,14 @@ from xc_dagster.retrieval.shortlist import ShortlistSources, retrieve, topk_from
 from xc_dagster.retrieval.source_files import load_sources
 from xc_dagster.retrieval.votes import fitted_votes, votes_record, with_fitted_votes
 from xc_dagster.serving.bundle_checks import check_parts, read_array, read_info, read_part
-from xc_dagster.serving.bundle_files import MANIFEST_FILE, link_or_copy, link_tree, verify_bundle, write_manifest
+from xc_dagster.serving.bundle_files import (
+    MANIFEST_FILE,
+    graph_copy,
+    link_or_copy,
+    link_tree,
+    verify_bundle,
+    write_manifest,
+)
 from xc_dagster.serving.limits import RequestLimits, cut_texts, has_content
 from xc_dagster.serving.requests import FEATURES_COLUMN, check_counts, input_features, input_texts, param_k
 from xc_dagster.storage import load_json, save_json
@@ -125,20 +132,6 @@ class ServingBundle:
         return max(1, min(self.shortlist_size * len(self.sources.names), self.num_labels))
 
 
-def _graph_copy(src: Path, dst: Path, graph_above: int, ctx: "StageContext") -> bool:
-    """Write to ``dst`` an HNSW graph (``index.hnsw_m`` / ``hnsw_ef_construction``) of the exact index ``src`` when it
-    holds more than ``graph_above`` vectors (0: never), for single-query latency: exact search reads every vector
-    per query (8 ms at 131K, docs/decisions.md#exact-bf16), the graph a few hundred. True when it did."""
-    if graph_above <= 0 or saved_kind(src) != "exact":
-        return False
-    vectors = np.load(src, mmap_mode="r", allow_pickle=False)
-    if len(vectors) <= graph_above:
-        return False
-    p = ctx.cfg.index
-    LabelIndex("hnsw", np.asarray(vectors), m=p.hnsw_m, ef_construction=p.hnsw_ef_construction).save(dst)
-    return True
-
-
 def _lexical_reads_features(ctx: "StageContext") -> dict[str, Any] | None:
     """The lexical source's ``lexical.json`` when it reads shipped BoW features without their words (so no raw
     text maps to its rows), else None."""
@@ -173,7 +166,8 @@ def write_bundle(ctx: "StageContext", out: Path, default_k: int = 10, shortlist_
     fusion and the ingested label texts; computes the inverse propensities as evaluation does.
     ``shortlist_size`` / ``ef_search`` > 0 override the evaluated ``index.shortlist_size`` /
     ``index.hnsw_ef_search`` (a faster, slightly less exact serving setting); ``graph_above`` > 0 serves each exact
-    index of more vectors from an HNSW graph built here (``_graph_copy``). Returns ``serving.json``.
+    index of more vectors from an HNSW graph built here (``bundle_files.graph_copy``). Returns ``serving.json``. The
+    bundle is written whole or not at all (assembled beside ``out``, then renamed); ``out`` must be new or empty.
     """
     if default_k < 1:
         raise XCConfigError(f"serving default_k: expected >= 1, got {default_k}")
@@ -184,7 +178,19 @@ def write_bundle(ctx: "StageContext", out: Path, default_k: int = 10, shortlist_
     if why:
         raise XCConfigError(why)
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):  # never mixed with another bundle's files
+        raise XCConfigError(f"serving bundle folder {out}: exists and is not empty; write the bundle to a new folder")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    written: dict[str, Any] = {}
+    atomic_write(out, lambda tmp: written.update(_assemble(ctx, tmp, default_k, shortlist_size, ef_search,
+                                                           graph_above)), sync=fsync_tree)
+    return written
+
+
+def _assemble(ctx: "StageContext", out: Path, default_k: int, shortlist_size: int, ef_search: int,
+              graph_above: int) -> dict[str, Any]:
+    """``write_bundle``'s files, written into the new folder ``out``; returns ``serving.json``."""
+    out.mkdir()
     read = ctx.read
     pre, idx = read.model_dir(), read.dir("index")  # the deployed encoder: pretrain's, or the end-to-end one
     link_tree(pre / ENCODER, out / "encoder")
@@ -193,7 +199,7 @@ def write_bundle(ctx: "StageContext", out: Path, default_k: int = 10, shortlist_
     idx_summary = read.summary("index")
     sources = idx_summary.get("sources", ["W", "label"])
     graphs = [INDEX_FILES[n] for n in sources if n in INDEX_FILES and (idx / INDEX_FILES[n]).exists()
-              and _graph_copy(idx / INDEX_FILES[n], out / INDEX_FILES[n], graph_above, ctx)]
+              and graph_copy(idx / INDEX_FILES[n], out / INDEX_FILES[n], graph_above, ctx)]
     parts = [KNN_LABELS_FILE, CENTROID_FILE, COOCCURRENCE_FILE]
     for name in [INDEX_FILES[n] for n in sources if n in INDEX_FILES] + parts:
         if (idx / name).exists() and name not in graphs:

@@ -1,12 +1,14 @@
-"""A serving bundle's files: placed by linking (no second copy of a GB-sized index) and listed, each with its size and
-SHA-256, in ``manifest.json``, written last by ``xc_dagster.serving.bundle.write_bundle``.
+"""A serving bundle's files: placed by linking (no second copy of a GB-sized index; an exact index served as an HNSW
+graph is built here), and listed, each with its size and SHA-256, in ``manifest.json``, written last by
+``xc_dagster.serving.bundle.write_bundle``.
 
 ``load_bundle`` and a warm start from a bundle folder (``xc_dagster.serving.warm_start``) check the files against
 the manifest before reading any, so a bundle damaged in a copy, an upload or on disk fails to load naming the
 file -- a flipped byte in ``W.npy`` or a faiss graph otherwise loads silently and serves wrong labels, a truncated
 file fails only where it is read. How much is checked: ``$XC_SERVING_VERIFY`` -- ``sha256`` (the default: every
-file read once, hashed side by side: 2.2 GB/s on 2 cores, bench/bundle_verify.py), ``size`` (sizes only, for a large bundle on storage you trust) or
-``off``. A bundle written before manifests existed (its ``serving.json`` names none) loads unchecked, with a warning.
+file read once, hashed side by side: 2.2 GB/s on 2 cores, bench/bundle_verify.py), ``size`` (sizes only, for a large
+bundle on storage you trust) or ``off``. A bundle written before manifests existed (its ``serving.json`` names none)
+loads unchecked, with a warning.
 """
 
 from __future__ import annotations
@@ -18,11 +20,17 @@ import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from xc_dagster.checksums import file_sha256
 from xc_dagster.durable import atomic_write_text
 from xc_dagster.errors import XCConfigError, XCError
+from xc_dagster.retrieval.ann import LabelIndex, saved_kind
+
+if TYPE_CHECKING:  # pragma: no cover
+    from xc_dagster.pipeline import StageContext
 
 MANIFEST_FILE = "manifest.json"
 MANIFEST_FORMAT = 1
@@ -46,6 +54,20 @@ def link_tree(src: Path, dst: Path) -> None:
     for f in sorted(src.rglob("*")):
         if f.is_file():
             link_or_copy(f, dst / f.relative_to(src))
+
+
+def graph_copy(src: Path, dst: Path, graph_above: int, ctx: "StageContext") -> bool:
+    """Write to ``dst`` an HNSW graph (``index.hnsw_m`` / ``hnsw_ef_construction``) of the exact index ``src`` when it
+    holds more than ``graph_above`` vectors (0: never), for single-query latency: exact search reads every vector
+    per query (8 ms at 131K, docs/decisions.md#exact-bf16), the graph a few hundred. True when it did."""
+    if graph_above <= 0 or saved_kind(src) != "exact":
+        return False
+    vectors = np.load(src, mmap_mode="r", allow_pickle=False)
+    if len(vectors) <= graph_above:
+        return False
+    p = ctx.cfg.index
+    LabelIndex("hnsw", np.asarray(vectors), m=p.hnsw_m, ef_construction=p.hnsw_ef_construction).save(dst)
+    return True
 
 
 def write_manifest(folder: Path) -> dict[str, dict[str, Any]]:
