@@ -13,7 +13,9 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import boto3
 import mlflow
@@ -24,6 +26,7 @@ from s3fs import S3FileSystem
 
 from tests.test_pipeline import tiny_home  # noqa: F401  (fixture)
 from tests.tinydata import kill_at_marker
+from xc_dagster import storage
 from xc_dagster.artifacts import METRICS, PREDICTIONS, STAGE_ORDER, ArtifactReader
 from xc_dagster.catalog import Catalog
 from xc_dagster.pipeline import StageContext, run_all
@@ -334,6 +337,41 @@ def test_a_write_older_than_the_remote_version_or_without_a_record_is_replaced_b
     for home in ("c", "d"):
         got = ArtifactStore(tmp_path / home, RemoteStore(root)).require("D", "pretrain")
         assert tree(got) == {"summary.json": b"b's pretrain"}, home
+
+
+@pytest.mark.parametrize("skew_days", [1, -1])
+def test_which_of_a_write_and_a_publish_came_first_does_not_rest_on_the_hosts_clocks(tmp_path, monkeypatch,
+                                                                                      skew_days):
+    """A write records the remote version it was made over, not its time: home a's clock a day ahead or behind the
+    publishing home's changes nothing. a's write whose publish failed, then b's publish: replaced by b's (a clock
+    ahead had kept a's older data, to be published over b's); b's publish, then a's write: kept (a clock behind had
+    replaced a's newer write). The remote unreadable at the write: recorded by its time, and the write stands."""
+    day = 86_400 * 10**9
+    monkeypatch.setattr(storage, "time", SimpleNamespace(time_ns=lambda: time.time_ns() + skew_days * day,
+                                                         sleep=time.sleep))
+    root = str(tmp_path / "shared")
+    a = ArtifactStore(tmp_path / "a", RemoteStore(root))
+    write_stage(a, {"summary.json": b"a's older write"}, stage="pretrain")  # its publish failed: not published
+    b = ArtifactStore(tmp_path / "b", RemoteStore(root))
+    write_stage(b, {"summary.json": b"b's publish"}, stage="pretrain")
+    b.publish("D", "pretrain")
+    assert tree(ArtifactStore(tmp_path / "a", RemoteStore(root)).require("D", "pretrain")) == {
+        "summary.json": b"b's publish"}
+    write_stage(ArtifactStore(tmp_path / "a", RemoteStore(root)), {"summary.json": b"a's newer write"},
+                stage="pretrain")
+    assert tree(ArtifactStore(tmp_path / "a", RemoteStore(root)).require("D", "pretrain")) == {
+        "summary.json": b"a's newer write"}
+    marker = json.loads((tmp_path / "a/D/_remote/pretrain.json").read_text())
+    assert list(marker["pending"].values()) == [{"base": RemoteStore(root).manifest("D", "pretrain").version}]
+
+    def unreadable(self, dataset, stage):
+        raise RemoteArtifactError("store down")
+
+    monkeypatch.setattr(RemoteStore, "manifest", unreadable)
+    write_stage(ArtifactStore(tmp_path / "c", RemoteStore(root)), {"summary.json": b"c"}, stage="pretrain")
+    assert (tmp_path / "c/D/pretrain/summary.json").read_bytes() == b"c"
+    assert [type(v) for v in json.loads((tmp_path / "c/D/_remote/pretrain.json").read_text())["pending"].values()] \
+        == [int]
 
 
 def test_a_manifest_without_a_creation_time_is_older_than_any_unpublished_write(tmp_path):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -34,6 +35,8 @@ import numpy as np
 from xc_dagster.durable import atomic_write_text, fsync_dir, fsync_tree
 from xc_dagster.errors import XCError
 from xc_dagster.remote_store import Manifest, RemoteArtifactError, RemoteStore
+
+log = logging.getLogger("xc_dagster")
 
 try:
     import fcntl
@@ -207,11 +210,12 @@ class ArtifactStore:
         """Held to change the marker, and by a fetch throughout (one fetch of a stage at a time on this tree)."""
         return file_lock(self._marker(dataset, stage).with_suffix(".lock"))
 
-    def _marks(self, dataset: str, stage: str) -> tuple[dict[str, str], dict[str, int]]:
+    def _marks(self, dataset: str, stage: str) -> tuple[dict[str, str], dict[str, Any]]:
         """What the marker of this remote root says of local version folders (by name): those that are copies of a
-        remote version (fetched or published), and those written here and not published yet, with their write
-        times (ns since the epoch). A marker of another root (or none) names neither; one of the earliest layout
-        names one copy, one of the previous layout copies only."""
+        remote version (fetched or published), and those written here and not published yet, each with the remote
+        version current when it was written (``{"base": version, "" for none}``; a record of before: its write time
+        in ns since the epoch). A marker of another root (or none) names neither; one of the earliest layout names
+        one copy, one of the previous layout copies only."""
         try:
             mark = load_json(self._marker(dataset, stage))
         except (OSError, ValueError):
@@ -223,35 +227,46 @@ class ArtifactStore:
             copies = {local: version} if isinstance(version, str) else {}
         else:
             copies = {k: v for k, v in local.items() if isinstance(v, str)} if isinstance(local, dict) else {}
-        written = ({k: v for k, v in pending.items() if type(v) is int} if isinstance(pending, dict) else {})
+        written = ({k: v for k, v in pending.items() if type(v) is int or (isinstance(v, dict) and isinstance(
+            v.get("base"), str))} if isinstance(pending, dict) else {})
         return copies, written
 
     def _record(self, dataset: str, stage: str, name: str, version: str | None = None,
-                written_ns: int | None = None) -> None:
+                written: dict[str, Any] | int | None = None) -> None:
         """Record local version ``name`` as a copy of remote ``version``, or else as a write of this home not
-        published yet (at ``written_ns``); entries of version folders removed since are dropped. The caller holds
-        :meth:`_marker_lock`."""
+        published yet (``written``: the remote version it was written over); entries of version folders removed
+        since are dropped. The caller holds :meth:`_marker_lock`."""
         copies, pending = self._marks(dataset, stage)
         copies.pop(name, None)
         pending.pop(name, None)
         if version is not None:
             copies[name] = version
         else:
-            pending[name] = written_ns
+            pending[name] = written
         there = {n for n in {*copies, *pending} if (self.root / dataset / n).is_dir()}
         atomic_write_text(self._marker(dataset, stage), json.dumps(
             {"root": self.remote.root, "local": {n: v for n, v in copies.items() if n in there},
              "pending": {n: t for n, t in pending.items() if n in there}}) + "\n")
 
     def _record_write(self, dataset: str, stage: str, name: str) -> None:
+        """Record a write with the remote version current now, which a later fetch compares with the manifest's:
+        no clock of this host or another's is read (docs/decisions.md#remote-artifact-manifest)."""
+        try:
+            manifest = self.remote.manifest(dataset, stage)
+            written: dict[str, Any] | int = {"base": "" if manifest is None else manifest.version}
+        except RemoteArtifactError as e:  # the write stands; its record falls back to this host's clock
+            log.warning("%s / %s: the remote manifest could not be read (%s); the write is recorded by its time",
+                         dataset, stage, e)
+            written = time.time_ns()
         with self._marker_lock(dataset, stage):
-            self._record(dataset, stage, name, written_ns=time.time_ns())
+            self._record(dataset, stage, name, written=written)
 
     def _stale(self, dataset: str, stage: str, manifest: Manifest) -> bool:
         """Whether sync replaces the local stage by ``manifest``'s version. Kept: a copy of that version, and a write
-        of this home not published yet that is newer than the manifest (its run publishes it next; replacing it
-        would have the run publish the older data). Replaced: a missing stage, a copy of another version, a write
-        older than the manifest (its publish failed and another home published since), a version without a record
+        of this home not published yet, made while the manifest named the version it names now (its run publishes
+        it next; replacing it would have the run publish the older data). Replaced: a missing stage, a copy of
+        another version, a write older than the manifest (another home published after it: its own publish
+        failed, or has not come yet), a version without a record
         (written before the remote root was set, or recorded for another root) and a real folder of before
         versions: a stage built on them would be published on inputs the remote does not have."""
         d = self.stage_dir(dataset, stage)
@@ -265,7 +280,9 @@ class ArtifactStore:
         if here in copies:
             return copies[here] != manifest.version
         written = pending.get(here)
-        return written is None or written <= manifest.created_ns
+        if isinstance(written, dict):  # replaced once another version was published after it was written
+            return written["base"] != manifest.version
+        return written is None or written <= manifest.created_ns  # a record of before: by the clocks
 
     def sync(self, dataset: str, stage: str) -> bool:
         """Bring the local copy of a stage to the remote manifest's version unless it is that version or a newer
