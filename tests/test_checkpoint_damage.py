@@ -292,7 +292,9 @@ for line in sys.stdin:
 def test_a_load_racing_the_other_runs_saves_never_moves_its_checkpoint_aside(tmp_path, monkeypatch, caplog):
     """The owner saves between another run's opening of state.pt and its reading of the record: once (the record
     still names the opened file: it resumes from it), then twice (the record names neither: the read mismatches,
-    and the second read resumes from the owner's newest checkpoint instead of moving it aside)."""
+    and the second read resumes from the owner's newest checkpoint instead of moving it aside), then twice before
+    each of the two reads (both mismatch: the owner holds the folder, so its checkpoint is left to it, not moved
+    aside, and the load starts over; once the owner is gone the newest checkpoint loads)."""
     folder = tmp_path / "_checkpoints" / "classifier"
     owner = subprocess.Popen([sys.executable, "-c", OWNER, str(folder)], cwd=ROOT, stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -304,7 +306,7 @@ def test_a_load_racing_the_other_runs_saves_never_moves_its_checkpoint_aside(tmp
 
     try:
         save(1)
-        real, saves = checkpoint._recorded_hashes, iter([[2], [3, 4]])
+        real, saves = checkpoint._recorded_hashes, iter([[2], [3, 4], [], [5, 6], [7, 8]])  # per read
 
         def racing(where):
             for epoch in next(saves, []):
@@ -318,7 +320,13 @@ def test_a_load_racing_the_other_runs_saves_never_moves_its_checkpoint_aside(tmp
             resumed = Checkpointer(folder, "k").load()
         assert resumed.epoch == 4 and torch.equal(resumed.state["w"], torch.full((64, 64), 4.0))
         assert not (folder / CORRUPT).exists() and "damaged" not in caplog.text
-        assert next(saves, None) is None  # both racing reads ran
+        with caplog.at_level(logging.WARNING, logger="xc_dagster"):
+            assert Checkpointer(folder, "k").load() is None  # both reads raced: left to the owner, not moved
+        assert not (folder / CORRUPT).exists() and "left to that run" in caplog.text
+        assert next(saves, None) is None  # every racing read ran
     finally:
         _, err = owner.communicate(timeout=60)  # closes its stdin: it exits
     assert owner.returncode == 0, err
+    monkeypatch.undo()
+    resumed = Checkpointer(folder, "k").load()
+    assert resumed.epoch == 8 and torch.equal(resumed.state["w"], torch.full((64, 64), 8.0))

@@ -98,8 +98,9 @@ class Checkpointer:
         moved aside to ``state.pt.corrupt`` and treated as none (training starts over). Loads take no lock,
         so a mismatch is damage only when a second read finds it too: a concurrent save of the run holding the folder
         writes the record, then renames the file, and a read opens the file before it reads the record, so one save
-        meanwhile is harmless but two are not. An ``OSError`` reading a checkpoint (an I/O fault) is raised, the file
-        left alone."""
+        meanwhile is harmless but two are not; a mismatch read twice while another run holds the folder (it is
+        saving there) is left to that run, not moved aside. An ``OSError`` reading a checkpoint (an I/O fault) is
+        raised, the file left alone."""
         path = None if self.folder is None else self.folder / STATE
         if path is None or not path.exists():
             return None
@@ -108,6 +109,10 @@ class Checkpointer:
         try:  # once more: another run's saves between this read's opening of the file and of its record
             return self._resume(path)
         except DAMAGED as exc:
+            if self._saving_elsewhere():  # its saves may have raced both reads: its checkpoint, not damage to judge
+                log.warning("checkpoint %s did not match its record twice while another run of the stage saves "
+                            "there (%s); left to that run, this one starts from epoch 0", path, _brief(exc))
+                return None
             with contextlib.suppress(FileNotFoundError):  # another run of the stage moved or cleared it first
                 os.replace(path, self.folder / CORRUPT)
             log.warning("checkpoint %s is damaged (%s); moved to %s, training starts from epoch 0",
@@ -122,6 +127,13 @@ class Checkpointer:
         if state.get("key") != self.key:
             return None
         return Resumed(int(state["epoch"]), state, state["rng_state"])
+
+    def _saving_elsewhere(self) -> bool:
+        """Whether another run holds the folder's lock now (it saves there), checked without keeping the lock."""
+        if self._owns:
+            return False
+        with file_lock(self.folder.with_name(f"{self.folder.name}.lock"), blocking=False) as got:
+            return not got
 
     def _own(self) -> bool:
         """Take the folder's lock on first use (non-blocking); False while another run of the stage holds it."""
