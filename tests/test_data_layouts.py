@@ -266,13 +266,13 @@ def test_streaming_chunk_sizes_agree(tmp_path, odd):
 def test_values_past_float32_are_refused_naming_the_line(tmp_path, chunk_lines):
     """Values are kept as float32: 1e39 would become inf (and then NaN in any normalisation), so the reader refuses
     it naming the file and line, on the chunked fast path and line by line; two entries of one column that sum past
-    the range are refused naming the row."""
+    the range are refused naming the line and data row."""
     p = tmp_path / "x_train.txt"
     p.write_text("3 4 2\n0 0:1 1:0.5\n1 2:-1e39 3:1\n0 0:3.4e38\n")
     with pytest.raises(XCFormatError, match=r"x_train.txt:3: .*float32's range.*got '2:-1e39'"):
         streaming.read_bow_file(p, chunk_lines=chunk_lines)
     p.write_text("2 4 2\n0 0:1\n1 3:3e38 3:3e38\n")
-    with pytest.raises(XCFormatError, match=r"x_train.txt: .*sum per \(row, column\) fits float32.*data row 2"):
+    with pytest.raises(XCFormatError, match=r"x_train.txt:3: .*sum per \(row, column\) fits float32.*data row 2"):
         streaming.read_bow_file(p, chunk_lines=chunk_lines)
     p.write_text("2 4 2\n0 0:1\n1 3:3.4e38\n")  # within the range: read as it is
     X, _ = streaming.read_bow_file(p, chunk_lines=chunk_lines)
@@ -333,6 +333,18 @@ def test_lf_fast_path_errors_name_the_line(tmp_path, bad, line, needle):
         assert read_dataset(f).train_texts[2] == ""
         return
     assert_error(f, "trn.json.gz", line, needle)
+
+
+def test_lf_sums_past_float32_name_the_line_on_both_readers(tmp_path):
+    """A label id repeated with relevances that sum past float32 is refused once the rows are summed: the error names
+    the file line of the record on the Arrow path as line by line, blank lines counted."""
+    trn = [json.dumps({"title": "t0", "target_ind": [0]}), "", "",
+           json.dumps({"title": "t1", "target_ind": [1, 1], "target_rel": [3e38, 3e38]})]
+    f = _lf(tmp_path / "lf", trn)
+    for fast in (True, False):
+        with pytest.raises(XCFormatError, match=r"trn.json.gz:4: expected label values whose sum per \(row, column\) "
+                                                r"fits float32.*an overflow in data row 2"):
+            read_lf_raw(f, ("title",), ("title",), fast=fast)
 
 
 def test_lf_relevance_zero_is_no_label_on_both_readers(tmp_path):

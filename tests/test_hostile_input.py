@@ -329,13 +329,14 @@ def test_a_dataset_with_nothing_to_learn_is_refused_at_ingest(tmp_path, trn, ext
 
 def test_label_values_are_relevances_a_zero_is_none_a_negative_is_refused(tmp_path):
     """trn_X_Y.txt values: a 0 (given, or below float32's smallest) is no label -- no trainer then reads a stored 0
-    as a positive -- and a negative value is refused naming the file and data row, even where repeats sum past 0."""
+    as a positive -- and a negative value is refused naming the file, line and data row, even where repeats sum past
+    0."""
     folder = split_sparse(tmp_path / "z", "2 3\n0:1 2:0\n1:0 2:1e-50\n", "1 3\n0:0 1:1\n", **TEXTS)
     ds = read_dataset(folder)
     assert ds.Y_train.nnz == 1 and ds.Y_train.toarray().tolist() == [[1, 0, 0], [0, 0, 0]]
     assert ds.Y_test.toarray().tolist() == [[0, 1, 0]] and ds.Y_test.nnz == 1
     bad = split_sparse(tmp_path / "n", "2 3\n0:1\n1:1 2:-2 2:3\n", **TEXTS)
-    with pytest.raises(XCFormatError, match=r"trn_X_Y.txt: expected label values \(relevances\) >= 0.*data row 2"):
+    with pytest.raises(XCFormatError, match=r"trn_X_Y.txt:3: expected label values \(relevances\) >= 0.*data row 2"):
         read_dataset(bad)
     with pytest.raises(XCFormatError, match="at least one label of a training point"):  # only zeros: nothing
         read_dataset(split_sparse(tmp_path / "o", "2 3\n0:0\n1:0\n", **TEXTS))

@@ -7,7 +7,7 @@ and the LF Arrow reader); :class:`SparseRows` takes one row at a time (the LF li
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -17,14 +17,15 @@ from xc_dagster.data.limits import MAX_DIM
 from xc_dagster.errors import XCFormatError
 
 F32_MAX = float(np.finfo(np.float32).max)  # values are kept as float32: a larger one would become inf
+LineOf = Callable[[int], "int | None"]  # a 0-based data row -> its 1-based file line (None: not known)
 
 
 class Growing:
     """Rows appended chunk by chunk as int32 indices (int64 past 2**31 - 1 columns, so that ids never wrap) /
     float32 values; one CSR build at the end."""
 
-    def __init__(self, path: Path, n_cols: int, what: str):
-        self.path, self.n_cols, self.what = path, n_cols, what
+    def __init__(self, path: Path, n_cols: int, what: str, line_of: LineOf | None = None):
+        self.path, self.n_cols, self.what, self.line_of = path, n_cols, what, line_of
         self._idx_dtype = np.int32 if n_cols <= MAX_DIM else np.int64
         self._counts: list[np.ndarray] = []
         self._idx: list[np.ndarray] = []
@@ -62,7 +63,7 @@ class Growing:
             idx = idx.astype(np.int64)
         m = sp.csr_matrix((val, idx, indptr if wide else indptr.astype(np.int32)),
                           shape=(self.n_rows, self.n_cols))
-        return canonical(m, self.path, self.what)
+        return canonical(m, self.path, self.what, self.line_of)
 
 
 class SparseRows:
@@ -70,6 +71,7 @@ class SparseRows:
 
     def __init__(self, path: Path, n_cols: int, what: str):
         self.path, self.n_cols, self.what = path, n_cols, what
+        self.lines = array("q")  # each row's 1-based file line, for the errors of ``canonical``
         self.indptr = array("q", [0])
         self.indices = array("q")
         self.data = array("d")
@@ -90,6 +92,7 @@ class SparseRows:
         else:
             self.data.extend(vals)
         self.indptr.append(len(self.indices))
+        self.lines.append(lineno)
 
     def to_csr(self) -> sp.csr_matrix:
         """The accumulated rows as a canonical (sorted, duplicates summed) float32 CSR matrix."""
@@ -98,25 +101,27 @@ class SparseRows:
              np.frombuffer(self.indices, dtype=np.int64),
              np.frombuffer(self.indptr, dtype=np.int64)),
             shape=(self.n_rows, self.n_cols))
-        return canonical(m, self.path, self.what)
+        return canonical(m, self.path, self.what, self.lines.__getitem__)
 
 
-def canonical(m: sp.csr_matrix, path: Path, what: str) -> sp.csr_matrix:
+def canonical(m: sp.csr_matrix, path: Path, what: str, line_of: LineOf | None = None) -> sp.csr_matrix:
     """``m`` with sorted indices and repeated entries summed, each sum within float32's range; a ``what`` of
     "label" holds relevances: a negative one is refused, a 0 (given, or below float32's smallest) is no label and
-    dropped, so that no stage reads a stored 0 as a positive."""
+    dropped, so that no stage reads a stored 0 as a positive. ``line_of(row)``: the 1-based file line of a 0-based
+    data row, which the errors name (without it, the data row)."""
     if what == "label" and (m.data < 0).any():  # each value, as the LF readers judge target_rel (not their sum)
-        raise XCFormatError(path, None, "label values (relevances) >= 0; 0 is no label",
-                            got=f"a negative value in data row {_row_of(m, m.data < 0)}")
+        _refuse(m, m.data < 0, path, line_of, "label values (relevances) >= 0; 0 is no label", "a negative value")
     m.sum_duplicates()
     if not np.isfinite(m.data).all():  # values, or repeated entries of one column summed, past float32's range
-        raise XCFormatError(path, None, f"{what} values whose sum per (row, column) fits float32 (|sum| <= "
-                            f"{F32_MAX:.4g})", got=f"an overflow in data row {_row_of(m, ~np.isfinite(m.data))}")
+        _refuse(m, ~np.isfinite(m.data), path, line_of, f"{what} values whose sum per (row, column) fits float32 "
+                f"(|sum| <= {F32_MAX:.4g})", "an overflow")
     if what == "label":
         m.eliminate_zeros()
     return m
 
 
-def _row_of(m: sp.csr_matrix, bad: np.ndarray) -> str:
-    """The 1-based data row of the first stored entry flagged in ``bad``, as the errors name it."""
-    return f"{int(np.searchsorted(m.indptr, int(np.flatnonzero(bad)[0]), side='right'))} (1-based)"
+def _refuse(m: sp.csr_matrix, bad: np.ndarray, path: Path, line_of: LineOf | None, expected: str, got: str) -> None:
+    """Raise the error of the first stored entry flagged in ``bad``: its file line, and its 1-based data row."""
+    row = int(np.searchsorted(m.indptr, int(np.flatnonzero(bad)[0]), side="right")) - 1
+    raise XCFormatError(path, None if line_of is None else line_of(row), expected,
+                        got=f"{got} in data row {row + 1} (1-based)")

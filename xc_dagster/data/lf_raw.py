@@ -61,7 +61,7 @@ def read_jsonl_fast(path: Path, fields: Sequence[str], n_labels: int | None,
     opts = pj.ParseOptions(explicit_schema=pa.schema(cols), unexpected_field_behavior="ignore",
                            newlines_in_values=False)
     texts: list[str] = []
-    acc = Growing(path, n_labels, "label") if n_labels is not None else None
+    acc = Growing(path, n_labels, "label", lambda row: _record_line(path, row)) if n_labels is not None else None
     grown = Expansion(path, path.stat().st_size)
     try:
         with pa.input_stream(str(path), compression="gzip") as stream:
@@ -164,6 +164,19 @@ def _targets(batch: pa.RecordBatch, acc: Growing) -> None:
 
 # ------------------------------------------------------------------------ line-by-line reference
 
+def _record_line(path: Path, row: int) -> int | None:
+    """The 1-based file line of the 0-based record ``row`` (blank lines hold none), read again: for an error only."""
+    for lineno, s in _nonblank_lines(path):
+        if row == 0:
+            return lineno
+        row -= 1
+    return None
+
+
+def _nonblank_lines(path: Path) -> Iterator[tuple[int, str]]:
+    return ((lineno, s) for lineno, s in iter_lines(path, gz=True) if s.strip())
+
+
 def _compose(rec: dict[str, Any], fields: Sequence[str], path: Path, lineno: int) -> str:
     """Point text = the non-empty requested fields joined by a space."""
     parts = []
@@ -186,9 +199,7 @@ def _compose(rec: dict[str, Any], fields: Sequence[str], path: Path, lineno: int
 
 def _read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     """Records of a gzipped JSON-lines file; each must be an object with a string ``title``."""
-    for lineno, s in iter_lines(path, gz=True):
-        if not s.strip():
-            continue  # blank lines are skipped (as Arrow's reader does)
+    for lineno, s in _nonblank_lines(path):  # blank lines are skipped (as Arrow's reader does)
         try:
             rec = json.loads(s)
         except (ValueError, RecursionError) as e:

@@ -141,6 +141,11 @@ def parse_pairs_rows(f: IO[bytes], acc: Growing, first_lineno: int, max_rows: in
         acc.append(counts, i, v)
 
 
+def _after_header(row: int) -> int:
+    """The file line of a 0-based data row of a file whose rows follow its header line one a line."""
+    return row + 2
+
+
 def _bytes_left(f: IO[bytes]) -> int:
     """Bytes of a plain file after the current position."""
     return os.fstat(f.fileno()).st_size - f.tell()
@@ -152,7 +157,7 @@ def read_sparse_file(path: Path, chunk_lines: int = DEFAULT_CHUNK_LINES, what: s
     with open_binary(path) as f:
         n_rows, n_cols = parse_header(path, read_header(f, path), ("rows", "cols"))
         check_header_rows(path, "rows", n_rows, _bytes_left(f))
-        acc = Growing(path, n_cols, what or ("feature" if "Xf" in path.name else "column"))
+        acc = Growing(path, n_cols, what or ("feature" if "Xf" in path.name else "column"), _after_header)
         expected = f"{n_rows} rows after the header (header 'rows cols')"
         parse_pairs_rows(f, acc, 2, n_rows, chunk_lines, expected)
     if acc.n_rows != n_rows:
@@ -256,8 +261,8 @@ def read_bow_file(path: Path, chunk_lines: int = DEFAULT_CHUNK_LINES) -> tuple[s
     with open_binary(path) as f:
         N, D, L = parse_header(path, read_header(f, path), ("N", "D", "L"))
         check_header_rows(path, "N", N, _bytes_left(f))
-        X = Growing(path, D, "feature")
-        Y = Growing(path, L, "label")
+        X = Growing(path, D, "feature", _after_header)
+        Y = Growing(path, L, "label", _after_header)
         for lineno, block, n in iter_chunks(f, path, chunk_lines, 2):
             if Y.n_rows + n > N:
                 raise XCFormatError(path, 2 + N, f"{N} rows after the header 'N D L'", got="more rows")
