@@ -175,7 +175,7 @@ def test_calibration_times_the_trainer_in_train_mode(tmp_path, monkeypatch):
     assert not any(m.training for m in encoder.transformer.modules())
     seen = {}
 
-    def time_steps(trainer, n, min_seconds=0.0):
+    def time_steps(trainer, n, min_seconds=0.0, max_seconds=float("inf")):
         if trainer.encoder is not None:  # the classifier trainers' calibration: no encoder
             seen["modes"] = [m.training for m in trainer.encoder.transformer.modules()]
         return 2.0, 16.0
@@ -218,6 +218,43 @@ def test_calibration_times_past_the_warm_up(monkeypatch):
     with pytest.raises(XCConfigError, match="train.calibration_seconds"):
         check_train_params(SimpleNamespace(budget_minutes=5, calibration_steps=3, calibration_seconds=-1.0,
                                            reserve=0.1, max_epochs=0))
+
+
+def test_calibration_stays_within_a_share_of_the_budget_and_skips_what_cannot_fit(monkeypatch):
+    """Long texts on 2 cores: steps of 33 s. Past max_seconds (5% of the budget) from the warm-up step no further
+    step is timed, one at least. The encoding is estimated first: where it and the reserve leave no room in the
+    budget, no step is timed at all and the plan is no epoch -- a 5-minute budget whose encoding alone took 256 s
+    had spent 152 s timing four steps, then trained none and ran 42% over."""
+    clock = [0.0]
+    monkeypatch.setattr(budget_module.time, "perf_counter", lambda: clock[0])
+    trainer = _WarmingTrainer(clock, 10**6)  # every step 1.0 s
+    assert budget_module.time_steps(trainer, 3, max_seconds=1.5) == (1.0, 8.0) and trainer.done == 2
+    trainer = _WarmingTrainer(clock, 10**6)
+    assert budget_module.time_steps(trainer, 3, max_seconds=0.0) == (1.0, 8.0) and trainer.done == 2  # one timed
+    assert budget_module.time_steps(_WarmingTrainer(clock, 6), 3, min_seconds=10.0, max_seconds=1e9) == (
+        pytest.approx(0.1), 8.0)  # a cap far off changes nothing
+
+    made, rate = [], [4.0]
+    monkeypatch.setattr(budget_module, "encode_rate", lambda *a, **k: rate[0])
+    monkeypatch.setattr(budget_module, "encoded_as", lambda *a, **k: None)
+
+    def calibrate(make, encoder, steps, min_seconds=0.0, max_seconds=float("inf")):
+        made.append(max_seconds)
+        return 33.0, 256.0, 79
+
+    monkeypatch.setattr(budget_module, "calibrate", calibrate)
+    train = SimpleNamespace(budget_minutes=5, reserve=0.15, calibration_steps=3, calibration_seconds=10.0)
+    tokens, labels = (np.zeros((1000, 4)), np.full(1000, 4)), (np.zeros((200, 4)), np.full(200, 4))
+    got = budget_module.calibrate_stage(None, None, train, tokens, labels, "cpu", None, 256, 0)
+    assert got == (0.0, 0.0, 0, 300.0) and made == []  # 1,200 texts at 4/s: the whole budget
+    plan = plan_epochs("pretrain.epochs", 5, 1.0, False, *got[:3], got[3], 0.0, 0.15)
+    assert plan.planned_epochs == 0.0 and plan.planned_train_seconds == 0.0  # not the configured epoch
+    rate[0] = 100.0  # 12 s of encoding: room for steps, timed for 15 s at most
+    assert budget_module.calibrate_stage(None, None, train, tokens, labels, "cpu", None, 256, 0) == (
+        33.0, 256.0, 79, 12.0) and made == [15.0]
+    assert budget_module.calibrate_stage(None, None, train, tokens, labels, "cpu", None, 256, 0, spent=280.0,
+                                         reserve=0.0)[2] == 0  # earlier stages spent what the encoding would leave
+    assert made == [15.0]
 
 
 def test_encoding_rate_is_timed_on_a_sample_that_lasts(monkeypatch):

@@ -65,7 +65,7 @@ def plan_classifiers(ctx: StageContext, sampled: bool, make_trainer: Any, encode
     if kept is None:
         sec, pts, spe, encode_s = calibrate_stage(make_trainer, encoder, b, ctx.read.tokens("train"),
                                                   ctx.read.tokens("label"), ctx.device, None, p.encode_batch_size,
-                                                  p.seed)
+                                                  p.seed, spent + time.perf_counter() - started, tail)
         kept = plan_epochs("classifier.epochs", b.budget_minutes, p.epochs, False, sec, pts, spe, encode_s,
                            spent + time.perf_counter() - started, tail, b.max_epochs)
         kept.save(ctx.checkpoint_dir() / BUDGET_PLAN, key)

@@ -58,6 +58,10 @@ def plan_pretraining(ctx: StageContext, p: PretrainParams, encoder: Any, pt: Any
     plan = plan_epochs("pretrain.epochs", b.budget_minutes, p.epochs, False, sec, pts, spe, encode_s,
                        time.perf_counter() - t0, b.reserve, b.max_epochs)
     plan.save(ctx.checkpoint_dir() / BUDGET_PLAN, key)
+    if sec <= 0 < len(rows):  # calibrate_stage timed no step: nothing fits
+        ctx.info(f"pretrain {ctx.name}: budget {b.budget_minutes} min: encoding ~{encode_s:.0f} s and the stages "
+                 f"after it leave no time to train; no epoch planned (train.budget_minutes more, or 0 for none)")
+        return plan
     ctx.info(f"pretrain {ctx.name}: budget {b.budget_minutes} min, {sec:.2f} s/step ({plan.points_per_second:.0f} "
              f"points/s), {spe} steps/epoch, encoding ~{encode_s:.0f} s: {plan.planned_epochs} epochs planned")
     return plan

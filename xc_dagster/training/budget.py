@@ -104,7 +104,8 @@ SKIP_SLACK = 0.05
 CALIBRATION_MAX_STEPS = 200  # timed steps at most, however short each is
 
 
-def time_steps(trainer: Any, steps: int, min_seconds: float = 0.0) -> tuple[float, float]:
+def time_steps(trainer: Any, steps: int, min_seconds: float = 0.0,
+               max_seconds: float = math.inf) -> tuple[float, float]:
     """(seconds per step, points per step) of ``trainer`` on the first batches of its epoch 0, after one
     untimed warm-up step (allocation, first-call kernels). ``trainer`` has ``epoch_batches`` and ``step`` (which
     returns the loss value, so a GPU's queued work is done when it returns).
@@ -112,16 +113,20 @@ def time_steps(trainer: Any, steps: int, min_seconds: float = 0.0) -> tuple[floa
     Steps are timed until ``steps`` of them ran and they took ``min_seconds``: on a GPU the first steps of each
     new batch shape cost ~10x a step of the run (an H200 timed 0.99 s/step over 3 steps where the run took 0.11:
     docs/decisions.md#calibration-warm-up). When more than twice ``steps`` ran, the first half is warm-up and the
-    rate is the second half's median step; a CPU's few long steps are all timed, as before."""
+    rate is the second half's median step; a CPU's few long steps are all timed, as before. Past ``max_seconds``
+    from the warm-up step's start no further step is timed, one at least (a step of half a minute on long texts
+    and 2 cores took 4 steps, half of a 5-minute budget: docs/decisions.md#calibration-within-the-budget)."""
     batches = trainer.epoch_batches(0)
     if not batches:
         return 0.0, 0.0
+    begun = time.perf_counter()
     trainer.step(batches[0])
     seconds: list[float] = []
     points: list[int] = []
     started = time.perf_counter()
-    while len(seconds) < steps or (time.perf_counter() - started < min_seconds
-                                   and len(seconds) < CALIBRATION_MAX_STEPS):
+    while (len(seconds) < steps or (time.perf_counter() - started < min_seconds
+                                    and len(seconds) < CALIBRATION_MAX_STEPS)) \
+            and (not seconds or time.perf_counter() - begun < max_seconds):
         b = batches[(len(seconds) + 1) % len(batches)]
         t0 = time.perf_counter()
         trainer.step(b)
@@ -133,6 +138,7 @@ def time_steps(trainer: Any, steps: int, min_seconds: float = 0.0) -> tuple[floa
 
 
 CALIBRATION_SHARE = 0.02  # of the budget at most, timing the steps
+CALIBRATION_CAP = 0.05  # of the budget: no further step is timed past it (one timed step at least)
 
 
 def calibration_seconds(p: Any) -> float:
@@ -142,7 +148,7 @@ def calibration_seconds(p: Any) -> float:
 
 
 def calibrate(make_trainer: Callable[[Any], Any], encoder: Any, steps: int,
-              min_seconds: float = 0.0) -> tuple[float, float, int]:
+              min_seconds: float = 0.0, max_seconds: float = math.inf) -> tuple[float, float, int]:
     """Time ``steps`` steps, and ``min_seconds`` at least, of ``make_trainer(copy of encoder)`` (the real encoder
     is not touched; :func:`time_steps`).
 
@@ -155,7 +161,7 @@ def calibrate(make_trainer: Callable[[Any], Any], encoder: Any, steps: int,
     trainer = make_trainer(enc)
     try:
         spe = int(getattr(trainer, "steps_per_epoch", 0) or len(trainer.epoch_batches(0)))
-        sec, pts = time_steps(trainer, steps, min_seconds)
+        sec, pts = time_steps(trainer, steps, min_seconds, max_seconds)
     finally:
         close = getattr(trainer, "close", None)
         if close is not None:
@@ -165,14 +171,24 @@ def calibrate(make_trainer: Callable[[Any], Any], encoder: Any, steps: int,
 
 def calibrate_stage(make_trainer: Callable[[Any], Any], encoder: Any, train: Any, tokens: tuple[Any, Any],
                     label_tokens: tuple[Any, Any], device: Any, dtype: Any, batch_size: int,
-                    seed: int) -> tuple[float, float, int, float]:
+                    seed: int, spent: float = 0.0, reserve: float | None = None) -> tuple[float, float, int, float]:
     """What a stage training the encoder plans its epochs from, under ``train`` (``train.*``): :func:`calibrate`'s
     (seconds per step, points per step, steps per epoch) and the seconds to encode every point (``tokens``) and
-    label (``label_tokens``) after training, from :func:`encode_rate` on a sample of the points."""
-    sec, pts, spe = calibrate(make_trainer, encoder, train.calibration_steps, calibration_seconds(train))
+    label (``label_tokens``) after training, from :func:`encode_rate` on a sample of the points. The encoding is
+    estimated first: where it and the stages after it (``reserve``, default ``train.reserve``) leave no room in the
+    budget past the ``spent`` seconds, no step is timed (0, 0, 0: :func:`plan_epochs` plans no epoch)."""
+    started = time.perf_counter()
     rate = encode_rate(lambda r: encode_tokens(encoder, tokens[0][r], tokens[1][r], device, dtype, batch_size),
                        len(tokens[1]), seed=seed, runs_as_whole=encoded_as(encoder, tokens[1], device, batch_size))
-    return sec, pts, spe, (len(tokens[1]) + len(label_tokens[1])) / rate
+    encode_s = (len(tokens[1]) + len(label_tokens[1])) / rate
+    budget = 60.0 * train.budget_minutes
+    used = spent + time.perf_counter() - started
+    if budget - used - encode_s - reserve_seconds(train.reserve if reserve is None else reserve, budget,
+                                                  encode_s) <= 0:
+        return 0.0, 0.0, 0, encode_s
+    sec, pts, spe = calibrate(make_trainer, encoder, train.calibration_steps, calibration_seconds(train),
+                              CALIBRATION_CAP * budget)
+    return sec, pts, spe, encode_s
 
 
 def reserve_seconds(share: float, budget_seconds: float, encode_seconds: float) -> float:
@@ -242,10 +258,13 @@ def plan_epochs(field: str, budget_minutes: float, configured: float, explicit: 
     plan = BudgetPlan(field, budget, float(configured), float(configured), explicit, seconds_per_step,
                       points_per_step / max(seconds_per_step, 1e-9), steps_per_epoch, encode_seconds, reserved,
                       spent_seconds)
+    available = max(0.0, budget - spent_seconds - encode_seconds - reserved)
+    if not explicit and budget > 0 and available <= 0:  # nothing left: no training rather than an overrun
+        plan.planned_epochs = 0.0
+        return plan
     if explicit or budget <= 0 or seconds_per_step <= 0 or steps_per_epoch <= 0:
         plan.planned_train_seconds = configured * steps_per_epoch * seconds_per_step
         return plan
-    available = max(0.0, budget - spent_seconds - encode_seconds - reserved)
     epochs = available / (seconds_per_step * steps_per_epoch)
     if max_epochs > 0 and epochs > max_epochs:
         epochs, plan.capped = float(max_epochs), True
