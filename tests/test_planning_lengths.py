@@ -85,7 +85,7 @@ def test_encoder_calibration_trains_in_train_mode_on_the_real_lengths(monkeypatc
     a loaded encoder is in eval mode) and texts drawn through the shape's percentiles; the cache key holds them."""
     seen = {}
 
-    def time_steps(trainer, n, min_seconds=0.0):  # what budget.calibrate times: the trainer it built
+    def time_steps(trainer, n, min_seconds=0.0, max_seconds=float("inf")):  # what budget.calibrate times
         seen["training"] = [m.training for m in trainer.encoder.modules()]
         seen["lens"] = trainer.point_tokens[1]
         return 1.0, 256.0
