@@ -22,7 +22,7 @@ from xc_dagster.catalog import Catalog
 from xc_dagster.config import parse_set_options
 from xc_dagster.home import Home
 from xc_dagster.pipeline import StageContext, run_all
-from xc_dagster.storage import ArtifactStore
+from xc_dagster.storage import ArtifactStore, link_or_copy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for bench.rows
 from bench.rows import emit  # noqa: E402
@@ -39,15 +39,8 @@ def copy_home(src: Path, dst: Path, name: str) -> None:
     art = dst / "artifacts"
     art.mkdir(parents=True, exist_ok=True)
     # stage links copied as links: each still names its (hard-linked) version folder; writer locks not shared
-    shutil.copytree(src / "artifacts" / name, art / name, symlinks=True, copy_function=_link_or_copy,
+    shutil.copytree(src / "artifacts" / name, art / name, symlinks=True, copy_function=link_or_copy,
                     ignore=shutil.ignore_patterns(".*.lock"))
-
-
-def _link_or_copy(a: str, b: str) -> None:
-    try:
-        os.link(a, b)
-    except OSError:
-        shutil.copy2(a, b)
 
 
 def main() -> None:

@@ -339,6 +339,22 @@ class ArtifactStore:
         return d
 
 
+def link_or_copy(src: str | Path, dst: str | Path) -> None:
+    """``dst`` as a hard link of the file ``src``: no second copy of a multi-GB index (a copy across file systems)."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def link(src: Path, dst: Path) -> None:
+    """``dst`` as a hard link of the file ``src`` (a copy across file systems), or a folder of such links."""
+    if src.is_dir():
+        shutil.copytree(src, dst, copy_function=link_or_copy)
+    else:
+        link_or_copy(src, dst)
+
+
 def save_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True, default=_jsonable))
 

@@ -19,7 +19,7 @@ from xc_dagster.data.splits import filter_rows, validation_targets
 from xc_dagster.errors import XCConfigError
 from xc_dagster.pipeline.context import StageContext
 from xc_dagster.pipeline.cross_fit import fit_on
-from xc_dagster.pipeline.kept import KeptWork, link
+from xc_dagster.pipeline.kept import KeptWork
 from xc_dagster.progress import in_one_call
 from xc_dagster.retrieval.ann import LabelIndex
 from xc_dagster.retrieval.cooccurrence import CooccurrenceSettings, LabelCooccurrence
@@ -40,7 +40,7 @@ from xc_dagster.retrieval.shortlist import (
 )
 from xc_dagster.retrieval.sparse_rows import check_power, sparse_topk
 from xc_dagster.retrieval.tfidf import check_char_weight
-from xc_dagster.storage import load_json, save_json
+from xc_dagster.storage import link, load_json, save_json
 from xc_dagster.training.budget import SKIP_SLACK, reserved_after_pretraining, stage_deadline
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import shutil
 import zipfile
 from collections.abc import Callable, Iterator
@@ -26,7 +25,7 @@ import numpy as np
 from xc_dagster.durable import atomic_write, atomic_write_text, fsync_file
 from xc_dagster.faiss_module import faiss
 from xc_dagster.retrieval.hnsw_build import GraphCheckpoint
-from xc_dagster.storage import file_lock, fsync_tree
+from xc_dagster.storage import file_lock, fsync_tree, link
 
 log = logging.getLogger("xc_dagster")
 KEY = "key.txt"
@@ -188,16 +187,3 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def _link_or_copy(src: str, dst: str) -> None:
-    try:
-        os.link(src, dst)  # no second copy of a multi-GB index: the stage's folder and the kept one share it
-    except OSError:
-        shutil.copy2(src, dst)  # another file system
-
-
-def link(src: Path, dst: Path) -> None:
-    """``dst`` as a hard link of the file ``src`` (a copy across file systems), or a folder of such links."""
-    if src.is_dir():
-        shutil.copytree(src, dst, copy_function=_link_or_copy)
-    else:
-        _link_or_copy(str(src), str(dst))

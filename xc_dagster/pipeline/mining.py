@@ -12,7 +12,6 @@ import numpy as np
 from xc_dagster.artifacts import LABEL_EMB, MINING_LABEL_INDEX, SHORTLIST, SHORTLIST_SCORES, SUMMARY, TRAIN_EMB
 from xc_dagster.evaluation.metrics import recall_at
 from xc_dagster.pipeline.context import StageContext
-from xc_dagster.pipeline.kept import link
 from xc_dagster.retrieval.ann import LabelIndex
 from xc_dagster.retrieval.exact_settings import resolve_kind
 from xc_dagster.retrieval.shortlist import (
@@ -27,7 +26,7 @@ from xc_dagster.retrieval.shortlist import (
     retrieve,
     topk_from_scores,
 )
-from xc_dagster.storage import save_json
+from xc_dagster.storage import link, save_json
 
 
 def run(ctx: StageContext) -> dict[str, Any]:

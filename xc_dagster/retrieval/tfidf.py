@@ -126,10 +126,7 @@ def word_postings(model: Any, X: sp.csr_matrix) -> sp.csr_matrix:
     if not isinstance(model, WordsAndChars):
         return sp.csr_matrix(X.T, dtype=np.float32)
     # the word columns sliced before the transpose: the char entries (most of a row's) are never copied or sorted
-    words = sp.csr_matrix(X[:, :len(model.words.vocabulary_)], dtype=np.float32) * np.float32(1.0 + model.weight ** 2)
-    out = words.T.tocsr()
-    out.resize(X.shape[1], X.shape[0])  # the char terms' rows: empty
-    return out
+    return sp.csr_matrix((word_block(model, X) * np.float32(1.0 + model.weight ** 2)).T)
 
 
 def text_settings(model: Any) -> dict[str, Any]:

@@ -63,17 +63,10 @@ from xc_dagster.retrieval.shortlist import ShortlistSources, retrieve, topk_from
 from xc_dagster.retrieval.source_files import load_sources
 from xc_dagster.retrieval.votes import fitted_votes, votes_record, with_fitted_votes
 from xc_dagster.serving.bundle_checks import check_parts, read_array, read_info, read_part
-from xc_dagster.serving.bundle_files import (
-    MANIFEST_FILE,
-    graph_copy,
-    link_or_copy,
-    link_tree,
-    verify_bundle,
-    write_manifest,
-)
+from xc_dagster.serving.bundle_files import MANIFEST_FILE, graph_copy, verify_bundle, write_manifest
 from xc_dagster.serving.limits import RequestLimits, cut_texts, has_content
 from xc_dagster.serving.requests import FEATURES_COLUMN, check_counts, input_features, input_texts, param_k
-from xc_dagster.storage import load_json, save_json
+from xc_dagster.storage import link, load_json, save_json
 
 if TYPE_CHECKING:  # pragma: no cover
     from xc_dagster.pipeline import StageContext
@@ -193,9 +186,9 @@ def _assemble(ctx: "StageContext", out: Path, default_k: int, shortlist_size: in
     out.mkdir()
     read = ctx.read
     pre, idx = read.model_dir(), read.dir("index")  # the deployed encoder: pretrain's, or the end-to-end one
-    link_tree(pre / ENCODER, out / "encoder")
-    link_or_copy(pre / LABEL_EMB, out / "label_emb.npy")
-    link_or_copy(read.path("classifier", W), out / "W.npy")
+    link(pre / ENCODER, out / "encoder")
+    link(pre / LABEL_EMB, out / "label_emb.npy")
+    link(read.path("classifier", W), out / "W.npy")
     idx_summary = read.summary("index")
     sources = idx_summary.get("sources", ["W", "label"])
     graphs = [INDEX_FILES[n] for n in sources if n in INDEX_FILES and (idx / INDEX_FILES[n]).exists()
@@ -203,11 +196,11 @@ def _assemble(ctx: "StageContext", out: Path, default_k: int, shortlist_size: in
     parts = [KNN_LABELS_FILE, CENTROID_FILE, COOCCURRENCE_FILE]
     for name in [INDEX_FILES[n] for n in sources if n in INDEX_FILES] + parts:
         if (idx / name).exists() and name not in graphs:
-            link_or_copy(idx / name, out / name)
+            link(idx / name, out / name)
     if "lexical" in sources:
-        link_tree(idx / LEXICAL_DIR, out / LEXICAL_DIR)
-    link_or_copy(read.path("fusion", FUSION), out / "fusion.json")
-    link_or_copy(read.dataset_dir() / LABEL_TEXTS_FILE, out / "labels.parquet")
+        link(idx / LEXICAL_DIR, out / LEXICAL_DIR)
+    link(read.path("fusion", FUSION), out / "fusion.json")
+    link(read.dataset_dir() / LABEL_TEXTS_FILE, out / "labels.parquet")
     inv = ctx.inv_prop(read.labels().Y_train)
     np.save(out / "inv_prop.npy", np.asarray(inv, dtype=np.float64), allow_pickle=False)
     pre_summary = read.model_summary()

@@ -1,6 +1,6 @@
-"""A serving bundle's files: placed by linking (no second copy of a GB-sized index; an exact index served as an HNSW
-graph is built here), and listed, each with its size and SHA-256, in ``manifest.json``, written last by
-``xc_dagster.serving.bundle.write_bundle``.
+"""A serving bundle's files: an exact index served as an HNSW graph is built here, and every file is listed with its
+size and SHA-256 in ``manifest.json``, written last by ``xc_dagster.serving.bundle.write_bundle`` (which links the
+others in: ``xc_dagster.storage.link``).
 
 ``load_bundle`` and a warm start from a bundle folder (``xc_dagster.serving.warm_start``) check the files against
 the manifest before reading any, so a bundle damaged in a copy, an upload or on disk fails to load naming the
@@ -17,7 +17,6 @@ import json
 import logging
 import os
 import re
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,22 +39,6 @@ _HEX64 = re.compile(r"[0-9a-f]{64}")
 log = logging.getLogger(__name__)
 
 
-def link_or_copy(src: Path, dst: Path) -> None:
-    """Hard-link ``src`` to ``dst`` (no second copy of a GB-sized index), copying across file systems."""
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
-
-
-def link_tree(src: Path, dst: Path) -> None:
-    """Every file under ``src`` linked (or copied) to the same relative path under ``dst``."""
-    for f in sorted(src.rglob("*")):
-        if f.is_file():
-            link_or_copy(f, dst / f.relative_to(src))
-
-
 def graph_copy(src: Path, dst: Path, graph_above: int, ctx: "StageContext") -> bool:
     """Write to ``dst`` an HNSW graph (``index.hnsw_m`` / ``hnsw_ef_construction``) of the exact index ``src`` when it
     holds more than ``graph_above`` vectors (0: never), for single-query latency: exact search reads every vector
@@ -73,8 +56,10 @@ def graph_copy(src: Path, dst: Path, graph_above: int, ctx: "StageContext") -> b
 def write_manifest(folder: Path) -> dict[str, dict[str, Any]]:
     """Write ``folder``'s ``manifest.json``: every file under it (relative POSIX path -> size and SHA-256)."""
     folder = Path(folder)
-    files = {f.relative_to(folder).as_posix(): {"size": f.stat().st_size, "sha256": file_sha256(f)}
-             for f in sorted(folder.rglob("*")) if f.is_file() and f != folder / MANIFEST_FILE}
+    rels = [f.relative_to(folder).as_posix() for f in sorted(folder.rglob("*"))
+            if f.is_file() and f != folder / MANIFEST_FILE]
+    files = {rel: {"size": (folder / rel).stat().st_size, "sha256": digest}
+             for rel, digest in zip(rels, _digests(folder, rels))}
     atomic_write_text(folder / MANIFEST_FILE, json.dumps({"format": MANIFEST_FORMAT, "files": files}, indent=1,
                                                          sort_keys=True) + "\n")
     return files
@@ -130,16 +115,20 @@ def verify_bundle(folder: Path, required: bool, mode: str | None = None) -> int:
         if not f.is_file():
             raise XCError(f"serving bundle file {f}: missing, though {MANIFEST_FILE} lists it; copy the whole "
                           "bundle again")
-        if f.stat().st_size != want["size"]:
-            _differs(f, {"size": f.stat().st_size}, want)
-    if mode == "sha256":  # the files hashed side by side (hashlib releases the GIL), reported in path order
+        if (size := f.stat().st_size) != want["size"]:
+            _differs(f, {"size": size}, want)
+    if mode == "sha256":  # reported in path order
         rels = sorted(files)
-        with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
-            digests = list(pool.map(lambda rel: file_sha256(folder / rel), rels))
-        for rel, digest in zip(rels, digests):
+        for rel, digest in zip(rels, _digests(folder, rels)):
             if digest != files[rel]["sha256"]:
                 _differs(folder / rel, {"size": files[rel]["size"], "sha256": digest}, files[rel])
     return len(files)
+
+
+def _digests(folder: Path, rels: list[str]) -> list[str]:
+    """The SHA-256 of each file ``rels`` under ``folder``, hashed side by side (hashlib releases the GIL)."""
+    with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
+        return list(pool.map(lambda rel: file_sha256(folder / rel), rels))
 
 
 def _differs(f: Path, got: dict[str, Any], want: dict[str, Any]) -> None:

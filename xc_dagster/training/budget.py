@@ -182,9 +182,8 @@ def calibrate_stage(make_trainer: Callable[[Any], Any], encoder: Any, train: Any
                        len(tokens[1]), seed=seed, runs_as_whole=encoded_as(encoder, tokens[1], device, batch_size))
     encode_s = (len(tokens[1]) + len(label_tokens[1])) / rate
     budget = 60.0 * train.budget_minutes
-    used = spent + time.perf_counter() - started
-    if budget - used - encode_s - reserve_seconds(train.reserve if reserve is None else reserve, budget,
-                                                  encode_s) <= 0:
+    share = train.reserve if reserve is None else reserve
+    if training_room(budget, spent + time.perf_counter() - started, encode_s, share) <= 0:
         return 0.0, 0.0, 0, encode_s
     sec, pts, spe = calibrate(make_trainer, encoder, train.calibration_steps, calibration_seconds(train),
                               CALIBRATION_CAP * budget)
@@ -197,6 +196,12 @@ def reserve_seconds(share: float, budget_seconds: float, encode_seconds: float) 
     encoding of every point and label, full text 1.35x (AMD EPYC), Titles 1.9x, where a 15% share of 30 minutes
     covers them (docs/decisions.md#reserve-at-least-the-encoding)."""
     return max(share * budget_seconds, encode_seconds)
+
+
+def training_room(budget_seconds: float, spent_seconds: float, encode_seconds: float, reserve: float) -> float:
+    """The seconds of the budget left to train the encoder in (negative: none): less what is spent, the encoding
+    after training and what the later stages keep (:func:`reserve_seconds`)."""
+    return budget_seconds - spent_seconds - encode_seconds - reserve_seconds(reserve, budget_seconds, encode_seconds)
 
 
 def reserved_after_pretraining(pretrain_summary: dict[str, Any] | None, train: Any) -> float:
@@ -258,7 +263,7 @@ def plan_epochs(field: str, budget_minutes: float, configured: float, explicit: 
     plan = BudgetPlan(field, budget, float(configured), float(configured), explicit, seconds_per_step,
                       points_per_step / max(seconds_per_step, 1e-9), steps_per_epoch, encode_seconds, reserved,
                       spent_seconds)
-    available = max(0.0, budget - spent_seconds - encode_seconds - reserved)
+    available = max(0.0, training_room(budget, spent_seconds, encode_seconds, reserve))
     if not explicit and budget > 0 and available <= 0:  # nothing left: no training rather than an overrun
         plan.planned_epochs = 0.0
         return plan

@@ -132,15 +132,18 @@ class Checkpointer:
         """Whether another run holds the folder's lock now (it saves there), checked without keeping the lock."""
         if self._owns:
             return False
-        with file_lock(self.folder.with_name(f"{self.folder.name}.lock"), blocking=False) as got:
+        with file_lock(self._lock_path(), blocking=False) as got:
             return not got
+
+    def _lock_path(self) -> Path:
+        """The folder's lock: held by the run that saves there (``_own``)."""
+        return self.folder.with_name(f"{self.folder.name}.lock")
 
     def _own(self) -> bool:
         """Take the folder's lock on first use (non-blocking); False while another run of the stage holds it."""
         if self._owns is None:
             self.folder.parent.mkdir(parents=True, exist_ok=True)
-            lock = self.folder.with_name(f"{self.folder.name}.lock")
-            self._owns = self._lock.enter_context(file_lock(lock, blocking=False))
+            self._owns = self._lock.enter_context(file_lock(self._lock_path(), blocking=False))
             if not self._owns:
                 log.warning("%s: another run of this stage is checkpointing there; this run keeps no checkpoints",
                             self.folder)
