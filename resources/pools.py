@@ -25,6 +25,12 @@ processes' events are awaited with a timeout, but with none in flight nothing wa
 spins a whole core for as long as the other run trains (on a 2-core machine the other run's calibration then
 read 18.4 s a step instead of ~3 and planned no pretraining: docs/decisions.md#blocked-run-pause).
 ``pause_blocked_runs`` makes that loop pause ``BLOCKED_PAUSE`` between passes.
+
+Two steps that ask at once can both be assigned the one slot (each sees it unassigned before the other queues), and
+Dagster's claim then reads a free slot row and writes its step into it as two statements, the read's row lock
+(``FOR UPDATE SKIP LOCKED``) held by no transaction and meaningless on SQLite: both read the free row, both write
+it, both steps run (two training steps of two partitions overlapped under the limit of 1).
+``repair_lost_assignments`` also makes that write a compare-and-set (docs/decisions.md#pool-slot-compare-and-set).
 """
 
 from __future__ import annotations
@@ -34,9 +40,12 @@ import time
 
 import dagster as dg
 import psutil
+import sqlalchemy as sa
 from dagster._core.execution.plan.active import ActiveExecution
+from dagster._core.storage.event_log.schema import ConcurrencySlotsTable
 from dagster._core.storage.event_log.sql_event_log import SqlEventLogStorage
 from dagster._core.storage.sqlite_storage import SqliteRunStorage
+from dagster._utils.concurrency import ConcurrencySlotStatus
 from sqlalchemy.exc import SQLAlchemyError
 
 from xc_dagster.home import TRAINING_POOL
@@ -141,11 +150,29 @@ def _claim_repairing(claim):
     return claim_concurrency_slot
 
 
+def _take_free_slot(self, concurrency_key: str, run_id: str, step_key: str) -> ConcurrencySlotStatus:
+    """``SqlEventLogStorage._claim_concurrency_slot`` as a compare-and-set: a free slot row is written only while it
+    is still free, so of two steps that read the same free row one claims it and the other is blocked (it asks
+    again, as any blocked step, until a slot is freed)."""
+    slots = ConcurrencySlotsTable.c
+    free = sa.and_(slots.concurrency_key == concurrency_key, slots.step_key.is_(None), slots.deleted == sa.false())
+    with self.index_connection() as conn:
+        while (row := conn.execute(sa.select(slots.id).where(free).limit(1)).first()) is not None:
+            taken = conn.execute(ConcurrencySlotsTable.update().values(run_id=run_id, step_key=step_key)
+                                 .where(sa.and_(slots.id == row[0], slots.step_key.is_(None)))).rowcount
+            if taken:
+                return ConcurrencySlotStatus.CLAIMED
+    return ConcurrencySlotStatus.BLOCKED
+
+
 def repair_lost_assignments() -> None:
-    """Install ``_claim_repairing`` on Dagster's SQL event log storages (SQLite, PostgreSQL) of this process: the
-    run worker, which loads these definitions and claims its steps' slots. Once per process."""
+    """Install ``_claim_repairing`` and ``_take_free_slot`` on Dagster's SQL event log storages (SQLite, PostgreSQL)
+    of this process: the run worker, which loads these definitions and claims its steps' slots. Once per process."""
     if not hasattr(SqlEventLogStorage.claim_concurrency_slot, "repairs"):
         SqlEventLogStorage.claim_concurrency_slot = _claim_repairing(SqlEventLogStorage.claim_concurrency_slot)
+    if SqlEventLogStorage._claim_concurrency_slot is not _take_free_slot:
+        _take_free_slot.replaces = SqlEventLogStorage._claim_concurrency_slot
+        SqlEventLogStorage._claim_concurrency_slot = _take_free_slot
 
 
 def _steps_pausing(get_steps):

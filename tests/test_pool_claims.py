@@ -9,17 +9,22 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import dagster as dg
 import psutil
 import pytest
+from dagster._core.storage.event_log.schema import ConcurrencySlotsTable
 from dagster._core.storage.event_log.sql_event_log import SqlEventLogStorage
 
-from resources.pools import repair_lost_assignments
+from resources.pools import _take_free_slot, repair_lost_assignments
 from tests.tinydata import ready_home
 from xc_dagster.home import TRAINING_POOL
+
+# Dagster's own slot claim, whether or not the definitions replaced it in this process already
+_DAGSTERS_CLAIM = getattr(_take_free_slot, "replaces", SqlEventLogStorage._claim_concurrency_slot)
 
 
 @pytest.fixture
@@ -80,6 +85,60 @@ def test_a_step_queued_as_the_slot_is_freed_gets_it(instance, monkeypatch):
     storage.free_concurrency_slot_for_step("run-a", "fusion")
     assert storage.claim_concurrency_slot(TRAINING_POOL, "run-c", "classifiers").is_claimed
     assert not storage.claim_concurrency_slot(TRAINING_POOL, "run-d", "classifiers").is_claimed
+
+
+def _both_claim_the_freed_row(home: Path) -> list[bool]:
+    """Two steps both assigned the pool's one slot (each saw it unassigned before the other queued) claim it at
+    once, each through its own instance as two run workers would (an instance serialises its own SQLite
+    connections): each reads the free slot row before either writes it (a barrier before the writes)."""
+    a, b = (dg.DagsterInstance.from_config(str(home)) for _ in range(2))
+    storages = {"run-a": a.event_log_storage, "run-b": b.event_log_storage}
+    for run_id, storage in storages.items():
+        storage.add_pending_step(TRAINING_POOL, run_id, "siamese_encoder", should_assign=True)
+    barrier, real = threading.Barrier(2, timeout=10), ConcurrencySlotsTable.update
+
+    def update_after_both_read():
+        try:
+            barrier.wait()
+        except threading.BrokenBarrierError:  # the other read no free row (a store that locks the read row)
+            pass
+        return real()
+
+    out: dict[str, bool] = {}
+
+    def claim(run_id: str) -> None:
+        out[run_id] = storages[run_id].claim_concurrency_slot(TRAINING_POOL, run_id, "siamese_encoder").is_claimed
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ConcurrencySlotsTable, "update", update_after_both_read)
+        threads = [threading.Thread(target=claim, args=(r,)) for r in ("run-a", "run-b")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    a.dispose()
+    b.dispose()
+    return [out["run-a"], out["run-b"]]
+
+
+def test_two_steps_assigned_the_one_slot_at_once_do_not_both_take_it(instance, monkeypatch):
+    """Dagster's claim reads a free slot row, then writes its step into it: both steps read it, both write it, both
+    run under a limit of 1. As a compare-and-set (``repair_lost_assignments``) one takes it and the other waits
+    for it, and gets it once it is freed."""
+    storage, home = instance.event_log_storage, Path(instance.root_directory)
+    monkeypatch.setattr(SqlEventLogStorage, "_claim_concurrency_slot", _DAGSTERS_CLAIM)
+    assert _both_claim_the_freed_row(home) == [True, True]  # Dagster's own: the limit of 1 broken
+    for run_id in ("run-a", "run-b"):
+        storage.free_concurrency_slots_for_run(run_id)
+    repair_lost_assignments()
+    claimed = _both_claim_the_freed_row(home)
+    assert sorted(claimed) == [False, True]
+    holder, waiter = ("run-a", "run-b") if claimed[0] else ("run-b", "run-a")
+    info = storage.get_concurrency_info(TRAINING_POOL)
+    assert [(s.run_id, s.step_key) for s in info.claimed_slots] == [(holder, "siamese_encoder")]
+    assert not storage.claim_concurrency_slot(TRAINING_POOL, waiter, "siamese_encoder").is_claimed  # it waits
+    storage.free_concurrency_slot_for_step(holder, "siamese_encoder")
+    assert storage.claim_concurrency_slot(TRAINING_POOL, waiter, "siamese_encoder").is_claimed
 
 
 WAITING_RUN = '''

@@ -293,3 +293,31 @@ def test_the_training_pool_row_is_made_at_load_and_follows_the_default(pg_server
     with dg.DagsterInstance.from_config(str(home.dagster_home)) as instance:
         instance.event_log_storage.set_concurrency_slots("xc_training", 5)  # `dagster instance concurrency set`
     assert not ensure() and limits() == [("xc_training", 5, False)]
+
+
+def test_two_steps_assigned_the_one_slot_at_once_do_not_both_take_it_on_postgres(pg_server, tmp_path, monkeypatch):
+    """As tests/test_pool_claims.py on SQLite: Dagster's claim reads the free slot row FOR UPDATE outside a
+    transaction, so both steps write it; as a compare-and-set one takes it."""
+    import dagster as dg
+    from dagster._core.storage.event_log.sql_event_log import SqlEventLogStorage
+
+    from resources.pools import repair_lost_assignments
+    from tests.test_pool_claims import _DAGSTERS_CLAIM, _both_claim_the_freed_row
+
+    _admin(pg_server, "CREATE DATABASE dagster_slots OWNER dagster")
+    monkeypatch.setenv(PG_URL, pg_server[PG_URL].rsplit("/", 1)[0] + "/dagster_slots")
+    monkeypatch.setenv("XC_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("XC_TRAINING_CONCURRENCY", raising=False)
+    ready_home(tmp_path / "home")
+    home = Home.from_env().ensure(instance=True)
+    with dg.DagsterInstance.from_config(str(home.dagster_home)) as instance:
+        storage = instance.event_log_storage
+        storage.initialize_concurrency_limit_to_default("xc_training")
+        monkeypatch.setattr(SqlEventLogStorage, "_claim_concurrency_slot", _DAGSTERS_CLAIM)
+        assert _both_claim_the_freed_row(home.dagster_home) == [True, True]  # Dagster's own
+        for run_id in ("run-a", "run-b"):
+            storage.free_concurrency_slots_for_run(run_id)
+        repair_lost_assignments()
+        assert sorted(_both_claim_the_freed_row(home.dagster_home)) == [False, True]
+        assert len(storage.get_concurrency_info("xc_training").claimed_slots) == 1
