@@ -113,20 +113,37 @@ def test_allowed_values_pass_and_resolve_to_plain_strings():
     ("pretrain.batch_size=-inf", "config field 'pretrain.batch_size': expected int, got '-inf'"),
     ("pretrain.lr=nan", "config field 'pretrain.lr': expected a finite number, got 'nan'"),
     ("fusion.knn_grid=0,inf", "config field 'fusion.knn_grid': expected a finite number, got 'inf'"),
-    ("tokenize.max_len=1", "config field 'tokenize.max_len': expected a value >= 2"),
-    ("tokenize.label_max_len=-1", "config field 'tokenize.label_max_len': expected 0 or a value >= 2"),
+    ("tokenize.max_len=1", "config field 'tokenize.max_len': expected 2 <= value <= 32768"),
+    ("tokenize.label_max_len=-1", "config field 'tokenize.label_max_len': expected 0 or 2 <= value <= 32768"),
     ("ingest.valid_fraction=-0.5", "config field 'ingest.valid_fraction': expected 0 <= value <= 1"),
     ("ingest.valid_fraction=nan", "config field 'ingest.valid_fraction': expected a finite number, got 'nan'"),
     ("ingest.valid_max=-5", "config field 'ingest.valid_max': expected a value >= 0"),
     ("ingest.seed=-1", "config field 'ingest.seed': expected a value >= 0, a seed; got -1"),
     ("evaluate.ks=0,5", "config field 'evaluate.ks': expected items each a value >= 1"),
-    ("evaluate.top_k=0", "config field 'evaluate.top_k': expected a value >= 1"),
+    ("evaluate.top_k=0", "config field 'evaluate.top_k': expected 1 <= value <= 10000"),
     ("evaluate.propensity_b=-1", "config field 'evaluate.propensity_b': expected a value >= 0"),
     ("index.lexical_char_weight=-0.5", "config field 'index.lexical_char_weight': expected a value >= 0"),
     ("index.sources=", "config field 'index.sources': expected one or more values, got none"),
     ("mining.sources= ,", "config field 'mining.sources': expected one or more values, got none"),
     ("evaluate.ks=", "config field 'evaluate.ks': expected one or more values, got none"),
     ("index.lexical_classifier_weights=", "config field 'index.lexical_classifier_weights': expected one or more"),
+    # each of these hung, grew memory without bound or failed in a stage with a raw error before it had a range
+    ("pretrain.encode_batch_size=0", "config field 'pretrain.encode_batch_size': expected a value >= 1"),
+    ("train.reserve=5", "config field 'train.reserve': expected 0 <= value < 1"),
+    ("train.reserve=1", "config field 'train.reserve': expected 0 <= value < 1"),
+    ("tokenize.max_len=99999999999", "config field 'tokenize.max_len': expected 2 <= value <= 32768"),
+    ("pretrain.lr=1e-400", "config field 'pretrain.lr': expected a value > 0, a positive number; got 0.0"),
+    ("pretrain.temperature=0", "config field 'pretrain.temperature': expected a value > 0"),
+    ("pretrain.chunk_size=0", "config field 'pretrain.chunk_size': expected a value >= 1"),
+    ("pretrain.curriculum=1,-1", "config field 'pretrain.curriculum': expected items each a value >= 0"),
+    ("classifier.epochs=-2", "config field 'classifier.epochs': expected a value >= 0"),
+    ("classifier.dropout=1", "config field 'classifier.dropout': expected 0 <= value < 1"),
+    ("mining.hnsw_m=1", "config field 'mining.hnsw_m': expected a value >= 2"),
+    ("index.knn_power=-3", "config field 'index.knn_power': expected a value > 0"),
+    ("fusion.grid_step=0", "config field 'fusion.grid_step': expected 0 < value <= 1"),
+    ("fusion.cross_fit_folds=1", "config field 'fusion.cross_fit_folds': expected a value >= 2"),
+    ("train.budget_minutes=-1", "config field 'train.budget_minutes': expected a value >= 0"),
+    ("evaluate.top_k=100000000000000", "config field 'evaluate.top_k': expected 1 <= value <= 10000"),
 ])
 def test_set_refuses_a_number_outside_its_range(item, message):
     """Infinite, nan and out-of-range numbers fail at --set naming the field, not in a stage with a numpy error."""
@@ -135,11 +152,26 @@ def test_set_refuses_a_number_outside_its_range(item, message):
     assert str(err.value).startswith(f"--set: {message}")
 
 
+@pytest.mark.parametrize("preset", ["quick", "paper"])
+def test_every_strategys_defaults_lie_within_the_ranges(preset):
+    """The ranges refuse no value the presets and strategies set themselves."""
+    from xc_dagster.config.bounds import check_bounds
+
+    for name in STRATEGIES:
+        cfg = resolve_config(preset, name, ("--set", {}))
+        for key in BOUNDS:
+            stage, field = key.split(".")
+            check_bounds(key, getattr(getattr(cfg, stage), field))
+
+
 def test_the_edges_of_the_ranges_pass():
     sets = parse_set_options(["ingest.valid_fraction=1", "ingest.valid_max=0", "tokenize.max_len=2",
                               "tokenize.label_max_len=0", "evaluate.top_k=10", "evaluate.propensity_a=0"])
     cfg = resolve_config("quick", "ngame", ("--set", sets))
     assert (cfg.ingest.valid_fraction, cfg.tokenize.max_len, cfg.evaluate.top_k) == (1.0, 2, 10)
+    edges = parse_set_options(["train.reserve=0", "pretrain.epochs=0", "classifier.dropout=0", "index.knn_neighbours=0",
+                               "fusion.grid_step=1", "tokenize.max_len=32768", "pretrain.contrastive_c=1"])
+    assert resolve_config("quick", "ngame", ("--set", edges)).index.knn_neighbours == 0
     wide = resolve_config("quick", "ngame", ("--set", {"evaluate.ks": "1,20", "evaluate.top_k": 20}))
     assert wide.evaluate.top_k == 20
     assert [k for k in {*BOUNDS, *NON_EMPTY} if k.partition(".")[2] not in _hints(k.partition(".")[0])] == []

@@ -17,6 +17,8 @@ CHUNKS_PER_THREAD = 4  # a CPU encoding of fewer chunks than this per thread run
 def length_sorted_chunks(lengths: np.ndarray, chunk_size: int, max_tokens: int | None = None) -> list[np.ndarray]:
     """Row indices grouped into chunks of similar length (longest first), so each chunk pads little; with
     ``max_tokens``, a chunk also holds at most that many padded tokens (rows x its longest row, at least one row)."""
+    if chunk_size < 1:  # a chunk of no rows never moves on
+        raise ValueError(f"chunks of at least one row, got chunk_size={chunk_size}")
     order = np.argsort(-lengths, kind="stable")
     if max_tokens is None:
         return [order[i:i + chunk_size] for i in range(0, len(order), chunk_size)]
