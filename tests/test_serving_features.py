@@ -126,16 +126,26 @@ def test_a_duplicated_input_column_is_refused():
                         None, pd.DataFrame([["0:1", "1:1"]], columns=["features", "features"]))
 
 
-@pytest.mark.parametrize("k, want", [(3, 3), (5.0, 5), ("7", 7), (np.int64(2), 2), (10**400, 10**400)])
+@pytest.mark.parametrize("k, want", [(3, 3), (5.0, 5), ("7", 7), ("5.0", 5), (np.int64(2), 2), (10**400, 10**400)])
 def test_param_k_reads_integers(k, want):
     assert param_k({"k": k}, 10) == want and param_k(None, 4) == 4
 
 
 @pytest.mark.parametrize("k", [math.inf, -math.inf, math.nan, 1.9, 0.5, 0, -3, True, False, "abc", "1.5", None,
-                               [1], "9" * 5000])
+                               [1], "9" * 5000, "5_0", " 5", "+5", "0.0"])
 def test_param_k_refuses_what_is_not_an_integer_from_one(k):
     with pytest.raises(XCRequestError, match="param k: expected an integer >= 1, got"):
         param_k({"k": k}, 10)
+
+
+@pytest.mark.parametrize("params", [[("k", 5)], "k=5", 5])
+def test_params_that_are_no_mapping_are_refused(params):
+    with pytest.raises(XCRequestError, match="params: expected a mapping such as"):
+        param_k(params, 10)
+
+
+def test_one_text_as_an_array_of_no_dimension_reads_as_one_text():
+    assert input_texts(np.array("café")) == ["café"]
 
 
 def test_a_count_model_refuses_values_that_are_not_counts(count_bundle):

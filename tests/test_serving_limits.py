@@ -214,6 +214,13 @@ def test_bytes_are_decoded_as_utf8(bundle):
     assert ei.value.get_http_status_code() == 400
     with pytest.raises(mlflow.exceptions.MlflowException, match="row 0: expected a text"):
         model.predict(None, pd.DataFrame({"text": [{"a": 1}]}))
+    # a JSON escape of half a surrogate pair ("caf\ud83d") reaches the model as a str no tokenizer reads (it raised a
+    # TypeError in the tokenizer: a server error); a whole pair is text like any other
+    with pytest.raises(mlflow.exceptions.MlflowException, match=r"row 1: a lone surrogate '\\ud83d' at character 4") \
+            as ei:
+        model.predict(None, {"text": np.array(["ok", "caf\ud83d"])})
+    assert ei.value.get_http_status_code() == 400
+    assert list(model.predict(None, {"text": ["caf\U0001f600 river"]})["label_ids"])[0] is not None
 
 
 def test_request_caps(bundle, monkeypatch):

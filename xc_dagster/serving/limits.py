@@ -93,8 +93,16 @@ def has_content(text: str) -> bool:
 
 def as_text(value: Any, row: int) -> str:
     """One input value as text: str as is, bytes decoded as UTF-8, None / NaN as "", numbers as written;
-    anything else (or bytes that are not UTF-8) raises :class:`XCRequestError` naming the 0-based ``row``."""
+    anything else (bytes that are not UTF-8, a str holding a lone surrogate: a JSON escape of half a pair, which no
+    tokenizer reads) raises :class:`XCRequestError` naming the 0-based ``row``."""
     if isinstance(value, str):
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise XCRequestError(f"model input row {row}: a lone surrogate {value[e.start]!r} at character "
+                                     f"{e.start + 1}; send text that is UTF-8 encodable (whole surrogate pairs)") \
+                    from None
         return value
     if value is None or value is pd.NA or (isinstance(value, float) and math.isnan(value)):
         return ""

@@ -13,6 +13,7 @@ the training files' zeros), as ``xc_dagster.retrieval.tfidf.are_counts`` read th
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from typing import Any, Sequence
 
@@ -41,6 +42,8 @@ def input_values(model_input: Any, column: str) -> Sequence[Any]:
         raise XCError(f"model input: expected a column {column!r}, got columns {list(model_input.columns)}")
     if isinstance(model_input, Mapping) and column in model_input:
         model_input = model_input[column]
+    if isinstance(model_input, np.ndarray) and model_input.ndim == 0:  # one value, as an array of no dimension
+        model_input = model_input.item()
     if isinstance(model_input, (str, bytes, bytearray)) or (column == FEATURES_COLUMN
                                                             and isinstance(model_input, Mapping)):
         return [model_input]
@@ -157,10 +160,14 @@ def feature_lines(X: sp.spmatrix) -> list[str]:
 
 def param_k(params: Mapping[str, Any] | None, default: int) -> int:
     """The request's ``k``: an integer >= 1 (an integral float such as 5.0, or its text, reads as one)."""
+    if params is not None and not isinstance(params, Mapping):
+        raise XCRequestError(f"params: expected a mapping such as {{\"k\": 10}}, got {type(params).__name__}")
     raw = (params or {}).get("k", default)
     k = None
     if isinstance(raw, (float, np.floating)):
         k = int(raw) if math.isfinite(raw) and float(raw).is_integer() else None
+    elif isinstance(raw, str):  # digits, or an integral float's text: not int()'s "5_0" or " +5 "
+        k = int(raw.partition(".")[0]) if re.fullmatch(r"\d{1,18}(\.0*)?", raw) else None
     elif not isinstance(raw, (bool, np.bool_)):
         try:
             k = int(raw)
