@@ -468,3 +468,22 @@ def test_load_dataset_labels_only(tmp_path):
     assert slim.train_texts == [] and slim.X_train is None
     assert same(slim.Y_train, ds.Y_train) and same(slim.Y_test, ds.Y_test)
     assert np.array_equal(slim.filter_test, ds.filter_test) and slim.num_train == ds.num_train
+
+
+@pytest.mark.parametrize("name", ["filter_labels_test.txt", "Y.txt", "X_vocab.txt"])
+def test_an_optional_file_that_is_a_folder_is_named_not_read_as_absent(tmp_path, name):
+    """A folder by an optional file's name read as "no such file": a filter folder left evaluation unfiltered (every
+    metric changed, no word), a Y.txt folder gave generic label names."""
+    from tests.tinydata import write_lf_dataset
+
+    lf = write_lf_dataset(tmp_path / "lf") if name.startswith("filter") else None
+    if lf is None:  # the bow layout's optional companions: Bibtex's files with the folder beside them
+        lf = tmp_path / "bow"
+        lf.mkdir()
+        for f in ("bibtex_train.txt", "bibtex_test.txt", "X_vocab.txt", "Y.txt"):
+            if f != name:
+                (lf / f).write_bytes((BIBTEX / f).read_bytes())
+    if (Path(lf) / name).exists():
+        (Path(lf) / name).unlink()
+    (Path(lf) / name).mkdir()
+    assert_error(Path(lf), name, None, "expected a file, or nothing by that name", "got 'a folder'")

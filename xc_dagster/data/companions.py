@@ -20,7 +20,7 @@ import scipy.sparse as sp
 
 from xc_dagster.data.canonical import empty_pairs
 from xc_dagster.data.limits import check_used_columns
-from xc_dagster.data.textio import iter_lines, read_text_lines
+from xc_dagster.data.textio import iter_lines, optional_file, read_text_lines
 from xc_dagster.errors import XCFormatError
 
 
@@ -40,7 +40,7 @@ def read_filters(folder: Path, n_train: int, n_test: int, n_labels: int) -> tupl
 
 def _read_filter(path: Path, n_rows: int, n_labels: int) -> np.ndarray:
     """``row label`` pairs (0-based) of a filter file; an absent file gives an empty (0, 2) array."""
-    if not path.is_file():
+    if not optional_file(path):
         return empty_pairs()
     flat = array("q")
     for lineno, s in iter_lines(path):
@@ -121,7 +121,7 @@ def read_feature_words(folder: Path, num_features: int,
     there is none."""
     for name in vocab_names:
         path = folder / name
-        if path.is_file():
+        if optional_file(path):
             return read_text_lines(path, num_features, "feature word")
     return None
 
@@ -132,7 +132,7 @@ def bow_texts(folder: Path, X_train: sp.csr_matrix, X_test: sp.csr_matrix, L: in
     """Label names from ``Y.txt`` (else generic), point texts rebuilt from the first vocabulary file found, and
     that vocabulary (one word per feature column; None, and empty texts, when there is none)."""
     y_txt = folder / "Y.txt"
-    label_texts = read_text_lines(y_txt, L, "label name") if y_txt.is_file() else generic_labels(L)
+    label_texts = read_text_lines(y_txt, L, "label name") if optional_file(y_txt) else generic_labels(L)
     words = read_feature_words(folder, X_train.shape[1], vocab_names)
     if words is None:
         return label_texts, ([""] * X_train.shape[0], [""] * X_test.shape[0]), None

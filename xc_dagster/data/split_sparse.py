@@ -18,7 +18,7 @@ from xc_dagster.data.companions import generic_labels, read_filters, require_fil
 from xc_dagster.data.limits import check_used_columns
 from xc_dagster.data.reader import ReadOptions
 from xc_dagster.data.streaming import read_sparse_file
-from xc_dagster.data.textio import DEFAULT_CHUNK_LINES, read_text_lines
+from xc_dagster.data.textio import DEFAULT_CHUNK_LINES, optional_file, read_text_lines
 from xc_dagster.errors import XCFormatError
 
 REQUIRED = ("trn_X_Y.txt", "tst_X_Y.txt")
@@ -55,7 +55,7 @@ def read_split_sparse(folder: Path, chunk_lines: int = DEFAULT_CHUNK_LINES,
 
     def opt_matrix(name: str, n: int, what: str) -> sp.csr_matrix | None:
         p = folder / name
-        if not p.is_file():
+        if not optional_file(p):
             return None
         m = read_sparse_file(p, chunk_lines)
         _check_rows(p, m, n, what)
@@ -63,17 +63,17 @@ def read_split_sparse(folder: Path, chunk_lines: int = DEFAULT_CHUNK_LINES,
 
     X_train = opt_matrix("trn_X_Xf.txt", n_tr, "one per training point")
     X_test = opt_matrix("tst_X_Xf.txt", n_te, "one per test point")
-    lbl_name = "lbl_X_Xf.txt" if (folder / "lbl_X_Xf.txt").is_file() else "Yf.txt"
+    lbl_name = "lbl_X_Xf.txt" if optional_file(folder / "lbl_X_Xf.txt") else "Yf.txt"
     X_label = opt_matrix(lbl_name, L, "one per label")
     features = {name: m for name, m in
                 (("trn_X_Xf.txt", X_train), ("tst_X_Xf.txt", X_test), (lbl_name, X_label)) if m is not None}
     _check_feature_columns(folder, features)
-    if X_label is None and not (folder / "Y.txt").is_file():  # L comes from the header alone
+    if X_label is None and not optional_file(folder / "Y.txt"):  # L comes from the header alone
         check_used_columns(trn_y, "cols", L, [Y_train.indices, Y_test.indices])
 
     def texts(name: str, n: int, what: str, default: Callable[[], list[str]]) -> list[str]:
         p = folder / name
-        return read_text_lines(p, n, what) if p.is_file() else default()
+        return read_text_lines(p, n, what) if optional_file(p) else default()
 
     f_train, f_test = read_filters(folder, n_tr, n_te, L)
     return XCDataset(

@@ -25,6 +25,18 @@ class FastPathFailed(Exception):
     """A chunk (a whole file for LF JSON lines) the vectorised parser does not take; it is re-parsed line by line."""
 
 
+def optional_file(path: Path) -> bool:
+    """Whether the optional companion ``path`` is there (absent: False); a folder or other non-file by its name is
+    an error, not an absent file (a folder named ``filter_labels_test.txt`` read as "no filter" and changed every
+    metric without a word)."""
+    if path.is_file():
+        return True
+    if path.exists():
+        raise XCFormatError(path, None, "a file, or nothing by that name (an optional file of the layout)",
+                            got="a folder" if path.is_dir() else "not a regular file")
+    return False
+
+
 def open_binary(path: Path, gz: bool = False) -> IO[bytes]:
     """Open a (possibly gzipped) file for binary line reading."""
     return gzip.open(path, "rb") if gz else open(path, "rb")  # type: ignore[return-value]
