@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from xc_dagster.encoders import tokenizer as tokenizer_module
-from xc_dagster.encoders.tokenizer import load_tokenizer, tokenize_to_npy
+from xc_dagster.encoders.tokenizer import check_positions, load_tokenizer, tokenize_to_npy
+from xc_dagster.errors import XCConfigError
 
 TEXTS = ["red running shoe", "", "Éclair au café — naïve façade", "  spaces   between  ",
          " ".join(["extreme classification of millions of labels"] * 12), "a", "tab\tand\nnewline", "数据集 标签"]
@@ -54,3 +55,13 @@ def test_the_backend_is_a_copy(tmp_path):
     assert tok(TEXTS[4])["input_ids"] == before and len(before) > 6
     assert tok.backend_tokenizer.truncation is None and tok.backend_tokenizer.padding is None
     assert tokenizer_module._backend(_Slow(tok), 6) is None
+
+
+def test_a_length_past_the_encoders_positions_fails_before_any_tokenizing():
+    """MiniLM has 512 positions: a tokenize.max_len past them failed at the first pretraining step with an index
+    error; the tokenize stage names the field and the most. A bag encoder reads any length."""
+    tok = load_tokenizer("minilm")
+    with pytest.raises(XCConfigError, match="^tokenize.label_max_len: 513 tokens, past the 512 positions of the "
+                                            "encoder 'minilm' .*; set at most 512$"):
+        check_positions("minilm", tok, {"tokenize.max_len": 512, "tokenize.label_max_len": 513})
+    check_positions("bag:64", tok, {"tokenize.max_len": 5000})

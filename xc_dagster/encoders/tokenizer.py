@@ -17,7 +17,8 @@ from numpy.lib.format import open_memmap
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer
 
-from xc_dagster.encoders.names import resolve_encoder_path
+from xc_dagster.encoders.bag import is_bag_folder
+from xc_dagster.encoders.names import parse_bag_name, resolve_encoder_path
 from xc_dagster.errors import XCConfigError
 
 
@@ -30,6 +31,19 @@ def load_tokenizer(name: str):
         raise XCConfigError(f"tokenize.encoder={name!r}: cannot load a tokenizer from {path!r} ({exc})") from exc
 
 
+
+
+def check_positions(name: str, tokenizer, lengths: dict[str, int]) -> None:
+    """Refuse token lengths (field -> tokens) past the transformer ``name``'s positions, its tokenizer's
+    ``model_max_length`` (MiniLM: 512): its position table has no row for them, and the first step would fail with
+    an index error minutes into the run. A bag encoder reads any length."""
+    most = int(min(getattr(tokenizer, "model_max_length", 0) or 0, 1 << 40))
+    if parse_bag_name(name) is not None or is_bag_folder(name) or not 0 < most < 1 << 20:  # huge: not declared
+        return
+    for field, n in lengths.items():
+        if n > most:
+            raise XCConfigError(f"{field}: {n} tokens, past the {most} positions of the encoder {name!r} "
+                                f"(its tokenizer's model_max_length); set at most {most}")
 
 
 def _backend(tokenizer, max_len: int):

@@ -6,7 +6,7 @@ import time
 from typing import Any
 
 from xc_dagster.artifacts import SUMMARY, TOKEN_SPLITS, token_files
-from xc_dagster.encoders.tokenizer import load_tokenizer, save_pretokenized, tokenize_to_npy
+from xc_dagster.encoders.tokenizer import check_positions, load_tokenizer, save_pretokenized, tokenize_to_npy
 from xc_dagster.pipeline.context import StageContext
 from xc_dagster.storage import save_json
 
@@ -21,6 +21,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
     t0 = time.perf_counter()
     ds = ctx.read.dataset(features=False)
     tok = load_tokenizer(p.encoder)
+    check_positions(p.encoder, tok, {"tokenize.max_len": p.max_len, "tokenize.label_max_len": p.label_max_len})
     texts = {"train": ds.train_texts, "test": ds.test_texts, "label": ds.label_texts}
     summary: dict[str, Any] = {"encoder": p.encoder, "max_len": p.max_len}
     with ctx.writing() as out:
