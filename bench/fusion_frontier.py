@@ -41,9 +41,9 @@ from xc_dagster.home import Home
 from xc_dagster.pipeline import StageContext
 from xc_dagster.pipeline.evaluate import encode_split
 from xc_dagster.pipeline.fusion import validation_shortlists
+from xc_dagster.retrieval.fitted_sources import fitted_choice
 from xc_dagster.retrieval.fusion import fit_alpha, propensity_boost
 from xc_dagster.retrieval.shortlist import fuse, retrieve, topk_from_scores
-from xc_dagster.retrieval.votes import fitted_votes
 from xc_dagster.storage import ArtifactStore
 
 KEPT = ("lexical_weight", "cooccurrence_weight", "knn_discount")  # the deployed alpha fusion's terms the sweep keeps
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
           f"max P@1 + PSP@1 {best_sum[0] + best_sum[1]:.2f} ({best_sum[0]:.2f} + {best_sum[1]:.2f})")
     if args.smoothing:
         widths = [int(w) for w in _floats(args.smoothing)]
-        valid = next(validation_shortlists(ctx, [fitted_votes(ctx.read.fusion_file())]))  # with the deployed votes
+        valid = next(validation_shortlists(ctx, [fitted_choice(ctx.read.fusion_file())]))  # as deployed
         out["smoothing"] = refit_by_smoothing(valid, cfg.fusion, widths, sl, ds.Y_test, ds.filter_test, inv)
         for r in out["smoothing"]:
             print(f"  refit, smoothing {r['smoothing']}: a {r['alpha']:g}, c {r['knn_weight']:g}, "

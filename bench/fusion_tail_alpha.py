@@ -28,9 +28,9 @@ from xc_dagster.home import Home
 from xc_dagster.pipeline import StageContext
 from xc_dagster.pipeline.evaluate import encode_split
 from xc_dagster.pipeline.fusion import validation_shortlists
+from xc_dagster.retrieval.fitted_sources import fitted_choice
 from xc_dagster.retrieval.fusion.objective import ObjectiveOnShortlist
 from xc_dagster.retrieval.shortlist import retrieve, topk_from_scores
-from xc_dagster.retrieval.votes import fitted_votes
 from xc_dagster.storage import ArtifactStore
 
 METRICS = ("precision_at_1", "precision_at_5", "psprecision_at_1", "psprecision_at_5")
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     inv = ctx.inv_prop(ds.Y_train)
     counts = np.asarray(ds.Y_train[ctx.read.train_rows(ds.num_train)].sum(0)).ravel()  # the models' training points
     fusion = ctx.read.fusion()
-    valid = next(validation_shortlists(ctx, [fitted_votes(ctx.read.fusion_file())]))
+    valid = next(validation_shortlists(ctx, [fitted_choice(ctx.read.fusion_file())]))
     model = ctx.read.deployed_sources(cfg.index.hnsw_ef_search)
     sl = retrieve(encode_split(ctx, "test"), model, cfg.index.shortlist_size,
                   lexical_queries=ctx.read.lexical_queries(model, "test"))

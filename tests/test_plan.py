@@ -46,6 +46,8 @@ class FixedUnits:
         return self.UNITS[name]
 
 
+BOTH = "with and without the lexical classifiers"  # the fusion fitted twice (fitted_sources)
+
 def _ngame(**overrides) -> object:
     """The ngame strategy's config (as a catalog entry resolves it) with ``overrides``."""
     return resolve_config("quick", "ngame", ("test", overrides))
@@ -127,17 +129,24 @@ def test_work_counts_of_a_hand_computed_shape(monkeypatch):
     assert ev.parts["knn search (exact, 200 x 1,000)"] == pytest.approx(200 * 1000 * 1e-9)
     assert ev.parts["encode 200 test texts"] == pytest.approx(0.2)
     fusion = stages["fusion"]  # ngame: the index's own votes, the weights searched one at a time
-    assert fusion.parts["label search (exact, 10 x 300)"] == pytest.approx(10 * 300 * 1e-9)
+    assert fusion.parts[f"label search (exact, 10 x 300), {BOTH}"] == pytest.approx(2 * 10 * 300 * 1e-9)
     width = 100 * 5  # W, label, knn, lexical, cooccurrence
-    # 21 alphas x (5 kNN + 5 lexical + 4 co-occurrence weights + 5 kNN discounts + 5 propensity weights) x 2 rounds
-    assert fusion.parts["alpha fit, 1,008 evaluations x 10 points"] == pytest.approx(1008 * 10 * width * 1e-9)
+    # 21 alphas x (5 kNN + 5 lexical + 4 co-occurrence weights + 5 kNN discounts + 5 propensity weights) x 2 rounds,
+    # fitted with and without the lexical classifiers
+    assert fusion.parts[f"alpha fit, 1,008 evaluations x 10 points, {BOTH}"] == pytest.approx(
+        2 * 1008 * 10 * width * 1e-9)
+    one = {p.name: p for p in plan_stages(Costs(FixedUnits(), cfg, s), _ngame(
+        **{"fusion.try_without_lexical_classifiers": False}), s, None)}["fusion"]
+    assert one.parts["alpha fit, 1,008 evaluations x 10 points"] == pytest.approx(1008 * 10 * width * 1e-9)
+    assert one.seconds == pytest.approx(fusion.seconds / 2)
     grid = {p.name: p for p in plan_stages(Costs(FixedUnits(), cfg, s), _ngame(**{"fusion.search": "grid"}), s,
                                            None)}["fusion"]  # every combination
-    assert grid.parts["alpha fit, 52,500 grid points x 10 points"] == pytest.approx(52500 * 10 * width * 1e-9)
+    assert grid.parts[f"alpha fit, 52,500 grid points x 10 points, {BOTH}"] == pytest.approx(
+        2 * 52500 * 10 * width * 1e-9)
     two = {p.name: p for p in plan_stages(Costs(FixedUnits(), cfg, s), _ngame(**{"fusion.vote_grid": "10:2,50:4"}),
                                           s, None)}["fusion"]  # the shortlists and the fit for each candidate
-    assert two.parts["alpha fit, 1,008 evaluations x 10 points, x 2 vote candidates"] == pytest.approx(
-        2 * 1008 * 10 * width * 1e-9)
+    assert two.parts[f"alpha fit, 1,008 evaluations x 10 points, x 2 vote candidates, {BOTH}"] == pytest.approx(
+        4 * 1008 * 10 * width * 1e-9)
     assert two.seconds == pytest.approx(2 * fusion.seconds)
     # the user's own votes without a grid: the index's votes only, as the fusion stage counts them
     mine = {p.name: p for p in plan_stages(Costs(FixedUnits(), cfg, s), _ngame(**{"index.knn_neighbours": 5}), s,

@@ -69,7 +69,8 @@ def test_vote_grid_picks_the_candidate_validation_prefers_and_deploys_it(tmp_pat
     bundle predict with it (the bundle's predictions equal the evaluation's)."""
     home = tiny_lf_home(tmp_path, monkeypatch, {**TINY, "pretrain.epochs": 1, "classifier.epochs": 1,
                                                 "index.sources": "W,label,knn,lexical",
-                                                "fusion.vote_grid": "2:1,6:3"})
+                                                "fusion.vote_grid": "2:1,6:3",
+                                                "fusion.try_without_lexical_classifiers": False})
     spec = Catalog(home.catalog).get("TinyTitles")
     ctx = StageContext(ArtifactStore(home.artifacts), spec, spec.config(), home.cache)
     out = run_all(ctx)

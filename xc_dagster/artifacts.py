@@ -51,10 +51,10 @@ from xc_dagster.data.canonical import load_feature_words, load_features, load_te
 from xc_dagster.encoders.tokenizer import load_tokens
 from xc_dagster.errors import XCError
 from xc_dagster.retrieval.files import CENTROID_FILE
+from xc_dagster.retrieval.fitted_sources import as_fitted
 from xc_dagster.retrieval.fusion import load_fusion
 from xc_dagster.retrieval.shortlist import ShortlistSources
 from xc_dagster.retrieval.source_files import load_sources
-from xc_dagster.retrieval.votes import with_fitted_votes
 from xc_dagster.storage import VERSION, ArtifactStore, load_json
 
 __all__ = ["CHECKS", "CLASSIFIER_INIT", "CONTRACT", "DATASET", "ENCODER", "FUSION", "HELDOUT", "LABEL_EMB",
@@ -238,9 +238,9 @@ class ArtifactReader:
         return load_fusion(self.fusion_file())
 
     def deployed_sources(self, ef_search: int) -> ShortlistSources:
-        """:meth:`shortlist_sources` scoring with the kNN votes the fusion was fitted with, as evaluation and the
-        serving bundle predict (``xc_dagster.retrieval.votes``)."""
-        return with_fitted_votes(self.shortlist_sources(ef_search), self.fusion_file())
+        """:meth:`shortlist_sources` scoring as the fusion was fitted (its kNN votes, its lexical classifiers or
+        none), as evaluation and the serving bundle predict (``xc_dagster.retrieval.fitted_sources``)."""
+        return as_fitted(self.shortlist_sources(ef_search), self.fusion_file())
 
     # ---- evaluate
     def metrics(self) -> dict[str, float]:

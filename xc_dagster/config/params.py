@@ -290,9 +290,8 @@ class FusionParams:
     # (docs/decisions.md#fusion-objective-four-metrics)
     objective: str = "precision_at_1+precision_at_5+psprecision_at_1+psprecision_at_5"
     grid_step: float = 0.05  # alpha only
-    # alpha only: how the weights (c, d, e, b below) are searched, alpha's whole grid with each: "coordinate" = one
-    # weight at a time, the others held, in rounds until none moves, then steps along two at once; "grid" = every
-    # combination (docs/decisions.md#fusion-coordinate-search)
+    # alpha only: how the weights (c, d, e, b below) are searched, alpha's whole grid with each: "coordinate" = one at
+    # a time, in rounds until none moves, then two at once; "grid" = all (docs/decisions.md#fusion-coordinate-search)
     search: FusionSearch = "coordinate"
     # alpha only: average the validation objective over this many neighbouring grid points per axis (a, c, b)
     # before the argmax; 1 = the raw argmax (docs/decisions.md#fusion-smoothing-off)
@@ -315,9 +314,10 @@ class FusionParams:
     propensity_grid: tuple[float, ...] = (0.0, 0.01, 0.02, 0.04, 0.08)
     propensity_grid_extend: int = 6  # as knn_grid_extend, for the propensity weight
     # candidates "K:p" for the kNN votes of the knn and lexical sources (K nearest training points, each voting its
-    # similarity ** p): the fusion is fitted with each and the best on the objective is deployed (fusion.json
-    # "votes"); () = the index stage's index.knn_* / index.lexical_* (docs/decisions.md#vote-grid)
+    # similarity ** p), each fitted, the best deployed; () = index.knn_* / index.lexical_* (decisions.md#vote-grid)
     vote_grid: tuple[str, ...] = ()
+    # also fit without the lexical classifiers' part, the better kept (docs/decisions.md#lexical-classifiers-optional)
+    try_without_lexical_classifiers: bool = True
     tree_depth: int = 7  # NGAME: a depth-7 tree
     tree_min_samples_leaf: int = 1  # sklearn's default (the paper: "a standard regression tree")
     tree_max_samples: int = 500_000  # candidates subsampled (seeded) to fit the tree; 0 = all

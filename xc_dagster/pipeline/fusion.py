@@ -1,6 +1,7 @@
 """Stage ``fusion``: the score fusion fitted on the shortlists of the validation points carved from train
-(SiameseXML's alpha blend or NGAME's tree), saved as plain JSON; with ``fusion.vote_grid``, fitted once per
-candidate (K, p) of the kNN votes and the best kept with its votes (``xc_dagster.retrieval.votes``)."""
+(SiameseXML's alpha blend or NGAME's tree), saved as plain JSON; fitted once per candidate of the sources --
+each (K, p) of ``fusion.vote_grid``, with and without the lexical classifiers -- and the best kept with its choice
+(``xc_dagster.retrieval.fitted_sources``)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ from xc_dagster.errors import XCConfigError
 from xc_dagster.pipeline.context import StageContext
 from xc_dagster.pipeline.cross_fit import cross_fit_shortlists, fit_on
 from xc_dagster.retrieval import votes
+from xc_dagster.retrieval.fitted_sources import Choice, choices, with_choice
 from xc_dagster.retrieval.fusion import check_method, fit_fusion, missed_positive_features
 from xc_dagster.retrieval.shortlist import Shortlist, ShortlistSources, retrieve
-from xc_dagster.retrieval.votes import VOTES_KEY, Votes, parse_vote_grid, votes_record, with_votes
+from xc_dagster.retrieval.votes import Votes, parse_vote_grid
 from xc_dagster.storage import save_json
 
 
@@ -37,11 +39,11 @@ class ValidationShortlists:
     unseen_dropped: int
 
 
-def validation_shortlists(ctx: StageContext, candidates: Sequence[Votes | None] = (None,)
+def validation_shortlists(ctx: StageContext, candidates: Sequence[Choice] = (Choice(),)
                           ) -> Iterator[ValidationShortlists]:
     """Shortlist the validation points as the fusion stage fits on them (also for bench scripts), once per
-    candidate of the kNN votes (None: the index stage's), one candidate's shortlists held at a time; the sources,
-    queries and targets are read once."""
+    candidate of the sources (``Choice()``: the index stage's), one candidate's shortlists held at a time; the
+    sources, queries and targets are read once."""
     ds = ctx.read.labels()
     valid = ctx.read.valid_rows()
     m = ctx.read.shortlist_sources(ctx.cfg.index.hnsw_ef_search, heldout=True)
@@ -53,7 +55,7 @@ def validation_shortlists(ctx: StageContext, candidates: Sequence[Votes | None] 
                                            filter_rows(ds.filter_train, valid))
     inv_prop = ctx.inv_prop(ds.Y_train)
     for candidate in candidates:
-        src = with_votes(m, candidate)
+        src = with_choice(m, candidate)
         sl = retrieve(q, src, ctx.cfg.index.shortlist_size, lexical_queries=lex_q)
         yield ValidationShortlists(sl, Yv, pairs, inv_prop, q, src, unseen)
 
@@ -65,9 +67,18 @@ def vote_candidates(ctx: StageContext) -> list[Votes | None]:
     return votes.vote_candidates(ctx.cfg.fusion.vote_grid, sources, ctx.cfg.explicit)
 
 
-def _fits(ctx: StageContext, how: str, candidates: list[Votes | None]) -> list[tuple[Any, dict[str, Any]]]:
-    """The fitted fusion and its summary's extra entries, per vote candidate, fitted on validation or
-    cross-fitted."""
+def source_choices(ctx: StageContext, how: str) -> list[Choice]:
+    """The candidates this model's fusion is fitted with: each (K, p) of :func:`vote_candidates`, and each again
+    without the lexical classifiers where the index stage trained them and ``fusion.try_without_lexical_classifiers``
+    (fitted on validation: a cross-fitted fusion has no lexical classifiers)."""
+    lexical = ctx.read.summary("index").get("lexical") or {}
+    without = (ctx.cfg.fusion.try_without_lexical_classifiers and how == "validation"
+               and bool(lexical.get("classifier_weights")))
+    return choices(vote_candidates(ctx), without)
+
+
+def _fits(ctx: StageContext, how: str, candidates: list[Choice]) -> list[tuple[Any, dict[str, Any]]]:
+    """The fitted fusion and its summary's extra entries, per candidate, fitted on validation or cross-fitted."""
     p = ctx.cfg.fusion
     tree_extra = p.method == "tree" and p.tree_add_positives
     if how == "cross_fit":
@@ -77,7 +88,8 @@ def _fits(ctx: StageContext, how: str, candidates: list[Votes | None]) -> list[t
                                 "its co-occurrence source or lexical classifiers count every training point, which a "
                                 "cross-fitted fusion scores; run the index stage again with this fusion.fit_on")
         inv_prop = ctx.inv_prop(ctx.read.labels().Y_train)
-        cfs = cross_fit_shortlists(ctx, inv_prop, missed_positive_features if tree_extra else None, candidates)
+        cfs = cross_fit_shortlists(ctx, inv_prop, missed_positive_features if tree_extra else None,
+                                   [c.votes for c in candidates])
         return [(fit_fusion(cf.shortlist, cf.Y, p, inv_prop, cf.filter_pairs, extra=cf.extra),
                  {"valid_pairs_unseen_dropped": cf.unseen_dropped, "cross_fit_folds": p.cross_fit_folds,
                   "cross_fit_points": cf.points}) for cf in cfs]
@@ -91,17 +103,21 @@ def _fits(ctx: StageContext, how: str, candidates: list[Votes | None]) -> list[t
 
 
 def _fit(ctx: StageContext, how: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The fitted fusion's ``to_dict`` (with the chosen votes) and summary: of the vote candidates, the one of the
-    best objective (ties: the earlier in the grid)."""
-    candidates = vote_candidates(ctx)
+    """The fitted fusion's ``to_dict`` (with the chosen votes and lexical classifiers) and summary: of the
+    candidates, the one of the best objective (ties: the earlier, the classifiers kept)."""
+    candidates = source_choices(ctx, how)
     fits = _fits(ctx, how, candidates)
     values = [f.summary().get("objective_value") for f, _ in fits]
     best = max(range(len(fits)), key=lambda i: (-np.inf if values[i] is None else values[i], -i))
     f, extra = fits[best]
-    fit, summary = f.to_dict(), {**f.summary(), **extra}
-    if candidates[best] is not None:
-        fit[VOTES_KEY] = summary[VOTES_KEY] = votes_record(candidates[best])
-        summary["vote_grid"] = [[int(c[0]), float(c[1]), v] for c, v in zip(candidates, values)]
+    chosen = candidates[best]
+    fit, summary = {**f.to_dict(), **chosen.record()}, {**f.summary(), **extra, **chosen.record()}
+    same = [(c, v) for c, v in zip(candidates, values) if c.lexical_classifiers == chosen.lexical_classifiers]
+    if chosen.votes is not None:
+        summary["vote_grid"] = [[int(c.votes[0]), float(c.votes[1]), v] for c, v in same]
+    if not all(c.lexical_classifiers for c in candidates):  # the objective with and without them, at these votes
+        summary["lexical_classifier_grid"] = [[c.lexical_classifiers, v] for c, v in zip(candidates, values)
+                                              if c.votes == chosen.votes]
     return fit, summary
 
 

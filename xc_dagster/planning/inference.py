@@ -121,9 +121,14 @@ def stage_fusion(c: Costs, cfg: PipelineConfig, s: Shape, classifier_s: float) -
     unit = "grid points" if f.search == "grid" else "evaluations"
     plan.parts[f"{f.method} fit, {grid:,} {unit} x {n:,} points"] = grid * n * width * c.fusion(knn, lexical)[
         "s_per_entry"]
+    # the shortlists and the fit once per candidate: each kNN vote of fusion.vote_grid, with and without the lexical
+    # classifiers (xc_dagster.retrieval.fitted_sources)
     votes = len(vote_candidates(f.vote_grid, p.sources, cfg.explicit))
-    if votes > 1:  # the shortlists and the fit once per candidate of the kNN votes (fusion.vote_grid)
-        plan.parts = {f"{k}, x {votes} vote candidates": v * votes for k, v in plan.parts.items()}
+    both = lexical and p.lexical_classifier and f.try_without_lexical_classifiers and not cross
+    if (fits := votes * (1 + both)) > 1:
+        what = ", ".join(([f"x {votes} vote candidates"] if votes > 1 else [])
+                         + (["with and without the lexical classifiers"] if both else []))
+        plan.parts = {f"{k}, {what}": v * fits for k, v in plan.parts.items()}
     if cross:
         folds = f.cross_fit_folds
         plan.parts[f"{folds} fold classifiers"] = folds * classifier_s * (1 - 1 / folds)

@@ -3,9 +3,9 @@ similarities are raised to, in both kNN scores (the dense ``knn`` source's and t
 
 ``fusion.vote_grid`` lists candidate pairs "K:p"; the fusion stage fits the fusion once per candidate on the same
 validation (or cross-fitted) points and keeps the pair of the best objective, written into ``fusion.json`` under
-:data:`VOTES_KEY`; evaluation and the serving bundle score with it (:func:`with_fitted_votes`). Datasets with many
-labels per point gain from more, sharper votes (Delicious: 19 labels per point), sparse ones lose
-(docs/decisions.md#vote-grid). An empty grid keeps the index stage's ``index.knn_*`` / ``index.lexical_*``.
+:data:`VOTES_KEY`; evaluation and the serving bundle score with it (``xc_dagster.retrieval.fitted_sources``).
+Datasets with many labels per point gain from more, sharper votes (Delicious: 19 labels per point), sparse ones
+lose (docs/decisions.md#vote-grid). An empty grid keeps the index stage's ``index.knn_*`` / ``index.lexical_*``.
 """
 
 from __future__ import annotations
@@ -85,11 +85,6 @@ def fitted_votes(fusion_file: Mapping[str, Any]) -> Votes | None:
     if not isinstance(v, Mapping) or "neighbours" not in v or "power" not in v:
         raise XCConfigError(f"fusion file: {VOTES_KEY!r} should hold neighbours and power, got {v!r}")
     return int(v["neighbours"]), check_power(v["power"], f"fusion file {VOTES_KEY}.power")
-
-
-def with_fitted_votes(src: ShortlistSources, fusion_file: Mapping[str, Any]) -> ShortlistSources:
-    """``src`` with the votes the fusion was fitted with (as it was deployed); unchanged when it chose none."""
-    return with_votes(src, fitted_votes(fusion_file))
 
 
 def votes_record(votes: Votes) -> dict[str, Any]:

@@ -57,11 +57,12 @@ from xc_dagster.encoders.tokenizer import load_tokenizer, tokenize_texts
 from xc_dagster.errors import XCConfigError, XCError
 from xc_dagster.faiss_module import faiss
 from xc_dagster.retrieval.files import CENTROID_FILE, COOCCURRENCE_FILE, INDEX_FILES, KNN_LABELS_FILE
+from xc_dagster.retrieval.fitted_sources import as_fitted, fitted_choice
 from xc_dagster.retrieval.fusion import load_fusion
 from xc_dagster.retrieval.lexical import LEXICAL_DIR, read_config
 from xc_dagster.retrieval.shortlist import ShortlistSources, retrieve, topk_from_scores
 from xc_dagster.retrieval.source_files import load_sources
-from xc_dagster.retrieval.votes import fitted_votes, votes_record, with_fitted_votes
+from xc_dagster.retrieval.votes import fitted_votes, votes_record
 from xc_dagster.serving.bundle_checks import check_parts, read_array, read_info, read_part
 from xc_dagster.serving.bundle_files import MANIFEST_FILE, graph_copy, verify_bundle, write_manifest
 from xc_dagster.serving.limits import RequestLimits, cut_texts, has_content
@@ -219,6 +220,7 @@ def _assemble(ctx: "StageContext", out: Path, default_k: int, shortlist_size: in
         else votes[0],
         "knn_power": float(idx_summary.get("knn_power", 1.0)) if votes is None or "knn" not in sources else votes[1],
         "votes": None if votes is None else votes_record(votes),
+        "lexical_classifiers": "lexical" in sources and fitted_choice(fusion_file).lexical_classifiers,
         "ef_search": int(ef_search or ctx.cfg.index.hnsw_ef_search),
         "shortlist_size": int(shortlist_size or ctx.cfg.index.shortlist_size), "fusion": fusion_method,
         "as_evaluated": (not shortlist_size or shortlist_size == ctx.cfg.index.shortlist_size)
@@ -262,7 +264,7 @@ def load_bundle(folder: str | Path, device: str | torch.device | None = None) ->
         dense=bool(info.get("dense", True))))
     bundle = ServingBundle(
         encoder=encoder, tokenizer=tokenizer, max_len=int(info["max_len"]),
-        sources=with_fitted_votes(sources, fusion_file),  # the kNN votes the fusion was fitted with, as evaluated
+        sources=as_fitted(sources, fusion_file),  # the kNN votes and lexical classifiers the fusion was fitted with
         fusion=read_part(folder / "fusion.json", lambda _: load_fusion(fusion_file)),
         inv_prop=read_array(folder / "inv_prop.npy"), label_texts=label_texts,
         shortlist_size=int(info["shortlist_size"]), device=dev, dtype=amp_dtype(dev, info.get("amp", "auto")),
