@@ -102,7 +102,7 @@ def test_catalog_add_list_remove_roundtrip(tmp_path):
     (DatasetSpec("ok", "x", propensity_b=-1.0), r"propensity_b \(evaluate.propensity_b\): expected a finite number "
                                                 r">= 0 \(0 = by dataset family\), got -1.0"),
     (DatasetSpec("ok", "x", overrides={"strategy": "astra"}), "'strategy' is not a stage field.* --strategy"),
-    (DatasetSpec("ok", "x", overrides={"tokenize.max_len": 1}), "'tokenize.max_len': expected a value >= 2"),
+    (DatasetSpec("ok", "x", overrides={"tokenize.max_len": 1}), "'tokenize.max_len': expected 2 <= value <= 32768"),
 ])
 def test_catalog_rejects_bad_entries(tmp_path, spec, msg):
     with pytest.raises(XCConfigError, match=msg):
