@@ -23,6 +23,7 @@ from xc_dagster.home import Home
 from xc_dagster.pipeline import StageContext
 from xc_dagster.pipeline.evaluate import encode_split_reused
 from xc_dagster.pipeline.fusion import validation_shortlists
+from xc_dagster.retrieval.fitted_sources import fitted_choice
 from xc_dagster.retrieval.fusion import fit_alpha
 from xc_dagster.retrieval.fusion.objective import ObjectiveOnShortlist
 from xc_dagster.retrieval.shortlist import retrieve, topk_from_scores
@@ -48,7 +49,7 @@ def main() -> None:
     spec = Catalog(home.catalog).get(args.name)
     # read as the evaluation reads (the encoded test points' cache is keyed on the versions it reads)
     ctx = StageContext(ArtifactStore(home.artifacts), spec, spec.config(), home.cache, stage="evaluate")
-    vs = next(validation_shortlists(ctx))  # with the index stage's own kNN votes
+    vs = next(validation_shortlists(ctx, [fitted_choice(ctx.read.fusion_file())]))  # as deployed
     ds, q = ctx.read.labels(), encode_split_reused(ctx, "test")[0]
     m = ctx.read.deployed_sources(ctx.cfg.index.hnsw_ef_search)
     test = retrieve(q, m, ctx.cfg.index.shortlist_size, lexical_queries=ctx.read.lexical_queries(m, "test"))

@@ -119,7 +119,7 @@ def test_allowed_values_pass_and_resolve_to_plain_strings():
     ("ingest.valid_fraction=nan", "config field 'ingest.valid_fraction': expected a finite number, got 'nan'"),
     ("ingest.valid_max=-5", "config field 'ingest.valid_max': expected a value >= 0"),
     ("ingest.seed=-1", "config field 'ingest.seed': expected a value >= 0, a seed; got -1"),
-    ("evaluate.ks=0,5", "config field 'evaluate.ks': expected items each a value >= 1"),
+    ("evaluate.ks=0,5", "config field 'evaluate.ks': expected items each 1 <= value <= 10000"),
     ("evaluate.top_k=0", "config field 'evaluate.top_k': expected 1 <= value <= 10000"),
     ("evaluate.propensity_b=-1", "config field 'evaluate.propensity_b': expected a value >= 0"),
     ("index.lexical_char_weight=-0.5", "config field 'index.lexical_char_weight': expected a value >= 0"),

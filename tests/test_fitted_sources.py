@@ -109,3 +109,26 @@ def test_a_fusion_fitted_without_the_lexical_classifiers_is_evaluated_and_served
     ds = load_dataset(ctx.dir("ingest") / "dataset", features=False)
     ids, scores = serving_bundle.predict_topk(ds.test_texts, bundle, 10)
     np.testing.assert_array_equal(remove_filtered(ids, scores, ds.filter_test)[0], want)
+
+
+def test_a_tie_keeps_the_lexical_classifiers_whatever_the_grid_order(monkeypatch):
+    """Equal objectives: the candidate with the classifiers is deployed, also against a later vote candidate's."""
+    from types import SimpleNamespace
+
+    class Fit:
+        def __init__(self, value):
+            self.value = value
+
+        def summary(self):
+            return {"objective_value": self.value}
+
+        def to_dict(self):
+            return {"method": "alpha"}
+
+    cands = [Choice((2, 1.0)), Choice((2, 1.0), False), Choice((6, 3.0)), Choice((6, 3.0), False)]
+    monkeypatch.setattr(fusion_stage, "source_choices", lambda ctx, how: cands)
+    monkeypatch.setattr(fusion_stage, "_fits", lambda ctx, how, c: [(Fit(v), {}) for v in (1.0, 2.0, 2.0, 1.5)])
+    fit, summary = fusion_stage._fit(SimpleNamespace(), "validation")
+    assert "lexical_classifiers" not in fit and fit["votes"] == {"neighbours": 6, "power": 3.0}
+    assert summary["lexical_classifier_grid"] == [[True, 2.0], [False, 1.5]]
+    assert summary["vote_grid"] == [[2, 1.0, 1.0], [6, 3.0, 2.0]]

@@ -30,7 +30,7 @@ BOUNDS: dict[str, tuple[float, float | None, str]] = {
     "tokenize.label_max_len": (2, MAX_TOKENS, "tokens per label text, the two special tokens included "
                                               "(0 = tokenize.max_len)"),
     "index.lexical_char_weight": (0, None, "the lexical source's char n-grams' weight (0 = words only)"),
-    "evaluate.ks": (1, None, "the number of predictions each metric reads"),
+    "evaluate.ks": (1, 10_000, "the number of predictions each metric reads (at most evaluate.top_k's most)"),
     "evaluate.top_k": (1, 10_000, "predictions kept per test point"),
     "evaluate.propensity_a": (0, None, "propensity A (0 = by dataset family)"),
     "evaluate.propensity_b": (0, None, "propensity B (0 = by dataset family)"),
@@ -54,7 +54,7 @@ BOUNDS: dict[str, tuple[float, float | None, str]] = {
         "scale": RATE, "weight_decay": WEIGHT, "label_point_cooccurrence": SHARE, "num_negatives": COUNT0,
         "cluster_size": COUNT0, "margin": WEIGHT, "contrastive_c": (0, 1, "a probability"), "contrastive_d": RATE,
         "neg_threshold": WEIGHT, "residual_lr": RATE, "num_hard": COUNT0, "num_random": COUNT0,
-        "hard_start": EPOCHS, "refresh_every": (0, None, "epochs"), "sampler_hnsw_m": GRAPH_M,
+        "hard_start": EPOCHS, "refresh_every": EPOCHS, "sampler_hnsw_m": GRAPH_M,
         "sampler_hnsw_ef": COUNT1, "sampler_hnsw_ef_construction": COUNT1, "mips_partitions": COUNT0,
         "mips_probe": COUNT1, "encoder_lr": WEIGHT, "dropout": (0, 1, "a share below 1"), "warmup_steps": STEPS,
         "shards": COUNT0, "chunk_size": ROWS, "encode_batch_size": ROWS}.items()},
@@ -74,8 +74,7 @@ BOUNDS: dict[str, tuple[float, float | None, str]] = {
         "cooccurrence_max_entries": COUNT1}.items()},
 }
 # fields whose range excludes its least (a rate, a temperature: > 0) or its most (a share below 1)
-ABOVE_LEAST = frozenset(k for k, v in BOUNDS.items() if v == RATE) | {"classifier.refresh_every",
-                                                                      "fusion.grid_step", "pretrain.contrastive_c",
+ABOVE_LEAST = frozenset(k for k, v in BOUNDS.items() if v == RATE) | {"fusion.grid_step", "pretrain.contrastive_c",
                                                                       "classifier.contrastive_c"}
 BELOW_MOST = frozenset({"train.reserve", "classifier.dropout"})
 # fields whose 0 has a meaning of its own below their range: tokenize.label_max_len 0 = tokenize.max_len

@@ -108,7 +108,8 @@ def _fit(ctx: StageContext, how: str) -> tuple[dict[str, Any], dict[str, Any]]:
     candidates = source_choices(ctx, how)
     fits = _fits(ctx, how, candidates)
     values = [f.summary().get("objective_value") for f, _ in fits]
-    best = max(range(len(fits)), key=lambda i: (-np.inf if values[i] is None else values[i], -i))
+    best = max(range(len(fits)), key=lambda i: (-np.inf if values[i] is None else values[i],
+                                                candidates[i].lexical_classifiers, -i))
     f, extra = fits[best]
     chosen = candidates[best]
     fit, summary = {**f.to_dict(), **chosen.record()}, {**f.summary(), **extra, **chosen.record()}

@@ -220,7 +220,8 @@ def _assemble(ctx: "StageContext", out: Path, default_k: int, shortlist_size: in
         else votes[0],
         "knn_power": float(idx_summary.get("knn_power", 1.0)) if votes is None or "knn" not in sources else votes[1],
         "votes": None if votes is None else votes_record(votes),
-        "lexical_classifiers": "lexical" in sources and fitted_choice(fusion_file).lexical_classifiers,
+        "lexical_classifiers": bool(idx_summary.get("lexical", {}).get("classifier_weights"))
+                               and fitted_choice(fusion_file).lexical_classifiers,
         "ef_search": int(ef_search or ctx.cfg.index.hnsw_ef_search),
         "shortlist_size": int(shortlist_size or ctx.cfg.index.shortlist_size), "fusion": fusion_method,
         "as_evaluated": (not shortlist_size or shortlist_size == ctx.cfg.index.shortlist_size)
