@@ -104,7 +104,7 @@ def _fits(ctx: StageContext, how: str, candidates: list[Choice]) -> list[tuple[A
 
 def _fit(ctx: StageContext, how: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """The fitted fusion's ``to_dict`` (with the chosen votes and lexical classifiers) and summary: of the
-    candidates, the one of the best objective (ties: the earlier, the classifiers kept)."""
+    candidates, the one of the best objective (ties: the one with the classifiers, then the earlier)."""
     candidates = source_choices(ctx, how)
     fits = _fits(ctx, how, candidates)
     values = [f.summary().get("objective_value") for f, _ in fits]

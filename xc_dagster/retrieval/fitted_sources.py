@@ -41,7 +41,7 @@ class Choice:
 
 def choices(votes: list[Votes | None], without_classifiers: bool) -> list[Choice]:
     """The candidates: each of ``votes`` with the lexical classifiers, and, where ``without_classifiers``, each
-    without them right after it (ties go to the earlier: the classifiers kept, the grid's order)."""
+    without them right after it (the fusion stage breaks ties for the classifiers, then for the earlier)."""
     out = []
     for v in votes:
         out += [Choice(v)] + ([Choice(v, False)] if without_classifiers else [])
