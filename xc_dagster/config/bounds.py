@@ -17,7 +17,7 @@ CURVE_KS = tuple(range(1, 11))
 MAX_TOKENS = 32_768  # tokens per text at most: longer than any encoder's positions (MiniLM 512, long-context 8,192)
 # the common ranges: (least, most or None, what the value is)
 EPOCHS, STEPS, WEIGHT, SHARE = (0, None, "epochs"), (0, None, "steps"), (0, None, "a weight"), (0, 1, "a share")
-RATE = (0, None, "a positive number")  # in ABOVE_LEAST: > 0
+RATE, PROBABILITY = (0, None, "a positive number"), (0, 1, "a probability")  # both in ABOVE_LEAST: > 0
 COUNT0, COUNT1, GRAPH_M = (0, None, "a count"), (1, None, "a count"), (2, None, "links per node")
 ROWS = (1, None, "rows a batch or chunk")
 # "stage.field" -> (least, most or None, what the value is); a tuple field's range holds for each item
@@ -44,7 +44,7 @@ BOUNDS: dict[str, tuple[float, float | None, str]] = {
         "freeze_layers": (0, None, "layers"), "chunk_size": ROWS, "encode_batch_size": ROWS,
         "max_cluster_size": (1, None, "points per cluster"), "curriculum": (0, None, "epochs"),
         "cluster_every": (1, None, "epochs"), "label_point_cooccurrence": SHARE, "label_power": WEIGHT,
-        "centroid_points": COUNT0, "centroid_weight": SHARE, "contrastive_c": (0, 1, "a probability"),
+        "centroid_points": COUNT0, "centroid_weight": SHARE, "contrastive_c": PROBABILITY,
         "contrastive_d": RATE, "infonce_temperature": RATE}.items()},
     **{f"mining.{k}": v for k, v in {
         "shortlist_size": COUNT1, "knn_weight": SHARE, "hnsw_m": GRAPH_M, "hnsw_ef_construction": COUNT1,
@@ -52,7 +52,7 @@ BOUNDS: dict[str, tuple[float, float | None, str]] = {
     **{f"classifier.{k}": v for k, v in {
         "epochs": EPOCHS, "batch_size": ROWS, "lr": RATE, "num_positives": COUNT1, "propensity_weight": WEIGHT,
         "scale": RATE, "weight_decay": WEIGHT, "label_point_cooccurrence": SHARE, "num_negatives": COUNT0,
-        "cluster_size": COUNT0, "margin": WEIGHT, "contrastive_c": (0, 1, "a probability"), "contrastive_d": RATE,
+        "cluster_size": COUNT0, "margin": WEIGHT, "contrastive_c": PROBABILITY, "contrastive_d": RATE,
         "neg_threshold": WEIGHT, "residual_lr": RATE, "num_hard": COUNT0, "num_random": COUNT0,
         "hard_start": EPOCHS, "refresh_every": EPOCHS, "sampler_hnsw_m": GRAPH_M,
         "sampler_hnsw_ef": COUNT1, "sampler_hnsw_ef_construction": COUNT1, "mips_partitions": COUNT0,
@@ -74,8 +74,7 @@ BOUNDS: dict[str, tuple[float, float | None, str]] = {
         "cooccurrence_max_entries": COUNT1}.items()},
 }
 # fields whose range excludes its least (a rate, a temperature: > 0) or its most (a share below 1)
-ABOVE_LEAST = frozenset(k for k, v in BOUNDS.items() if v == RATE) | {"fusion.grid_step", "pretrain.contrastive_c",
-                                                                      "classifier.contrastive_c"}
+ABOVE_LEAST = frozenset(k for k, v in BOUNDS.items() if v in (RATE, PROBABILITY)) | {"fusion.grid_step"}
 BELOW_MOST = frozenset({"train.reserve", "classifier.dropout"})
 # fields whose 0 has a meaning of its own below their range: tokenize.label_max_len 0 = tokenize.max_len
 ZERO_ALLOWED = frozenset({"tokenize.label_max_len"})

@@ -37,9 +37,10 @@ def check_positions(name: str, tokenizer, lengths: dict[str, int]) -> None:
     """Refuse token lengths (field -> tokens) past the transformer ``name``'s positions, its tokenizer's
     ``model_max_length`` (MiniLM: 512): its position table has no row for them, and the first step would fail with
     an index error minutes into the run. A bag encoder reads any length."""
-    most = int(min(getattr(tokenizer, "model_max_length", 0) or 0, 1 << 40))
+    most = getattr(tokenizer, "model_max_length", 0) or 0
     if parse_bag_name(name) is not None or is_bag_folder(name) or not 0 < most < 1 << 20:  # huge: not declared
         return
+    most = int(most)
     for field, n in lengths.items():
         if n > most:
             raise XCConfigError(f"{field}: {n} tokens, past the {most} positions of the encoder {name!r} "

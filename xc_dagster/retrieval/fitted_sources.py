@@ -12,13 +12,13 @@ written into ``fusion.json``, which evaluation and the serving bundle read (:fun
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from xc_dagster.errors import XCConfigError
+from xc_dagster.retrieval.lexical_weight import without_classifier
 from xc_dagster.retrieval.shortlist import ShortlistSources
 from xc_dagster.retrieval.votes import VOTES_KEY, Votes, fitted_votes, votes_record, with_votes
 
@@ -52,9 +52,7 @@ def without_lexical_classifiers(src: ShortlistSources) -> ShortlistSources:
     """``src`` whose lexical source scores its label-text and kNN parts alone (its matrices shared)."""
     if src.lexical is None or src.lexical.classifier is None:
         return src
-    lexical = copy.copy(src.lexical)
-    lexical.classifier = None
-    return dataclasses.replace(src, lexical=lexical)
+    return dataclasses.replace(src, lexical=without_classifier(src.lexical))
 
 
 def with_choice(src: ShortlistSources, choice: Choice) -> ShortlistSources:

@@ -37,6 +37,13 @@ def check_weights(weights: Any) -> tuple[float, ...]:
     return tuple(float(w) for w in values)
 
 
+def without_classifier(index: Any) -> Any:
+    """A shallow copy of the lexical ``index`` that scores its label-text and kNN parts alone (matrices shared)."""
+    out = copy.copy(index)
+    out.classifier = None
+    return out
+
+
 def weighted(index: Any, weight: float) -> Any:
     """A shallow copy of the lexical ``index`` whose classifiers count ``weight`` times (their weights shared)."""
     out, clf = copy.copy(index), copy.copy(index.classifier)
@@ -51,9 +58,7 @@ def weight_grid(index: Any, queries: sp.csr_matrix, excluded: np.ndarray | None,
     held-out points, ``excluded`` the indexed points never their neighbours (``LexicalIndex.scores``)."""
     if index.classifier is None:
         raise ValueError("the lexical index has no classifiers to weigh")
-    plain = copy.copy(index)
-    plain.classifier = None
-    base = sp.csr_matrix(plain.scores(queries, excluded))
+    base = sp.csr_matrix(without_classifier(index).scores(queries, excluded))
     part = sp.csr_matrix(weighted(index, 1.0).scores(queries, excluded) - base)  # the classifiers' scores alone
     return [(float(g), float(value(sp.csr_matrix(base + np.float32(g) * part)))) for g in weights]
 

@@ -62,7 +62,7 @@ from xc_dagster.retrieval.fusion import load_fusion
 from xc_dagster.retrieval.lexical import LEXICAL_DIR, read_config
 from xc_dagster.retrieval.shortlist import ShortlistSources, retrieve, topk_from_scores
 from xc_dagster.retrieval.source_files import load_sources
-from xc_dagster.retrieval.votes import fitted_votes, votes_record
+from xc_dagster.retrieval.votes import votes_record
 from xc_dagster.serving.bundle_checks import check_parts, read_array, read_info, read_part
 from xc_dagster.serving.bundle_files import MANIFEST_FILE, graph_copy, verify_bundle, write_manifest
 from xc_dagster.serving.limits import RequestLimits, cut_texts, has_content
@@ -207,7 +207,8 @@ def _assemble(ctx: "StageContext", out: Path, default_k: int, shortlist_size: in
     pre_summary = read.model_summary()
     tok_summary = read.summary("tokenize")
     fusion_file = load_json(out / "fusion.json")
-    fusion_method, votes = fusion_file.get("method"), fitted_votes(fusion_file)  # votes: (K, p) the fusion chose
+    fusion_method, chosen = fusion_file.get("method"), fitted_choice(fusion_file)  # its (K, p), lexical classifiers
+    votes = chosen.votes
     info = {
         "format": BUNDLE_FORMAT, "dataset": ctx.name, "strategy": ctx.cfg.strategy, "preset": ctx.cfg.preset,
         "encoder_source": ctx.cfg.tokenize.encoder, "encoder_type": pre_summary.get("encoder_type"),
@@ -221,7 +222,7 @@ def _assemble(ctx: "StageContext", out: Path, default_k: int, shortlist_size: in
         "knn_power": float(idx_summary.get("knn_power", 1.0)) if votes is None or "knn" not in sources else votes[1],
         "votes": None if votes is None else votes_record(votes),
         "lexical_classifiers": bool(idx_summary.get("lexical", {}).get("classifier_weights"))
-                               and fitted_choice(fusion_file).lexical_classifiers,
+                               and chosen.lexical_classifiers,
         "ef_search": int(ef_search or ctx.cfg.index.hnsw_ef_search),
         "shortlist_size": int(shortlist_size or ctx.cfg.index.shortlist_size), "fusion": fusion_method,
         "as_evaluated": (not shortlist_size or shortlist_size == ctx.cfg.index.shortlist_size)
