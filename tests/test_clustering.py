@@ -20,8 +20,7 @@ from xc_dagster.sampling import batches
 from xc_dagster.sampling.batches import NGAMESampler, curriculum_cluster_size
 from xc_dagster.sampling.clustering import balanced_clusters, cluster_batches
 from xc_dagster.training import siamese
-from xc_dagster.training.losses import PAIR_LOSSES
-from xc_dagster.training.siamese import point_batch_loss
+from xc_dagster.training.losses import PAIR_LOSSES, point_batch_loss
 
 
 def _planted(n_clusters: int, per: int, dim: int = 16, noise: float = 0.05, seed: int = 0):

@@ -79,6 +79,13 @@ class Progress:
         if now - self._last >= self.every:
             self._emit(now, final=False)
 
+    def retotal(self, total: int) -> None:
+        """The work turned out to be ``total`` units in all (a re-planned training)."""
+        self.total = int(total)
+        if self._bar is not None:
+            self._bar.total = self.total
+            self._bar.refresh()
+
     def note(self, text: str) -> None:
         """Report ``"<name>: <text>"`` now, e.g. that work without progress of its own (one faiss call) started."""
         if self.report is not None:

@@ -37,7 +37,8 @@ BOUNDS: dict[str, tuple[float, float | None, str]] = {
     **{f"train.{k}": v for k, v in {
         "budget_minutes": (0, None, "minutes (0 = no budget)"), "calibration_steps": (1, None, "timed steps"),
         "calibration_seconds": (0, None, "seconds"), "reserve": (0, 1, "a share of the budget below 1"),
-        "max_epochs": (0, None, "epochs (0 = no cap)")}.items()},
+        "max_epochs": (0, None, "epochs (0 = no cap)"),
+        "replan_every": (0, 1, "a share of the planned training seconds (0 = never)")}.items()},
     **{f"pretrain.{k}": v for k, v in {
         "epochs": EPOCHS, "batch_size": (2, None, "points per step"), "lr": RATE, "warmup_steps": STEPS,
         "weight_decay": WEIGHT, "margin": WEIGHT, "num_negatives": COUNT0, "temperature": RATE,

@@ -37,15 +37,15 @@ class TrainParams:
     """The training budget (``xc_dagster.training.budget``): the encoder's epochs planned from this machine's
     measured speed so that the training stages fill ``budget_minutes``; epochs set explicitly win."""
 
-    # minutes for the training stages together (pretraining with its encoding, mining, classifiers, index,
-    # fusion: the evaluation's stage_seconds.training_total); 0 = no budget, every stage's epochs as configured
+    # minutes for the training stages together (the evaluation's stage_seconds.training_total); 0 = no budget
     budget_minutes: float = 30.0
     calibration_steps: int = 3  # timed steps (after one warm-up step) of the trainer on a copy of the encoder
-    # ... and steps timed until they took this long, at most 2% of the budget (the second half's median step when
-    # more than twice calibration_steps ran): a GPU's first steps are ~10x its run's (decisions.md#calibration-warm-up)
+    # ... and steps timed until they took this long, at most 2% of the budget (decisions.md#calibration-warm-up)
     calibration_seconds: float = 10.0
     reserve: float = 0.15  # share of the budget kept for the stages after the encoder's training
     max_epochs: float = 0.0  # at most this many planned encoder epochs; 0 = no cap
+    # share of the planned training seconds between re-plans as trained; 0 = never (decisions.md#replan-as-trained)
+    replan_every: float = 0.1
 
 
 @dataclass

@@ -31,10 +31,12 @@ from xc_dagster.training.budget import (
     BudgetPlan,
     calibrate_stage,
     check_train_params,
+    encoding_seconds,
     plan_epochs,
 )
 from xc_dagster.training.checkpoint import Checkpointer, fingerprint, fingerprint_files
 from xc_dagster.training.distributed import DistEnv
+from xc_dagster.training.replan import Replanner
 from xc_dagster.training.siamese import SiameseTrainer, train_siamese
 
 
@@ -65,6 +67,18 @@ def plan_pretraining(ctx: StageContext, p: PretrainParams, encoder: Any, pt: Any
     ctx.info(f"pretrain {ctx.name}: budget {b.budget_minutes} min, {sec:.2f} s/step ({plan.points_per_second:.0f} "
              f"points/s), {spe} steps/epoch, encoding ~{encode_s:.0f} s: {plan.planned_epochs} epochs planned")
     return plan
+
+
+def replanner_for(ctx: StageContext, plan: BudgetPlan, started: float, encoder: Any, pt: Any, lt: Any, dtype: Any,
+                  p: PretrainParams) -> Replanner | None:
+    """The plan corrected as the run trains (xc_dagster.training.replan), which may time the encoding's sample
+    again mid-training (the encoder back in train mode after it)."""
+    def retime() -> float:
+        try:
+            return encoding_seconds(encoder, pt, lt, ctx.device, dtype, p.encode_batch_size, p.seed)
+        finally:
+            encoder.train()
+    return Replanner.for_plan(plan, started, ctx.cfg.train, retime)
 
 
 def label_points_named(ctx: StageContext, p: PretrainParams) -> PretrainParams:
@@ -142,8 +156,10 @@ def run(ctx: StageContext, env: DistEnv | None = None) -> dict[str, Any]:
         key = fingerprint({"configured": key, "planned_epochs": plan.planned_epochs})
     ckpt = Checkpointer(ctx.checkpoint_dir(), key)
     t_train = time.perf_counter()
+    replanner = replanner_for(ctx, plan, t_train, encoder, pt, lt, dtype, p) if env.world_size == 1 else None
     res = train_siamese(encoder, pt, lt, ds.Y_train, train_rows, p, ctx.device, dtype, ctx.log_metrics,
-                        checkpoint=ckpt, deadline=plan.deadline(t_train), report=ctx.info, env=env)
+                        checkpoint=ckpt, deadline=plan.deadline(t_train), report=ctx.info, env=env,
+                        replanner=replanner)
     ctx.info(f"pretrain {ctx.name}: {res.steps} steps, {res.points} points in {res.seconds:.0f}s"
              + (f" (rank {env.rank} of {env.world_size})" if env.world_size > 1 else ""))
     if not env.is_main:
@@ -165,7 +181,9 @@ def run(ctx: StageContext, env: DistEnv | None = None) -> dict[str, Any]:
                "texts_per_s": (len(pt[1]) + len(lt[1])) / max(encode_s, 1e-9), "device": str(ctx.device),
                "amp": str(dtype), "dim": encoder.dim, "encoder_type": type(encoder).__name__,
                "stopped_at_deadline": res.stopped_at_deadline, "label_points": p.label_points, "budget": plan.summary(),
-               "memory": res.memory, "seconds": time.perf_counter() - started}  # the stage's wall time (budgeted)
+               "planned_steps": res.planned_steps, "replans": replanner.history if replanner else [],
+               "memory": res.memory,
+               "seconds": time.perf_counter() - started}  # the stage's wall time (budgeted)
     if env.world_size > 1:
         summary["world_size"] = env.world_size
     with ctx.writing() as out:

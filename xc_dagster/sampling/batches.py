@@ -114,6 +114,7 @@ class NGAMESampler:
 
     def __init__(self, n_points: int, dim: int, params: PretrainParams, rows: np.ndarray, with_bank: bool = True):
         self.params, self.rows = params, np.asarray(rows)
+        self.n_points, self.dim = n_points, dim
         self.bank = np.zeros((n_points, dim), dtype=np.float32) if with_bank else None
         self.labels: np.ndarray | None = None
         self.size = 1
@@ -142,6 +143,14 @@ class NGAMESampler:
         t = time.perf_counter()
         self.bank[self.rows] = encode(self.rows)
         return {"pretrain_seed_bank_seconds": time.perf_counter() - t}
+
+    def fill_bank(self, epoch: int, encode: Callable[[np.ndarray], np.ndarray]) -> None:
+        """Before ``epoch``: a run planned without a clustering epoch (no bank) but re-planned into one clusters the
+        training points' embeddings by the encoder as it is now."""
+        p = self.params
+        if self.bank is None and curriculum_cluster_size(epoch, p.curriculum, p.max_cluster_size) > 1:
+            self.bank = np.zeros((self.n_points, self.dim), dtype=np.float32)
+            self.bank[self.rows] = encode(self.rows)
 
     def observe(self, rows: np.ndarray, emb: torch.Tensor) -> None:
         if self.bank is not None:

@@ -37,7 +37,7 @@ BUDGET_PLAN = "budget_plan.json"  # in a stage's checkpoint folder: the plan a r
 
 def check_train_params(p: Any) -> None:
     """``train.*``: a budget >= 0 minutes, >= 1 calibration step, calibration seconds >= 0, a reserve in [0, 1),
-    max_epochs >= 0."""
+    max_epochs >= 0, replan_every in [0, 1]."""
     if not (isinstance(p.budget_minutes, (int, float)) and math.isfinite(p.budget_minutes) and p.budget_minutes >= 0):
         raise XCConfigError(f"train.budget_minutes: expected minutes >= 0 (0 = no budget), got {p.budget_minutes!r}")
     if not (isinstance(p.calibration_steps, int) and p.calibration_steps >= 1):
@@ -49,6 +49,9 @@ def check_train_params(p: Any) -> None:
         raise XCConfigError(f"train.reserve: expected a share of the budget in [0, 1), got {p.reserve!r}")
     if not p.max_epochs >= 0:
         raise XCConfigError(f"train.max_epochs: expected epochs >= 0 (0 = no cap), got {p.max_epochs!r}")
+    if not 0 <= p.replan_every <= 1:
+        raise XCConfigError(f"train.replan_every: expected a share of the planned training seconds in [0, 1] "
+                            f"(0 = never), got {p.replan_every!r}")
 
 
 @dataclass
@@ -178,9 +181,7 @@ def calibrate_stage(make_trainer: Callable[[Any], Any], encoder: Any, train: Any
     estimated first: where it and the stages after it (``reserve``, default ``train.reserve``) leave no room in the
     budget past the ``spent`` seconds, no step is timed (0, 0, 0: :func:`plan_epochs` plans no epoch)."""
     started = time.perf_counter()
-    rate = encode_rate(lambda r: encode_tokens(encoder, tokens[0][r], tokens[1][r], device, dtype, batch_size),
-                       len(tokens[1]), seed=seed, runs_as_whole=encoded_as(encoder, tokens[1], device, batch_size))
-    encode_s = (len(tokens[1]) + len(label_tokens[1])) / rate
+    encode_s = encoding_seconds(encoder, tokens, label_tokens, device, dtype, batch_size, seed)
     budget = 60.0 * train.budget_minutes
     share = train.reserve if reserve is None else reserve
     if training_room(budget, spent + time.perf_counter() - started, encode_s, share) <= 0:
@@ -188,6 +189,15 @@ def calibrate_stage(make_trainer: Callable[[Any], Any], encoder: Any, train: Any
     sec, pts, spe = calibrate(make_trainer, encoder, train.calibration_steps, calibration_seconds(train),
                               CALIBRATION_CAP * budget)
     return sec, pts, spe, encode_s
+
+
+def encoding_seconds(encoder: Any, tokens: tuple[Any, Any], label_tokens: tuple[Any, Any], device: Any, dtype: Any,
+                     batch_size: int, seed: int) -> float:
+    """The estimated seconds to encode every point (``tokens``) and label (``label_tokens``), from
+    :func:`encode_rate` on a sample of the points; ``encoder`` is left in eval mode."""
+    rate = encode_rate(lambda r: encode_tokens(encoder, tokens[0][r], tokens[1][r], device, dtype, batch_size),
+                       len(tokens[1]), seed=seed, runs_as_whole=encoded_as(encoder, tokens[1], device, batch_size))
+    return (len(tokens[1]) + len(label_tokens[1])) / rate
 
 
 def reserve_seconds(share: float, budget_seconds: float, encode_seconds: float) -> float:

@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -301,3 +302,27 @@ CLASSIFIER_LOSSES: dict[str, type[ClassifierLoss]] = {
     "bce": BCEClassifierLoss,
     "siamesexml": SiameseXMLClassifierLoss,
 }
+
+
+def point_batch_loss(sim: torch.Tensor, mask: torch.Tensor, loss: PairLoss, symmetric: bool) -> torch.Tensor:
+    """Loss of a point batch: rows are the points, columns their sampled labels (the diagonal); with
+    ``symmetric`` also the label-anchored direction on the transposed matrix, the two averaged."""
+    value = loss(sim, mask)
+    if symmetric:
+        value = 0.5 * (value + loss(sim.T, mask.T))
+    return value
+
+
+def label_batch_pair_loss(p: torch.Tensor, z: torch.Tensor, where: np.ndarray, m: int, mask_t: torch.Tensor,
+                          loss: PairLoss, centroid_weight: float) -> torch.Tensor:
+    """Module I's loss from a label batch's embeddings: ``p`` of the distinct points (``where`` maps the B
+    anchors then the B x m centroid points to them), ``z`` of the B labels; beta-weighted text and centroid terms."""
+    B = len(z)
+    p = p[torch.from_numpy(where.reshape(-1)).to(p.device)]
+    anchors = p[:B]
+    value = loss(z @ anchors.T, mask_t)
+    if m > 0 and centroid_weight > 0:
+        v = F.normalize(p[B:].view(B, m, -1).mean(1), dim=-1)
+        w = centroid_weight
+        value = (1.0 - w) * value + w * loss(v @ anchors.T, mask_t)
+    return value

@@ -8,11 +8,32 @@ from typing import Callable
 
 def linear_with_warmup(warmup: int, total: int) -> Callable[[int], float]:
     """Linear warm-up then linear decay to zero (pretraining)."""
-    def f(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / max(warmup, 1)
-        return max(0.0, (total - step) / max(total - warmup, 1))
-    return f
+    return LinearWithWarmup(warmup, total)
+
+
+class LinearWithWarmup:
+    """Linear warm-up then linear decay to zero at ``total``, whose end may move while it runs (``retotal``: a
+    budgeted run re-planned as it trains). An object, so ``LambdaLR.state_dict`` keeps its attributes and a
+    resumed run decays to the same end."""
+
+    def __init__(self, warmup: int, total: int):
+        self.warmup, self.total = int(warmup), int(total)
+        self.anchor_step: int | None = None  # past the warm-up, a moved end decays from here ...
+        self.anchor_value = 1.0  # ... and this factor, so the rate never jumps
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / max(self.warmup, 1)
+        if self.anchor_step is None:
+            return max(0.0, (self.total - step) / max(self.total - self.warmup, 1))
+        return max(0.0, self.anchor_value * (self.total - step) / max(self.total - self.anchor_step, 1))
+
+    def retotal(self, step: int, total: int) -> None:
+        """Decay to zero at ``total`` instead, from the factor of ``step`` (the next step's) on; during the warm-up
+        only the end moves (the decay starts at 1 either way)."""
+        if step >= self.warmup:
+            self.anchor_value, self.anchor_step = self(step), step
+        self.total = int(total)
 
 
 def cosine_with_warmup(warmup: int, total: int) -> Callable[[int], float]:

@@ -24,6 +24,7 @@ independent: the whole state), every rank reads them.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -32,7 +33,6 @@ from typing import Any, Callable
 import numpy as np
 import scipy.sparse as sp
 import torch
-import torch.nn.functional as F
 
 from xc_dagster.config import PretrainParams
 from xc_dagster.device import adamw
@@ -55,7 +55,7 @@ from xc_dagster.training.data_parallel import (
 from xc_dagster.training.distributed import DistEnv, gather_rows, rank_rows
 from xc_dagster.training.grad_cache import StepEmbedder
 from xc_dagster.training.label_points import check_label_point_share, siamese_label_points
-from xc_dagster.training.losses import PAIR_LOSSES, PairLoss
+from xc_dagster.training.losses import PAIR_LOSSES, label_batch_pair_loss, point_batch_loss
 from xc_dagster.training.memory import (
     GRAD_CACHE_MODES,
     EncoderShape,
@@ -65,6 +65,7 @@ from xc_dagster.training.memory import (
     step_loss_bytes,
     text_lengths,
 )
+from xc_dagster.training.replan import Replanner
 from xc_dagster.training.schedules import linear_with_warmup
 from xc_dagster.training.window import MetricsWindow
 
@@ -95,30 +96,6 @@ def check_pretrain_params(params: PretrainParams) -> None:
         if not ok:
             raise XCConfigError(f"pretrain.{name}: expected {expected}, got {getattr(params, name)!r}")
     check_label_point_share(params.label_points, params.label_point_cooccurrence, "pretrain")
-
-
-def point_batch_loss(sim: torch.Tensor, mask: torch.Tensor, loss: PairLoss, symmetric: bool) -> torch.Tensor:
-    """Loss of a point batch: rows are the points, columns their sampled labels (the diagonal); with
-    ``symmetric`` also the label-anchored direction on the transposed matrix, the two averaged."""
-    value = loss(sim, mask)
-    if symmetric:
-        value = 0.5 * (value + loss(sim.T, mask.T))
-    return value
-
-
-def label_batch_pair_loss(p: torch.Tensor, z: torch.Tensor, where: np.ndarray, m: int, mask_t: torch.Tensor,
-                          loss: PairLoss, centroid_weight: float) -> torch.Tensor:
-    """Module I's loss from a label batch's embeddings: ``p`` of the distinct points (``where`` maps the B
-    anchors then the B x m centroid points to them), ``z`` of the B labels; beta-weighted text and centroid terms."""
-    B = len(z)
-    p = p[torch.from_numpy(where.reshape(-1)).to(p.device)]
-    anchors = p[:B]
-    value = loss(z @ anchors.T, mask_t)
-    if m > 0 and centroid_weight > 0:
-        v = F.normalize(p[B:].view(B, m, -1).mean(1), dim=-1)
-        w = centroid_weight
-        value = (1.0 - w) * value + w * loss(v @ anchors.T, mask_t)
-    return value
 
 
 def pretrain_memory_plan(encoder: torch.nn.Module, point_tokens: Tokens, label_tokens: Tokens, n_points: int,
@@ -182,6 +159,7 @@ class SiameseTrainer:
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, linear_with_warmup(params.warmup_steps, max(self.total_steps, 1)))
         self.steps = self.points = 0
+        self.replanned = False  # the total steps were re-planned (retotal): the run ends at them
         self._batch_points = 0  # point texts the last batch_loss encoded
         self.memory = MemoryPlan(False, params.chunk_size, 0.0, 0.0, None)  # grad caching, chunk size
         if trains:
@@ -224,16 +202,45 @@ class SiameseTrainer:
             emb = emb.cpu().numpy()
         return emb
 
-    def epoch_batches(self, epoch: int) -> list[Any]:
-        """The sampler's batches of ``epoch``; the fractional last epoch of ``pretrain.epochs`` cut short."""
+    def epoch_batches(self, epoch: int, cut: bool = True) -> list[Any]:
+        """The sampler's batches of ``epoch``; with ``cut``, the fractional last epoch of ``pretrain.epochs`` cut
+        short (``batches_in``)."""
+        fill = getattr(self.sampler, "fill_bank", None)
+        if fill is not None:  # a re-planned run reaching a clustering epoch its first plan did not hold
+            fill(epoch, self._encode_points)
         batches = self.sampler.epoch(epoch, self.rng)
-        if epoch == self.n_epochs - 1 and self.params.epochs < self.n_epochs:
-            batches = batches[:max(1, math.ceil((self.params.epochs - epoch) * len(batches)))]
+        if cut:
+            batches = batches[:self.batches_in(epoch, len(batches))]
         if self.env.world_size > 1:  # the ranks' sampler states and generators must not have drifted apart
             arrays = [a for b in batches for a in ((b.labels, b.anchors, b.centroid) if isinstance(b, LabelBatch)
                                                    else (b,))]
             check_same(digest(arrays, self.rng.bit_generator.state), f"the batches of epoch {epoch}", self.env)
         return batches
+
+    def batches_in(self, epoch: int, n: int) -> int:
+        """How many of ``epoch``'s ``n`` batches run: all but in the fractional last epoch of ``pretrain.epochs``
+        (none past it: a re-plan shortened the run)."""
+        if epoch >= self.n_epochs:
+            return 0
+        if epoch == self.n_epochs - 1 and self.params.epochs < self.n_epochs:
+            return max(1, math.ceil((self.params.epochs - epoch) * n))
+        return n
+
+    def retotal(self, total: int) -> None:
+        """``total`` steps in all (a budgeted run re-planned as it trains, xc_dagster.training.replan): the schedule
+        decays to it from the next step on, and the epochs follow."""
+        self.sched.lr_lambdas[0].retotal(self.steps, total)
+        self._set_total(total)
+
+    def replanned_end(self) -> bool:
+        """A re-planned run ends at its total steps, where its schedule does."""
+        return self.replanned and self.steps >= self.total_steps
+
+    def _set_total(self, total: int) -> None:
+        self.replanned = True
+        self.total_steps = int(total)
+        self.params = dataclasses.replace(self.params, epochs=total / self.sampler.steps_per_epoch())
+        self.n_epochs = math.ceil(self.params.epochs)
 
     def _embed_global(self, tokens: Tokens, rows: np.ndarray) -> torch.Tensor:
         """Embeddings of ``rows`` of the global batch: this rank embeds its ``rank_rows``, gathered with autograd."""
@@ -291,10 +298,13 @@ class SiameseTrainer:
 
     def state(self) -> dict[str, Any]:
         return {"encoder": self.encoder.state_dict(), "opt": self.opt.state_dict(), "sched": self.sched.state_dict(),
-                "step": self.steps, "points": self.points, "sampler": self.sampler.state()}
+                "step": self.steps, "points": self.points, "sampler": self.sampler.state(),
+                "total_steps": self.total_steps}
 
     def load_state(self, resumed: Resumed) -> None:
         st = resumed.state
+        if int(st.get("total_steps", self.total_steps)) != self.total_steps:  # re-planned before the checkpoint
+            self._set_total(int(st["total_steps"]))
         self.encoder.load_state_dict(st["encoder"])
         self.opt.load_state_dict(st["opt"])
         self.sched.load_state_dict(st["sched"])
@@ -313,13 +323,15 @@ class PretrainResult:
     resumed_from_epoch: int = 0
     stopped_at_deadline: bool = False  # the training budget's deadline ended it before its planned steps
     memory: dict[str, Any] = field(default_factory=dict)  # grad caching, chunk size, predicted / available GiB
+    planned_steps: int = 0  # the run's total steps at its end (a re-plan moves them)
 
 
 def train_siamese(encoder: torch.nn.Module, point_tokens: Tokens, label_tokens: Tokens, Y: sp.csr_matrix,
                   train_rows: np.ndarray, params: PretrainParams, device: torch.device, dtype: torch.dtype | None,
                   log_metrics: MetricsFn | None = None, log_every: int = 10,
                   checkpoint: Checkpointer | None = None, deadline: float | None = None,
-                  report: Report | None = None, env: DistEnv | None = None) -> PretrainResult:
+                  report: Report | None = None, env: DistEnv | None = None,
+                  replanner: Replanner | None = None) -> PretrainResult:
     """Train ``encoder`` in place for ``params.epochs`` (fractional allowed) over ``train_rows`` with labels.
 
     An epoch is the sampler's batches (one pass over the points; siamesexml: ``ceil(#labels with a training
@@ -329,7 +341,8 @@ def train_siamese(encoder: torch.nn.Module, point_tokens: Tokens, label_tokens: 
     (``time.perf_counter()``): no step starts after it (the training budget's guard, xc_dagster.training.budget).
     ``report``: where the progress lines go (steps of the planned total; ``xc_dagster.progress``). ``env``: this
     rank of a data-parallel world (every rank calls this with the same arguments): rank 0 alone logs, reports and
-    writes the checkpoint, and the ranks stop at the deadline together.
+    writes the checkpoint, and the ranks stop at the deadline together. ``replanner``: a budgeted run's total
+    steps corrected as it trains (xc_dagster.training.replan; one process).
     """
     trainer = SiameseTrainer(encoder, point_tokens, label_tokens, Y, train_rows, params, device, dtype, env)
     env = trainer.env
@@ -347,25 +360,37 @@ def train_siamese(encoder: torch.nn.Module, point_tokens: Tokens, label_tokens: 
     start = trainer.start(checkpoint, log_metrics)
     prog = Progress("pretrain", trainer.total_steps, "steps", report, log_metrics, initial=trainer.steps,
                     bar=None if env.is_main else False)
-    stopped = False
-    for epoch in range(start, trainer.n_epochs):
-        if stopped:
-            break
-        for batch in trainer.epoch_batches(epoch):
-            if past(deadline, env):
+    stopped, epoch = False, start
+    if replanner is not None:
+        replanner.start(trainer.steps)
+    while epoch < trainer.n_epochs and not stopped and not trainer.replanned_end():  # a re-plan moves them
+        batches, i = trainer.epoch_batches(epoch, cut=False), 0
+        while i < trainer.batches_in(epoch, len(batches)):
+            if trainer.replanned_end():
+                break
+            if past(replanner.moved(deadline) if replanner is not None else deadline, env):
                 stopped = True
                 break
             before = trainer.points
-            loss_val = trainer.step(batch)
+            loss_val = trainer.step(batches[i])
+            i += 1
             prog.update(1)
             window.add(loss_val, trainer.points - before)
             if log_metrics is not None and trainer.steps % log_every == 0:
                 log_window()
-        if checkpoint is not None and epoch + 1 < trainer.n_epochs and not stopped and env.is_main:  # the last
-            checkpoint.save(epoch + 1, trainer.state(), trainer.rng)  # epoch's state is the stage's result
+            total = replanner.check(trainer.steps, trainer.total_steps) if replanner is not None else None
+            if total is not None:
+                trainer.retotal(total)
+                prog.retotal(total)
+                if report is not None:
+                    report(f"pretrain: {replanner.history[-1]['seconds_per_step']:.2f} s/step as trained: "
+                           f"{total} steps in all")
+        epoch += 1
+        if checkpoint is not None and epoch < trainer.n_epochs and not stopped and env.is_main:  # the last
+            checkpoint.save(epoch, trainer.state(), trainer.rng)  # epoch's state is the stage's result
     if log_metrics is not None and window.losses:
         log_window()
     prog.close()
     encoder.eval()
     return PretrainResult(trainer.steps, trainer.points, time.perf_counter() - t0, loss_val,
-                          trainer.sampler.reclusterings, start, stopped, trainer.memory.summary())
+                          trainer.sampler.reclusterings, start, stopped, trainer.memory.summary(), trainer.total_steps)

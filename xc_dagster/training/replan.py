@@ -1,0 +1,104 @@
+"""A budgeted training's plan, corrected as it trains.
+
+The budget's plan (xc_dagster.training.budget) rests on a few steps and a sample's encoding timed before training.
+Where those ran at another speed than the run's -- other work on the machine during the calibration, a machine
+that slows as it heats, overheads the calibration never sees (re-clusterings, checkpoints) -- the plan is wrong
+for the whole run: a calibration timed under load plans a fraction of the steps the budget holds, and one timed
+too fast ends at the deadline with the learning rate never decayed. So every ``train.replan_every`` of the plan's
+training seconds the trainer's steps of the last window are timed as trained (wall seconds over steps, overheads
+included), and the steps that fit in what is left of the plan's training seconds become the new end of the run;
+the schedule decays to it from where it is (``LinearWithWarmup.retotal``). The first window whose steps ran more
+than ``RETIME_FACTOR`` faster or slower than calibrated also times the encoding's sample again (the encoding after
+training was planned from the same moment's speed): the end of training and its deadline move by what it now takes
+less or more. The later stages keep the reserve first planned (docs/decisions.md#replan-as-trained).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+REPLAN_MIN_CHANGE = 0.03  # of the planned steps: a smaller difference (timing noise) keeps the plan
+RETIME_FACTOR = 1.25  # a window's seconds per step this far from the calibration's re-times the encoding (once)
+
+
+@dataclass
+class Replanner:
+    """Re-plans a run's total steps from its own steps' seconds: ``start`` when training starts, ``check`` after
+    every step (a new total, or None to keep the one it has). ``history``: every re-plan, for the stage's summary;
+    ``shift``: how far the end of training (and so its deadline) moved with a re-timed encoding."""
+
+    end: float  # the clock's value at which the plan's training seconds end
+    every: float  # seconds between two re-plans
+    max_steps: int = 0  # train.max_epochs' cap in steps; 0: none
+    clock: Callable[[], float] = time.perf_counter
+    calibrated: float = 0.0  # the plan's seconds per step
+    encode_seconds: float = 0.0  # the plan's estimated encoding after training
+    retime: Callable[[], float] | None = None  # the encoding's seconds, timed now
+    share: float = 0.0  # train.replan_every: a moved end sets the windows to this share of the training's seconds
+    started: float = 0.0  # the clock's value at which training began
+    history: list[dict[str, float]] = field(default_factory=list)
+    shift: float = 0.0
+    _mark: tuple[float, int] = (0.0, 0)
+    _next: float = math.inf
+
+    @classmethod
+    def for_plan(cls, plan: Any, started: float, train: Any, retime: Callable[[], float] | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> Replanner | None:
+        """The re-planner of a budget's ``plan`` (a ``BudgetPlan``) whose training began at ``started``, under
+        ``train`` (``TrainParams``: ``replan_every``, ``max_epochs``, ``reserve``); None where nothing was planned
+        (explicit epochs, no budget, no step timed) or ``train.replan_every`` is 0."""
+        if (plan.explicit or plan.budget_seconds <= 0 or plan.planned_train_seconds <= 0 or plan.steps_per_epoch <= 0
+                or train.replan_every <= 0):
+            return None
+        cap = math.ceil(train.max_epochs * plan.steps_per_epoch) if train.max_epochs > 0 else 0
+        return cls(started + plan.planned_train_seconds, train.replan_every * plan.planned_train_seconds, cap, clock,
+                   plan.seconds_per_step, plan.encode_seconds, retime, train.replan_every, started)
+
+    def start(self, steps: int) -> None:
+        """Training (re)starts at ``steps``: the first window begins."""
+        now = self.clock()
+        self._mark, self._next = (now, steps), now + self.every
+
+    def moved(self, deadline: float | None) -> float | None:
+        """The training's ``deadline`` moved with its end."""
+        return None if deadline is None else deadline + self.shift
+
+    def check(self, steps: int, total: int) -> int | None:
+        """After a step: at a window's end, the steps that fit in the plan's seconds left at the window's rate,
+        where they differ from ``total`` by ``REPLAN_MIN_CHANGE`` (the run ends at ``total``)."""
+        now = self.clock()
+        if now < self._next:
+            return None
+        (then, before), self._mark, self._next = self._mark, (now, steps), now + self.every
+        if steps <= before:
+            return None
+        seconds = (now - then) / (steps - before)
+        retimed = self._retime(seconds)
+        if retimed:
+            now = self.clock()  # the re-timing's seconds are the run's, not the next window's
+            self.every = max(self.every, self.share * (self.end - self.started))  # windows of the longer run
+            self._mark, self._next = (now, steps), now + self.every
+        new = steps + max(0, int((self.end - now) / seconds))  # none left: the run ends here
+        if self.max_steps:
+            new = max(min(new, self.max_steps), steps)
+        if abs(new - total) < max(1.0, REPLAN_MIN_CHANGE * total) and not retimed:
+            return None
+        self.history.append({"step": steps, "seconds_per_step": round(seconds, 4), "total_steps": new,
+                             **({"encode_seconds": round(self.encode_seconds, 2), "shift": round(self.shift, 2)}
+                                if retimed else {})})
+        return new
+
+    def _retime(self, seconds: float) -> bool:
+        """Once, where ``seconds`` per step is ``RETIME_FACTOR`` from the calibration's: the encoding timed again,
+        the end moved by what it takes less (or more) than planned."""
+        if self.retime is None or self.calibrated <= 0 or \
+                max(seconds / self.calibrated, self.calibrated / seconds) <= RETIME_FACTOR:
+            return False
+        retime, self.retime = self.retime, None
+        encode = float(retime())
+        moved = self.encode_seconds - encode
+        self.end, self.shift, self.encode_seconds = self.end + moved, self.shift + moved, encode
+        return True
