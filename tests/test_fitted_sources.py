@@ -17,12 +17,14 @@ from xc_dagster.errors import XCConfigError
 from xc_dagster.evaluation.metrics import remove_filtered
 from xc_dagster.pipeline import StageContext, run_all
 from xc_dagster.pipeline import fusion as fusion_stage
+from xc_dagster.retrieval.files import LEXICAL_DIR
 from xc_dagster.retrieval.fitted_sources import Choice, as_fitted, choices, fitted_choice, without_lexical_classifiers
 from xc_dagster.retrieval.lexical import LexicalIndex
 from xc_dagster.retrieval.lexical_classifier import ClassifierSettings
 from xc_dagster.retrieval.shortlist import ShortlistSources
+from xc_dagster.retrieval.source_files import CLASSIFIER_FILES, link_lexical
 from xc_dagster.serving import bundle as serving_bundle
-from xc_dagster.storage import ArtifactStore
+from xc_dagster.storage import ArtifactStore, load_json
 
 LEXICAL = {**TINY, "pretrain.epochs": 1, "classifier.epochs": 1, "index.sources": "W,label,knn,lexical"}
 
@@ -106,6 +108,17 @@ def test_a_fusion_fitted_without_the_lexical_classifiers_is_evaluated_and_served
     serving_bundle.write_bundle(ctx, tmp_path / "bundle")
     bundle = serving_bundle.load_bundle(tmp_path / "bundle", "cpu")
     assert bundle.info["lexical_classifiers"] is False and bundle.sources.lexical.classifier is None
+    # the bundle carries none of their weights, nor names them (the index stage's folder keeps them)
+    index_lex, bundle_lex = ctx.dir("index") / LEXICAL_DIR, tmp_path / "bundle" / LEXICAL_DIR
+    assert all((index_lex / f).is_file() for f in CLASSIFIER_FILES)
+    assert not any((bundle_lex / f).exists() for f in CLASSIFIER_FILES)
+    assert "classifier" not in load_json(bundle_lex / "lexical.json")
+    assert not any(f in load_json(tmp_path / "bundle" / "manifest.json")["files"] for f in
+                   [f"{LEXICAL_DIR}/{name}" for name in CLASSIFIER_FILES])
+    assert {f.name for f in bundle_lex.iterdir()} == {f.name for f in index_lex.iterdir()} - set(CLASSIFIER_FILES)
+    link_lexical(index_lex, tmp_path / "kept", classifiers=True)  # a fusion that scores them: the folder as it is
+    assert LexicalIndex.load(tmp_path / "kept").classifier is not None
+    assert {f.name for f in (tmp_path / "kept").iterdir()} == {f.name for f in index_lex.iterdir()}
     ds = load_dataset(ctx.dir("ingest") / "dataset", features=False)
     ids, scores = serving_bundle.predict_topk(ds.test_texts, bundle, 10)
     np.testing.assert_array_equal(remove_filtered(ids, scores, ds.filter_test)[0], want)

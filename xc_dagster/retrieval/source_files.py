@@ -18,7 +18,8 @@ from xc_dagster.retrieval.files import (
     KNN_LABELS_FILE,
     LEXICAL_DIR,
 )
-from xc_dagster.retrieval.lexical import LexicalIndex
+from xc_dagster.retrieval.lexical import CONFIG_FILE, LexicalIndex, read_config
+from xc_dagster.retrieval.lexical_classifier import BIAS_FILE, KEYS_FILE, WEIGHTS_FILE
 from xc_dagster.retrieval.shortlist import (
     ANN_SOURCES,
     POINT_SOURCES,
@@ -26,6 +27,7 @@ from xc_dagster.retrieval.shortlist import (
     check_sources,
     label_representation,
 )
+from xc_dagster.storage import link, save_json
 
 
 def save_sources(src: ShortlistSources, folder, centroids: np.ndarray | None) -> None:
@@ -93,3 +95,20 @@ def _held_by(index: LabelIndex | None, vectors: np.ndarray) -> np.ndarray:
     if isinstance(vectors, np.memmap):
         return np.array(vectors, dtype=np.float32)  # into memory: a writable array, read once
     return np.asarray(vectors, dtype=np.float32)
+
+
+CLASSIFIER_FILES = (KEYS_FILE, WEIGHTS_FILE, BIAS_FILE)  # what ``LexicalClassifier.save`` writes into the folder
+
+
+def link_lexical(src: Path, dst: Path, classifiers: bool) -> None:
+    """The lexical index's folder ``src`` as ``dst`` (hard links); without ``classifiers`` (a fusion fitted without
+    them) their weights stay behind and ``dst``'s config no longer names them, so it loads as an index without."""
+    config = read_config(src)
+    if classifiers or not config.get("classifier"):
+        link(src, dst)
+        return
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name not in CLASSIFIER_FILES + (CONFIG_FILE,):
+            link(f, dst / f.name)
+    save_json(dst / CONFIG_FILE, {k: v for k, v in config.items() if k != "classifier"})

@@ -14,7 +14,8 @@ A *bundle* is a folder that loads from plain files only (no pickle); the registe
 ``lexical/``           the lexical source's TF-IDF index (vocabulary or feature words, idf, training-point and
                        label rows), when the sources have it: raw query text is vectorized with it
                        (``xc_dagster.retrieval.lexical``); one fitted on shipped BoW features serves only with the
-                       dataset's feature words, mapping a text's words to their feature columns
+                       dataset's feature words, mapping a text's words to their feature columns; the lexical
+                       classifiers' weights only where the fusion scores them
 ``fusion.json``        the fitted fusion (alpha or tree), as the fusion stage wrote it
 ``inv_prop.npy``       inverse propensities of the labels (the tree fusion's third feature)
 ``labels.parquet``     label texts (column ``text``, row = label id)
@@ -61,7 +62,7 @@ from xc_dagster.retrieval.fitted_sources import as_fitted, fitted_choice
 from xc_dagster.retrieval.fusion import load_fusion
 from xc_dagster.retrieval.lexical import LEXICAL_DIR, read_config
 from xc_dagster.retrieval.shortlist import ShortlistSources, retrieve, topk_from_scores
-from xc_dagster.retrieval.source_files import load_sources
+from xc_dagster.retrieval.source_files import link_lexical, load_sources
 from xc_dagster.retrieval.votes import votes_record
 from xc_dagster.serving.bundle_checks import check_parts, read_array, read_info, read_part
 from xc_dagster.serving.bundle_files import MANIFEST_FILE, graph_copy, verify_bundle, write_manifest
@@ -198,16 +199,16 @@ def _assemble(ctx: "StageContext", out: Path, default_k: int, shortlist_size: in
     for name in [INDEX_FILES[n] for n in sources if n in INDEX_FILES] + parts:
         if (idx / name).exists() and name not in graphs:
             link(idx / name, out / name)
-    if "lexical" in sources:
-        link(idx / LEXICAL_DIR, out / LEXICAL_DIR)
     link(read.path("fusion", FUSION), out / "fusion.json")
+    fusion_file = load_json(out / "fusion.json")
+    fusion_method, chosen = fusion_file.get("method"), fitted_choice(fusion_file)  # its (K, p), lexical classifiers
+    if "lexical" in sources:  # the lexical classifiers' weights only where the fusion scores them
+        link_lexical(idx / LEXICAL_DIR, out / LEXICAL_DIR, chosen.lexical_classifiers)
     link(read.dataset_dir() / LABEL_TEXTS_FILE, out / "labels.parquet")
     inv = ctx.inv_prop(read.labels().Y_train)
     np.save(out / "inv_prop.npy", np.asarray(inv, dtype=np.float64), allow_pickle=False)
     pre_summary = read.model_summary()
     tok_summary = read.summary("tokenize")
-    fusion_file = load_json(out / "fusion.json")
-    fusion_method, chosen = fusion_file.get("method"), fitted_choice(fusion_file)  # its (K, p), lexical classifiers
     votes = chosen.votes
     info = {
         "format": BUNDLE_FORMAT, "dataset": ctx.name, "strategy": ctx.cfg.strategy, "preset": ctx.cfg.preset,
