@@ -48,7 +48,7 @@ class Replanner:
     def for_plan(cls, plan: Any, started: float, train: Any, retime: Callable[[], float] | None = None,
                  clock: Callable[[], float] = time.perf_counter) -> Replanner | None:
         """The re-planner of a budget's ``plan`` (a ``BudgetPlan``) whose training began at ``started``, under
-        ``train`` (``TrainParams``: ``replan_every``, ``max_epochs``, ``reserve``); None where nothing was planned
+        ``train`` (``TrainParams``: ``replan_every``, ``max_epochs``); None where nothing was planned
         (explicit epochs, no budget, no step timed) or ``train.replan_every`` is 0."""
         if (plan.explicit or plan.budget_seconds <= 0 or plan.planned_train_seconds <= 0 or plan.steps_per_epoch <= 0
                 or train.replan_every <= 0):
