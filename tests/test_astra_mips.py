@@ -31,7 +31,8 @@ from xc_dagster.sampling.negatives import (
 from xc_dagster.sampling.stale_index import IndexSettings, build_indexes, first_valid, hard_negatives
 from xc_dagster.storage import ArtifactStore
 from xc_dagster.training.checkpoint import Checkpointer
-from xc_dagster.training.end_to_end import examples, sampled_bce, train_end_to_end
+from xc_dagster.training.end_to_end import sampled_bce, train_end_to_end
+from xc_dagster.training.label_points import examples
 from xc_dagster.training.schedules import cosine_with_warmup
 from xc_dagster.training.sharded import ShardedClassifier, ShardedOptimizer
 

@@ -18,7 +18,7 @@ from xc_dagster.config import EndToEndTrainerParams, PretrainParams
 from xc_dagster.encoders.bag import create_bag_encoder
 from xc_dagster.encoders.transformer import SiameseEncoder
 from xc_dagster.errors import XCConfigError
-from xc_dagster.training import end_to_end, memory, siamese
+from xc_dagster.training import memory, siamese
 from xc_dagster.training.end_to_end import EndToEndTrainer
 from xc_dagster.training.grad_cache import StepEmbedder
 from xc_dagster.training.memory import EncoderShape, plan_step_memory, predict_step_memory
@@ -248,7 +248,7 @@ def test_too_little_memory_is_a_config_error_naming_the_fields(data, monkeypatch
     with pytest.raises(XCConfigError, match="grad caching off.*or set pretrain.grad_cache=auto"):
         pretrain_trainer(data, "off")
     assert pretrain_trainer(data, "auto").memory.grad_cache
-    monkeypatch.setattr(end_to_end, "available_memory", lambda device: 64 * 1024)
+    monkeypatch.setattr(memory, "available_memory", lambda device: 64 * 1024)
     with pytest.raises(XCConfigError, match="classifier.chunk_size=5, classifier.batch_size=16"):
         e2e_trainer(data, "on")
 

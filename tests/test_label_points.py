@@ -27,9 +27,9 @@ from xc_dagster.storage import ArtifactStore
 from xc_dagster.training import label_points
 from xc_dagster.training.checkpoint import Checkpointer, fingerprint
 from xc_dagster.training.classifier import train_classifiers
-from xc_dagster.training.end_to_end import examples
 from xc_dagster.training.label_points import (
     classifier_label_points,
+    examples,
     label_neighbours,
     label_point_targets,
     siamese_label_points,

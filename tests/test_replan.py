@@ -4,6 +4,7 @@ seconds as trained, the schedule decays to the new end without a jump, and a res
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 
 import numpy as np
@@ -17,7 +18,7 @@ from xc_dagster.training import siamese
 from xc_dagster.training.budget import BudgetPlan
 from xc_dagster.training.checkpoint import Checkpointer
 from xc_dagster.training.replan import Replanner
-from xc_dagster.training.schedules import LinearWithWarmup
+from xc_dagster.training.schedules import CosineWithWarmup, LinearWithWarmup
 
 CPU = torch.device("cpu")
 
@@ -32,28 +33,35 @@ def ticking(seconds_per_call: float):
     return clock
 
 
-def test_the_schedule_decays_to_a_moved_end_from_where_it_is():
-    f = LinearWithWarmup(2, 10)
-    assert [f(s) for s in (0, 1, 2, 6, 10)] == pytest.approx([0.5, 1.0, 1.0, 0.5, 0.0])
-    f.retotal(6, 16)  # twice the steps left: the factor goes on from 0.5, to 0 at step 16
-    assert [f(s) for s in (6, 11, 16, 20)] == pytest.approx([0.5, 0.25, 0.0, 0.0])
-    w = LinearWithWarmup(4, 10)
+# the schedule's factors at steps 0, 1, 2, 6, 10 of a 2-step warm-up and 10 steps; after retotal(6, 16), at 6, 11,
+# 16, 20 and 7: linear from 0.5 down to 0 at 16, cosine along a half cosine from 0.5 down to 0 at 16
+SCHEDULES = [(LinearWithWarmup, [0.5, 1.0, 1.0, 0.5, 0.0], [0.5, 0.25, 0.0, 0.0], 0.45),
+             (CosineWithWarmup, [0.5, 1.0, 1.0, 0.5, 0.0], [0.5, 0.25, 0.0, 0.0], 0.25 * (1 + math.cos(math.pi / 10)))]
+
+
+@pytest.mark.parametrize("schedule, planned, moved, at_7", SCHEDULES)
+def test_the_schedule_decays_to_a_moved_end_from_where_it_is(schedule, planned, moved, at_7):
+    f = schedule(2, 10)
+    assert [f(s) for s in (0, 1, 2, 6, 10)] == pytest.approx(planned)
+    f.retotal(6, 16)
+    assert [f(s) for s in (6, 11, 16, 20)] == pytest.approx(moved)
+    w = schedule(4, 10)
     w.retotal(1, 22)  # during the warm-up only the end moves
     assert [w(s) for s in (1, 3, 4, 13, 22)] == pytest.approx([0.5, 1.0, 1.0, 0.5, 0.0])
     # kept by LambdaLR's state: a scheduler loaded from it goes on to the moved end
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, LinearWithWarmup(2, 10))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(2, 10))
     for _ in range(6):
         opt.step()
         sched.step()
     sched.lr_lambdas[0].retotal(6, 16)
     state = sched.state_dict()
     opt2 = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, LinearWithWarmup(2, 10))
+    sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, schedule(2, 10))
     sched2.load_state_dict(state)
     opt2.step()
     sched2.step()
-    assert sched2.get_last_lr()[0] == pytest.approx(0.45)  # step 7 of the decay 0.5 -> 0 over steps 6..16
+    assert sched2.get_last_lr()[0] == pytest.approx(at_7)  # step 7 of the moved decay
 
 
 def test_the_replanner_fits_the_steps_left_at_the_last_windows_rate():

@@ -38,6 +38,7 @@ from xc_dagster.training.classifier import (
 )
 from xc_dagster.training.distributed import DistEnv
 from xc_dagster.training.end_to_end import EndToEndTrainer, train_end_to_end
+from xc_dagster.training.replan import Replanner, encoding_retimer
 
 TAIL_RESERVE = 1 / 3  # of the pretraining's reserve: what the index and fusion stages keep after this stage
 
@@ -133,12 +134,13 @@ def _residual_encoder(ctx: StageContext, pooling: str | None) -> tuple[Any, Any,
 
 def fold_trainer(ctx: StageContext, ds: Any, label_emb: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
     """A trainer of W on the training points ``rows`` only, as this stage trains it but on the deployed embeddings
-    with the encoder frozen, for the epochs the stage ran: cross-fitting's fold classifiers (``fusion.fit_on``).
-    Its inputs are read once for every fold."""
+    with the encoder frozen, for the epochs the stage planned (re-planned, where it was): cross-fitting's fold
+    classifiers (``fusion.fit_on``). Its inputs are read once for every fold."""
     p = ctx.cfg.classifier
     point_emb, shortlist = ctx.read.embeddings("train"), ctx.read.shortlist()
-    budget = (ctx.read.summary("classifier") or {}).get("budget") or {}
-    q = dataclasses.replace(p, epochs=float(budget.get("planned_epochs", p.epochs)), train_encoder=False,
+    stage = ctx.read.summary("classifier") or {}
+    epochs = stage.get("replanned_epochs", (stage.get("budget") or {}).get("planned_epochs", p.epochs))
+    q = dataclasses.replace(p, epochs=float(epochs), train_encoder=False,
                             train_residual=False)
     W0 = _label_init(ctx, label_emb)  # not a warm start's W: it has seen every point
     inv_prop, sampled = ctx.inv_prop(ds.Y_train), _check_trainer(p)
@@ -154,6 +156,16 @@ def fold_trainer(ctx: StageContext, ds: Any, label_emb: np.ndarray) -> Callable[
                                  label_point_emb=label_emb)[0]
 
     return train
+
+
+def _replanner(ctx: StageContext, plan: BudgetPlan, started: float, p: Any, kw: dict[str, Any]) -> Replanner | None:
+    """The end-to-end run's plan corrected as it trains (one process; xc_dagster.training.replan): None unless it
+    trains the encoder (``kw``: the encoder and its tokens) on a planned budget."""
+    if "encoder" not in kw:
+        return None
+    retime = encoding_retimer(kw["encoder"], kw["point_tokens"], kw["label_tokens"], ctx.device, None,
+                              p.encode_batch_size, p.seed)
+    return Replanner.for_plan(plan, started, ctx.cfg.train, retime)
 
 
 def _check_ranks(ctx: StageContext, env: DistEnv, sampled: bool) -> None:
@@ -233,14 +245,14 @@ def run(ctx: StageContext, env: DistEnv | None = None) -> dict[str, Any]:
         kw.get("encoder"), key, started)
     if not plan.explicit:
         key = fingerprint({"configured": key, "planned": dataclasses.asdict(p)})
-    ckpt = Checkpointer(ctx.checkpoint_dir(), key)
-    emb = None
+    ckpt, emb = Checkpointer(ctx.checkpoint_dir(), key), None
     t_train = time.perf_counter()
     deadline = plan.deadline(t_train) if deadline is None else deadline
+    replanner = _replanner(ctx, plan, t_train, p, kw) if sampled and env.world_size == 1 else None
     if sampled:
         res = train_end_to_end(point_emb, label_emb, W0, ds.Y_train, rows, p, ctx.device, shortlist=sl, report=ctx.info,
                                log_metrics=ctx.log_metrics, checkpoint=ckpt, label_weight=lw, deadline=deadline,
-                               env=env, **kw)
+                               env=env, replanner=replanner, **kw)
         W_out, summary, emb = res.W, res.summary, (res.point_emb, res.label_emb)
     else:
         W_out, summary = train_classifiers(point_emb if inter is None else inter, W0, ds.Y_train, sl, rows, p,

@@ -31,12 +31,11 @@ from xc_dagster.training.budget import (
     BudgetPlan,
     calibrate_stage,
     check_train_params,
-    encoding_seconds,
     plan_epochs,
 )
 from xc_dagster.training.checkpoint import Checkpointer, fingerprint, fingerprint_files
 from xc_dagster.training.distributed import DistEnv
-from xc_dagster.training.replan import Replanner
+from xc_dagster.training.replan import Replanner, encoding_retimer
 from xc_dagster.training.siamese import SiameseTrainer, train_siamese
 
 
@@ -73,11 +72,7 @@ def replanner_for(ctx: StageContext, plan: BudgetPlan, started: float, encoder: 
                   p: PretrainParams) -> Replanner | None:
     """The plan corrected as the run trains (xc_dagster.training.replan), which may time the encoding's sample
     again mid-training (the encoder back in train mode after it)."""
-    def retime() -> float:
-        try:
-            return encoding_seconds(encoder, pt, lt, ctx.device, dtype, p.encode_batch_size, p.seed)
-        finally:
-            encoder.train()
+    retime = encoding_retimer(encoder, pt, lt, ctx.device, dtype, p.encode_batch_size, p.seed)
     return Replanner.for_plan(plan, started, ctx.cfg.train, retime)
 
 

@@ -11,7 +11,8 @@ only the scored rows are touched: SGD (ASTRA) or SparseAdam for W, AdamW for the
 cosine-with-warm-up schedule for both, dropout on the query embedding before the classifiers; the encoder's
 chunks gradient-cached when the batch's activations would not fit (``classifier.grad_cache``,
 ``xc_dagster.training.grad_cache``). With ``checkpoint`` the whole state is saved after every epoch and
-resumed from.
+resumed from. Under a budget the run's end may move as it trains (``replanner``, xc_dagster.training.replan): the
+schedule decays to the new end from where it is, and ASTRA builds its tables, at their interval in steps, up to it.
 """
 
 from __future__ import annotations
@@ -38,19 +39,12 @@ from xc_dagster.sampling.negatives import SAMPLED_NEGATIVES, NegativeSample
 from xc_dagster.training.checkpoint import Checkpointer, Resumable, Resumed, restore_rng, to_arrays, to_tensors
 from xc_dagster.training.data_parallel import average_gradients, broadcast_module, embed_global, past
 from xc_dagster.training.distributed import DistEnv
-from xc_dagster.training.grad_cache import StepEmbedder
-from xc_dagster.training.label_points import check_label_point_share, label_point_targets
+from xc_dagster.training.grad_cache import StepEmbedder, embed_examples
+from xc_dagster.training.label_points import check_label_point_share, examples
 from xc_dagster.training.label_sharded import RankShardedClassifier, RankShardedOptimizer
 from xc_dagster.training.losses import masked_bce_loss
-from xc_dagster.training.memory import (
-    GRAD_CACHE_MODES,
-    EncoderShape,
-    MemoryPlan,
-    available_memory,
-    plan_step_memory,
-    step_loss_bytes,
-    text_lengths,
-)
+from xc_dagster.training.memory import GRAD_CACHE_MODES, end_to_end_memory_plan
+from xc_dagster.training.replan import Replannable, Replanner
 from xc_dagster.training.schedules import cosine_with_warmup
 from xc_dagster.training.sharded import ShardedClassifier, ShardedOptimizer, shard_devices
 from xc_dagster.training.window import MetricsWindow
@@ -82,41 +76,6 @@ def check_end_to_end_params(params: EndToEndTrainerParams, has_encoder: bool) ->
     check_label_point_share(params.label_points, params.label_point_cooccurrence)
 
 
-def end_to_end_memory_plan(encoder: torch.nn.Module, point_tokens: Tokens, label_tokens: Tokens,
-                           params: EndToEndTrainerParams, src: np.ndarray, device: torch.device,
-                           dtype: torch.dtype | None) -> MemoryPlan:
-    """Grad caching and the chunk size of the end-to-end steps, from their predicted memory
-    (``xc_dagster.training.memory``): B example texts (``src``: the examples' sources, labels < 0; a batch holds
-    them in proportion), each scored against its positives and negatives."""
-    B = min(params.batch_size, len(src))
-    n_labels = int(round(B * float(np.mean(src < 0)))) if len(src) else 0
-    groups = [(B - n_labels, *text_lengths(point_tokens)), (n_labels, *text_lengths(label_tokens))]
-    pairs = B * (params.num_positives + params.num_hard + params.num_random)
-    loss = step_loss_bytes(B, pairs, encoder.dim) + 12.0 * pairs * encoder.dim  # the scored rows of W, their grads
-    fields = {"classifier.chunk_size": params.chunk_size, "classifier.batch_size": params.batch_size,
-              "tokenize.max_len": point_tokens[0].shape[1]}
-    return plan_step_memory(EncoderShape.of(encoder), groups, dtype, params.grad_cache, params.chunk_size,
-                            available_memory(device), fields, loss, "classifier.grad_cache")
-
-
-def examples(Y: sp.csr_matrix, train_rows: np.ndarray, label_points: bool,
-             min_share: float = 0.0) -> tuple[np.ndarray, sp.csr_matrix]:
-    """The training examples' source rows (>= 0: point row; < 0: label -1 - id) and their label matrix (a label
-    point's positives: ``label_point_targets`` with ``min_share``)."""
-    Y = Y.tocsr()
-    rows = np.asarray(train_rows, dtype=np.int64)
-    rows = rows[np.diff(Y.indptr)[rows] > 0]
-    parts = [Y[rows].astype(np.float32)]
-    src = [rows]
-    if label_points:
-        L = Y.shape[1]
-        parts.append(label_point_targets(Y, rows, min_share))
-        src.append(-1 - np.arange(L, dtype=np.int64))
-    Yex = sp.vstack(parts, format="csr")
-    Yex.sort_indices()
-    return np.concatenate(src), Yex
-
-
 def sampled_bce(clf: ShardedClassifier, x: torch.Tensor, pos: np.ndarray, neg: NegativeSample,
                 params: EndToEndTrainerParams, bias: torch.Tensor | float = 0.0,
                 label_weight: np.ndarray | None = None) -> torch.Tensor:
@@ -146,7 +105,7 @@ class EndToEndResult:
     summary: dict[str, Any] = field(default_factory=dict)
 
 
-class EndToEndTrainer(Resumable):
+class EndToEndTrainer(Replannable, Resumable):
     """The BCE trainer's state -- W and its optimizer, the shared logit bias, the encoder and its AdamW
     (``train_encoder``), the negative sampler, the embedding bank of the examples, numpy generator -- and its step.
 
@@ -179,11 +138,13 @@ class EndToEndTrainer(Resumable):
             initial = np.full((n, shortlist.shape[1]), -1, dtype=np.int64)
             initial[~is_label] = shortlist[self.src[~is_label]]
         self.steps_per_epoch = max(1, math.ceil(n / params.batch_size))
-        total = max(1, math.ceil(params.epochs * self.steps_per_epoch))
+        self.total_steps = self.planned_steps = max(1, math.ceil(params.epochs * self.steps_per_epoch))
         self.n_epochs = math.ceil(params.epochs)
+        self.replanned = False  # the total steps were re-planned (retotal): the run ends at them
         self.batches = RandomBatches(np.arange(n), params.batch_size, min_size=1)
         self.sampler = SAMPLED_NEGATIVES[params.negatives].from_params(params, self.Yex, self.bank,
-                                                                       self.steps_per_epoch, initial, total)
+                                                                       self.steps_per_epoch, initial,
+                                                                       self.total_steps)
         if self.env.world_size > 1 and hasattr(self.sampler, "index"):  # each rank indexes its own rows of W
             self.sampler.index = dataclasses.replace(self.sampler.index, env=self.env)
         self.rng = np.random.default_rng(params.seed)
@@ -194,7 +155,7 @@ class EndToEndTrainer(Resumable):
         else:
             self.clf = ShardedClassifier(W0, shard_devices(params.shards, device))
             self.w_opt = ShardedOptimizer(self.clf, params.w_optimizer, params.lr, params.weight_decay)
-        self.lr_factor = cosine_with_warmup(params.warmup_steps, total)
+        self.lr_factor = cosine_with_warmup(params.warmup_steps, self.total_steps)
         self.enc_opt = self.enc_sched = self.memory = self.embedder = None
         if params.train_encoder:
             self.enc_opt = adamw(encoder.parameters(), params.encoder_lr, 0.01)
@@ -212,12 +173,22 @@ class EndToEndTrainer(Resumable):
         self.stopped_at_deadline = False  # train_end_to_end's deadline ended the training
         self._observed: tuple[np.ndarray, np.ndarray] | None = None  # the last batch's rows and embeddings
 
-    def epoch_batches(self, epoch: int) -> list[np.ndarray]:
-        """Random batches of examples; the fractional last epoch of ``classifier.epochs`` cut short."""
+    def epoch_batches(self, epoch: int, cut: bool = True) -> list[np.ndarray]:
+        """Random batches of examples; with ``cut``, the fractional last epoch of ``classifier.epochs`` cut short
+        (``batches_in``)."""
         batches = self.batches.epoch(epoch, self.rng)
-        if epoch == self.n_epochs - 1 and self.params.epochs < self.n_epochs:
-            batches = batches[:max(1, math.ceil((self.params.epochs - epoch) * len(batches)))]
-        return batches
+        return batches[:self.batches_in(epoch, len(batches))] if cut else batches
+
+    def _schedule(self) -> Any:
+        return self.lr_factor
+
+    def _epoch_steps(self) -> int:
+        return self.steps_per_epoch
+
+    def _set_total(self, total: int) -> None:
+        super()._set_total(total)
+        if getattr(self.sampler, "total", None) is not None:  # ASTRA builds no table for a step past the end
+            self.sampler.total = self.total_steps
 
     def batch_loss(self, batch: np.ndarray) -> torch.Tensor:
         """The BCE of the examples ``batch`` against their positives and sampled negatives."""
@@ -226,7 +197,7 @@ class EndToEndTrainer(Resumable):
         if self.embedder is not None:
             self.embedder.discard()  # a step's chunks only
             # several ranks: each embeds its share of the examples, all-gathered with autograd (data parallel)
-            x = embed_global(lambda b: _embed_examples(self.embedder, self.src[b], self.point_tokens,
+            x = embed_global(lambda b: embed_examples(self.embedder, self.src[b], self.point_tokens,
                                                        self.label_tokens), batch, self.encoder.dim, self.env)
         else:
             x = torch.from_numpy(self.bank[batch]).to(self.device)
@@ -273,10 +244,14 @@ class EndToEndTrainer(Resumable):
                 "encoder": self.encoder.state_dict() if train_enc else {},
                 "enc_opt": self.enc_opt.state_dict() if train_enc else {},
                 "enc_sched": self.enc_sched.state_dict() if train_enc else {},
-                "sampler": to_tensors(self.sampler.state())}
+                "sampler": to_tensors(self.sampler.state()), "total_steps": self.total_steps,
+                "lr_factor": dict(vars(self.lr_factor))}
 
     def load_state(self, resumed: Resumed) -> None:
         st = resumed.state
+        if int(st.get("total_steps", self.total_steps)) != self.total_steps:  # re-planned before the checkpoint
+            self._set_total(int(st["total_steps"]))
+        vars(self.lr_factor).update(st.get("lr_factor", {}))
         self.clf.load_full(st["W"])
         if self.bias_opt is not None:
             with torch.no_grad():
@@ -316,7 +291,8 @@ class EndToEndTrainer(Resumable):
                    "logit_bias": float(self.bias.detach()),
                    "index_build_seconds_mean": float(np.mean(builds)) if builds else 0.0,
                    "shards": len(self.clf.weights), "resumed_from_epoch": resumed_from_epoch,
-                   "stopped_at_deadline": self.stopped_at_deadline,
+                   "stopped_at_deadline": self.stopped_at_deadline, "planned_steps": self.planned_steps,
+                   **({"replanned_epochs": params.epochs} if self.replanned else {}),
                    "examples_per_s": self.steps * params.batch_size / max(seconds, 1e-9),
                    "encode_seconds": time.perf_counter() - t1,
                    "memory": self.memory.summary() if self.memory is not None else {}}
@@ -330,7 +306,8 @@ def train_end_to_end(point_emb: np.ndarray, label_emb: np.ndarray, W0: np.ndarra
                      shortlist: np.ndarray | None = None, log_metrics: MetricsFn | None = None,
                      checkpoint: Checkpointer | None = None, log_every: int = 10, reencode: bool = True,
                      label_weight: np.ndarray | None = None, deadline: float | None = None,
-                     report: Report | None = None, env: DistEnv | None = None) -> EndToEndResult:
+                     report: Report | None = None, env: DistEnv | None = None,
+                     replanner: Replanner | None = None) -> EndToEndResult:
     """Train W (and ``encoder`` in place when ``params.train_encoder``) with the ``params.negatives`` sampler.
 
     ``point_emb``/``label_emb``: the current encoder's embeddings (the stale queries ASTRA starts from, and the
@@ -341,7 +318,8 @@ def train_end_to_end(point_emb: np.ndarray, label_emb: np.ndarray, W0: np.ndarra
     ``deadline`` (``time.perf_counter()``): no step starts after it (the training budget's guard).
     ``report``: where the progress lines go (steps of the planned total; ``xc_dagster.progress``). ``env``: this
     rank of several holding W's label ranges (the encoder, when trained, data parallel over them): rank 0 alone logs,
-    reports, checkpoints and gets W.
+    reports, checkpoints and gets W. ``replanner``: the budget's plan corrected as the run trains (one process;
+    xc_dagster.training.replan), its end and ``deadline`` moved with it.
     """
     trainer = EndToEndTrainer(point_emb, label_emb, W0, Y, train_rows, params, device, encoder=encoder,
                               point_tokens=point_tokens, label_tokens=label_tokens, dtype=dtype, shortlist=shortlist,
@@ -352,42 +330,33 @@ def train_end_to_end(point_emb: np.ndarray, label_emb: np.ndarray, W0: np.ndarra
     try:
         start = trainer.start(checkpoint)
         window = MetricsWindow()
-        prog = Progress("classifier", max(1, math.ceil(params.epochs * trainer.steps_per_epoch)), "steps", report,
-                        log_metrics, initial=trainer.steps)
-        for epoch in range(start, trainer.n_epochs):
-            if trainer.stopped_at_deadline:
-                break
-            for batch in trainer.epoch_batches(epoch):
-                if past(deadline, trainer.env):
+        prog = Progress("classifier", trainer.total_steps, "steps", report, log_metrics, initial=trainer.steps)
+        if replanner is not None:
+            replanner.start(trainer.steps)
+        epoch = start
+        while epoch < trainer.n_epochs and not trainer.stopped_at_deadline and not trainer.replanned_end():
+            batches, i = trainer.epoch_batches(epoch, cut=False), 0
+            while i < trainer.batches_in(epoch, len(batches)) and not trainer.replanned_end():
+                if past(replanner.moved(deadline) if replanner is not None else deadline, trainer.env):
                     trainer.stopped_at_deadline = True
                     break
-                window.add(trainer.step(batch), params.batch_size)
+                window.add(trainer.step(batches[i]), params.batch_size)
+                i += 1
                 prog.update(1)
                 if log_metrics is not None and trainer.steps % log_every == 0:
                     loss, rate = window.flush()
                     log_metrics(trainer.steps, {"classifier_loss": loss, "classifier_examples_per_s": rate,
                                                 "classifier_lr_factor": trainer.lr_factor(trainer.steps)})
-            if checkpoint is not None and epoch + 1 < trainer.n_epochs and not trainer.stopped_at_deadline:
+                trainer.follow(replanner, prog, report, "classifier")
+            epoch += 1
+            if checkpoint is not None and epoch < trainer.n_epochs and not trainer.stopped_at_deadline \
+                    and not trainer.replanned_end():
                 state = trainer.state()  # every rank: W's label ranges are gathered
                 if trainer.env.is_main:
-                    checkpoint.save(epoch + 1, state, trainer.rng)
+                    checkpoint.save(epoch, state, trainer.rng)
     finally:
         trainer.close()
     prog.close()
-    return trainer.result(time.perf_counter() - t0, start, reencode)
-
-
-def _embed_examples(embedder: StepEmbedder, src: np.ndarray, point_tokens: Tokens,
-                    label_tokens: Tokens) -> torch.Tensor:
-    """Embeddings (towards the encoder's gradient) of a batch of examples: point and label texts, in batch order."""
-    lab = src < 0
-    parts, where = [], []
-    if (~lab).any():
-        parts.append(embedder.embed(*point_tokens, src[~lab]).float())
-        where.append(np.flatnonzero(~lab))
-    if lab.any():
-        parts.append(embedder.embed(*label_tokens, -1 - src[lab]).float())
-        where.append(np.flatnonzero(lab))
-    x = torch.cat(parts)
-    back = torch.from_numpy(np.argsort(np.concatenate(where), kind="stable")).to(x.device)
-    return x[back]
+    res = trainer.result(time.perf_counter() - t0, start, reencode)
+    res.summary["replans"] = replanner.history if replanner is not None else []
+    return res

@@ -130,3 +130,19 @@ def _copy_into(targets: Iterator[torch.Tensor], values: list[torch.Tensor]) -> N
     with torch.no_grad():
         for target, value in zip(targets, values):
             target.copy_(value)
+
+
+def embed_examples(embedder: StepEmbedder, src: np.ndarray, point_tokens: tuple[np.ndarray, np.ndarray],
+                   label_tokens: tuple[np.ndarray, np.ndarray]) -> torch.Tensor:
+    """Embeddings (towards the encoder's gradient) of a batch of examples: point and label texts, in batch order."""
+    lab = src < 0
+    parts, where = [], []
+    if (~lab).any():
+        parts.append(embedder.embed(*point_tokens, src[~lab]).float())
+        where.append(np.flatnonzero(~lab))
+    if lab.any():
+        parts.append(embedder.embed(*label_tokens, -1 - src[lab]).float())
+        where.append(np.flatnonzero(lab))
+    x = torch.cat(parts)
+    back = torch.from_numpy(np.argsort(np.concatenate(where), kind="stable")).to(x.device)
+    return x[back]

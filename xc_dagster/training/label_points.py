@@ -7,7 +7,7 @@ the training rows gain N .. N + L - 1 (``with_label_rows``). ``siamese_label_poi
 trainer's point tokens with the label tokens (``pretrain.label_points``); ``classifier_label_points`` extends
 the hardest-negative trainer's point embeddings with the label embeddings and its shortlist with each label's
 nearest other labels by embedding (``label_neighbours``; ``classifier.label_points``). The BCE trainer over
-sampled negatives builds its examples itself (``xc_dagster.training.end_to_end.examples``).
+sampled negatives takes its examples from ``examples``.
 """
 
 from __future__ import annotations
@@ -167,3 +167,21 @@ def classifier_label_points(point_emb: np.ndarray, label_point_emb: np.ndarray |
     X = np.concatenate([np.asarray(point_emb, dtype=np.float32), np.asarray(label_point_emb, dtype=np.float32)])
     Yx, rows_x = with_label_rows(Y, rows, label_point_targets(Y, rows, min_share))
     return X, Yx, rows_x, np.concatenate([shortlist, nearest.astype(shortlist.dtype)])
+
+
+def examples(Y: sp.csr_matrix, train_rows: np.ndarray, label_points: bool,
+             min_share: float = 0.0) -> tuple[np.ndarray, sp.csr_matrix]:
+    """The training examples' source rows (>= 0: point row; < 0: label -1 - id) and their label matrix (a label
+    point's positives: ``label_point_targets`` with ``min_share``)."""
+    Y = Y.tocsr()
+    rows = np.asarray(train_rows, dtype=np.int64)
+    rows = rows[np.diff(Y.indptr)[rows] > 0]
+    parts = [Y[rows].astype(np.float32)]
+    src = [rows]
+    if label_points:
+        L = Y.shape[1]
+        parts.append(label_point_targets(Y, rows, min_share))
+        src.append(-1 - np.arange(L, dtype=np.int64))
+    Yex = sp.vstack(parts, format="csr")
+    Yex.sort_indices()
+    return np.concatenate(src), Yex

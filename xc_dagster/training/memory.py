@@ -217,3 +217,20 @@ def memory_error(need: float, available: float, fields: dict[str, Any], what: st
         f"a training step is predicted to need {need / GIB:.2f} GiB ({what}, with the optimizer state) but "
         f"{STEP_MEMORY_SHARE:.0%} of the {available / GIB:.2f} GiB available (MemAvailable, cgroup limit or "
         f"free GPU memory) is {STEP_MEMORY_SHARE * available / GIB:.2f} GiB; lower one of {names}{hint}")
+
+
+def end_to_end_memory_plan(encoder: torch.nn.Module, point_tokens: tuple[np.ndarray, np.ndarray],
+                           label_tokens: tuple[np.ndarray, np.ndarray], params: Any, src: np.ndarray,
+                           device: torch.device, dtype: torch.dtype | None) -> MemoryPlan:
+    """Grad caching and the chunk size of the end-to-end steps (``EndToEndTrainerParams``), from their predicted
+    memory: B example texts (``src``: the examples' sources, labels < 0; a batch holds
+    them in proportion), each scored against its positives and negatives."""
+    B = min(params.batch_size, len(src))
+    n_labels = int(round(B * float(np.mean(src < 0)))) if len(src) else 0
+    groups = [(B - n_labels, *text_lengths(point_tokens)), (n_labels, *text_lengths(label_tokens))]
+    pairs = B * (params.num_positives + params.num_hard + params.num_random)
+    loss = step_loss_bytes(B, pairs, encoder.dim) + 12.0 * pairs * encoder.dim  # the scored rows of W, their grads
+    fields = {"classifier.chunk_size": params.chunk_size, "classifier.batch_size": params.batch_size,
+              "tokenize.max_len": point_tokens[0].shape[1]}
+    return plan_step_memory(EncoderShape.of(encoder), groups, dtype, params.grad_cache, params.chunk_size,
+                            available_memory(device), fields, loss, "classifier.grad_cache")

@@ -15,10 +15,13 @@ less or more. The later stages keep the reserve first planned (docs/decisions.md
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+from xc_dagster.training.budget import encoding_seconds
 
 REPLAN_MIN_CHANGE = 0.03  # of the planned steps: a smaller difference (timing noise) keeps the plan
 RETIME_FACTOR = 1.25  # a window's seconds per step this far from the calibration's re-times the encoding (once)
@@ -102,3 +105,63 @@ class Replanner:
         moved = self.encode_seconds - encode
         self.end, self.shift, self.encode_seconds = self.end + moved, self.shift + moved, encode
         return True
+
+
+def encoding_retimer(encoder: Any, point_tokens: Any, label_tokens: Any, device: Any, dtype: Any, batch_size: int,
+                     seed: int) -> Callable[[], float]:
+    """The ``retime`` of a run training ``encoder``: the encoding's sample timed again mid-training
+    (``budget.encoding_seconds``), the encoder back in train mode after it."""
+    def retime() -> float:
+        try:
+            return encoding_seconds(encoder, point_tokens, label_tokens, device, dtype, batch_size, seed)
+        finally:
+            encoder.train()
+    return retime
+
+
+class Replannable:
+    """What a re-plan moves in a trainer (``SiameseTrainer``, ``EndToEndTrainer``): its ``total_steps``, its
+    ``params.epochs`` (float) and ``n_epochs``, its schedule's end. The trainer has ``steps`` and ``replanned``, and
+    gives its schedule (``_schedule``: a factor with ``retotal``) and its steps per epoch (``_epoch_steps``)."""
+
+    def batches_in(self, epoch: int, n: int) -> int:
+        """How many of ``epoch``'s ``n`` batches run: all but in the fractional last epoch of the run's epochs
+        (none past it: a re-plan shortened the run)."""
+        if epoch >= self.n_epochs:
+            return 0
+        if epoch == self.n_epochs - 1 and self.params.epochs < self.n_epochs:
+            return max(1, math.ceil((self.params.epochs - epoch) * n))
+        return n
+
+    def retotal(self, total: int) -> None:
+        """``total`` steps in all (a budgeted run re-planned as it trains): the schedule decays to it from the next
+        step on, and the epochs follow."""
+        self._schedule().retotal(self.steps, total)
+        self._set_total(total)
+
+    def follow(self, replanner: Replanner | None, progress: Any, report: Callable[[str], None] | None,
+               stage: str) -> None:
+        """After a step: the new total ``replanner`` gives, if any, becomes the run's and ``progress``'s end, and is
+        reported (``"<stage>: ... s/step as trained: N steps in all"``)."""
+        total = replanner.check(self.steps, self.total_steps) if replanner is not None else None
+        if total is None:
+            return
+        self.retotal(total)
+        progress.retotal(total)
+        if report is not None:
+            report(f"{stage}: {replanner.history[-1]['seconds_per_step']:.2f} s/step as trained: {total} steps in all")
+
+    def replanned_end(self) -> bool:
+        """A re-planned run ends at its total steps, where its schedule does."""
+        return self.replanned and self.steps >= self.total_steps
+
+    def _set_total(self, total: int) -> None:
+        self.replanned, self.total_steps = True, int(total)
+        self.params = dataclasses.replace(self.params, epochs=total / self._epoch_steps())
+        self.n_epochs = math.ceil(self.params.epochs)
+
+    def _schedule(self) -> Any:
+        raise NotImplementedError
+
+    def _epoch_steps(self) -> int:
+        raise NotImplementedError

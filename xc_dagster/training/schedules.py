@@ -38,8 +38,29 @@ class LinearWithWarmup:
 
 def cosine_with_warmup(warmup: int, total: int) -> Callable[[int], float]:
     """Linear warm-up to 1 over ``warmup`` steps, then cosine decay to 0 at ``total`` (the BCE trainer)."""
-    def f(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / max(warmup, 1)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (step - warmup) / max(total - warmup, 1))))
-    return f
+    return CosineWithWarmup(warmup, total)
+
+
+class CosineWithWarmup:
+    """Linear warm-up to 1 over ``warmup`` steps, then cosine decay to 0 at ``total``, whose end may move while it
+    runs (``retotal``, as :class:`LinearWithWarmup`'s): past the warm-up a moved end decays from the factor it has
+    reached along a half cosine to 0 at the new end, so the rate never jumps."""
+
+    def __init__(self, warmup: int, total: int):
+        self.warmup, self.total = int(warmup), int(total)
+        self.anchor_step: int | None = None
+        self.anchor_value = 1.0
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / max(self.warmup, 1)
+        start = self.warmup if self.anchor_step is None else self.anchor_step
+        share = min(1.0, max(0, step - start) / max(self.total - start, 1))
+        return self.anchor_value * 0.5 * (1.0 + math.cos(math.pi * share))
+
+    def retotal(self, step: int, total: int) -> None:
+        """Decay to zero at ``total`` instead, from the factor of ``step`` on (during the warm-up only the end
+        moves)."""
+        if step >= self.warmup:
+            self.anchor_value, self.anchor_step = self(step), step
+        self.total = int(total)

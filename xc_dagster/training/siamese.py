@@ -24,7 +24,6 @@ independent: the whole state), every rank reads them.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -65,7 +64,7 @@ from xc_dagster.training.memory import (
     step_loss_bytes,
     text_lengths,
 )
-from xc_dagster.training.replan import Replanner
+from xc_dagster.training.replan import Replannable, Replanner
 from xc_dagster.training.schedules import linear_with_warmup
 from xc_dagster.training.window import MetricsWindow
 
@@ -119,7 +118,7 @@ def pretrain_memory_plan(encoder: torch.nn.Module, point_tokens: Tokens, label_t
                             available_memory(device), fields, loss, "pretrain.grad_cache")
 
 
-class SiameseTrainer:
+class SiameseTrainer(Replannable):
     """The pretraining state -- encoder, AdamW, LR schedule, batch sampler, numpy generator -- and its step.
 
     ``step(batch)`` is ``update(batch_loss(batch))``: the batch's forward pass and loss, then backward, gradient
@@ -217,30 +216,11 @@ class SiameseTrainer:
             check_same(digest(arrays, self.rng.bit_generator.state), f"the batches of epoch {epoch}", self.env)
         return batches
 
-    def batches_in(self, epoch: int, n: int) -> int:
-        """How many of ``epoch``'s ``n`` batches run: all but in the fractional last epoch of ``pretrain.epochs``
-        (none past it: a re-plan shortened the run)."""
-        if epoch >= self.n_epochs:
-            return 0
-        if epoch == self.n_epochs - 1 and self.params.epochs < self.n_epochs:
-            return max(1, math.ceil((self.params.epochs - epoch) * n))
-        return n
+    def _schedule(self) -> Any:
+        return self.sched.lr_lambdas[0]
 
-    def retotal(self, total: int) -> None:
-        """``total`` steps in all (a budgeted run re-planned as it trains, xc_dagster.training.replan): the schedule
-        decays to it from the next step on, and the epochs follow."""
-        self.sched.lr_lambdas[0].retotal(self.steps, total)
-        self._set_total(total)
-
-    def replanned_end(self) -> bool:
-        """A re-planned run ends at its total steps, where its schedule does."""
-        return self.replanned and self.steps >= self.total_steps
-
-    def _set_total(self, total: int) -> None:
-        self.replanned = True
-        self.total_steps = int(total)
-        self.params = dataclasses.replace(self.params, epochs=total / self.sampler.steps_per_epoch())
-        self.n_epochs = math.ceil(self.params.epochs)
+    def _epoch_steps(self) -> int:
+        return self.sampler.steps_per_epoch()
 
     def _embed_global(self, tokens: Tokens, rows: np.ndarray) -> torch.Tensor:
         """Embeddings of ``rows`` of the global batch: this rank embeds its ``rank_rows``, gathered with autograd."""
@@ -378,13 +358,7 @@ def train_siamese(encoder: torch.nn.Module, point_tokens: Tokens, label_tokens: 
             window.add(loss_val, trainer.points - before)
             if log_metrics is not None and trainer.steps % log_every == 0:
                 log_window()
-            total = replanner.check(trainer.steps, trainer.total_steps) if replanner is not None else None
-            if total is not None:
-                trainer.retotal(total)
-                prog.retotal(total)
-                if report is not None:
-                    report(f"pretrain: {replanner.history[-1]['seconds_per_step']:.2f} s/step as trained: "
-                           f"{total} steps in all")
+            trainer.follow(replanner, prog, report, "pretrain")
         epoch += 1
         if checkpoint is not None and epoch < trainer.n_epochs and not stopped and env.is_main:  # the last
             checkpoint.save(epoch, trainer.state(), trainer.rng)  # epoch's state is the stage's result
