@@ -38,7 +38,7 @@ from xc_dagster.training.classifier import (
 )
 from xc_dagster.training.distributed import DistEnv
 from xc_dagster.training.end_to_end import EndToEndTrainer, train_end_to_end
-from xc_dagster.training.replan import Replanner, encoding_retimer
+from xc_dagster.training.replan import Replanner, replanner_for
 
 TAIL_RESERVE = 1 / 3  # of the pretraining's reserve: what the index and fusion stages keep after this stage
 
@@ -163,9 +163,8 @@ def _replanner(ctx: StageContext, plan: BudgetPlan, started: float, p: Any, kw: 
     trains the encoder (``kw``: the encoder and its tokens) on a planned budget."""
     if "encoder" not in kw:
         return None
-    retime = encoding_retimer(kw["encoder"], kw["point_tokens"], kw["label_tokens"], ctx.device, None,
-                              p.encode_batch_size, p.seed)
-    return Replanner.for_plan(plan, started, ctx.cfg.train, retime)
+    return replanner_for(plan, started, ctx.cfg.train, kw["encoder"], kw["point_tokens"], kw["label_tokens"],
+                         ctx.device, None, p.encode_batch_size, p.seed)
 
 
 def _check_ranks(ctx: StageContext, env: DistEnv, sampled: bool) -> None:

@@ -35,7 +35,7 @@ from xc_dagster.training.budget import (
 )
 from xc_dagster.training.checkpoint import Checkpointer, fingerprint, fingerprint_files
 from xc_dagster.training.distributed import DistEnv
-from xc_dagster.training.replan import Replanner, encoding_retimer
+from xc_dagster.training.replan import replanner_for
 from xc_dagster.training.siamese import SiameseTrainer, train_siamese
 
 
@@ -66,14 +66,6 @@ def plan_pretraining(ctx: StageContext, p: PretrainParams, encoder: Any, pt: Any
     ctx.info(f"pretrain {ctx.name}: budget {b.budget_minutes} min, {sec:.2f} s/step ({plan.points_per_second:.0f} "
              f"points/s), {spe} steps/epoch, encoding ~{encode_s:.0f} s: {plan.planned_epochs} epochs planned")
     return plan
-
-
-def replanner_for(ctx: StageContext, plan: BudgetPlan, started: float, encoder: Any, pt: Any, lt: Any, dtype: Any,
-                  p: PretrainParams) -> Replanner | None:
-    """The plan corrected as the run trains (xc_dagster.training.replan), which may time the encoding's sample
-    again mid-training (the encoder back in train mode after it)."""
-    retime = encoding_retimer(encoder, pt, lt, ctx.device, dtype, p.encode_batch_size, p.seed)
-    return Replanner.for_plan(plan, started, ctx.cfg.train, retime)
 
 
 def label_points_named(ctx: StageContext, p: PretrainParams) -> PretrainParams:
@@ -151,7 +143,8 @@ def run(ctx: StageContext, env: DistEnv | None = None) -> dict[str, Any]:
         key = fingerprint({"configured": key, "planned_epochs": plan.planned_epochs})
     ckpt = Checkpointer(ctx.checkpoint_dir(), key)
     t_train = time.perf_counter()
-    replanner = replanner_for(ctx, plan, t_train, encoder, pt, lt, dtype, p) if env.world_size == 1 else None
+    replanner = (replanner_for(plan, t_train, ctx.cfg.train, encoder, pt, lt, ctx.device, dtype, p.encode_batch_size,
+                               p.seed) if env.world_size == 1 else None)
     res = train_siamese(encoder, pt, lt, ds.Y_train, train_rows, p, ctx.device, dtype, ctx.log_metrics,
                         checkpoint=ckpt, deadline=plan.deadline(t_train), report=ctx.info, env=env,
                         replanner=replanner)

@@ -249,8 +249,7 @@ class EndToEndTrainer(Replannable, Resumable):
 
     def load_state(self, resumed: Resumed) -> None:
         st = resumed.state
-        if int(st.get("total_steps", self.total_steps)) != self.total_steps:  # re-planned before the checkpoint
-            self._set_total(int(st["total_steps"]))
+        self._resume_total(st)
         vars(self.lr_factor).update(st.get("lr_factor", {}))
         self.clf.load_full(st["W"])
         if self.bias_opt is not None:

@@ -7,7 +7,7 @@ for the whole run: a calibration timed under load plans a fraction of the steps 
 too fast ends at the deadline with the learning rate never decayed. So every ``train.replan_every`` of the plan's
 training seconds the trainer's steps of the last window are timed as trained (wall seconds over steps, overheads
 included), and the steps that fit in what is left of the plan's training seconds become the new end of the run;
-the schedule decays to it from where it is (``LinearWithWarmup.retotal``). The first window whose steps ran more
+the schedule decays to it from where it is (``schedules.WarmupDecay.retotal``). The first window whose steps ran more
 than ``RETIME_FACTOR`` faster or slower than calibrated also times the encoding's sample again (the encoding after
 training was planned from the same moment's speed): the end of training and its deadline move by what it now takes
 less or more. The later stages keep the reserve first planned (docs/decisions.md#replan-as-trained).
@@ -107,16 +107,16 @@ class Replanner:
         return True
 
 
-def encoding_retimer(encoder: Any, point_tokens: Any, label_tokens: Any, device: Any, dtype: Any, batch_size: int,
-                     seed: int) -> Callable[[], float]:
-    """The ``retime`` of a run training ``encoder``: the encoding's sample timed again mid-training
-    (``budget.encoding_seconds``), the encoder back in train mode after it."""
+def replanner_for(plan: Any, started: float, train: Any, encoder: Any, point_tokens: Any, label_tokens: Any,
+                  device: Any, dtype: Any, batch_size: int, seed: int) -> Replanner | None:
+    """``Replanner.for_plan`` for a run training ``encoder``: its ``retime`` times the encoding's sample again
+    mid-training (``budget.encoding_seconds``), the encoder back in train mode after it."""
     def retime() -> float:
         try:
             return encoding_seconds(encoder, point_tokens, label_tokens, device, dtype, batch_size, seed)
         finally:
             encoder.train()
-    return retime
+    return Replanner.for_plan(plan, started, train, retime)
 
 
 class Replannable:
@@ -154,6 +154,11 @@ class Replannable:
     def replanned_end(self) -> bool:
         """A re-planned run ends at its total steps, where its schedule does."""
         return self.replanned and self.steps >= self.total_steps
+
+    def _resume_total(self, state: dict[str, Any]) -> None:
+        """A checkpoint's ``total_steps`` where a re-plan moved them before it was written."""
+        if int(state.get("total_steps", self.total_steps)) != self.total_steps:
+            self._set_total(int(state["total_steps"]))
 
     def _set_total(self, total: int) -> None:
         self.replanned, self.total_steps = True, int(total)

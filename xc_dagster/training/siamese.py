@@ -283,8 +283,7 @@ class SiameseTrainer(Replannable):
 
     def load_state(self, resumed: Resumed) -> None:
         st = resumed.state
-        if int(st.get("total_steps", self.total_steps)) != self.total_steps:  # re-planned before the checkpoint
-            self._set_total(int(st["total_steps"]))
+        self._resume_total(st)
         self.encoder.load_state_dict(st["encoder"])
         self.opt.load_state_dict(st["opt"])
         self.sched.load_state_dict(st["sched"])
