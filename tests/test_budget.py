@@ -3,6 +3,7 @@ budgeted run end to end on tiny data."""
 
 from __future__ import annotations
 
+import math
 import time
 from types import SimpleNamespace
 
@@ -22,7 +23,7 @@ from xc_dagster.retrieval.lexical_exact import SCALES, SCALES_EXTEND
 from xc_dagster.storage import ArtifactStore
 from xc_dagster.training import budget as budget_module
 from xc_dagster.training import siamese
-from xc_dagster.training.budget import BudgetPlan, check_train_params, plan_epochs
+from xc_dagster.training.budget import BudgetPlan, check_train_params, plan_epochs, whole_steps
 
 
 def test_plan_fills_what_is_left_of_the_budget():
@@ -32,9 +33,16 @@ def test_plan_fills_what_is_left_of_the_budget():
     assert plan.points_per_second == pytest.approx(128.0) and not plan.capped
     # a machine twice as fast gets twice the epochs on the same data
     assert plan_epochs("pretrain.epochs", 10, 1.0, False, 1.0, 256, 7, 60.0, 30.0, 0.15).planned_epochs == 60.0
-    # rounded down to two decimals: never more than what fits
+    # rounded down to whole steps: never more than what fits, none of it dropped (420 s at 2 s: 210 steps of 11)
     assert plan_epochs("pretrain.epochs", 10, 1.0, False, 3.0, 256, 7, 60.0, 30.0, 0.15).planned_epochs == 20.0
-    assert plan_epochs("pretrain.epochs", 10, 1.0, False, 2.0, 256, 11, 60.0, 30.0, 0.15).planned_epochs == 19.09
+    odd = plan_epochs("pretrain.epochs", 10, 1.0, False, 2.0, 256, 11, 60.0, 30.0, 0.15)
+    assert odd.planned_epochs == 19.090909 and math.ceil(odd.planned_epochs * 11) == 210
+    assert odd.planned_train_seconds <= 420.0
+    # an epoch far longer than the run: 0.0099 of an epoch of 8,768 steps is 86 steps (two decimals planned none)
+    long_epoch = plan_epochs("pretrain.epochs", 10, 1.0, False, 1.0, 256, 8768, 60.0, 30.0, 0.15)
+    assert math.ceil(long_epoch.planned_epochs * 8768) == 420  # 420 s at 1 s a step
+    tiny = plan_epochs("pretrain.epochs", 10, 1.0, False, 420 / 86.5, 256, 8768, 60.0, 30.0, 0.15)
+    assert tiny.planned_epochs == 0.009808 and math.ceil(tiny.planned_epochs * 8768) == 86
     capped = plan_epochs("pretrain.epochs", 10, 1.0, False, 2.0, 256, 7, 60.0, 30.0, 0.15, max_epochs=4)
     assert capped.planned_epochs == 4.0 and capped.capped
     # nothing left: no training rather than an overrun
@@ -42,7 +50,7 @@ def test_plan_fills_what_is_left_of_the_budget():
     # an encoding longer than the share: the later stages keep at least the encoding's seconds (they search every
     # point against every label, work that grows as the encoding does): 600 - 30 - 150 - 150 = 270 s at 14 s/epoch
     big = plan_epochs("pretrain.epochs", 10, 1.0, False, 2.0, 256, 7, 150.0, 30.0, 0.15)
-    assert big.reserved_seconds == 150.0 and big.planned_epochs == 19.28
+    assert big.reserved_seconds == 150.0 and big.planned_epochs == 19.285714  # 135 steps of 7
     assert plan.reserved_seconds == 90.0  # the share where the encoding is shorter
     explicit = plan_epochs("pretrain.epochs", 10, 2.0, True, 2.0, 256, 7, 60.0, 30.0, 0.15)
     assert explicit.planned_epochs == 2.0 and explicit.deadline(0.0) is None
@@ -111,7 +119,7 @@ def test_budgeted_run_plans_pretraining_and_records_the_plan(tiny_home, monkeypa
     assert not plan["explicit"] and plan["seconds_per_step"] > 0 and plan["steps_per_epoch"] == spe
     left = plan["budget_seconds"] - plan["spent_seconds"] - plan["encode_seconds"] - plan["reserved_seconds"]
     # 30 s leave room for the 3 epochs even on a loaded machine; none left would plan 0 (max(0, left))
-    expected = min(3.0, np.floor(100 * max(0.0, left) / (plan["seconds_per_step"] * plan["steps_per_epoch"])) / 100)
+    expected = whole_steps(min(3.0, max(0.0, left) / (plan["seconds_per_step"] * spe)), spe)
     assert plan["planned_epochs"] == pytest.approx(expected)
     # the planned epochs were trained (ngame's cluster batches after the first epoch may number fewer than spe),
     # or the steps the run re-planned as it trained, never past train.max_epochs

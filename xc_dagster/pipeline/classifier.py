@@ -76,7 +76,7 @@ def plan_classifiers(ctx: StageContext, sampled: bool, make_trainer: Any, encode
         if f"classifier.{name}" not in ctx.cfg.explicit:
             changes[name] = getattr(p, name) * scale
     ctx.info(f"classifier {ctx.name}: budget {b.budget_minutes} min, {kept.seconds_per_step:.2f} s/step, "
-             f"{kept.planned_epochs} epochs planned")
+             f"{kept.planned_epochs:.4g} epochs planned")
     return dataclasses.replace(p, **changes), kept, None
 
 

@@ -64,7 +64,8 @@ def plan_pretraining(ctx: StageContext, p: PretrainParams, encoder: Any, pt: Any
                  f"after it leave no time to train; no epoch planned (train.budget_minutes more, or 0 for none)")
         return plan
     ctx.info(f"pretrain {ctx.name}: budget {b.budget_minutes} min, {sec:.2f} s/step ({plan.points_per_second:.0f} "
-             f"points/s), {spe} steps/epoch, encoding ~{encode_s:.0f} s: {plan.planned_epochs} epochs planned")
+             f"points/s), {spe} steps/epoch, encoding ~{encode_s:.0f} s: {plan.planned_epochs:.4g} epochs "
+             f"({int(np.ceil(plan.planned_epochs * spe))} steps) planned")
     return plan
 
 
