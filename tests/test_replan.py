@@ -102,6 +102,34 @@ def test_the_replanner_fits_the_steps_left_at_the_last_windows_rate():
     assert Replanner.for_plan(planned, 7.0, TrainParams(replan_every=0.0)) is None  # off
 
 
+
+def _periodic_run(period: int) -> tuple[int, float, list[int]]:
+    """A run of 1 s steps with a 9 s overhead at every 10th step (1.9 s a step on average), re-planned every 7 s
+    towards an end at 400 s from a plan of 100 steps: (steps run, seconds, the totals it was re-planned to)."""
+    now = [0.0]
+    r = Replanner(end=400.0, every=7.0, clock=lambda: now[0])
+    r.start(0, period)
+    steps, total, totals = 0, 100, []
+    while steps < total:
+        steps += 1
+        now[0] += 1.0 + (9.0 if steps % 10 == 0 else 0.0)
+        new = r.check(steps, total)
+        if new is not None:
+            total = new
+            totals.append(new)
+    return steps, now[0], totals
+
+
+def test_a_rate_spanning_the_trainers_overhead_period_steadies_the_end():
+    # with the period: the first window (7 steps at 1 s, no overhead seen yet) reads 400 steps, every later rate
+    # spans 10 steps or more from the start or a window's end: 1.9 s a step, 400 / 1.9 -> 210 steps, kept
+    steps, seconds, totals = _periodic_run(period=10)
+    assert totals == [400, 210] and steps == 210 and seconds == 399.0
+    # without it each window has one overhead or none, and the end swings between ~105 and ~400 steps each time
+    steps, seconds, totals = _periodic_run(period=0)
+    assert len(totals) == 40 and totals[:4] == [400, 105, 391, 110]
+    assert (steps, seconds) == (205, 385.0)  # the last swing ends it short of the plan's seconds
+
 def _train(path, pt, lt, Y, params, replanner=None, checkpoint=None, lrs=None):
     torch.manual_seed(0)
     enc = load_encoder(str(path))

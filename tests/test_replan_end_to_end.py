@@ -61,7 +61,9 @@ def test_a_run_faster_than_planned_trains_on_with_more_refreshes_and_decays_to_i
     factors = []
     # 1 s a step, training starting at 1 and the plan's seconds ending at 20: after the first window (2 steps,
     # ending at 3) 17 more steps fit
-    res = _train(replanner=Replanner(end=20.0, every=2.0, clock=ticking(1.0)), factors=factors)
+    replanner = Replanner(end=20.0, every=2.0, clock=ticking(1.0))
+    res = _train(replanner=replanner, factors=factors)
+    assert replanner.period == 4  # its rates span ASTRA's builds' interval (tests/test_replan.py: what that steadies)
     s = res.summary
     assert s["steps"] == 19 and s["planned_steps"] == 8 and s["replanned_epochs"] == pytest.approx(19 / 8)
     assert s["refreshes"] == 5  # ASTRA's tables at steps 2, 6, 10, 14, 18: the run's new end, not the plan's

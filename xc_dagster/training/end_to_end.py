@@ -331,7 +331,7 @@ def train_end_to_end(point_emb: np.ndarray, label_emb: np.ndarray, W0: np.ndarra
         window = MetricsWindow()
         prog = Progress("classifier", trainer.total_steps, "steps", report, log_metrics, initial=trainer.steps)
         if replanner is not None:
-            replanner.start(trainer.steps)
+            replanner.start(trainer.steps, getattr(trainer.sampler, "every", 0))  # rates span a table build's period
         epoch = start
         while epoch < trainer.n_epochs and not trainer.stopped_at_deadline and not trainer.replanned_end():
             batches, i = trainer.epoch_batches(epoch, cut=False), 0

@@ -10,7 +10,9 @@ included), and the steps that fit in what is left of the plan's training seconds
 the schedule decays to it from where it is (``schedules.WarmupDecay.retotal``). The first window whose steps ran more
 than ``RETIME_FACTOR`` faster or slower than calibrated also times the encoding's sample again (the encoding after
 training was planned from the same moment's speed): the end of training and its deadline move by what it now takes
-less or more. The later stages keep the reserve first planned (docs/decisions.md#replan-as-trained).
+less or more. The later stages keep the reserve first planned. A trainer with an overhead every so many steps
+(ASTRA's and MIPS-s' table builds) gives that ``period``: the rate then spans at least one period, so that windows
+with and without a build do not move the end back and forth (docs/decisions.md#replan-as-trained).
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ class Replanner:
     started: float = 0.0  # the clock's value at which training began
     history: list[dict[str, float]] = field(default_factory=list)
     shift: float = 0.0
-    _mark: tuple[float, int] = (0.0, 0)
+    period: int = 0  # steps between the trainer's periodic overheads: a rate spans at least this many steps
+    _marks: list[tuple[float, int]] = field(default_factory=list)  # (clock, steps) at the windows' ends
     _next: float = math.inf
 
     @classmethod
@@ -60,22 +63,26 @@ class Replanner:
         return cls(started + plan.planned_train_seconds, train.replan_every * plan.planned_train_seconds, cap, clock,
                    plan.seconds_per_step, plan.encode_seconds, retime, train.replan_every, started)
 
-    def start(self, steps: int) -> None:
-        """Training (re)starts at ``steps``: the first window begins."""
+    def start(self, steps: int, period: int = 0) -> None:
+        """Training (re)starts at ``steps``: the first window begins. ``period``: the trainer's steps between two
+        of its periodic overheads (0: none)."""
         now = self.clock()
-        self._mark, self._next = (now, steps), now + self.every
+        self.period, self._marks, self._next = max(0, int(period)), [(now, steps)], now + self.every
 
     def moved(self, deadline: float | None) -> float | None:
         """The training's ``deadline`` moved with its end."""
         return None if deadline is None else deadline + self.shift
 
     def check(self, steps: int, total: int) -> int | None:
-        """After a step: at a window's end, the steps that fit in the plan's seconds left at the window's rate,
-        where they differ from ``total`` by ``REPLAN_MIN_CHANGE`` (the run ends at ``total``)."""
+        """After a step: at a window's end, the steps that fit in the plan's seconds left at the rate since
+        ``_since``'s window end, where they differ from ``total`` by ``REPLAN_MIN_CHANGE`` (the run ends at
+        ``total``)."""
         now = self.clock()
         if now < self._next:
             return None
-        (then, before), self._mark, self._next = self._mark, (now, steps), now + self.every
+        then, before = self._since(steps)
+        self._marks.append((now, steps))
+        self._next = now + self.every
         if steps <= before:
             return None
         seconds = (now - then) / (steps - before)
@@ -83,7 +90,7 @@ class Replanner:
         if retimed:
             now = self.clock()  # the re-timing's seconds are the run's, not the next window's
             self.every = max(self.every, self.share * (self.end - self.started))  # windows of the longer run
-            self._mark, self._next = (now, steps), now + self.every
+            self._marks, self._next = [(now, steps)], now + self.every
         new = steps + max(0, int((self.end - now) / seconds))  # none left: the run ends here
         if self.max_steps:
             new = max(min(new, self.max_steps), steps)
@@ -93,6 +100,16 @@ class Replanner:
                              **({"encode_seconds": round(self.encode_seconds, 2), "shift": round(self.shift, 2)}
                                 if retimed else {})})
         return new
+
+    def _since(self, steps: int) -> tuple[float, int]:
+        """The latest window's end at least ``period`` steps before ``steps`` (the last one without a period; the
+        first where none is that far back): the rate is timed from there. Older ends are dropped (a later rate
+        starts at this one or after it)."""
+        i = len(self._marks) - 1
+        while i > 0 and steps - self._marks[i][1] < self.period:
+            i -= 1
+        del self._marks[:i]
+        return self._marks[0]
 
     def _retime(self, seconds: float) -> bool:
         """Once, where ``seconds`` per step is ``RETIME_FACTOR`` from the calibration's: the encoding timed again,
