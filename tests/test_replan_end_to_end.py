@@ -42,7 +42,7 @@ def _problem(n: int = 120, L: int = 40, d: int = 16, seed: int = 5):
     return X, rng.normal(size=(L, d)).astype(np.float32), Y
 
 
-def _train(params=P, replanner=None, checkpoint=None, factors=None, kill_at=None):
+def _train(params=P, replanner=None, checkpoint=None, factors=None, kill_at=None, follow=()):
     X, labels, Y = _problem()
 
     def log(step: int, m: dict) -> None:
@@ -51,7 +51,7 @@ def _train(params=P, replanner=None, checkpoint=None, factors=None, kill_at=None
         if kill_at is not None and step >= kill_at:
             raise KeyboardInterrupt
     return train_end_to_end(X, labels, labels, Y, np.arange(120), params, CPU, checkpoint=checkpoint,
-                            log_metrics=log, log_every=1, replanner=replanner)
+                            log_metrics=log, log_every=1, replanner=replanner, follow_intervals=follow)
 
 
 def test_a_run_faster_than_planned_trains_on_with_more_refreshes_and_decays_to_its_new_end():
@@ -72,6 +72,23 @@ def test_a_run_faster_than_planned_trains_on_with_more_refreshes_and_decays_to_i
     assert factors[2] < factors[1] and factors[1] - factors[2] < 0.02
 
 
+def test_intervals_the_plan_scaled_follow_the_re_planned_end():
+    # as above, re-planned from 8 to 19 steps after step 2, before the first table (due at step 2) is built: with
+    # hard_start and refresh_every following, 19 / 8 of the first plan's 2 and 4 steps, the first table at step 5
+    # (round(4.75)) and then every 10 (round(9.5)): 5, 15 -- two tables over the run, as planned, not five
+    replanner = Replanner(end=20.0, every=2.0, clock=ticking(1.0))
+    res = _train(replanner=replanner, follow=("hard_start", "refresh_every"))
+    assert res.summary["steps"] == 19 and res.summary["refreshes"] == 2 and replanner.period == 10
+    # refresh_every alone: the first table at step 2 as planned, then every 10: 2, 12
+    only = _train(replanner=Replanner(end=20.0, every=2.0, clock=ticking(1.0)), follow=("refresh_every",))
+    assert only.summary["refreshes"] == 2
+    # a re-plan later in the run re-anchors at the last table: 2 tables (2, 6) in the first 8 steps at 1 s a step
+    # (the clock at 1 + steps), the end moved at step 8 to 8 + 31 = 39, then a table every round(4 x 39 / 8) = 20
+    # after the one of step 6: at 26 (46 is past the end)
+    late = _train(replanner=Replanner(end=40.0, every=8.0, clock=ticking(1.0)), follow=("refresh_every",))
+    assert late.summary["steps"] == 39 and late.summary["refreshes"] == 3
+
+
 def test_a_run_slower_than_planned_ends_its_schedule_before_the_deadline():
     factors = []
     # 24 steps planned; 1 s a step and the plan's seconds ending at 6: the first window ends at 3, so 2 + 3 steps
@@ -79,6 +96,11 @@ def test_a_run_slower_than_planned_ends_its_schedule_before_the_deadline():
                  factors=factors)
     assert res.summary["steps"] == 5 and not res.summary["stopped_at_deadline"]
     assert factors[-1] == pytest.approx(0.0)
+    # a shorter run keeps the plan's intervals (tables at 2 of the 5 steps, as without following), not 24 / 5
+    # times as many builds a step
+    kept = _train(dataclasses.replace(P, epochs=3.0), Replanner(end=6.0, every=2.0, clock=ticking(1.0)),
+                  follow=("hard_start", "refresh_every"))
+    assert kept.summary["steps"] == 5 and kept.summary["refreshes"] == res.summary["refreshes"] == 1
 
 
 @pytest.mark.parametrize("negatives", ["astra", "mips"])
@@ -89,13 +111,16 @@ def test_a_resumed_run_keeps_the_re_planned_end_and_weights(tmp_path, negatives)
     def replanner():
         return Replanner(end=20.0, every=2.0, clock=ticking(1.0))
 
-    whole = _train(params, replanner())
+    follow = ("hard_start", "refresh_every")
+    whole = _train(params, replanner(), follow=follow)
     ckpt = Checkpointer(tmp_path / "ckpt", "key")
     with pytest.raises(KeyboardInterrupt):  # killed at step 12: the checkpoint after epoch 1 (step 8) was written
-        _train(params, replanner(), checkpoint=ckpt, kill_at=12)
-    # resumed without a re-planner: the checkpoint's total and schedule carry it to the same end and weights
-    again = _train(params, checkpoint=ckpt)
+        _train(params, replanner(), checkpoint=ckpt, kill_at=12, follow=follow)
+    # resumed without a re-planner: the checkpoint's total, schedule and the sampler's moved intervals carry it to
+    # the same end, tables and weights
+    again = _train(params, checkpoint=ckpt, follow=follow)
     assert again.summary["resumed_from_epoch"] == 1 and again.summary["steps"] == whole.summary["steps"] == 19
+    assert again.summary["refreshes"] == whole.summary["refreshes"]
     assert np.array_equal(again.W, whole.W)
 
 
@@ -120,7 +145,14 @@ def test_the_classifier_stage_re_plans_an_end_to_end_run_under_a_budget(tiny_hom
         return r
 
     monkeypatch.setattr(classifier_stage.Replanner, "for_plan", staticmethod(for_plan))
+    follows, train = [], classifier_stage.train_end_to_end
+
+    def recorded(*a, **kw):
+        follows.append(kw["follow_intervals"])
+        return train(*a, **kw)
+    monkeypatch.setattr(classifier_stage, "train_end_to_end", recorded)
     out = run_all(ctx, ("classifier",))["classifier"]
+    assert follows == [("hard_start", "refresh_every")]  # the intervals the plan scaled move with its end
     (plan, retime, r), = made
     assert plan.field == "classifier.epochs" and not plan.explicit and plan.steps_per_epoch == out["steps_per_epoch"]
     assert out["planned_steps"] == math.ceil(plan.planned_epochs * plan.steps_per_epoch) > 4

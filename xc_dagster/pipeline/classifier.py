@@ -43,6 +43,9 @@ from xc_dagster.training.replan import Replanner, replanner_for
 TAIL_RESERVE = 1 / 3  # of the pretraining's reserve: what the index and fusion stages keep after this stage
 
 
+SCALED_INTERVALS = ("hard_start", "refresh_every")  # ASTRA's / MIPS-s' intervals: shares of a planned run
+
+
 def plan_classifiers(ctx: StageContext, sampled: bool, make_trainer: Any, encoder: Any, key: str,
                      started: float) -> tuple[Any, BudgetPlan, float | None]:
     """The classifier stage's part of ``train.budget_minutes``: what the earlier stages left minus the index and
@@ -72,7 +75,7 @@ def plan_classifiers(ctx: StageContext, sampled: bool, make_trainer: Any, encode
         kept.save(ctx.checkpoint_dir() / BUDGET_PLAN, key)
     scale = kept.planned_epochs / p.epochs
     changes: dict[str, float] = {"epochs": kept.planned_epochs}
-    for name in ("hard_start", "refresh_every"):  # ASTRA's / MIPS-s's intervals are shares of the run
+    for name in SCALED_INTERVALS:
         if f"classifier.{name}" not in ctx.cfg.explicit:
             changes[name] = getattr(p, name) * scale
     ctx.info(f"classifier {ctx.name}: budget {b.budget_minutes} min, {kept.seconds_per_step:.2f} s/step, "
@@ -158,13 +161,16 @@ def fold_trainer(ctx: StageContext, ds: Any, label_emb: np.ndarray) -> Callable[
     return train
 
 
-def _replanner(ctx: StageContext, plan: BudgetPlan, started: float, p: Any, kw: dict[str, Any]) -> Replanner | None:
-    """The end-to-end run's plan corrected as it trains (one process; xc_dagster.training.replan): None unless it
-    trains the encoder (``kw``: the encoder and its tokens) on a planned budget."""
+def _replanner(ctx: StageContext, plan: BudgetPlan, started: float, p: Any,
+               kw: dict[str, Any]) -> tuple[Replanner | None, tuple[str, ...]]:
+    """The end-to-end run's plan corrected as it trains (one process; xc_dagster.training.replan), and the
+    sampler's intervals that follow its end (those the plan scaled, not set explicitly): (None, ()) unless it trains
+    the encoder (``kw``: the encoder and its tokens) on a planned budget."""
     if "encoder" not in kw:
-        return None
-    return replanner_for(plan, started, ctx.cfg.train, kw["encoder"], kw["point_tokens"], kw["label_tokens"],
-                         ctx.device, None, p.encode_batch_size, p.seed)
+        return None, ()
+    replanner = replanner_for(plan, started, ctx.cfg.train, kw["encoder"], kw["point_tokens"], kw["label_tokens"],
+                              ctx.device, None, p.encode_batch_size, p.seed)
+    return replanner, tuple(n for n in SCALED_INTERVALS if f"classifier.{n}" not in ctx.cfg.explicit)
 
 
 def _check_ranks(ctx: StageContext, env: DistEnv, sampled: bool) -> None:
@@ -247,11 +253,11 @@ def run(ctx: StageContext, env: DistEnv | None = None) -> dict[str, Any]:
     ckpt, emb = Checkpointer(ctx.checkpoint_dir(), key), None
     t_train = time.perf_counter()
     deadline = plan.deadline(t_train) if deadline is None else deadline
-    replanner = _replanner(ctx, plan, t_train, p, kw) if sampled and env.world_size == 1 else None
+    replanner, follow = _replanner(ctx, plan, t_train, p, kw) if sampled and env.world_size == 1 else (None, ())
     if sampled:
         res = train_end_to_end(point_emb, label_emb, W0, ds.Y_train, rows, p, ctx.device, shortlist=sl, report=ctx.info,
                                log_metrics=ctx.log_metrics, checkpoint=ckpt, label_weight=lw, deadline=deadline,
-                               env=env, replanner=replanner, **kw)
+                               env=env, replanner=replanner, follow_intervals=follow, **kw)
         W_out, summary, emb = res.W, res.summary, (res.point_emb, res.label_emb)
     else:
         W_out, summary = train_classifiers(point_emb if inter is None else inter, W0, ds.Y_train, sl, rows, p,

@@ -180,7 +180,9 @@ class AstraNegatives:
         self.extra = extra_neighbours(Y)
         self.num_hard, self.num_random = num_hard, num_random
         self.start, self.every = max(start_step, 0), refresh_steps
-        self.lead = max(0, min(lead_steps, refresh_steps)) if asynchronous else 0
+        self.anchor = self.start  # the step tables are due from: anchor + k * every
+        self._lead_cap = max(0, lead_steps) if asynchronous else 0
+        self.lead = min(self._lead_cap, refresh_steps)
         self.index, self.asynchronous = index, asynchronous
         self.total = total_steps  # no refresh is built for a step training never reaches
         self.table: np.ndarray | None = None
@@ -209,7 +211,18 @@ class AstraNegatives:
                    initial_table, total_steps)
 
     def refresh_step(self, k: int) -> int:
-        return self.start + k * self.every
+        return self.anchor + k * self.every
+
+    def reinterval(self, step: int, every: int | None = None, start: int | None = None) -> None:
+        """A re-planned run's intervals from ``step`` on (None: kept): a table every ``every`` steps after the last
+        one built or in flight, and the hard negatives from ``start`` where the first table is not yet on its way."""
+        if start is not None and self.next_k == 0:
+            self.start = self.anchor = max(int(start), step)
+        if every is not None:
+            if self.next_k > 0:
+                self.anchor, self.next_k = self.refresh_step(self.next_k - 1), 1
+            self.every = max(1, int(every))
+            self.lead = min(self._lead_cap, self.every)
 
     def _build(self, snapshot: list[tuple[int, np.ndarray]], queries: np.ndarray) -> np.ndarray:
         t0 = time.perf_counter()
@@ -254,10 +267,13 @@ class AstraNegatives:
         """Everything a resumed run needs (waits for a build in flight)."""
         pending = self._future.result() if self._future is not None else self._pending_table
         return {"table": self.table, "next_k": self.next_k, "refreshes": self.refreshes, "bank": self.bank.copy(),
-                "pending_table": pending, "pending_at": self._pending_at}
+                "pending_table": pending, "pending_at": self._pending_at,
+                "intervals": np.array([self.start, self.anchor, self.every, self.lead], dtype=np.int64)}
 
     def load_state(self, st: dict[str, Any]) -> None:
         self.table, self.next_k, self.refreshes = st["table"], int(st["next_k"]), int(st["refreshes"])
+        if st.get("intervals") is not None:  # a re-planned run's (checkpoints before them: the plan's)
+            self.start, self.anchor, self.every, self.lead = (int(x) for x in st["intervals"])
         self.bank[:] = st["bank"]
         self._future, self._pending_table, self._pending_at = None, st["pending_table"], int(st["pending_at"])
 
@@ -322,12 +338,18 @@ class MipsNegatives:
             parts = gather_objects(mine, env)
             mine = (None if parts is None or any(p is None for p in parts)
                     else sorted((shard for p in parts for shard in p), key=lambda shard: shard[0]))
-        return {"refreshes": self.refreshes, "indexes": mine}
+        return {"refreshes": self.refreshes, "indexes": mine, "every": self.every}
+
+    def reinterval(self, step: int, every: int | None = None, start: int | None = None) -> None:
+        """A re-planned run's rebuild interval (``start``: MIPS-s has no warm-up)."""
+        if every is not None:
+            self.every = max(1, int(every))
 
     def load_state(self, st: dict[str, Any]) -> None:
         """The saved shards' indexes; on one of several ranks only those overlapping its label range (searched
         for its own labels only: ``search_shards``) until its first refresh indexes its own rows."""
         self.refreshes = int(st["refreshes"])
+        self.every = int(st.get("every", self.every))
         if st["indexes"] is None:
             self.indexes = None
             return

@@ -12,7 +12,8 @@ cosine-with-warm-up schedule for both, dropout on the query embedding before the
 chunks gradient-cached when the batch's activations would not fit (``classifier.grad_cache``,
 ``xc_dagster.training.grad_cache``). With ``checkpoint`` the whole state is saved after every epoch and
 resumed from. Under a budget the run's end may move as it trains (``replanner``, xc_dagster.training.replan): the
-schedule decays to the new end from where it is, and ASTRA builds its tables, at their interval in steps, up to it.
+schedule decays to the new end from where it is, ASTRA builds its tables up to it, and the sampler's intervals
+that the budget's plan scaled (``follow_intervals``) move with it.
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ class EndToEndTrainer(Replannable, Resumable):
                  encoder: torch.nn.Module | None = None, point_tokens: Tokens | None = None,
                  label_tokens: Tokens | None = None, dtype: torch.dtype | None = None,
                  shortlist: np.ndarray | None = None, label_weight: np.ndarray | None = None,
-                 env: DistEnv | None = None):
+                 env: DistEnv | None = None, follow_intervals: tuple[str, ...] = ()):
         check_end_to_end_params(params, encoder is not None and point_tokens is not None and label_tokens is not None)
         self.env = DistEnv() if env is None else env
         if self.env.world_size > 1:  # the table's merge over the ranks is a collective: on the training thread
@@ -145,6 +146,10 @@ class EndToEndTrainer(Replannable, Resumable):
         self.sampler = SAMPLED_NEGATIVES[params.negatives].from_params(params, self.Yex, self.bank,
                                                                        self.steps_per_epoch, initial,
                                                                        self.total_steps)
+        # the sampler's intervals ("hard_start", "refresh_every") that are shares of the planned run: a re-plan
+        # moves them with the end, from the first plan's steps
+        self.follow_intervals = follow_intervals
+        self._intervals = (getattr(self.sampler, "start", None), getattr(self.sampler, "every", None))
         if self.env.world_size > 1 and hasattr(self.sampler, "index"):  # each rank indexes its own rows of W
             self.sampler.index = dataclasses.replace(self.sampler.index, env=self.env)
         self.rng = np.random.default_rng(params.seed)
@@ -184,6 +189,21 @@ class EndToEndTrainer(Replannable, Resumable):
 
     def _epoch_steps(self) -> int:
         return self.steps_per_epoch
+
+    def overhead_period(self) -> int:
+        """Steps between two of the sampler's table builds (ASTRA, MIPS-s; 0: none)."""
+        return int(getattr(self.sampler, "every", 0))
+
+    def retotal(self, total: int) -> None:
+        """``Replannable.retotal``, and the sampler's intervals named in ``follow_intervals`` scaled to a longer
+        total as the first plan scaled them to its own (as many tables over the run); a shorter run keeps the
+        first plan's (fewer tables: a run slower than planned cannot afford more builds per step)."""
+        super().retotal(total)
+        (start, every), ratio = self._intervals, max(1.0, total / self.planned_steps)
+        if self.follow_intervals and hasattr(self.sampler, "reinterval"):
+            self.sampler.reinterval(
+                self.steps, every=round(every * ratio) if every and "refresh_every" in self.follow_intervals else None,
+                start=round(start * ratio) if start is not None and "hard_start" in self.follow_intervals else None)
 
     def _set_total(self, total: int) -> None:
         super()._set_total(total)
@@ -306,7 +326,7 @@ def train_end_to_end(point_emb: np.ndarray, label_emb: np.ndarray, W0: np.ndarra
                      checkpoint: Checkpointer | None = None, log_every: int = 10, reencode: bool = True,
                      label_weight: np.ndarray | None = None, deadline: float | None = None,
                      report: Report | None = None, env: DistEnv | None = None,
-                     replanner: Replanner | None = None) -> EndToEndResult:
+                     replanner: Replanner | None = None, follow_intervals: tuple[str, ...] = ()) -> EndToEndResult:
     """Train W (and ``encoder`` in place when ``params.train_encoder``) with the ``params.negatives`` sampler.
 
     ``point_emb``/``label_emb``: the current encoder's embeddings (the stale queries ASTRA starts from, and the
@@ -318,11 +338,12 @@ def train_end_to_end(point_emb: np.ndarray, label_emb: np.ndarray, W0: np.ndarra
     ``report``: where the progress lines go (steps of the planned total; ``xc_dagster.progress``). ``env``: this
     rank of several holding W's label ranges (the encoder, when trained, data parallel over them): rank 0 alone logs,
     reports, checkpoints and gets W. ``replanner``: the budget's plan corrected as the run trains (one process;
-    xc_dagster.training.replan), its end and ``deadline`` moved with it.
+    xc_dagster.training.replan), its end and ``deadline`` moved with it, and the sampler's intervals named in
+    ``follow_intervals`` (those the budget's plan scaled: ``hard_start``, ``refresh_every``).
     """
     trainer = EndToEndTrainer(point_emb, label_emb, W0, Y, train_rows, params, device, encoder=encoder,
                               point_tokens=point_tokens, label_tokens=label_tokens, dtype=dtype, shortlist=shortlist,
-                              label_weight=label_weight, env=env)
+                              label_weight=label_weight, env=env, follow_intervals=follow_intervals)
     if not trainer.env.is_main:
         log_metrics = report = None
     t0 = time.perf_counter()
@@ -331,7 +352,7 @@ def train_end_to_end(point_emb: np.ndarray, label_emb: np.ndarray, W0: np.ndarra
         window = MetricsWindow()
         prog = Progress("classifier", trainer.total_steps, "steps", report, log_metrics, initial=trainer.steps)
         if replanner is not None:
-            replanner.start(trainer.steps, getattr(trainer.sampler, "every", 0))  # rates span a table build's period
+            replanner.start(trainer.steps, trainer.overhead_period())  # rates span a table build's period
         epoch = start
         while epoch < trainer.n_epochs and not trainer.stopped_at_deadline and not trainer.replanned_end():
             batches, i = trainer.epoch_batches(epoch, cut=False), 0

@@ -164,9 +164,14 @@ class Replannable:
         if total is None:
             return
         self.retotal(total)
+        replanner.period = self.overhead_period()  # a moved end may move the trainer's intervals too
         progress.retotal(total)
         if report is not None:
             report(f"{stage}: {replanner.history[-1]['seconds_per_step']:.2f} s/step as trained: {total} steps in all")
+
+    def overhead_period(self) -> int:
+        """Steps between two of the trainer's periodic overheads (0: none; ``Replanner.period``)."""
+        return 0
 
     def replanned_end(self) -> bool:
         """A re-planned run ends at its total steps, where its schedule does."""
