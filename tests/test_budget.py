@@ -52,6 +52,10 @@ def test_plan_fills_what_is_left_of_the_budget():
     big = plan_epochs("pretrain.epochs", 10, 1.0, False, 2.0, 256, 7, 150.0, 30.0, 0.15)
     assert big.reserved_seconds == 150.0 and big.planned_epochs == 19.285714  # 135 steps of 7
     assert plan.reserved_seconds == 90.0  # the share where the encoding is shorter
+    # the end-to-end classifier stage keeps a third of that for the index and fusion (as after ngame's classifiers
+    # and in `xc-dagster plan`): max(90, 150) / 3 = 50 s, 600 - 30 - 150 - 50 = 370 s: 185 steps of 7
+    e2e = plan_epochs("classifier.epochs", 10, 1.0, False, 2.0, 256, 7, 150.0, 30.0, 0.15, part=1 / 3)
+    assert e2e.reserved_seconds == pytest.approx(50.0) and e2e.planned_epochs == 26.428571
     explicit = plan_epochs("pretrain.epochs", 10, 2.0, True, 2.0, 256, 7, 60.0, 30.0, 0.15)
     assert explicit.planned_epochs == 2.0 and explicit.deadline(0.0) is None
     assert plan.deadline(100.0) == pytest.approx(100.0 + 420.0 + 0.02 * 600)

@@ -40,9 +40,9 @@ from xc_dagster.training.distributed import DistEnv
 from xc_dagster.training.end_to_end import EndToEndTrainer, train_end_to_end
 from xc_dagster.training.replan import Replanner, replanner_for
 
-TAIL_RESERVE = 1 / 3  # of the pretraining's reserve: what the index and fusion stages keep after this stage
-
-
+# of the pretraining's reserve (its share or the encoding, whichever is more): what the index and fusion stages
+# keep after this stage, as `xc-dagster plan` models it (docs/decisions.md#end-to-end-reserve)
+TAIL_RESERVE = 1 / 3
 SCALED_INTERVALS = ("hard_start", "refresh_every")  # ASTRA's / MIPS-s' intervals: shares of a planned run
 
 
@@ -59,7 +59,6 @@ def plan_classifiers(ctx: StageContext, sampled: bool, make_trainer: Any, encode
     if b.budget_minutes <= 0 or explicit or p.epochs <= 0:
         return p, plan_epochs("classifier.epochs", b.budget_minutes, p.epochs, True, 0.0, 0.0, 0, 0.0, spent,
                               b.reserve), None
-    tail = TAIL_RESERVE * b.reserve
     if not (sampled and p.train_encoder):
         keep = TAIL_RESERVE * reserved_after_pretraining(ctx.read.summary("pretrain", missing_ok=True), b)
         plan = plan_epochs("classifier.epochs", b.budget_minutes, p.epochs, True, 0.0, 0.0, 0, 0.0, spent,
@@ -69,9 +68,10 @@ def plan_classifiers(ctx: StageContext, sampled: bool, make_trainer: Any, encode
     if kept is None:
         sec, pts, spe, encode_s = calibrate_stage(make_trainer, encoder, b, ctx.read.tokens("train"),
                                                   ctx.read.tokens("label"), ctx.device, None, p.encode_batch_size,
-                                                  p.seed, spent + time.perf_counter() - started, tail)
+                                                  p.seed, spent + time.perf_counter() - started, b.reserve,
+                                                  TAIL_RESERVE)
         kept = plan_epochs("classifier.epochs", b.budget_minutes, p.epochs, False, sec, pts, spe, encode_s,
-                           spent + time.perf_counter() - started, tail, b.max_epochs)
+                           spent + time.perf_counter() - started, b.reserve, b.max_epochs, TAIL_RESERVE)
         kept.save(ctx.checkpoint_dir() / BUDGET_PLAN, key)
     scale = kept.planned_epochs / p.epochs
     changes: dict[str, float] = {"epochs": kept.planned_epochs}

@@ -174,17 +174,19 @@ def calibrate(make_trainer: Callable[[Any], Any], encoder: Any, steps: int,
 
 def calibrate_stage(make_trainer: Callable[[Any], Any], encoder: Any, train: Any, tokens: tuple[Any, Any],
                     label_tokens: tuple[Any, Any], device: Any, dtype: Any, batch_size: int,
-                    seed: int, spent: float = 0.0, reserve: float | None = None) -> tuple[float, float, int, float]:
+                    seed: int, spent: float = 0.0, reserve: float | None = None,
+                    part: float = 1.0) -> tuple[float, float, int, float]:
     """What a stage training the encoder plans its epochs from, under ``train`` (``train.*``): :func:`calibrate`'s
     (seconds per step, points per step, steps per epoch) and the seconds to encode every point (``tokens``) and
     label (``label_tokens``) after training, from :func:`encode_rate` on a sample of the points. The encoding is
     estimated first: where it and the stages after it (``reserve``, default ``train.reserve``) leave no room in the
-    budget past the ``spent`` seconds, no step is timed (0, 0, 0: :func:`plan_epochs` plans no epoch)."""
+    budget past the ``spent`` seconds, no step is timed (0, 0, 0: :func:`plan_epochs` plans no epoch); ``part``:
+    :func:`reserve_seconds`'."""
     started = time.perf_counter()
     encode_s = encoding_seconds(encoder, tokens, label_tokens, device, dtype, batch_size, seed)
     budget = 60.0 * train.budget_minutes
     share = train.reserve if reserve is None else reserve
-    if training_room(budget, spent + time.perf_counter() - started, encode_s, share) <= 0:
+    if training_room(budget, spent + time.perf_counter() - started, encode_s, share, part) <= 0:
         return 0.0, 0.0, 0, encode_s
     sec, pts, spe = calibrate(make_trainer, encoder, train.calibration_steps, calibration_seconds(train),
                               CALIBRATION_CAP * budget)
@@ -200,18 +202,22 @@ def encoding_seconds(encoder: Any, tokens: tuple[Any, Any], label_tokens: tuple[
     return (len(tokens[1]) + len(label_tokens[1])) / rate
 
 
-def reserve_seconds(share: float, budget_seconds: float, encode_seconds: float) -> float:
+def reserve_seconds(share: float, budget_seconds: float, encode_seconds: float, part: float = 1.0) -> float:
     """What the stages after the encoder's training keep of the budget: its ``share``, and at least the
     encoding's seconds. On the 131K shape (MiniLM, 2-core CPU without AMX) the later stages took 0.8x the
     encoding of every point and label, full text 1.35x (AMD EPYC), Titles 1.9x, where a 15% share of 30 minutes
-    covers them (docs/decisions.md#reserve-at-least-the-encoding)."""
-    return max(share * budget_seconds, encode_seconds)
+    covers them (docs/decisions.md#reserve-at-least-the-encoding). ``part``: the share of that which the stages
+    after a later one keep (the end-to-end classifier stage's: the index and fusion keep a third, as after
+    ``ngame``'s classifiers)."""
+    return part * max(share * budget_seconds, encode_seconds)
 
 
-def training_room(budget_seconds: float, spent_seconds: float, encode_seconds: float, reserve: float) -> float:
+def training_room(budget_seconds: float, spent_seconds: float, encode_seconds: float, reserve: float,
+                  part: float = 1.0) -> float:
     """The seconds of the budget left to train the encoder in (negative: none): less what is spent, the encoding
     after training and what the later stages keep (:func:`reserve_seconds`)."""
-    return budget_seconds - spent_seconds - encode_seconds - reserve_seconds(reserve, budget_seconds, encode_seconds)
+    return budget_seconds - spent_seconds - encode_seconds - reserve_seconds(reserve, budget_seconds, encode_seconds,
+                                                                             part)
 
 
 def reserved_after_pretraining(pretrain_summary: dict[str, Any] | None, train: Any) -> float:
@@ -276,15 +282,15 @@ def whole_steps(epochs: float, steps_per_epoch: int) -> float:
 
 def plan_epochs(field: str, budget_minutes: float, configured: float, explicit: bool, seconds_per_step: float,
                 points_per_step: float, steps_per_epoch: int, encode_seconds: float, spent_seconds: float,
-                reserve: float, max_epochs: float = 0.0) -> BudgetPlan:
+                reserve: float, max_epochs: float = 0.0, part: float = 1.0) -> BudgetPlan:
     """The epochs that fill what is left of the budget (at least 0; at most ``max_epochs`` when > 0), less the
-    share ``reserve`` of it or the encoding's seconds, whichever is more (``reserve_seconds``)."""
+    share ``reserve`` of it or the encoding's seconds, whichever is more, times ``part`` (``reserve_seconds``)."""
     budget = 60.0 * budget_minutes
-    reserved = reserve_seconds(reserve, budget, encode_seconds)
+    reserved = reserve_seconds(reserve, budget, encode_seconds, part)
     plan = BudgetPlan(field, budget, float(configured), float(configured), explicit, seconds_per_step,
                       points_per_step / max(seconds_per_step, 1e-9), steps_per_epoch, encode_seconds, reserved,
                       spent_seconds)
-    available = max(0.0, training_room(budget, spent_seconds, encode_seconds, reserve))
+    available = max(0.0, training_room(budget, spent_seconds, encode_seconds, reserve, part))
     if not explicit and budget > 0 and available <= 0:  # nothing left: no training rather than an overrun
         plan.planned_epochs = 0.0
         return plan
