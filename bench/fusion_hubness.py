@@ -15,8 +15,6 @@ would raise validation. One JSON row per (k, g) with ``--out`` (docs/decisions.m
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
 from pathlib import Path
 
@@ -24,16 +22,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for bench.fusion_tail_alpha
-from bench.fusion_tail_alpha import _floats, metrics_on_test  # noqa: E402
-from xc_dagster.catalog import Catalog  # noqa: E402
-from xc_dagster.home import Home  # noqa: E402
-from xc_dagster.pipeline import StageContext  # noqa: E402
-from xc_dagster.pipeline.evaluate import encode_split  # noqa: E402
-from xc_dagster.pipeline.fusion import validation_shortlists  # noqa: E402
-from xc_dagster.retrieval.fitted_sources import fitted_choice  # noqa: E402
-from xc_dagster.retrieval.fusion.objective import ObjectiveOnShortlist  # noqa: E402
-from xc_dagster.retrieval.shortlist import retrieve  # noqa: E402
-from xc_dagster.storage import ArtifactStore  # noqa: E402
+from bench.fusion_tail_alpha import _floats, append_rows, load_deployed, metrics_on_test  # noqa: E402
 
 
 def hubness(label_repr: np.ndarray, points: torch.Tensor, k: int, block: int = 2048) -> np.ndarray:
@@ -54,19 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--weights", default="0.02,0.05,0.1,0.2,0.3,0.5", help="weights g of the correction")
     ap.add_argument("--out", type=Path, help="append the rows (JSON lines) here")
     args = ap.parse_args(argv)
-    home = Home.from_env()
-    spec = Catalog(home.catalog).get(args.dataset)
-    cfg = spec.config()
-    ctx = StageContext(ArtifactStore(home.artifacts), spec, cfg, home.cache)
-    ds = ctx.read.labels()
-    inv = ctx.inv_prop(ds.Y_train)
-    fusion = ctx.read.fusion()
-    valid = next(validation_shortlists(ctx, [fitted_choice(ctx.read.fusion_file())]))
-    model = ctx.read.deployed_sources(cfg.index.hnsw_ef_search)
-    sl = retrieve(encode_split(ctx, "test"), model, cfg.index.shortlist_size,
-                  lexical_queries=ctx.read.lexical_queries(model, "test"))
-    objective = ObjectiveOnShortlist(valid.shortlist.ids, valid.Y, cfg.fusion.objective, valid.inv_prop,
-                                     valid.filter_pairs, 10)
+    d = load_deployed(args.dataset)
+    ds, inv, fusion, valid, model, sl, objective = d.ds, d.inv, d.fusion, d.valid, d.model, d.sl, d.objective
+    ctx = d.ctx
     fit_rows = np.setdiff1d(ctx.read.train_rows(ds.num_train), ctx.read.valid_rows())
     points = torch.from_numpy(np.ascontiguousarray(ctx.read.embeddings("train")[fit_rows], dtype=np.float32))
     bv, bt = fusion.score(valid.shortlist, valid.inv_prop), fusion.score(sl, inv)
@@ -84,13 +63,7 @@ def main(argv: list[str] | None = None) -> int:
                          "test": m, "test_change": [round(a - b, 2) for a, b in zip(m, t0)],
                          "r_mean": round(float(rt.mean()), 4), "r_sd": round(float(rt.std()), 4)})
             print(f"  k {k} g {g:g}: validation {v - v0:+.5f}, test change {rows[-1]['test_change']}")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        head = {"dataset": args.dataset, "deployed": fusion.summary(), "validation": v0, "test": t0,
-                "machine": f"{platform.processor() or platform.machine()}, {platform.system()}"}
-        with args.out.open("a") as f:
-            for r in [head, *rows]:
-                f.write(json.dumps(r) + "\n")
+    append_rows(args.out, args.dataset, fusion, v0, t0, rows)
     return 0
 
 

@@ -18,7 +18,9 @@ import argparse
 import json
 import platform
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -59,6 +61,49 @@ def metrics_on_test(sl, scores: np.ndarray, Y, filter_pairs, inv_prop: np.ndarra
     return [round(100 * m[k], 2) for k in METRICS]
 
 
+@dataclass
+class DeployedFit:
+    """A materialized model's deployed fusion with the shortlists it is probed on: the validation points' (as the
+    fusion stage fits) and the test points' (deployed sources), the validation objective, propensities."""
+
+    ctx: StageContext
+    ds: Any
+    inv: np.ndarray
+    fusion: Any
+    valid: Any
+    model: Any
+    sl: Any
+    objective: ObjectiveOnShortlist
+
+
+def load_deployed(dataset: str) -> DeployedFit:
+    """``dataset`` of the catalog in $XC_HOME, its deployed fusion and the shortlists to probe it on."""
+    home = Home.from_env()
+    spec = Catalog(home.catalog).get(dataset)
+    cfg = spec.config()
+    ctx = StageContext(ArtifactStore(home.artifacts), spec, cfg, home.cache)
+    ds = ctx.read.labels()
+    valid = next(validation_shortlists(ctx, [fitted_choice(ctx.read.fusion_file())]))
+    model = ctx.read.deployed_sources(cfg.index.hnsw_ef_search)
+    sl = retrieve(encode_split(ctx, "test"), model, cfg.index.shortlist_size,
+                  lexical_queries=ctx.read.lexical_queries(model, "test"))
+    objective = ObjectiveOnShortlist(valid.shortlist.ids, valid.Y, cfg.fusion.objective, valid.inv_prop,
+                                     valid.filter_pairs, 10)
+    return DeployedFit(ctx, ds, ctx.inv_prop(ds.Y_train), ctx.read.fusion(), valid, model, sl, objective)
+
+
+def append_rows(out: Path | None, dataset: str, fusion: Any, v0: float, t0: list[float], rows: list[dict]) -> None:
+    """Append the deployed fusion's row and ``rows`` to ``out`` (JSON lines; nothing without ``out``)."""
+    if not out:
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    head = {"dataset": dataset, "deployed": fusion.summary(), "validation": v0, "test": t0,
+            "machine": f"{platform.processor() or platform.machine()}, {platform.system()}"}
+    with out.open("a") as f:
+        for r in [head, *rows]:
+            f.write(json.dumps(r) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dataset", required=True, help="a materialized partition of the catalog in $XC_HOME")
@@ -66,20 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shifts", default="-0.3,-0.2,-0.1,0.1,0.2,0.3,0.5", help="shifts delta of alpha on the tail")
     ap.add_argument("--out", type=Path, help="append the rows (JSON lines) here")
     args = ap.parse_args(argv)
-    home = Home.from_env()
-    spec = Catalog(home.catalog).get(args.dataset)
-    cfg = spec.config()
-    ctx = StageContext(ArtifactStore(home.artifacts), spec, cfg, home.cache)
-    ds = ctx.read.labels()
-    inv = ctx.inv_prop(ds.Y_train)
-    counts = np.asarray(ds.Y_train[ctx.read.train_rows(ds.num_train)].sum(0)).ravel()  # the models' training points
-    fusion = ctx.read.fusion()
-    valid = next(validation_shortlists(ctx, [fitted_choice(ctx.read.fusion_file())]))
-    model = ctx.read.deployed_sources(cfg.index.hnsw_ef_search)
-    sl = retrieve(encode_split(ctx, "test"), model, cfg.index.shortlist_size,
-                  lexical_queries=ctx.read.lexical_queries(model, "test"))
-    objective = ObjectiveOnShortlist(valid.shortlist.ids, valid.Y, cfg.fusion.objective, valid.inv_prop,
-                                     valid.filter_pairs, 10)
+    d = load_deployed(args.dataset)
+    ds, inv, fusion, valid, sl, objective = d.ds, d.inv, d.fusion, d.valid, d.sl, d.objective
+    counts = np.asarray(ds.Y_train[d.ctx.read.train_rows(ds.num_train)].sum(0)).ravel()  # the models' training points
     bv, dv, nv = tail_parts(fusion, valid.shortlist, valid.inv_prop, counts)
     bt, dt, nt = tail_parts(fusion, sl, inv, counts)
     v0, t0 = objective.value(bv), metrics_on_test(sl, bt, ds.Y_test, ds.filter_test, inv)
@@ -93,13 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                          "test": m, "test_change": [round(a - b, 2) for a, b in zip(m, t0)],
                          "tail_share_of_test_candidates": round(float((nt <= t).mean()), 4)})
             print(f"  t {t:g} delta {delta:+g}: validation {v - v0:+.5f}, test change {rows[-1]['test_change']}")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        head = {"dataset": args.dataset, "deployed": fusion.summary(), "validation": v0, "test": t0,
-                "machine": f"{platform.processor() or platform.machine()}, {platform.system()}"}
-        with args.out.open("a") as f:
-            for r in [head, *rows]:
-                f.write(json.dumps(r) + "\n")
+    append_rows(args.out, args.dataset, fusion, v0, t0, rows)
     return 0
 
 
