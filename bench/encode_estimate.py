@@ -1,8 +1,11 @@
 """The training budget's estimate of the encoding after pretraining against the encoding itself, on a home's
 tokenized dataset: ``encode_rate`` with one 512-row pass (the estimate before docs/decisions.md#encode-rate-sample),
 with a pass lasting 2 s, and with a pass lasting 2 s that is encoded as the whole set is (the pipeline's, as
-``calibrate_stage`` calls it), each turned into seconds for every point and label, and the timed encoding of every
-point and label with the configured (untrained) encoder.
+``calibrate_stage`` calls it), each turned into seconds for every point and label at the points' rate; the last
+pass's rate with the labels by their padded tokens against the points' (``labels_by_tokens``) and its seconds per
+padded token times every point's and label's (``by_padded_tokens``: the pipeline's estimate,
+``training.budget.encoding_seconds``); and the timed encoding of the points and of the labels with the configured
+(untrained) encoder.
 
   python bench/encode_estimate.py --home <home> --name <NAME> [--json out.jsonl]
 """
@@ -16,7 +19,7 @@ from pathlib import Path
 
 from xc_dagster.catalog import Catalog
 from xc_dagster.device import amp_dtype
-from xc_dagster.encoders.encode import encode_plan, encode_tokens, encoded_as
+from xc_dagster.encoders.encode import encode_plan, encode_tokens, encoded_as, padded_tokens
 from xc_dagster.encoders.loading import load_encoder
 from xc_dagster.home import Home
 from xc_dagster.pipeline import StageContext
@@ -42,7 +45,10 @@ def main() -> None:
     pt, lt = ctx.read.tokens("train"), ctx.read.tokens("label")
     n = len(pt[1]) + len(lt[1])
 
+    seen = []
+
     def encode(rows):
+        seen.append(rows)
         return encode_tokens(encoder, pt[0][rows], pt[1][rows], ctx.device, dtype, p.encode_batch_size)
 
     as_whole = encoded_as(encoder, pt[1], ctx.device, p.encode_batch_size)
@@ -53,10 +59,22 @@ def main() -> None:
         t0 = time.perf_counter()
         rate = encode_rate(encode, len(pt[1]), seed=p.seed, min_seconds=min_seconds, runs_as_whole=whole)
         row[f"{key}_estimate_s"], row[f"{key}_probe_s"] = round(n / rate, 1), round(time.perf_counter() - t0, 1)
-    t0 = time.perf_counter()
-    for ids, lens in (pt, lt):
+    # the labels at the points' rate (as above); by their padded tokens against the points' (labels_by_tokens);
+    # every point and label by padded tokens at the timed sample's seconds per padded token (by_padded_tokens)
+    def work(lengths):
+        return padded_tokens(encoder, lengths, ctx.device, p.encode_batch_size)
+
+    points_s, sample = len(pt[1]) / rate, seen[-1]
+    row["labels_by_tokens_estimate_s"] = round(points_s * (1.0 + work(lt[1]) / work(pt[1])), 1)
+    per_token = len(sample) / rate / work(pt[1][sample])
+    row["by_padded_tokens_estimate_s"] = round(per_token * (work(pt[1]) + work(lt[1])), 1)
+    row["padded_tokens"] = {"points": work(pt[1]), "labels": work(lt[1]), "sample": work(pt[1][sample]),
+                            "sample_rows": len(sample)}
+    for key, (ids, lens) in (("points", pt), ("labels", lt)):
+        t0 = time.perf_counter()
         encode_tokens(encoder, ids, lens, ctx.device, dtype, p.encode_batch_size)
-    row["actual_s"] = round(time.perf_counter() - t0, 1)
+        row[f"actual_{key}_s"] = round(time.perf_counter() - t0, 1)
+    row["actual_s"] = round(row["actual_points_s"] + row["actual_labels_s"], 1)
     emit(row, args.json)
 
 

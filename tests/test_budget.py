@@ -259,14 +259,15 @@ def test_calibration_stays_within_a_share_of_the_budget_and_skips_what_cannot_fi
     monkeypatch.setattr(budget_module, "calibrate", calibrate)
     train = SimpleNamespace(budget_minutes=5, reserve=0.15, calibration_steps=3, calibration_seconds=10.0)
     tokens, labels = (np.zeros((1000, 4)), np.full(1000, 4)), (np.zeros((200, 4)), np.full(200, 4))
-    got = budget_module.calibrate_stage(None, None, train, tokens, labels, "cpu", None, 256, 0)
+    cpu = torch.device("cpu")  # texts of one length: the padded tokens count as the texts
+    got = budget_module.calibrate_stage(None, None, train, tokens, labels, cpu, None, 256, 0)
     assert got == (0.0, 0.0, 0, 300.0) and made == []  # 1,200 texts at 4/s: the whole budget
     plan = plan_epochs("pretrain.epochs", 5, 1.0, False, *got[:3], got[3], 0.0, 0.15)
     assert plan.planned_epochs == 0.0 and plan.planned_train_seconds == 0.0  # not the configured epoch
     rate[0] = 100.0  # 12 s of encoding: room for steps, timed for 15 s at most
-    assert budget_module.calibrate_stage(None, None, train, tokens, labels, "cpu", None, 256, 0) == (
+    assert budget_module.calibrate_stage(None, None, train, tokens, labels, cpu, None, 256, 0) == (
         33.0, 256.0, 79, 12.0) and made == [15.0]
-    assert budget_module.calibrate_stage(None, None, train, tokens, labels, "cpu", None, 256, 0, spent=280.0,
+    assert budget_module.calibrate_stage(None, None, train, tokens, labels, cpu, None, 256, 0, spent=280.0,
                                          reserve=0.0)[2] == 0  # earlier stages spent what the encoding would leave
     assert made == [15.0]
 
@@ -289,6 +290,42 @@ def test_encoding_rate_is_timed_on_a_sample_that_lasts(monkeypatch):
     calls.clear()
     assert budget_module.encode_rate(encode, 300) == pytest.approx(300 / 0.35)
     assert [len(r) for r in calls] == [300, 300]
+
+
+def test_the_encoding_estimate_counts_padded_tokens_at_the_samples_seconds_per_token(monkeypatch):
+    """The estimate is the timed sample's seconds per padded token times the padded tokens of every point and label.
+    64 points of 128 tokens fill 4 chunks of 16 rows (8,192 tokens) under a 2,048-token budget; 512 labels of 8
+    tokens and one of 20 fill 102 x 20 + 256 x 8 + 155 x 8 = 5,328. A sample of 16 points timed at 100 points/s
+    (0.16 s for 2,048 tokens) gives 0.16 x (8,192 + 5,328) / 2,048 s, not the 577 texts at the points' rate (5.77
+    s): full text's labels, 27% of its texts, took 11% of its encoding on the 2-core Xeon. With long-tailed
+    lengths the sample's rate does not stand for the set's: 16 long points and 48 of 8 tokens pad to 2,048 + 384
+    tokens, 0.19 s at the long sample's seconds per token, where 64 points at its rate read 0.64 s."""
+    from xc_dagster.encoders import encode as encode_module
+
+    cpu, enc = torch.device("cpu"), SimpleNamespace(cpu_batch_tokens=2048)
+    points, labels = np.full(64, 128), np.r_[np.full(512, 8), 20]
+    assert encode_module.padded_tokens(enc, points, cpu, 256) == 8192
+    assert encode_module.padded_tokens(enc, labels, cpu, 256) == 5328
+    assert encode_module.padded_tokens(SimpleNamespace(), labels, cpu, 256) == 256 * 20 + 257 * 8  # rows only
+    assert encode_module.padded_tokens(enc, np.zeros(3, dtype=np.int64), cpu, 256) == 3  # a token a row at least
+    sampled = []
+
+    def rate(encode, n_rows, **kw):  # times the first 16 rows at 100 rows/s
+        sampled.append(n_rows)
+        encode(np.arange(16))
+        return 100.0
+
+    monkeypatch.setattr(budget_module, "encode_rate", rate)
+    monkeypatch.setattr(budget_module, "encode_tokens", lambda *a, **k: None)
+    ids = np.zeros((64, 1), dtype=np.int64)  # token ids: not read by the stand-in encoder
+    seconds = budget_module.encoding_seconds(enc, (ids, points), (ids, labels), cpu, None, 256, 0)
+    assert seconds == pytest.approx(0.16 * (8192 + 5328) / 2048) and sampled == [64]
+    assert budget_module.encoding_seconds(enc, (ids, points), (ids, points[:32]), cpu, None, 256, 0) == \
+        pytest.approx(0.96)  # labels as long as the points: at their rate
+    tail = np.r_[np.full(16, 128), np.full(48, 8)]
+    assert encode_module.padded_tokens(enc, tail, cpu, 256) == 2048 + 384
+    assert budget_module.encoding_seconds(enc, (ids, tail), (ids, tail[:0]), cpu, None, 256, 0) == \
+        pytest.approx(0.16 * 2432 / 2048)
 
 
 def test_encoding_rate_waits_for_a_sample_encoded_as_the_whole_set(monkeypatch):

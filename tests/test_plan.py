@@ -74,6 +74,9 @@ def test_work_counts_of_a_hand_computed_shape(monkeypatch):
     steps = math.ceil(2 * math.ceil((990 + 300) / 256))
     assert stages["pretrain"].parts[f"{steps:,} training steps (2.0 epochs x batch 256)"] == pytest.approx(steps * 0.5)
     assert stages["pretrain"].parts["encode 1,300 texts"] == pytest.approx(1.3)
+    short = dataclasses.replace(s, label_tokens=2.0)  # label names of a third of a point's tokens: a third the time
+    assert plan_stages(Costs(FixedUnits(), cfg, short), cfg, short, None)[2].parts["encode 1,300 texts"] == \
+        pytest.approx((1000 + 300 / 3) / 1000)
     # placeholder label names (the ingest summary's label_names false): the stage trains no label points, unless set
     unnamed = dataclasses.replace(s, label_names=False)
     plain = math.ceil(2 * math.ceil(990 / 256))

@@ -50,6 +50,18 @@ def encode_plan(encoder: torch.nn.Module, lengths: np.ndarray, device: torch.dev
     return chunks, (threads if threads > 1 and len(chunks) >= CHUNKS_PER_THREAD * threads else 1)
 
 
+def padded_tokens(encoder: torch.nn.Module, lengths: np.ndarray, device: torch.device, batch_size: int) -> int:
+    """The tokens :func:`encode_tokens` runs over rows of these lengths, padding included: each chunk of
+    :func:`encode_plan` times its longest row (its first), at least one token a row."""
+    lengths = np.asarray(lengths)
+    chunks = encode_plan(encoder, lengths, device, batch_size)[0]
+    if not chunks:
+        return 0
+    sizes = np.fromiter((len(c) for c in chunks), dtype=np.int64, count=len(chunks))
+    longest = np.maximum(lengths[np.fromiter((c[0] for c in chunks), dtype=np.int64, count=len(chunks))], 1)
+    return int(sizes @ longest.astype(np.int64))
+
+
 def encoded_as(encoder: torch.nn.Module, lengths: np.ndarray, device: torch.device,
                batch_size: int) -> Callable[[np.ndarray], bool]:
     """Whether rows (indices into ``lengths``) are encoded as all of them would be: the same number of threads

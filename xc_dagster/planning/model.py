@@ -148,8 +148,12 @@ class Costs:
                                                                "tree_depth", "tree_max_samples")}
         return self.u.get("fusion", settings, lambda: fusion_unit(self.cfg, knn, lexical))
 
-    def encode_s(self, texts: float) -> float:
-        return texts / self.encoder["encode_texts_per_s"]
+    def encode_s(self, texts: float, labels: float = 0.0) -> float:
+        """Seconds to encode ``texts`` point texts and ``labels`` label texts, a label at its mean tokens over a
+        point's (the pipeline's estimate counts them by padded tokens: ``budget.encoding_seconds``)."""
+        t, s = self.cfg.tokenize, self.shape
+        ratio = min(s.label_tokens, t.label_max_len or t.max_len) / max(min(s.tokens, t.max_len), 1.0)
+        return (texts + labels * ratio) / self.encoder["encode_texts_per_s"]
 
 
 def _fields(params: Any, *names: str) -> dict[str, Any]:
@@ -230,8 +234,8 @@ def pretrain_steps(cfg: PipelineConfig, s: Shape, step_s: float, encode_s: float
 
 def stage_pretrain(c: Costs, cfg: PipelineConfig, s: Shape, available: int | None) -> StagePlan:
     p, e = cfg.pretrain, c.encoder
-    texts = s.n_train + s.n_labels if s.point_texts else 1 + s.n_labels  # points without text: one input, once
-    encode = c.encode_s(texts)
+    points = s.n_train if s.point_texts else 1  # points without text: one input, once
+    texts, encode = points + s.n_labels, c.encode_s(points, s.n_labels)
     epochs, steps, note = pretrain_steps(cfg, s, e["pretrain_step_s"], encode)
     plan = StagePlan("pretrain", notes=[note] if note else [])
     if steps:
@@ -301,7 +305,7 @@ def stage_classifier(c: Costs, cfg: PipelineConfig, s: Shape, spent: float) -> S
     if b.budget_minutes > 0 and "classifier.epochs" not in cfg.explicit and p.epochs > 0:
         budget = 60.0 * b.budget_minutes  # the index and fusion keep a third of the pretraining's reserve
         planned = "pretrain.epochs" not in cfg.explicit and cfg.pretrain.epochs > 0
-        encode = c.encode_s(s.n_train + s.n_labels) if planned else 0.0
+        encode = c.encode_s(s.n_train, s.n_labels) if planned else 0.0
         left = max(0.0, budget - reserve_seconds(b.reserve, budget, encode) / 3 - spent)
         if train_s > left:
             plan.notes.append(f"classifier training cut at the budget's deadline ({left:.0f} s left of "
@@ -314,7 +318,7 @@ def stage_classifier(c: Costs, cfg: PipelineConfig, s: Shape, spent: float) -> S
                           f"({'background' if p.refresh_async and p.negatives == 'astra' else 'in line'}) "
                           "counted in the step time measured on 16,384 labels")
     if p.train_encoder or (p.train_residual and cfg.tokenize.encoder.startswith("bag")):
-        plan.parts[f"encode {s.n_train + s.n_labels:,} texts"] = c.encode_s(s.n_train + s.n_labels)
+        plan.parts[f"encode {s.n_train + s.n_labels:,} texts"] = c.encode_s(s.n_train, s.n_labels)
     plan.memory["embeddings (points, labels)"] = (s.n_train + s.n_labels) * c.dim * F32
     plan.memory["W and its start"] = 2 * s.n_labels * c.dim * F32
     plan.memory["W's optimizer state"] = (2 if p.w_optimizer == "sparse-adam" else 0) * s.n_labels * c.dim * F32
