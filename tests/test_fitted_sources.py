@@ -90,6 +90,28 @@ def test_the_fusion_keeps_the_lexical_classifiers_only_where_validation_prefers_
         assert again["fusion"]["objective_value"] == pytest.approx(value, abs=1e-9)
 
 
+def test_past_the_budget_the_fusion_fits_the_index_sources_alone_unless_the_candidates_were_set(tmp_path,
+                                                                                                 monkeypatch):
+    """Under a budget the earlier stages have used up (0.001 minutes: 60 ms), the fusion fits its first candidate
+    (the index's sources whole, the lexical classifiers scored) and not the second: the same objective as the
+    grid's first, one candidate skipped. Without a budget, or with the candidates set by the user, both."""
+    home = tiny_lf_home(tmp_path, monkeypatch, LEXICAL)
+    spec = Catalog(home.catalog).get("TinyTitles")
+    ctx = StageContext(ArtifactStore(home.artifacts), spec, spec.config(), home.cache)
+    grid = run_all(ctx)["fusion"]["lexical_classifier_grid"]
+    assert [g[0] for g in grid] == [True, False]
+    assert ctx.read.spent_seconds(*fusion_stage.BUDGETED_STAGES) > 0.06
+    tight = StageContext(ctx.store, spec, spec.config({"train.budget_minutes": 0.001}), home.cache)
+    out = run_all(tight, ("fusion",))["fusion"]
+    assert out["candidates_skipped_at_deadline"] == 1 and "lexical_classifier_grid" not in out
+    assert out["objective_value"] == pytest.approx(grid[0][1], abs=1e-9)
+    assert json.loads((tight.dir("fusion") / "fusion.json").read_text()).get("lexical_classifiers", True)
+    told = StageContext(ctx.store, spec, spec.config({"train.budget_minutes": 0.001,
+                                                      "fusion.try_without_lexical_classifiers": True}), home.cache)
+    both = run_all(told, ("fusion",))["fusion"]
+    assert both["lexical_classifier_grid"] == grid and "candidates_skipped_at_deadline" not in both
+
+
 def test_a_fusion_fitted_without_the_lexical_classifiers_is_evaluated_and_served_without_them(tmp_path, monkeypatch):
     """Chosen without them (here the only candidate), evaluation predicts as a model indexed without them and the
     serving bundle as the evaluation."""
@@ -140,7 +162,7 @@ def test_a_tie_keeps_the_lexical_classifiers_whatever_the_grid_order(monkeypatch
 
     cands = [Choice((2, 1.0)), Choice((2, 1.0), False), Choice((6, 3.0)), Choice((6, 3.0), False)]
     monkeypatch.setattr(fusion_stage, "source_choices", lambda ctx, how: cands)
-    monkeypatch.setattr(fusion_stage, "_fits", lambda ctx, how, c: [(Fit(v), {}) for v in (1.0, 2.0, 2.0, 1.5)])
+    monkeypatch.setattr(fusion_stage, "_fits", lambda ctx, how, c, *a: [(Fit(v), {}) for v in (1.0, 2.0, 2.0, 1.5)])
     fit, summary = fusion_stage._fit(SimpleNamespace(), "validation")
     assert "lexical_classifiers" not in fit and fit["votes"] == {"neighbours": 6, "power": 3.0}
     assert summary["lexical_classifier_grid"] == [[True, 2.0], [False, 1.5]]

@@ -1,7 +1,8 @@
 """Stage ``fusion``: the score fusion fitted on the shortlists of the validation points carved from train
 (SiameseXML's alpha blend or NGAME's tree), saved as plain JSON; fitted once per candidate of the sources --
 each (K, p) of ``fusion.vote_grid``, with and without the lexical classifiers -- and the best kept with its choice
-(``xc_dagster.retrieval.fitted_sources``)."""
+(``xc_dagster.retrieval.fitted_sources``). Under ``train.budget_minutes`` a further candidate is fitted only while
+the budget's end is not projected to pass (``fusion_deadline``)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ from xc_dagster.retrieval.fusion import check_method, fit_fusion, missed_positiv
 from xc_dagster.retrieval.shortlist import Shortlist, ShortlistSources, retrieve
 from xc_dagster.retrieval.votes import Votes, parse_vote_grid
 from xc_dagster.storage import save_json
+from xc_dagster.training.budget import stage_deadline
+
+BUDGETED_STAGES = ("pretrain", "mining", "classifier", "index")  # the budget's stages before the fusion's
 
 
 @dataclass
@@ -77,8 +81,20 @@ def source_choices(ctx: StageContext, how: str) -> list[Choice]:
     return choices(vote_candidates(ctx), without)
 
 
-def _fits(ctx: StageContext, how: str, candidates: list[Choice]) -> list[tuple[Any, dict[str, Any]]]:
-    """The fitted fusion and its summary's extra entries, per candidate, fitted on validation or cross-fitted."""
+def fusion_deadline(ctx: StageContext, started: float) -> float | None:
+    """When the fusion stops fitting further candidates under ``train.budget_minutes``: the budget less what the
+    stages before it took (the last of the budgeted stages: nothing kept after it); None without a budget or where
+    the user set the candidates (``fusion.vote_grid``, ``fusion.try_without_lexical_classifiers``: they win)."""
+    if {"fusion.vote_grid", "fusion.try_without_lexical_classifiers"} & set(ctx.cfg.explicit):
+        return None
+    return stage_deadline(ctx.cfg.train, ctx.read.spent_seconds(*BUDGETED_STAGES), started, 0.0)
+
+
+def _fits(ctx: StageContext, how: str, candidates: list[Choice],
+          deadline: float | None = None) -> list[tuple[Any, dict[str, Any]]]:
+    """The fitted fusion and its summary's extra entries, per candidate, fitted on validation or cross-fitted;
+    on validation the candidates after the first only while one more, at the mean seconds of those fitted, ends
+    by ``deadline`` (the first candidate is the index's sources whole: :func:`choices`)."""
     p = ctx.cfg.fusion
     tree_extra = p.method == "tree" and p.tree_add_positives
     if how == "cross_fit":
@@ -93,20 +109,24 @@ def _fits(ctx: StageContext, how: str, candidates: list[Choice]) -> list[tuple[A
         return [(fit_fusion(cf.shortlist, cf.Y, p, inv_prop, cf.filter_pairs, extra=cf.extra),
                  {"valid_pairs_unseen_dropped": cf.unseen_dropped, "cross_fit_folds": p.cross_fit_folds,
                   "cross_fit_points": cf.points}) for cf in cfs]
-    out = []
+    out, started = [], time.perf_counter()
     for vs in validation_shortlists(ctx, candidates):
         extra = (missed_positive_features(vs.shortlist, vs.Y, vs.queries, vs.model.W, vs.model.label_repr,
                                           vs.inv_prop) if tree_extra else None)
         out.append((fit_fusion(vs.shortlist, vs.Y, p, vs.inv_prop, vs.filter_pairs, extra=extra),
                     {"valid_pairs_unseen_dropped": vs.unseen_dropped}))
+        now = time.perf_counter()
+        if deadline is not None and len(out) < len(candidates) and now + (now - started) / len(out) > deadline:
+            break  # the next candidate's shortlists are never retrieved
     return out
 
 
-def _fit(ctx: StageContext, how: str) -> tuple[dict[str, Any], dict[str, Any]]:
+def _fit(ctx: StageContext, how: str, deadline: float | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """The fitted fusion's ``to_dict`` (with the chosen votes and lexical classifiers) and summary: of the
-    candidates, the one of the best objective (ties: the one with the classifiers, then the earlier)."""
+    candidates fitted (:func:`_fits`), the one of the best objective (ties: the one with the classifiers, then the
+    earlier)."""
     candidates = source_choices(ctx, how)
-    fits = _fits(ctx, how, candidates)
+    fits = _fits(ctx, how, candidates, deadline)
     values = [f.summary().get("objective_value") for f, _ in fits]
     best = max(range(len(fits)), key=lambda i: (-np.inf if values[i] is None else values[i],
                                                 candidates[i].lexical_classifiers, -i))
@@ -116,9 +136,11 @@ def _fit(ctx: StageContext, how: str) -> tuple[dict[str, Any], dict[str, Any]]:
     same = [(c, v) for c, v in zip(candidates, values) if c.lexical_classifiers == chosen.lexical_classifiers]
     if chosen.votes is not None:
         summary["vote_grid"] = [[int(c.votes[0]), float(c.votes[1]), v] for c, v in same]
-    if not all(c.lexical_classifiers for c in candidates):  # the objective with and without them, at these votes
+    if not all(c.lexical_classifiers for c in candidates[:len(fits)]):  # the objective with and without them
         summary["lexical_classifier_grid"] = [[c.lexical_classifiers, v] for c, v in zip(candidates, values)
                                               if c.votes == chosen.votes]
+    if len(fits) < len(candidates):
+        summary["candidates_skipped_at_deadline"] = len(candidates) - len(fits)
     return fit, summary
 
 
@@ -138,7 +160,7 @@ def run(ctx: StageContext) -> dict[str, Any]:
         fit = {"method": "alpha", "alpha": 0.5, "grid": [], "note": "no validation rows; alpha defaulted"}
         fit_summary = {"method": "alpha", "alpha": 0.5, "note": fit["note"]}
     else:
-        fit, fit_summary = _fit(ctx, how)
+        fit, fit_summary = _fit(ctx, how, fusion_deadline(ctx, t0))
     summary = {**fit_summary, "objective": p.objective, "fit_on": how, "n_valid": int(len(valid)),
                "seconds": time.perf_counter() - t0}
     with ctx.writing() as out:
