@@ -95,7 +95,9 @@ def _both_claim_the_freed_row(home: Path) -> list[bool]:
     storages = {"run-a": a.event_log_storage, "run-b": b.event_log_storage}
     for run_id, storage in storages.items():
         storage.add_pending_step(TRAINING_POOL, run_id, "siamese_encoder", should_assign=True)
-    barrier, real = threading.Barrier(2, timeout=10), ConcurrencySlotsTable.update
+    # 30 s: under the suite's two workers a thread has taken over 10 s to reach its write, breaking the barrier and
+    # with it the race this reproduces
+    barrier, real = threading.Barrier(2, timeout=30), ConcurrencySlotsTable.update
 
     def update_after_both_read():
         try:
