@@ -38,6 +38,7 @@ from xc_dagster.contract import (
     SUMMARY,
     TOKEN_SPLITS,
     TRAIN_EMB,
+    TRAINING_STAGES,
     VALID_ROWS,
     StageArtifacts,
     UndeclaredRead,
@@ -60,8 +61,8 @@ from xc_dagster.storage import VERSION, ArtifactStore, load_json
 __all__ = ["CHECKS", "CLASSIFIER_INIT", "CONTRACT", "DATASET", "ENCODER", "FUSION", "HELDOUT", "LABEL_EMB",
            "LABEL_FREQ", "LABEL_FREQ_PLOT", "METRICS", "MINING_LABEL_INDEX", "PARAMS", "PLOTS", "PREDICTIONS",
            "REGISTERED_MODEL", "REPORTS", "SHORTLIST", "SHORTLIST_SCORES", "STAGE_ORDER", "SUMMARY", "TOKEN_SPLITS",
-           "TRAIN_EMB", "VALID_ROWS", "W", "StageArtifacts", "UndeclaredRead", "UndeclaredWrite", "check_writes",
-           "token_files", "ArtifactReader"]
+           "TRAIN_EMB", "TRAINING_STAGES", "VALID_ROWS", "W", "StageArtifacts", "UndeclaredRead", "UndeclaredWrite",
+           "check_writes", "token_files", "ArtifactReader"]
 
 
 def _version(stage_dir: Path) -> str:
@@ -127,6 +128,10 @@ class ArtifactReader:
         """The wall seconds ``stages`` recorded (0 for one not materialized): what a training budget counts as
         spent before the stage reading it."""
         return sum(self.stage_seconds(s) or 0.0 for s in stages)
+
+    def spent_before(self, stage: str) -> float:
+        """:meth:`spent_seconds` of the budgeted stages (``TRAINING_STAGES``) before ``stage``, one of them."""
+        return self.spent_seconds(*TRAINING_STAGES[:TRAINING_STAGES.index(stage)])
 
     # ---- ingest
     def dataset_dir(self) -> Path:

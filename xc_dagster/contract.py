@@ -103,6 +103,8 @@ CONTRACT: dict[str, StageArtifacts] = {s.stage: s for s in (
            PREDICTIONS, METRICS, REPORTS, *PLOTS.values()),
 )}
 STAGE_ORDER = tuple(CONTRACT)
+# what train.budget_minutes counts, in order (the evaluation's stage_seconds.training_total)
+TRAINING_STAGES = ("pretrain", "mining", "classifier", "index", "fusion")
 # the registered MLflow model (asset registered_model) bundles the deployed model's files; it writes to MLflow
 REGISTERED_MODEL = StageArtifacts("registered_model", "registered_model",
                                   ("ingest", "tokenize", "pretrain", "classifier", "index", "fusion", "evaluate"), ())

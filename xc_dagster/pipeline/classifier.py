@@ -55,7 +55,7 @@ def plan_classifiers(ctx: StageContext, sampled: bool, make_trainer: Any, encode
     p, b = ctx.cfg.classifier, ctx.cfg.train
     check_train_params(b)
     explicit = "classifier.epochs" in ctx.cfg.explicit
-    spent = ctx.read.spent_seconds("pretrain", "mining")
+    spent = ctx.read.spent_before("classifier")
     if b.budget_minutes <= 0 or explicit or p.epochs <= 0:
         return p, plan_epochs("classifier.epochs", b.budget_minutes, p.epochs, True, 0.0, 0.0, 0, 0.0, spent,
                               b.reserve), None
@@ -191,7 +191,7 @@ def _untrained(ctx: StageContext, W0: np.ndarray, env: DistEnv, started: float) 
     labels' prior."""
     b = ctx.cfg.train
     plan = plan_epochs("classifier.epochs", b.budget_minutes, 0.0, True, 0.0, 0.0, 0, 0.0,
-                       ctx.read.spent_seconds("pretrain", "mining"), b.reserve)
+                       ctx.read.spent_before("classifier"), b.reserve)
     summary: dict[str, Any] = {"steps": 0, "train_seconds": 0.0, "budget": plan.summary(), "residual": "off",
                                "untrained": "no training point has text: the lexical source alone scores labels"}
     if not env.is_main:

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from xc_dagster.artifacts import ENCODER, METRICS, PLOTS, PREDICTIONS, REPORTS, STAGE_ORDER, SUMMARY
+from xc_dagster.artifacts import ENCODER, METRICS, PLOTS, PREDICTIONS, REPORTS, STAGE_ORDER, SUMMARY, TRAINING_STAGES
 from xc_dagster.device import amp_dtype
 from xc_dagster.encoders.encode import encode_tokens
 from xc_dagster.encoders.loading import load_encoder
@@ -24,7 +24,6 @@ from xc_dagster.sampling.labels import positive_mask
 from xc_dagster.storage import save_json
 
 log = logging.getLogger("xc_dagster")
-TRAINING_STAGES = ("pretrain", "mining", "classifier", "index", "fusion")
 RANKING = "ranking_"  # a kept block's ranking arrays: ranking_<name>
 ABLATION_METRICS = ("precision_at_1", "precision_at_5", "psprecision_at_1", "psprecision_at_5")
 

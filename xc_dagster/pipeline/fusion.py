@@ -26,8 +26,6 @@ from xc_dagster.retrieval.votes import Votes, parse_vote_grid
 from xc_dagster.storage import save_json
 from xc_dagster.training.budget import stage_deadline
 
-BUDGETED_STAGES = ("pretrain", "mining", "classifier", "index")  # the budget's stages before the fusion's
-
 
 @dataclass
 class ValidationShortlists:
@@ -87,7 +85,7 @@ def fusion_deadline(ctx: StageContext, started: float) -> float | None:
     the user set the candidates (``fusion.vote_grid``, ``fusion.try_without_lexical_classifiers``: they win)."""
     if {"fusion.vote_grid", "fusion.try_without_lexical_classifiers"} & set(ctx.cfg.explicit):
         return None
-    return stage_deadline(ctx.cfg.train, ctx.read.spent_seconds(*BUDGETED_STAGES), started, 0.0)
+    return stage_deadline(ctx.cfg.train, ctx.read.spent_before("fusion"), started, 0.0)
 
 
 def _fits(ctx: StageContext, how: str, candidates: list[Choice],

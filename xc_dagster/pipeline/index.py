@@ -101,7 +101,7 @@ def classifier_deadline(ctx: StageContext) -> float | None:
     b = ctx.cfg.train
     if "index.lexical_classifier_epochs" in ctx.cfg.explicit:
         return None
-    spent = ctx.read.spent_seconds("pretrain", "mining", "classifier")
+    spent = ctx.read.spent_before("index")
     keep = FUSION_RESERVE * reserved_after_pretraining(ctx.read.summary("pretrain", missing_ok=True), b)
     return stage_deadline(b, spent, time.perf_counter(), keep)
 
