@@ -24,7 +24,7 @@ from xc_dagster.encoders.loading import load_encoder
 from xc_dagster.home import Home
 from xc_dagster.pipeline import StageContext
 from xc_dagster.storage import ArtifactStore
-from xc_dagster.training.budget import ENCODE_SAMPLE_SECONDS, encode_rate
+from xc_dagster.training.budget import ENCODE_SAMPLE_SECONDS, encode_rate, padded_seconds
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for bench.rows
 from bench.rows import emit  # noqa: E402
@@ -64,11 +64,11 @@ def main() -> None:
     def work(lengths):
         return padded_tokens(encoder, lengths, ctx.device, p.encode_batch_size)
 
-    points_s, sample = len(pt[1]) / rate, seen[-1]
-    row["labels_by_tokens_estimate_s"] = round(points_s * (1.0 + work(lt[1]) / work(pt[1])), 1)
-    per_token = len(sample) / rate / work(pt[1][sample])
-    row["by_padded_tokens_estimate_s"] = round(per_token * (work(pt[1]) + work(lt[1])), 1)
-    row["padded_tokens"] = {"points": work(pt[1]), "labels": work(lt[1]), "sample": work(pt[1][sample]),
+    sample, points, labels = seen[-1], work(pt[1]), work(lt[1])
+    row["labels_by_tokens_estimate_s"] = round(len(pt[1]) / rate * (1.0 + labels / points), 1)
+    row["by_padded_tokens_estimate_s"] = round(padded_seconds(encoder, pt[1][sample], len(sample) / rate,
+                                                              points + labels, ctx.device, p.encode_batch_size), 1)
+    row["padded_tokens"] = {"points": points, "labels": labels, "sample": work(pt[1][sample]),
                             "sample_rows": len(sample)}
     for key, (ids, lens) in (("points", pt), ("labels", lt)):
         t0 = time.perf_counter()

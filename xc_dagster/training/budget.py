@@ -210,9 +210,16 @@ def encoding_seconds(encoder: Any, tokens: tuple[Any, Any], label_tokens: tuple[
     rate = encode_rate(encode, len(tokens[1]), seed=seed,
                        runs_as_whole=encoded_as(encoder, tokens[1], device, batch_size))
     sample = timed[-1] if timed else np.arange(len(tokens[1]))
-    per_token = len(sample) / rate / max(padded_tokens(encoder, tokens[1][sample], device, batch_size), 1)
-    return per_token * (padded_tokens(encoder, tokens[1], device, batch_size)
-                        + padded_tokens(encoder, label_tokens[1], device, batch_size))
+    return padded_seconds(encoder, tokens[1][sample], len(sample) / rate,
+                          padded_tokens(encoder, tokens[1], device, batch_size)
+                          + padded_tokens(encoder, label_tokens[1], device, batch_size), device, batch_size)
+
+
+def padded_seconds(encoder: Any, sample_lengths: np.ndarray, sample_seconds: float, padded: int, device: Any,
+                   batch_size: int) -> float:
+    """Seconds to encode ``padded`` padded tokens at the rate of a sample of rows of ``sample_lengths`` encoded in
+    ``sample_seconds`` (its seconds per padded token: :func:`padded_tokens`)."""
+    return sample_seconds / max(padded_tokens(encoder, sample_lengths, device, batch_size), 1) * padded
 
 
 def reserve_seconds(share: float, budget_seconds: float, encode_seconds: float, part: float = 1.0) -> float:
